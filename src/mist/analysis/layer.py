@@ -1,0 +1,188 @@
+"""Symbolic analysis of one layer: the decoder block, the pre layer (embedding) or the post layer
+(final norm, LM head and loss), on one tensor-parallel shard.
+
+`analyze_layer` traces once per (model, part, TP degree, attention kernel, dtype, target device,
+checkpointing) and caches the result; b and s stay symbolic. Every total is a sympy expression
+compiled once (lambdify) into a numpy function of (b, s) arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import sympy
+import torch
+
+from mist.analysis.liveness import live_bytes
+from mist.analysis.records import ATTENTION, UNCOSTED, B, S, OpRecord
+from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
+from mist.models.block import DecoderBlock
+from mist.models.checkpointing import run_block
+from mist.models.collectives import TPGroup
+from mist.models.embedding import Embedding
+from mist.models.head import Head
+from mist.specs.model import ModelSpec
+
+PARTS = ("block", "pre", "post")
+TARGETS = ("cuda", "cpu")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# The fused flash kernel a CUDA GPU runs for `scaled_dot_product_attention`. The CPU flash kernel
+# traced here keeps the same tensors for backward (q, k, v, output and the fp32 log-sum-exp of
+# b·heads·s); only the name differs. (The meta device would pick the math path instead and keep
+# the b·heads·s² scores, which a GPU never does for these shapes.)
+_CUDA_NAMES = {FLASH_CPU: "_scaled_dot_product_flash_attention",
+               FLASH_CPU_BWD: "_scaled_dot_product_flash_attention_backward"}
+
+
+@dataclass
+class LayerAnalysis:
+    spec: ModelSpec
+    part: str
+    tp: int
+    flash: bool
+    dtype: str
+    target: str
+    recompute: bool
+    records: list[OpRecord]
+    params: int                        # parameters of this shard
+    saved_bytes: sympy.Expr            # activations kept for backward (unique storages)
+    output_bytes: sympy.Expr
+    fwd_live: list                     # live activation bytes at each forward op (peak = max)
+    bwd_live: list                     # ... at each backward / recompute op
+    flops: dict = field(default_factory=dict)   # phase -> sympy FLOPs
+    _fns: dict = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------ evaluation
+    def _fn(self, key: str, exprs):
+        if key not in self._fns:
+            self._fns[key] = sympy.lambdify((B, S), list(exprs), modules="numpy")
+        return self._fns[key]
+
+    def _eval(self, key: str, exprs, b, s) -> np.ndarray:
+        b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
+        vals = self._fn(key, exprs)(b, s)
+        return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), b.shape) for v in vals])
+
+    def saved(self, b, s) -> np.ndarray:
+        return self._eval("saved", [self.saved_bytes], b, s)[0]
+
+    def output(self, b, s) -> np.ndarray:
+        return self._eval("output", [self.output_bytes], b, s)[0]
+
+    def fwd_peak(self, b, s) -> np.ndarray:
+        return self._eval("fwd_live", self.fwd_live, b, s).max(axis=0)
+
+    def bwd_peak(self, b, s) -> np.ndarray:
+        return self._eval("bwd_live", self.bwd_live, b, s).max(axis=0)
+
+    def flops_of(self, phase: str, b, s) -> np.ndarray:
+        return self._eval("flops_" + phase, [self.flops.get(phase, sympy.Integer(0))], b, s)[0]
+
+    def ops(self, phase: str) -> list[OpRecord]:
+        return [r for r in self.records if r.phase == phase and r.kind not in UNCOSTED]
+
+    def op_values(self, phase: str, b, s) -> list[dict]:
+        """Each costed op of `phase` with its parameters and bytes evaluated at (b, s) arrays."""
+        ops = self.ops(phase)
+        exprs, keys = [], []
+        for r in ops:
+            for k, v in r.params.items():
+                if isinstance(v, sympy.Basic):
+                    exprs.append(v)
+                    keys.append((r.index, k))
+            exprs.append(r.bytes_moved)
+            keys.append((r.index, "bytes_moved"))
+        vals = self._eval("ops_" + phase, exprs, b, s) if exprs else []
+        table: dict = {}
+        for (i, k), v in zip(keys, vals):
+            table.setdefault(i, {})[k] = v
+        out = []
+        for r in ops:
+            d = {k: v for k, v in r.params.items() if not isinstance(v, sympy.Basic)}
+            d.update(table.get(r.index, {}))
+            out.append({"op": r.op, "kind": r.kind, **d})
+        return out
+
+
+def _retarget(records: list[OpRecord], target: str) -> None:
+    if target == "cuda":
+        for r in records:
+            if r.kind == ATTENTION and r.op in _CUDA_NAMES:
+                r.op = _CUDA_NAMES[r.op]
+
+
+def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool = True,
+                  dtype: str = "bf16", target: str = "cuda", recompute: bool = False) -> LayerAnalysis:
+    """Trace and analyse one layer (cached per argument tuple)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}")
+    spec.check_tp(tp)
+    return _analyze(spec, part, tp, flash, dtype, target, recompute and part == "block")
+
+
+@lru_cache(maxsize=256)
+def _analyze(spec, part, tp, flash, dtype, target, recompute) -> LayerAnalysis:
+    tdtype = DTYPES[dtype]
+    group = TPGroup(tp, 0, None)
+    h = spec.hidden_size
+    holder = {}
+
+    def build():
+        if part == "block":
+            m = DecoderBlock(spec, group, flash, tdtype)
+        elif part == "pre":
+            m = Embedding(spec, group, tdtype)
+        else:
+            m = Head(spec, group, tdtype)
+        holder["m"] = m
+        return m
+
+    def make_inputs(sym):
+        if part == "pre":
+            return [sym((HINT_B, HINT_S), torch.long, 2)]
+        x = sym((HINT_B, HINT_S, h), tdtype, 2).requires_grad_()
+        if part == "post":
+            return [x, sym((HINT_B, HINT_S), torch.long, 2)]
+        return [x]
+
+    def forward(m, inputs):
+        if part == "block":
+            return run_block(m, inputs[0], recompute)
+        if part == "post":
+            return m(inputs[0], inputs[1])
+        return m(inputs[0])
+
+    def backward(out, inputs):
+        out.backward(torch.ones_like(out))
+
+    def build_and_hook(trace):
+        m = build()
+        if recompute:
+            label_recompute(trace, m)
+        return m
+
+    trace, _ = run_trace(build_and_hook, make_inputs, forward, backward)
+    records = trace.records
+    _retarget(records, target)
+    for r in records:
+        if r.phase == "fwd":
+            r.saved_bytes = sympy.expand(sum((trace.saved[sid] for sid in trace.saved
+                                              if trace.producer.get(sid) == r.index), sympy.Integer(0)))
+    saved = sympy.expand(sum(trace.saved.values(), sympy.Integer(0)))
+    out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
+    fwd_live, bwd_live = live_bytes(trace)
+    flops = {}
+    for r in records:
+        flops[r.phase] = flops.get(r.phase, sympy.Integer(0)) + r.flops
+    params = sum(p.numel() for p in holder["m"].parameters())
+    if part == "post" and spec.tie_embeddings:
+        params -= holder["m"].weight.numel()  # the tied table is the embedding's
+    return LayerAnalysis(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target,
+                         recompute=recompute, records=records, params=params, saved_bytes=saved,
+                         output_bytes=out_bytes, fwd_live=fwd_live, bwd_live=bwd_live,
+                         flops={k: sympy.expand(v) for k, v in flops.items()})

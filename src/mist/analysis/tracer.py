@@ -1,0 +1,249 @@
+"""Trace a layer once with symbolic micro-batch `b` and sequence length `s`.
+
+The layer is built and run (forward and backward) under PyTorch's FakeTensorMode with a
+ShapeEnv, so every tensor size is a sympy expression in b and s. A TorchDispatchMode records each
+aten operator; `saved_tensors_hooks` record what autograd keeps for backward (by storage, so
+views of one buffer count once, and parameters do not count); the model's collective hook
+records the TP collectives where they are issued. Nothing here knows about GPUs.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mist.analysis.records import ATTENTION, COLLECTIVE, GEMM, GRAD_ACCUM, MEMORY, VIEW, B, S, OpRecord
+from mist.models.collectives import observe_collectives
+
+# Distinct example sizes: the ShapeEnv merges dimensions whose example sizes are equal.
+HINT_B, HINT_S = 3, 37
+
+FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+FLASH_CPU_BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+ATTENTION_OPS = {FLASH_CPU, FLASH_CPU_BWD, "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_backward",
+                 "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_efficient_attention_backward"}
+# Pure metadata / aliasing operators that launch no kernel.
+_FREE_OPS = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze",
+             "squeeze", "slice", "select", "split", "split_with_sizes", "unbind", "alias",
+             "as_strided", "reshape", "_reshape_alias", "chunk", "lift_fresh", "empty",
+             "empty_like", "zeros_like", "ones_like", "new_empty", "new_empty_strided",
+             "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
+             "is_same_size", "_local_scalar_dense", "expand_as"}
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+class _Expr:
+    """Converts SymInts / ints into sympy expressions over the canonical symbols B and S."""
+
+    def __init__(self, subs: dict):
+        self.subs = subs
+
+    def __call__(self, v) -> sympy.Expr:
+        if isinstance(v, torch.SymInt):
+            return sympy.expand(sympy.sympify(v.node.expr).xreplace(self.subs))
+        return sympy.Integer(int(v))
+
+    def shape(self, t: torch.Tensor) -> tuple:
+        return tuple(self(d) for d in t.shape)
+
+    def numel(self, t: torch.Tensor) -> sympy.Expr:
+        n = sympy.Integer(1)
+        for d in t.shape:
+            n *= self(d)
+        return sympy.expand(n)
+
+    def nbytes(self, t: torch.Tensor) -> sympy.Expr:
+        return sympy.expand(self.numel(t) * t.element_size())
+
+    def storage_bytes(self, t: torch.Tensor) -> sympy.Expr:
+        return self(t.untyped_storage().nbytes())
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class Trace:
+    """Raw result of one trace: records plus storage bookkeeping for the memory analysis."""
+
+    def __init__(self):
+        self.records: list[OpRecord] = []
+        self.phase = "fwd"
+        self.uses: list[tuple[int, list[int], list[int]]] = []  # (record index, input sids, output sids)
+        self.storage_bytes: dict[int, sympy.Expr] = {}
+        self.producer: dict[int, int] = {}
+        self.saved: dict[int, sympy.Expr] = {}       # sid -> bytes, kept for backward by the forward
+        self.param_sids: set[int] = set()
+        self.grad_sids: set[int] = set()
+        self.input_sids: set[int] = set()
+        self.output_sids: set[int] = set()
+        # Every tensor seen is kept alive for the whole trace: storage addresses identify
+        # buffers, and a freed address would otherwise be reused by a later, different buffer.
+        self.keep: list = []
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: Trace, ex: _Expr):
+        super().__init__()
+        self.trace, self.ex = trace, ex
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            return out
+        tr, ex = self.trace, self.ex
+        name = func.overloadpacket.__name__
+        ins = [a for a in pytree.tree_leaves((args, kwargs)) if _is_tensor(a)]
+        outs = [o for o in pytree.tree_leaves(out) if _is_tensor(o)]
+        tr.keep.append((ins, outs))
+        in_sids = [_sid(t) for t in ins]
+        out_sids = [_sid(t) for t in outs]
+        new = [(t, sid) for t, sid in zip(outs, out_sids) if sid not in set(in_sids) and sid not in tr.storage_bytes]
+        if name in _FREE_OPS or (outs and not new and name not in ATTENTION_OPS and not name.endswith("_")):
+            kind = VIEW
+        elif name in ATTENTION_OPS:
+            kind = ATTENTION
+        elif name in ("mm", "addmm", "bmm", "baddbmm"):
+            kind = GEMM
+        else:
+            kind = MEMORY
+        idx = len(tr.records)
+        for t, sid in new:
+            tr.storage_bytes[sid] = ex.storage_bytes(t)
+            tr.producer[sid] = idx
+        rec = OpRecord(index=idx, phase=tr.phase, op=name, kind=kind,
+                       shapes_in=[ex.shape(t) for t in ins], shapes_out=[ex.shape(t) for t in outs])
+        if kind != VIEW:
+            rec.bytes_read = sympy.expand(sum((ex.nbytes(t) for t in ins), sympy.Integer(0)))
+            rec.bytes_written = sympy.expand(sum((ex.nbytes(t) for t in outs), sympy.Integer(0)))
+        if kind == GEMM:
+            rec.params = _gemm_params(name, ins, ex)
+            p = rec.params
+            rec.flops = sympy.expand(2 * p["m"] * p["n"] * p["k"] * p["batch"])
+        elif kind == ATTENTION:
+            rec.params = _attention_params(name, args, kwargs, ex)
+            p = rec.params
+            dense = 4 * p["b"] * p["heads"] * p["s"] ** 2 * p["d"]
+            rec.flops = sympy.expand(dense * (2 if "backward" in name else 1))
+        tr.records.append(rec)
+        tr.uses.append((idx, in_sids, out_sids))
+        return out
+
+
+def _gemm_params(name: str, ins: list, ex: _Expr) -> dict:
+    if name in ("mm", "addmm"):
+        a, b = ins[-2], ins[-1]
+        m, k = ex.shape(a)
+        n = ex.shape(b)[1]
+        return {"m": m, "n": n, "k": k, "batch": sympy.Integer(1)}
+    a, b = ins[-2], ins[-1]
+    bat, m, k = ex.shape(a)
+    n = ex.shape(b)[2]
+    return {"m": m, "n": n, "k": k, "batch": bat}
+
+
+def _attention_params(name: str, args, kwargs, ex: _Expr) -> dict:
+    # forward: (q, k, v, ...); backward: (grad_out, q, k, v, out, lse, ...)
+    tensors = [a for a in args if _is_tensor(a)]
+    q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
+    b, hq, s, d = ex.shape(q)
+    hk = ex.shape(k)[1]
+    causal = bool(kwargs.get("is_causal", True))
+    return {"b": b, "heads": hq, "kv_heads": hk, "s": s, "d": d, "causal": causal}
+
+
+def _symbolic(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int) -> torch.Tensor:
+    """A fake tensor whose first `dynamic_dims` sizes are symbols (example values from `shape`)."""
+    with unset_fake_temporarily():
+        real = torch.zeros(shape, dtype=dtype)
+    dyn = [DimDynamic.DYNAMIC] * dynamic_dims + [DimDynamic.STATIC] * (real.dim() - dynamic_dims)
+    return mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
+
+
+def run_trace(build, make_inputs, forward, backward) -> tuple[Trace, _Expr]:
+    """Build a module and trace forward + backward with symbolic (b, s).
+
+    build(trace):                the module (constructed under fake mode: no real memory).
+    make_inputs(sym):            the example inputs; `sym(shape, dtype, n)` makes a tensor whose
+                                 first n dims are symbolic; the first input's dims 0, 1 are (b, s).
+    forward(module, inputs):     the output (tensor) of the traced part.
+    backward(output, inputs):    runs autograd from that output.
+    """
+    trace = Trace()
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    with mode:
+        module = build(trace)
+        for p in module.parameters():
+            trace.param_sids.add(_sid(p))
+        inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n))
+        subs = {}
+        for t in inputs:  # every input is laid out [b, s, ...]
+            subs[t.shape[0].node.expr] = B
+            subs[t.shape[1].node.expr] = S
+        ex = _Expr(subs)
+        for t in inputs:
+            trace.input_sids.add(_sid(t))
+            trace.storage_bytes[_sid(t)] = ex.storage_bytes(t)
+
+        def pack(t):
+            trace.keep.append(t)
+            sid = _sid(t)
+            if trace.phase == "fwd" and sid not in trace.param_sids:
+                trace.saved.setdefault(sid, ex.storage_bytes(t))
+            return t
+
+        def on_collective(op, t, group):
+            trace.keep.append(t)
+            idx = len(trace.records)
+            nbytes = ex.nbytes(t)
+            trace.records.append(OpRecord(index=idx, phase=trace.phase, op=op, kind=COLLECTIVE,
+                                          shapes_in=[ex.shape(t)], shapes_out=[ex.shape(t)],
+                                          bytes_read=nbytes, bytes_written=nbytes,
+                                          params={"bytes": nbytes, "group": group}))
+            trace.uses.append((idx, [], []))
+
+        with ExitStack() as stack:
+            stack.enter_context(observe_collectives(on_collective))
+            stack.enter_context(_Recorder(trace, ex))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(module, inputs)
+            trace.output_sids.add(_sid(out))
+            trace.phase = "bwd"
+            backward(out, inputs)
+        for t in list(module.parameters()) + list(inputs):
+            if t.grad is not None:
+                trace.grad_sids.add(_sid(t.grad))
+    # Writing a gradient into a leaf's .grad is gradient accumulation, which the schedule
+    # accounts for once per micro-batch and parameter, not a cost of the layer.
+    for idx, _, outs in trace.uses:
+        rec = trace.records[idx]
+        if rec.phase != "fwd" and outs and set(outs) <= trace.grad_sids:
+            rec.kind = GRAD_ACCUM
+    return trace, ex
+
+
+def label_recompute(trace: Trace, module: torch.nn.Module) -> None:
+    """Label the ops of `module`'s second run (grad-enabled, inside backward) as recomputation."""
+
+    def pre(mod, args):
+        if trace.phase == "bwd" and torch.is_grad_enabled():
+            trace.phase = "recompute"
+
+    def post(mod, args, out):
+        if trace.phase == "recompute":
+            trace.phase = "bwd"
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)

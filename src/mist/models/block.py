@@ -1,0 +1,42 @@
+"""The decoder block of each family, on a tensor-parallel shard.
+
+gpt, llama: x + attn(norm1(x)), then + mlp(norm2(·))      (sequential residuals)
+falcon:     x + attn(norm(x)) + mlp(norm(x))               (parallel; one all-reduce for both)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mist.models.attention import Attention
+from mist.models.collectives import TPGroup, reduce_from_tp
+from mist.models.mlp import MLP
+from mist.models.norms import make_norm
+from mist.specs.model import ModelSpec
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, flash: bool = True,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        tp = tp or TPGroup()
+        self.spec, self.tp = spec, tp
+        self.parallel = spec.parallel_block
+        h, eps = spec.hidden_size, spec.norm_eps
+        self.norm1 = make_norm(spec.family, h, eps, dtype, device)
+        self.attn = Attention(spec, tp, flash, dtype, device, reduce=not self.parallel)
+        self.mlp = MLP(spec, tp, dtype, device, reduce=not self.parallel)
+        if not self.parallel:
+            self.norm2 = make_norm(spec.family, h, eps, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            y = self.norm1(x)
+            out = reduce_from_tp(self.attn(y) + self.mlp(y), self.tp)
+            for lin in (self.attn.dense, self.mlp.fc2):
+                if lin.bias is not None:
+                    out = out + lin.bias
+            return x + out
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))

@@ -1,0 +1,39 @@
+"""Input embedding: vocab-parallel word embedding (+ learned positions for gpt)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mist.models.collectives import TPGroup, reduce_from_tp
+from mist.specs.model import ModelSpec
+
+
+class Embedding(nn.Module):
+    """Each TP rank holds vocab_size/tp rows; out-of-shard tokens give zeros, then all-reduce."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        tp = tp or TPGroup()
+        spec.check_tp(tp.size)
+        self.spec, self.tp = spec, tp
+        self.vocab_local = spec.vocab_size // tp.size
+        self.vocab_start = tp.rank * self.vocab_local
+        self.word = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))
+        self.position = (nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size,
+                                                  dtype=dtype, device=device))
+                         if spec.family == "gpt" else None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:
+            local = tokens - self.vocab_start
+            outside = (local < 0) | (local >= self.vocab_local)
+            x = F.embedding(local.masked_fill(outside, 0), self.word)
+            x = reduce_from_tp(x.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        else:
+            x = F.embedding(tokens, self.word)
+        if self.position is not None:
+            x = x + self.position[: tokens.shape[1]]
+        return x

@@ -1,0 +1,72 @@
+"""Final norm, LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mist.models.collectives import TPGroup, all_reduce_, copy_to_tp
+from mist.models.norms import make_norm
+from mist.specs.model import ModelSpec
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean token cross-entropy over logits split by vocabulary across the TP group.
+
+    Keeps the fp32 softmax of the local logits (N·V/t·4 bytes) for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, tp):
+        lf = logits.float()
+        vmax = lf.max(dim=-1, keepdim=True)[0]
+        all_reduce_(vmax, tp, op="max")
+        lf = lf - vmax
+        local = target - vocab_start
+        outside = (local < 0) | (local >= lf.shape[-1])
+        local = local.masked_fill(outside, 0)
+        picked = lf.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        all_reduce_(picked, tp)
+        exp = lf.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce_(sum_exp, tp)
+        loss = (torch.log(sum_exp) - picked).mean()
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, outside = ctx.saved_tensors
+        onehot = F.one_hot(local, softmax.shape[-1]).to(softmax.dtype)
+        onehot = onehot.masked_fill(outside.unsqueeze(-1), 0.0)
+        grad = (softmax - onehot) * (g / local.numel())
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, vocab_start: int, tp: TPGroup):
+    loss = _VocabParallelCrossEntropy.apply(logits, target, vocab_start, tp)
+    return loss
+
+
+class Head(nn.Module):
+    """norm → logits (local vocabulary shard) → mean cross-entropy."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        tp = tp or TPGroup()
+        spec.check_tp(tp.size)
+        self.spec, self.tp = spec, tp
+        self.vocab_local = spec.vocab_size // tp.size
+        self.vocab_start = tp.rank * self.vocab_local
+        self.norm = make_norm(spec.family, spec.hidden_size, spec.norm_eps, dtype, device)
+        # With tied embeddings the runtime points `weight` at the embedding's word table.
+        self.weight = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        y = copy_to_tp(self.norm(x), self.tp)
+        logits = F.linear(y, self.weight)
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), target.flatten(), self.vocab_start, self.tp)

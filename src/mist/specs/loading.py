@@ -1,0 +1,388 @@
+"""Turn what the user typed for "the model" into a ModelSpec.
+
+`load_model(arg)` accepts
+
+- a preset name (see `mist.specs.presets`), case-insensitive;
+- a JSON or YAML model file whose keys are ModelSpec field names;
+- a Hugging Face ``config.json`` (recognised by ``model_type`` / ``architectures``) for the
+  Llama, Mistral, Falcon (including the old ``RefinedWebModel`` / ``RefinedWeb`` keys), GPT-2 and
+  GPT-NeoX architectures, or a directory that holds one.
+
+Hugging Face configs are parsed as plain JSON: `transformers` is not needed and nothing is
+downloaded. Missing secondary fields take the defaults of the matching `transformers` config
+class; the core dimensions (layers, hidden size, heads, vocabulary) must be present.
+
+Every problem with the input raises `MistInputError` with one sentence for the user.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from mist.errors import MistInputError
+from mist.specs.model import FAMILIES, ModelSpec
+from mist.specs.presets import PRESETS
+
+REQUIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                   "ffn_hidden_size", "vocab_size", "tie_embeddings")
+OPTIONAL_FIELDS = ("bias", "rotary_fraction", "norm_eps", "max_position_embeddings", "name")
+_INT_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+               "vocab_size", "max_position_embeddings")
+_BOOL_FIELDS = ("tie_embeddings", "bias")
+_FLOAT_FIELDS = ("rotary_fraction", "norm_eps")
+_STR_FIELDS = ("family", "name")
+
+HF_MODEL_TYPES = ("llama", "mistral", "falcon", "gpt2", "gpt_neox")
+_HF_ALIASES = {"refinedwebmodel": "falcon", "refinedweb": "falcon", "gpt-neox": "gpt_neox"}
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "FalconForCausalLM": "falcon",
+    "RWForCausalLM": "falcon",
+    "GPT2LMHeadModel": "gpt2",
+    "GPT2Model": "gpt2",
+    "GPTNeoXForCausalLM": "gpt_neox",
+}
+
+
+# ----------------------------------------------------------------------------- entry points
+def load_model(arg: str) -> ModelSpec:
+    """A preset name, a model file (JSON/YAML), a Hugging Face config.json or a folder with one."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise MistInputError("The model must be given as a preset name or a file path.")
+    text = arg.strip()
+    if text.lower() in PRESETS:
+        return PRESETS[text.lower()]
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            path = path / "config.json"
+        else:
+            raise MistInputError(f"Model folder {text} holds no config.json.")
+    if not path.is_file():
+        close = difflib.get_close_matches(text.lower(), list(PRESETS), n=3, cutoff=0.6)
+        hint = f" (close presets: {', '.join(close)})" if close else ""
+        raise MistInputError(
+            f"Unknown model {text!r}: not a preset name or an existing file{hint}."
+        )
+    data = _read_mapping(path)
+    return load_model_dict(data, str(path), default_name=_name_from_path(path))
+
+
+def load_model_dict(d: dict, source: str = "<dict>", default_name: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed model file or Hugging Face config; `source` names it in errors."""
+    if not isinstance(d, dict):
+        raise MistInputError(
+            f"Model file {source} must hold a mapping of field names to values, "
+            f"not {type(d).__name__}."
+        )
+    if "family" not in d and ("model_type" in d or "architectures" in d):
+        return _from_hf(d, source, default_name)
+    return _from_fields(d, source, default_name)
+
+
+# ----------------------------------------------------------------------------- file reading
+class _YamlLoader:  # built lazily so importing this module does not need PyYAML
+    cls = None
+
+    @classmethod
+    def get(cls):
+        if cls.cls is None:
+            import yaml
+
+            class Loader(yaml.SafeLoader):
+                pass
+
+            # YAML 1.1 (PyYAML) reads `1e-5` as a string because it lacks a dot; users write
+            # norm_eps that way, so also resolve exponent-only numbers as floats.
+            Loader.add_implicit_resolver(
+                "tag:yaml.org,2002:float",
+                re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+                list("-+0123456789."),
+            )
+            cls.cls = Loader
+        return cls.cls
+
+
+def _read_mapping(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or type(e).__name__
+        raise MistInputError(f"Cannot read model file {path}: {reason}.") from None
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        return _parse_yaml(text, path)
+    if suffix == ".json":
+        return _parse_json(text, path)
+    # Unknown extension: JSON first (stricter), then YAML.
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _parse_yaml(text, path)
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MistInputError(
+            f"Model file {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})."
+        ) from None
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_YamlLoader.get())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None)
+        what = f" ({problem}{where})" if problem else (f" ({where.strip()})" if where else "")
+        raise MistInputError(f"Model file {path} is not valid YAML{what}.") from None
+
+
+def _name_from_path(path: Path) -> str:
+    if path.name == "config.json" and path.parent.name not in ("", "."):
+        return path.parent.name
+    return path.stem
+
+
+# ------------------------------------------------------------------------ ModelSpec-style file
+def _from_fields(d: dict, source: str, default_name: str | None) -> ModelSpec:
+    allowed = REQUIRED_FIELDS + OPTIONAL_FIELDS
+    unknown = [str(k) for k in d if k not in allowed]
+    if unknown:
+        close = [m for k in unknown for m in difflib.get_close_matches(k, allowed, n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise MistInputError(
+            f"Model file {source} has unknown field(s) {', '.join(unknown)}{hint}; "
+            f"allowed fields are {', '.join(allowed)}."
+        )
+    missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
+    if missing:
+        raise MistInputError(f"Model file {source} is missing field(s) {', '.join(missing)}.")
+    kw = {k: v for k, v in d.items() if v is not None}
+    for k, v in kw.items():
+        _check_type(k, v, source)
+    kw["family"] = kw["family"].strip().lower()
+    for k in _FLOAT_FIELDS:
+        if k in kw:
+            kw[k] = float(kw[k])
+    if "name" not in kw and default_name:
+        kw["name"] = default_name
+    return _build(kw, source)
+
+
+def _check_type(k: str, v: Any, source: str) -> None:
+    if k in _INT_FIELDS:
+        ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+    elif k in _BOOL_FIELDS:
+        ok, want = isinstance(v, bool), "true or false"
+    elif k in _FLOAT_FIELDS:
+        ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+    else:  # _STR_FIELDS
+        ok, want = isinstance(v, str) and bool(v.strip()), "a non-empty string"
+    if not ok:
+        raise MistInputError(f"Model file {source}: field {k} must be {want}, got {v!r}.")
+
+
+def _build(kw: dict, source: str) -> ModelSpec:
+    try:
+        return ModelSpec(**kw)
+    except MistInputError as e:
+        msg = str(e)
+        raise MistInputError(f"Model file {source}: {msg[:1].lower() + msg[1:]}") from None
+
+
+# ------------------------------------------------------------------------ Hugging Face configs
+def _hf_type(d: dict, source: str) -> str:
+    mt = d.get("model_type")
+    if isinstance(mt, str) and mt:
+        key = _HF_ALIASES.get(mt.lower(), mt.lower())
+        if key in HF_MODEL_TYPES:
+            return key
+        raise MistInputError(
+            f"Hugging Face config {source} has model_type {mt!r}, which is not supported "
+            f"(supported: {', '.join(HF_MODEL_TYPES)})."
+        )
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for a in archs if isinstance(archs, list) else []:
+        if a in _HF_ARCHITECTURES:
+            return _HF_ARCHITECTURES[a]
+    raise MistInputError(
+        f"Hugging Face config {source} has no supported model_type or architectures entry "
+        f"(supported: {', '.join(HF_MODEL_TYPES)})."
+    )
+
+
+class _Cfg:
+    """Reads Hugging Face keys (with aliases) and collects the missing required ones."""
+
+    def __init__(self, d: dict, source: str, mt: str) -> None:
+        self.d, self.source, self.mt, self.missing = d, source, mt, []
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if self.d.get(k) is not None:
+                return self.d[k]
+        return default
+
+    def need(self, *keys: str) -> Any:
+        v = self.get(*keys)
+        if v is None:
+            self.missing.append(keys[0])
+        return v
+
+    def check(self) -> None:
+        if self.missing:
+            raise MistInputError(
+                f"Hugging Face config {self.source} ({self.mt}) is missing field(s) "
+                f"{', '.join(self.missing)}."
+            )
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self.get(key, default=default)
+        if not isinstance(v, bool):
+            raise MistInputError(
+                f"Hugging Face config {self.source}: field {key} must be true or false, got {v!r}."
+            )
+        return v
+
+    def number(self, *keys: str, default: float) -> float:
+        v = self.get(*keys, default=default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            raise MistInputError(
+                f"Hugging Face config {self.source}: field {keys[0]} must be a number, got {v!r}."
+            )
+        return float(v)
+
+
+def _from_hf(d: dict, source: str, default_name: str | None) -> ModelSpec:
+    mt = _hf_type(d, source)
+    c = _Cfg(d, source, mt)
+    name = d.get("_name_or_path")
+    name = name.rstrip("/").split("/")[-1] if isinstance(name, str) and name.strip("/") else None
+    name = name or default_name or f"hf-{mt}"
+    kw = {"llama": _hf_llama, "mistral": _hf_llama, "falcon": _hf_falcon,
+          "gpt2": _hf_gpt2, "gpt_neox": _hf_gpt_neox}[mt](c)
+    kw["name"] = name
+    return _build(kw, source)
+
+
+def _check_head_dim(c: _Cfg, h: Any, a: Any) -> None:
+    hd = c.get("head_dim")
+    if hd is not None and isinstance(h, int) and isinstance(a, int) and a and hd * a != h:
+        raise MistInputError(
+            f"Hugging Face config {c.source} sets head_dim {hd}, but mist needs "
+            f"head_dim = hidden_size / num_attention_heads ({h} / {a})."
+        )
+
+
+def _hf_llama(c: _Cfg) -> dict:
+    # Llama and Mistral share one layout: RMSNorm, SwiGLU, rotary, grouped-query attention.
+    mistral = c.mt == "mistral"
+    L = c.need("num_hidden_layers")
+    h = c.need("hidden_size")
+    a = c.need("num_attention_heads")
+    V = c.need("vocab_size")
+    c.check()
+    _check_head_dim(c, h, a)
+    # ModelSpec has one bias switch for attention and MLP; either one turns it on
+    # (a slight over-count when only the attention projections carry biases).
+    bias = c.flag("attention_bias", False) or c.flag("mlp_bias", False)
+    return dict(
+        family="llama", num_layers=L, hidden_size=h, num_heads=a,
+        num_kv_heads=c.get("num_key_value_heads", default=8 if mistral else a),
+        ffn_hidden_size=c.get("intermediate_size", default=14336 if mistral else 11008),
+        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", False), bias=bias,
+        rotary_fraction=c.number("partial_rotary_factor", default=1.0),
+        norm_eps=c.number("rms_norm_eps", default=1e-6),
+        max_position_embeddings=c.get("max_position_embeddings",
+                                      default=131072 if mistral else 2048),
+    )
+
+
+def _hf_falcon(c: _Cfg) -> dict:
+    # New-style "falcon" keys first, then the old RefinedWeb(Model) names.
+    L = c.need("num_hidden_layers", "n_layer")
+    h = c.need("hidden_size", "n_embed")
+    a = c.need("num_attention_heads", "n_head")
+    V = c.need("vocab_size")
+    c.check()
+    # "RefinedWeb" was the 40B-style code: separate KV heads (n_head_kv), always parallel.
+    new_arch = c.flag("new_decoder_architecture", str(c.d.get("model_type")) == "RefinedWeb")
+    if new_arch:
+        kv = c.get("num_kv_heads", "n_head_kv", default=a)
+    elif c.flag("multi_query", True):
+        kv = 1
+    else:
+        kv = a
+    parallel = new_arch or c.flag("parallel_attn", True)
+    alibi = c.flag("alibi", False)
+    kw = dict(
+        num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=kv,
+        ffn_hidden_size=c.get("ffn_hidden_size", default=4 * h if isinstance(h, int) else h),
+        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", True),
+        bias=c.flag("bias", False),
+        rotary_fraction=0.0 if alibi else 1.0,
+        norm_eps=c.number("layer_norm_epsilon", default=1e-5),
+        max_position_embeddings=c.get("max_position_embeddings", default=2048),
+    )
+    # The new decoder architecture (Falcon-40B/180B) has two LayerNorms per block; our falcon
+    # block has one, so such models come out 2h parameters per layer short.
+    # Falcon without parallel attention (Falcon-RW) is a sequential GPT-style block; mapping it
+    # to gpt counts learned position embeddings that the real (ALiBi) model does not have.
+    kw["family"] = "falcon" if parallel else "gpt"
+    return kw
+
+
+def _hf_gpt2(c: _Cfg) -> dict:
+    L = c.need("n_layer", "num_hidden_layers")
+    h = c.need("n_embd", "hidden_size")
+    a = c.need("n_head", "num_attention_heads")
+    V = c.need("vocab_size")
+    c.check()
+    inner = c.get("n_inner", default=4 * h if isinstance(h, int) else h)
+    return dict(
+        family="gpt", num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=a,
+        ffn_hidden_size=inner, vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", True),
+        bias=True, norm_eps=c.number("layer_norm_epsilon", default=1e-5),
+        max_position_embeddings=c.get("n_positions", "max_position_embeddings", default=1024),
+    )
+
+
+def _hf_gpt_neox(c: _Cfg) -> dict:
+    L = c.need("num_hidden_layers")
+    h = c.need("hidden_size")
+    a = c.need("num_attention_heads")
+    V = c.need("vocab_size")
+    c.check()
+    parallel = c.flag("use_parallel_residual", True)
+    # Approximations (ModelSpec has no exact GPT-NeoX block):
+    # - parallel residual -> falcon family: attention and MLP in parallel with rotary, but GPT-NeoX
+    #   has two LayerNorms per block where ours has one (2h parameters per layer short);
+    # - sequential -> gpt family: right block, but gpt counts learned position embeddings that
+    #   GPT-NeoX (rotary) does not have, and the rotary fraction is not modelled.
+    return dict(
+        family="falcon" if parallel else "gpt", num_layers=L, hidden_size=h, num_heads=a,
+        num_kv_heads=a,
+        ffn_hidden_size=c.get("intermediate_size", default=4 * h if isinstance(h, int) else h),
+        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", False),
+        bias=c.flag("attention_bias", True),
+        rotary_fraction=c.number("rotary_pct", "partial_rotary_factor", default=0.25),
+        norm_eps=c.number("layer_norm_eps", default=1e-5),
+        max_position_embeddings=c.get("max_position_embeddings", default=2048),
+    )
+
+
+__all__ = ["load_model", "load_model_dict", "REQUIRED_FIELDS", "OPTIONAL_FIELDS", "FAMILIES"]

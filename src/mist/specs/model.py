@@ -1,0 +1,140 @@
+"""ModelSpec: the architecture of a decoder-only transformer (GPT, Llama or Falcon family)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from mist.errors import MistInputError
+
+FAMILIES = ("gpt", "llama", "falcon")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one model.
+
+    gpt:    LayerNorm, GELU MLP (ffn usually 4h), learned positions, sequential attention → MLP.
+    llama:  RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention.
+    falcon: one LayerNorm feeding attention and MLP in parallel, GELU MLP, rotary, MQA/GQA.
+    """
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    bias: bool = False
+    rotary_fraction: float = 1.0
+    norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise MistInputError(
+                f"Unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}."
+            )
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                  "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise MistInputError(f"Model field {f} must be an integer, got {v!r}.")
+            if v <= 0:
+                raise MistInputError(f"Model field {f} must be positive, got {v}.")
+        if self.hidden_size % self.num_heads:
+            raise MistInputError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise MistInputError(
+                f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}."
+            )
+        if not 0.0 <= self.rotary_fraction <= 1.0:
+            raise MistInputError(
+                f"rotary_fraction must lie in [0, 1], got {self.rotary_fraction}."
+            )
+        if self.uses_rotary and int(self.head_dim * self.rotary_fraction) % 2:
+            raise MistInputError(
+                f"rotary_fraction {self.rotary_fraction} of head_dim {self.head_dim} "
+                "gives an odd number of rotary dimensions."
+            )
+        if not self.norm_eps > 0:
+            raise MistInputError(f"norm_eps must be positive, got {self.norm_eps}.")
+
+    def check_tp(self, tp: int) -> None:
+        """Raise if the model cannot be split `tp` ways (heads, KV heads, FFN, vocabulary)."""
+        if tp <= 0:
+            raise MistInputError(f"Tensor-parallel degree must be positive, got {tp}.")
+        for what, v in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
+                         ("vocab_size", self.vocab_size)):
+            if v % tp:
+                raise MistInputError(f"Tensor-parallel degree {tp} does not divide {what} {v}.")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise MistInputError(
+                f"Tensor-parallel degree {tp} and num_kv_heads {self.num_kv_heads} "
+                "must divide one another."
+            )
+
+    # ------------------------------------------------------------ properties
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def uses_rotary(self) -> bool:
+        return self.family in ("llama", "falcon")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction) if self.uses_rotary else 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+    @property
+    def parallel_block(self) -> bool:
+        return self.family == "falcon"
+
+    def block_params(self) -> int:
+        """Parameters of one decoder block (full, not sharded)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        kv = self.num_kv_heads * d
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.bias:
+            attn += h + 2 * kv + h
+            mlp += (2 * f if self.gated_mlp else f) + h
+        norm_w = h if self.family == "llama" else 2 * h  # RMSNorm: weight; LayerNorm: weight+bias
+        norms = norm_w * (1 if self.parallel_block else 2)
+        return attn + mlp + norms
+
+    def embedding_params(self, seq_len: int = 0) -> int:
+        """Word (and, for gpt, learned position) embedding parameters."""
+        n = self.vocab_size * self.hidden_size
+        if self.family == "gpt":
+            n += self.max_position_embeddings * self.hidden_size
+        return n
+
+    def head_params(self) -> int:
+        """Final norm plus LM head (0 head parameters when tied to the embedding)."""
+        h = self.hidden_size
+        norm = h if self.family == "llama" else 2 * h
+        return norm + (0 if self.tie_embeddings else self.vocab_size * h)
+
+    def total_params(self) -> int:
+        return self.num_layers * self.block_params() + self.embedding_params() + self.head_params()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,69 @@
+"""ClusterSpec (where to train) and TrainingSpec (how: sequence, batch, dtypes, attention)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mist.errors import MistInputError
+
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _positive_int(what: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MistInputError(f"{what} must be an integer, got {v!r}.")
+    if v <= 0:
+        raise MistInputError(f"{what} must be positive, got {v}.")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous GPU cluster: `nodes` machines with `gpus_per_node` GPUs of kind `gpu`."""
+
+    gpu: str
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu, str) or not self.gpu:
+            raise MistInputError("Cluster field gpu must be a non-empty GPU name or profile path.")
+        _positive_int("Cluster field nodes", self.nodes)
+        _positive_int("Cluster field gpus_per_node", self.gpus_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Sequence length, global batch, parameter/compute dtype and attention kernel choice."""
+
+    seq_len: int
+    global_batch: int = 1
+    param_dtype: str = "bf16"
+    compute_dtype: str = "bf16"
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("Training field seq_len", self.seq_len)
+        _positive_int("Training field global_batch", self.global_batch)
+        for f in ("param_dtype", "compute_dtype"):
+            if getattr(self, f) not in DTYPES:
+                raise MistInputError(
+                    f"Training field {f} must be one of {', '.join(DTYPES)}, got {getattr(self, f)!r}."
+                )
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPES[self.param_dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

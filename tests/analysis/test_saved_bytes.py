@@ -1,0 +1,102 @@
+"""The symbolic prediction of activation bytes kept for backward equals what a real CPU forward
+keeps (measured with saved_tensors_hooks, unique storages, parameters excluded)."""
+
+import pytest
+import torch
+
+from mist.analysis import analyze_layer
+from mist.models import DecoderBlock, Embedding, Head, TPGroup, init_weights
+from mist.models.checkpointing import run_block
+from mist.specs.model import ModelSpec
+
+SPECS = {
+    "gpt": ModelSpec(family="gpt", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=8,
+                     ffn_hidden_size=512, vocab_size=256, max_position_embeddings=128),
+    "llama": ModelSpec(family="llama", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=4,
+                       ffn_hidden_size=352, vocab_size=256, rotary_fraction=0.25),
+    "falcon": ModelSpec(family="falcon", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=4,
+                        ffn_hidden_size=512, vocab_size=256, rotary_fraction=1.0, bias=True),
+}
+SHAPES = [(1, 16), (2, 40), (3, 64)]
+
+
+def measure_saved(fn) -> int:
+    """Bytes of distinct non-parameter storages that autograd keeps during fn()."""
+    seen, keep = {}, []
+
+    def pack(t):
+        keep.append(t)
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+def run_part(spec, part, tp, flash, recompute, b, s):
+    torch.manual_seed(0)
+    group = TPGroup(tp, tp - 1, None)  # a shard built without a process group
+    if part == "block":
+        m = DecoderBlock(spec, group, flash, torch.float32)
+    elif part == "pre":
+        m = Embedding(spec, group, torch.float32)
+    else:
+        m = Head(spec, group, torch.float32)
+    init_weights(m, 0)
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    tok = torch.randint(0, spec.vocab_size, (b, s))
+    if part == "block":
+        seen = measure_saved(lambda: run_block(m, x, recompute))
+    elif part == "pre":
+        seen = measure_saved(lambda: m(tok))
+    else:
+        seen = measure_saved(lambda: m(x, tok))
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("flash,recompute", [(True, False), (False, False), (True, True)])
+def test_block_saved_bytes_match_cpu(family, tp, flash, recompute):
+    spec = SPECS[family]
+    la = analyze_layer(spec, "block", tp=tp, flash=flash, dtype="fp32", target="cpu", recompute=recompute)
+    for b, s in SHAPES:
+        measured = run_part(spec, "block", tp, flash, recompute, b, s)
+        predicted = float(la.saved(b, s))
+        assert predicted == pytest.approx(measured, rel=0.01), (b, s, predicted, measured)
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("part", ["pre", "post"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pre_post_saved_bytes_match_cpu(family, part, tp):
+    spec = SPECS[family]
+    la = analyze_layer(spec, part, tp=tp, dtype="fp32", target="cpu")
+    for b, s in SHAPES:
+        measured = run_part(spec, part, tp, True, False, b, s)
+        assert float(la.saved(b, s)) == pytest.approx(measured, rel=0.01), (b, s)
+
+
+def test_checkpointed_block_keeps_only_its_input():
+    spec = SPECS["gpt"]
+    la = analyze_layer(spec, "block", tp=2, dtype="bf16", recompute=True)
+    b, s = 2, 512
+    assert float(la.saved(b, s)) == 2 * b * s * spec.hidden_size
+
+
+def test_gpu_flash_block_matches_korthikanti_without_dropout():
+    """GPT block, flash, no dropout, bf16: 32·sbh plus the fp32 log-sum-exp and norm statistics."""
+    spec = ModelSpec(family="gpt", num_layers=24, hidden_size=2048, num_heads=16, num_kv_heads=16,
+                     ffn_hidden_size=8192, vocab_size=50304)
+    la = analyze_layer(spec, "block", tp=1, flash=True, dtype="bf16", target="cuda")
+    b, s, h = 1, 2048, 2048
+    sbh = s * b * h
+    lse = 4 * b * 16 * s
+    assert float(la.saved(b, s)) == pytest.approx(32 * sbh + lse, rel=0.002)
+    # non-flash keeps the b·heads·s² softmax output (2 B) and the s² causal mask (1 B, shared)
+    la_nf = analyze_layer(spec, "block", tp=1, flash=False, dtype="bf16", target="cuda")
+    extra = float(la_nf.saved(b, s)) - float(la.saved(b, s))
+    assert extra == pytest.approx(2 * b * 16 * s * s + s * s, rel=0.01)

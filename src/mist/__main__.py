@@ -1,0 +1,3 @@
+from mist.cli import main
+
+main()

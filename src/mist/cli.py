@@ -1,0 +1,111 @@
+"""The `mist` command line (a thin adapter: parsing, printing, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mist.errors import MistInputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Mist: find and run the fastest distributed-training configuration that fits.")
+err = Console(stderr=True)
+out = Console()
+
+GIB = 1 << 30
+
+
+@app.callback()
+def _root() -> None:
+    """Mist: find and run the fastest distributed-training configuration that fits."""
+
+
+@app.command()
+def estimate(
+    model: str = typer.Option("gpt3-1.3b", help="Preset name, model file (JSON/YAML) or HF config.json."),
+    gpu: str = typer.Option("h200", help="GPU name or profile JSON path."),
+    seq: int = typer.Option(2048, help="Sequence length."),
+    micro_batch: int = typer.Option(1, "--micro-batch", help="Micro-batch size."),
+    tp: int = typer.Option(1, help="Tensor-parallel degree (one shard is estimated)."),
+    recompute: str = typer.Option("none", help="Activation recomputation: none or full."),
+    no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Cost of one micro-batch of a model on one GPU: layer and model time, memory."""
+    from mist.hardware import load_profile
+    from mist.simulate.estimate import estimate as run_estimate
+    from mist.specs.loading import load_model
+    from mist.specs.training import TrainingSpec
+
+    if recompute not in ("none", "full"):
+        raise MistInputError(f"--recompute must be 'none' or 'full', got {recompute!r}.")
+    TrainingSpec(seq_len=seq, global_batch=micro_batch)
+    if micro_batch <= 0:
+        raise MistInputError(f"--micro-batch must be positive, got {micro_batch}.")
+    spec = load_model(model)
+    if spec.family == "gpt" and seq > spec.max_position_embeddings:
+        raise MistInputError(
+            f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
+    profile = load_profile(gpu)
+    res = run_estimate(spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash)
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    _print_estimate(res)
+
+
+def _print_estimate(r: dict) -> None:
+    lay, mod = r["layer"], r["model"]
+    out.print(f"[bold]{r['model_name']}[/] on [bold]{r['gpu']}[/] — seq {r['seq_len']}, micro-batch "
+              f"{r['micro_batch']}, TP {r['tp']}, recompute {r['recompute']}, "
+              f"{'flash' if r['flash'] else 'non-flash'} attention")
+    out.print(f"profile: {r['profile']}")
+    t = Table(title="one decoder block (one TP shard)")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for k in ("fwd_compute_ms", "bwd_compute_ms", "recompute_ms", "fwd_comm_ms", "bwd_comm_ms"):
+        t.add_row(k.replace("_ms", " (ms)"), f"{lay[k]:.3f}")
+    t.add_row("saved activations (MiB)", f"{lay['saved_activation_bytes'] / (1 << 20):.1f}")
+    t.add_row("parameters", f"{lay['params']:,}")
+    out.print(t)
+    m = Table(title="whole model, one micro-batch, forward + backward")
+    m.add_column("quantity")
+    m.add_column("value", justify="right")
+    m.add_row("time (ms)", f"{mod['fwd_bwd_ms']:.2f}")
+    for k, v in mod["time_breakdown"].items():
+        m.add_row("  " + k.replace("_ms", " (ms)"), f"{v:.2f}")
+    m.add_row("achieved TFLOP/s", f"{mod['achieved_tflops']:.0f}")
+    m.add_row("parameters", f"{mod['params']:,}")
+    for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes"):
+        m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{mod[k] / GIB:.2f}")
+    m.add_row("peak memory (GiB)", f"{mod['peak_bytes'] / GIB:.2f} of {mod['capacity_bytes'] / GIB:.1f}"
+              + ("" if mod["fits"] else "  [red]does not fit[/]"))
+    out.print(m)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one sentence on stderr and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except MistInputError as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Cost model: per-layer costs under a strategy and their composition (no GPU needed)."""

@@ -1,0 +1,103 @@
+"""`mist estimate`: one micro-batch of a whole model on one GPU (a TP shard when tp > 1).
+
+Time: embedding + all blocks + head and loss, forward and backward (and the recomputed forward
+of checkpointed blocks). Memory: bf16 weights and gradients, fp32 master weights and Adam
+moments (2 + 2 + 12 bytes per parameter) plus the activation peak of the micro-batch, found by
+walking the layers forward and back with the traced live bytes of each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mist.analysis import analyze_layer
+from mist.hardware.collectives import load_links
+from mist.simulate.layer_cost import phase_time
+from mist.specs.model import ModelSpec
+
+MS = 1e3
+WEIGHT_B, GRAD_B, OPT_B = 2, 2, 12   # bf16 weights and grads; fp32 master + m + v
+
+
+def _f(x) -> float:
+    return float(np.asarray(x))
+
+
+def activation_peak(pre, blk, post, layers: int, b, s) -> tuple[float, str]:
+    """Peak activation bytes of one micro-batch and where it occurs."""
+    a_pre, a_blk = _f(pre.saved(b, s)), _f(blk.saved(b, s))
+    x_in = _f(pre.output(b, s))  # a block's input: the previous layer's output
+    cands = {
+        "embedding forward": _f(pre.fwd_peak(b, s)),
+        "last block forward": a_pre + (layers - 1) * a_blk + x_in + _f(blk.fwd_peak(b, s)),
+        "head forward": a_pre + layers * a_blk + x_in + _f(post.fwd_peak(b, s)),
+        "head backward": a_pre + layers * a_blk + _f(post.bwd_peak(b, s)),
+        "last block backward": a_pre + (layers - 1) * a_blk + _f(blk.bwd_peak(b, s)),
+        "embedding backward": _f(pre.bwd_peak(b, s)),
+    }
+    where = max(cands, key=cands.get)
+    return cands[where], where
+
+
+def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
+             recompute: str = "none", flash: bool = True, dtype: str = "bf16") -> dict:
+    spec.check_tp(tp)
+    links = load_links(profile.name) if tp > 1 else None
+    ckpt = recompute == "full"
+    kw = dict(tp=tp, flash=flash, dtype=dtype, target="cuda")
+    blk = analyze_layer(spec, "block", recompute=ckpt, **kw)
+    pre = analyze_layer(spec, "pre", **kw)
+    post = analyze_layer(spec, "post", **kw)
+    b, s, L = micro_batch, seq, spec.num_layers
+
+    t = {name: {ph: phase_time(profile, links, la, ph, b, s) for ph in phases}
+         for name, la, phases in (("block", blk, ["fwd", "bwd"] + (["recompute"] if ckpt else [])),
+                                  ("pre", pre, ["fwd", "bwd"]), ("post", post, ["fwd", "bwd"]))}
+
+    def tot(name, ph):
+        return _f(t[name][ph].total) if ph in t[name] else 0.0
+
+    blk_iter = tot("block", "fwd") + tot("block", "bwd") + tot("block", "recompute")
+    fwd_bwd = (tot("pre", "fwd") + tot("pre", "bwd") + L * blk_iter
+               + tot("post", "fwd") + tot("post", "bwd"))
+    params = pre.params + L * blk.params + post.params
+    peak_act, where = activation_peak(pre, blk, post, L, b, s)
+    mem = {"weights_bytes": params * WEIGHT_B, "grads_bytes": params * GRAD_B,
+           "optimizer_bytes": params * OPT_B, "activation_peak_bytes": int(round(peak_act))}
+    flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1))
+                for ph in ("fwd", "bwd"))
+    time_breakdown = {
+        "embedding_ms": (tot("pre", "fwd") + tot("pre", "bwd")) * MS,
+        "blocks_fwd_ms": L * tot("block", "fwd") * MS,
+        "blocks_bwd_ms": L * tot("block", "bwd") * MS,
+        "blocks_recompute_ms": L * tot("block", "recompute") * MS,
+        "head_loss_ms": (tot("post", "fwd") + tot("post", "bwd")) * MS,
+    }
+    return {
+        "model_name": spec.name, "gpu": profile.name, "profile": profile.provenance,
+        "measured_profile": bool(getattr(profile, "measured", True)),
+        "seq_len": s, "micro_batch": b, "tp": tp, "recompute": recompute, "flash": flash,
+        "layer": {
+            "fwd_compute_ms": _f(t["block"]["fwd"].compute) * MS,
+            "bwd_compute_ms": _f(t["block"]["bwd"].compute) * MS,
+            "recompute_ms": _f(t["block"]["recompute"].total) * MS if ckpt else 0.0,
+            "fwd_comm_ms": _f(t["block"]["fwd"].comm) * MS,
+            "bwd_comm_ms": _f(t["block"]["bwd"].comm) * MS,
+            "saved_activation_bytes": int(round(_f(blk.saved(b, s)))),
+            "fwd_peak_bytes": int(round(_f(blk.fwd_peak(b, s)))),
+            "bwd_peak_bytes": int(round(_f(blk.bwd_peak(b, s)))),
+            "params": blk.params,
+        },
+        "model": {
+            "fwd_bwd_ms": fwd_bwd * MS,
+            "time_breakdown": time_breakdown,
+            "params": params,
+            **mem,
+            "peak_bytes": sum(mem.values()),
+            "activation_peak_at": where,
+            "model_flops": flops,
+            "achieved_tflops": flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
+            "capacity_bytes": int(profile.memory_bytes),
+            "fits": sum(mem.values()) <= profile.memory_bytes,
+        },
+    }

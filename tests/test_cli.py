@@ -1,0 +1,96 @@
+"""`mist estimate` end to end: JSON keys, breakdown sums, and bad input → one sentence, exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mist.cli import main
+
+
+def run(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def run_ok(args, capsys):
+    main(args)
+    return capsys.readouterr().out
+
+
+def test_estimate_json_has_required_keys_and_breakdown_sums(capsys):
+    out = run_ok(["estimate", "--model", "gpt3-1.3b", "--gpu", "h200", "--seq", "2048",
+                  "--micro-batch", "2", "--json"], capsys)
+    r = json.loads(out)
+    for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms",
+              "saved_activation_bytes", "params"):
+        assert k in r["layer"]
+    m = r["model"]
+    for k in ("fwd_bwd_ms", "params", "weights_bytes", "grads_bytes", "optimizer_bytes",
+              "activation_peak_bytes", "peak_bytes"):
+        assert k in m
+    parts = m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activation_peak_bytes"]
+    assert parts == m["peak_bytes"]
+    assert m["optimizer_bytes"] == 6 * m["weights_bytes"] == 12 * m["params"]
+    assert sum(m["time_breakdown"].values()) == pytest.approx(m["fwd_bwd_ms"], rel=1e-9)
+    assert r["layer"]["fwd_comm_ms"] == 0 and r["layer"]["bwd_comm_ms"] == 0
+    assert 0 < r["layer"]["fwd_compute_ms"] < r["layer"]["bwd_compute_ms"]
+
+
+def test_tp_adds_comm_and_recompute_adds_a_forward(capsys):
+    base = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--json"], capsys))
+    assert base["layer"]["fwd_comm_ms"] > 0 and base["layer"]["bwd_comm_ms"] > 0
+    full = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--recompute", "full",
+                              "--json"], capsys))
+    assert full["model"]["fwd_bwd_ms"] > base["model"]["fwd_bwd_ms"]
+    assert full["layer"]["recompute_ms"] > 0
+    assert full["model"]["activation_peak_bytes"] < base["model"]["activation_peak_bytes"]
+    assert full["layer"]["saved_activation_bytes"] == 2 * 2048 * 4096
+
+
+def test_human_table(capsys):
+    out = run_ok(["estimate", "--model", "falcon-1.3b", "--no-flash"], capsys)
+    assert "decoder block" in out and "peak memory" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model"], "Unknown model"),
+    (["--gpu", "z9000"], "Unknown GPU"),
+    (["--seq", "-5"], "positive"),
+    (["--micro-batch", "0"], "positive"),
+    (["--recompute", "half"], "--recompute"),
+    (["--model", "gpt3-1.3b", "--tp", "3"], "does not divide"),
+])
+def test_bad_input_is_one_sentence_exit_2(args, needle, capsys):
+    code, out, err = run(["estimate", *args], capsys)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_model_files_exit_2(tmp_path, capsys):
+    bad_heads = tmp_path / "m.json"
+    bad_heads.write_text(json.dumps({"family": "llama", "num_layers": 2, "hidden_size": 64,
+                                     "num_heads": 6, "num_kv_heads": 4, "ffn_hidden_size": 128,
+                                     "vocab_size": 100, "tie_embeddings": False}))
+    code, _, err = run(["estimate", "--model", str(bad_heads)], capsys)
+    assert code == 2 and "divisible" in err
+    missing = tmp_path / "n.yaml"
+    missing.write_text("family: gpt\nnum_layers: 2\nhidden_size: 64\n")
+    code, _, err = run(["estimate", "--model", str(missing)], capsys)
+    assert code == 2 and "missing" in err
+    negative = tmp_path / "neg.json"
+    negative.write_text(json.dumps({"family": "gpt", "num_layers": -1, "hidden_size": 64,
+                                    "num_heads": 4, "num_kv_heads": 4, "ffn_hidden_size": 256,
+                                    "vocab_size": 100, "tie_embeddings": True}))
+    code, _, err = run(["estimate", "--model", str(negative)], capsys)
+    assert code == 2 and "positive" in err
+
+
+def test_console_entry_point_exit_code():
+    p = subprocess.run([sys.executable, "-m", "mist", "estimate", "--model", "nope"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "Unknown model" in p.stderr

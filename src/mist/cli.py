@@ -58,6 +58,52 @@ def estimate(
     _print_estimate(res)
 
 
+@app.command()
+def simulate(
+    plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    timeline: str = typer.Option(None, "--timeline", help="Draw one iteration's lanes to this PNG."),
+):
+    """Predict a whole plan: iteration time, throughput, MFU, per-stage T/D and memory."""
+    from mist.hardware import load_profile
+    from mist.plan import load_plan
+    from mist.simulate.plan_sim import simulate_plan
+
+    p = load_plan(plan)
+    profile = load_profile(p.cluster.gpu)
+    res = simulate_plan(p, profile, with_events=bool(timeline))
+    if timeline:
+        from mist.viz.timeline import draw_timeline
+
+        draw_timeline(res, timeline)
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    _print_simulation(p, res)
+
+
+def _print_simulation(p, r: dict) -> None:
+    out.print(p.summary())
+    out.print(f"profile: {r['profile']}")
+    out.print(f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
+              f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}")
+    t = Table(title="stages")
+    for col in ("stage", "T (ms)", "D (ms)", "compute", "recompute", "TP comm", "exposed transfers",
+                "p2p", "peak (GiB)", "fits"):
+        t.add_column(col, justify="right")
+    for i, s in enumerate(r["stages"]):
+        tb = s["time_breakdown"]
+        t.add_row(str(i), f"{s['stable_time_s'] * 1e3:.2f}", f"{s['delta_time_s'] * 1e3:.2f}",
+                  f"{tb['compute_s'] * 1e3:.2f}", f"{tb['recompute_s'] * 1e3:.2f}",
+                  f"{tb['tp_comm_s'] * 1e3:.2f}", f"{tb['exposed_transfers_s'] * 1e3:.2f}",
+                  f"{tb['p2p_s'] * 1e3:.2f}", f"{s['peak_memory_bytes'] / GIB:.2f}",
+                  "yes" if s["fits"] else "[red]no[/]")
+    out.print(t)
+    for msg in r["memory_problems"]:
+        out.print(f"[red]does not fit:[/] {msg}")
+
+
 def _print_estimate(r: dict) -> None:
     lay, mod = r["layer"], r["model"]
     out.print(f"[bold]{r['model_name']}[/] on [bold]{r['gpu']}[/] — seq {r['seq_len']}, micro-batch "

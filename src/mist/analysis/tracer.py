@@ -126,8 +126,7 @@ class _Recorder(TorchDispatchMode):
         rec = OpRecord(index=idx, phase=tr.phase, op=name, kind=kind,
                        shapes_in=[ex.shape(t) for t in ins], shapes_out=[ex.shape(t) for t in outs])
         if kind != VIEW:
-            rec.bytes_read = sympy.expand(sum((ex.nbytes(t) for t in ins), sympy.Integer(0)))
-            rec.bytes_written = sympy.expand(sum((ex.nbytes(t) for t in outs), sympy.Integer(0)))
+            rec.bytes_read, rec.bytes_written = _traffic(name, args, ins, outs, ex)
         if kind == GEMM:
             rec.params = _gemm_params(name, ins, ex)
             p = rec.params
@@ -140,6 +139,24 @@ class _Recorder(TorchDispatchMode):
         tr.records.append(rec)
         tr.uses.append((idx, in_sids, out_sids))
         return out
+
+
+# Indexing operators touch only the selected elements of their large operand.
+_GATHERS = {"gather", "embedding", "index_select"}
+_SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
+
+
+def _traffic(name: str, args, ins: list, outs: list, ex: _Expr):
+    """Bytes read and written by one kernel."""
+    total = lambda ts: sympy.expand(sum((ex.nbytes(t) for t in ts), sympy.Integer(0)))  # noqa: E731
+    if name in _GATHERS:
+        big = args[0]  # gather(self, ...), embedding(weight, indices), index_select(self, ...)
+        small = [t for t in ins if t is not big]
+        return total(small) + total(outs), total(outs)
+    if name in _SCATTERS:
+        small = [t for t in ins if t is not args[0]]
+        return total(small), total(small[-1:])
+    return total(ins), total(outs)
 
 
 def _gemm_params(name: str, ins: list, ex: _Expr) -> dict:

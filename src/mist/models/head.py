@@ -19,20 +19,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, tp):
-        lf = logits.float()
+        lf = logits.float()  # fp32 copy of the local logits; worked on in place from here
         vmax = lf.max(dim=-1, keepdim=True)[0]
         all_reduce_(vmax, tp, op="max")
-        lf = lf - vmax
+        lf.sub_(vmax)
         local = target - vocab_start
         outside = (local < 0) | (local >= lf.shape[-1])
         local = local.masked_fill(outside, 0)
         picked = lf.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         all_reduce_(picked, tp)
-        exp = lf.exp()
-        sum_exp = exp.sum(dim=-1)
+        softmax = lf.exp_()
+        sum_exp = softmax.sum(dim=-1)
         all_reduce_(sum_exp, tp)
         loss = (torch.log(sum_exp) - picked).mean()
-        softmax = exp / sum_exp.unsqueeze(-1)
+        softmax.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)
         ctx.logits_dtype = logits.dtype
         return loss
@@ -40,9 +40,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         softmax, local, outside = ctx.saved_tensors
-        onehot = F.one_hot(local, softmax.shape[-1]).to(softmax.dtype)
-        onehot = onehot.masked_fill(outside.unsqueeze(-1), 0.0)
-        grad = (softmax - onehot) * (g / local.numel())
+        scale = g / local.numel()
+        grad = softmax * scale
+        hit = (~outside).to(grad.dtype).unsqueeze(-1) * scale
+        grad.scatter_add_(-1, local.unsqueeze(-1), -hit)
         return grad.to(ctx.logits_dtype), None, None, None
 
 

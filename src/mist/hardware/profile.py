@@ -1,0 +1,148 @@
+"""GpuProfile: everything the cost model needs to know about one GPU type, in SI units.
+
+A profile is a JSON document (see `to_dict`) produced by `python -m mist.hardware.build` from
+the shared measurement data and shipped inside the package; loading it needs nothing else.
+Every *_time method returns seconds, accepts python scalars or numpy arrays and broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mist.hardware.attention import AttentionTable
+from mist.hardware.gemm import GemmTable
+from mist.hardware.host import HostOverhead, stream_time
+from mist.hardware.memory_ops import MemoryOpModel
+
+FORMAT = "mist-gpu-profile"
+VERSION = 1
+
+_SCALARS = (
+    "memory_bytes",
+    "peak_flops",
+    "hbm_bandwidth",
+    "h2d_bandwidth",
+    "d2h_bandwidth",
+    "bidir_bandwidth",
+    "adam_gpu_s_per_param",
+    "adam_cpu_s_per_param",
+)
+
+
+@dataclass(eq=False)
+class GpuProfile:
+    name: str
+    provenance: str  # one line, printed with every output
+    measured: bool  # False for datasheet/roofline-only profiles
+    memory_bytes: int  # usable device memory
+    peak_flops: float  # dense bf16/fp16 tensor FLOP/s (datasheet, for MFU)
+    hbm_bandwidth: float  # B/s (datasheet)
+    h2d_bandwidth: float  # pinned host -> device, B/s
+    d2h_bandwidth: float  # pinned device -> host, B/s
+    bidir_bandwidth: float  # both directions at once, total B/s
+    adam_gpu_s_per_param: float  # fp32 AdamW step on the GPU
+    adam_cpu_s_per_param: float  # fp32 AdamW step on the host CPU
+    gemm: GemmTable
+    attention: AttentionTable
+    memory_ops: MemoryOpModel
+    host: HostOverhead
+    sources: dict = field(default_factory=dict)  # field group -> where its numbers came from
+    fingerprint: dict = field(default_factory=dict)  # environment of the measurements
+    notes: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ predictors
+    def gemm_time(self, m, n, k, batch=1):
+        """y[m,n] = x[m,k] @ w[n,k]^T; `batch` independent GEMMs of that shape (bmm)."""
+        return self.gemm.time(m, n, k, batch)
+
+    def attention_time(self, b, heads, kv_heads, s, d, causal=True, backward=False):
+        """Fused flash SDPA kernel alone (forward or backward)."""
+        return self.attention.time(b, heads, kv_heads, s, d, causal, backward)
+
+    def memory_op_time(self, op, bytes_moved, backward=False):
+        """Memory-bound kernel of aten op `op` moving `bytes_moved` (read + written)."""
+        return self.memory_ops.time(op, bytes_moved, backward)
+
+    def stream_time(self, kernel_times, backward=False, host_overhead=None):
+        """End of the last kernel when the host issues them every h seconds (see `host`).
+
+        kernel_times: op axis last, leading candidate axes allowed. host_overhead overrides the
+        profile's per-op value (scalar or per-op array).
+        """
+        h = self.host.per_op(backward) if host_overhead is None else host_overhead
+        return stream_time(kernel_times, h)
+
+    # ------------------------------------------------------------------ extras
+    def host_overhead(self, backward=False) -> float:
+        return self.host.per_op(backward)
+
+    def adam_time(self, params, on_cpu=False):
+        """Seconds of one fp32 AdamW step over `params` parameters."""
+        rate = self.adam_cpu_s_per_param if on_cpu else self.adam_gpu_s_per_param
+        return np.asarray(params, dtype=float) * rate
+
+    def summary(self) -> str:
+        gib = self.memory_bytes / 2**30
+        return (
+            f"{self.name}: {gib:.1f} GiB, peak {self.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"HBM {self.hbm_bandwidth / 1e9:.0f} GB/s, H2D/D2H {self.h2d_bandwidth / 1e9:.1f}/"
+            f"{self.d2h_bandwidth / 1e9:.1f} GB/s  [{self.provenance}]"
+        )
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict:
+        d = {"format": FORMAT, "version": VERSION, "name": self.name, "provenance": self.provenance}
+        d["measured"] = bool(self.measured)
+        for k in _SCALARS:
+            d[k] = int(getattr(self, k)) if k == "memory_bytes" else float(getattr(self, k))
+        d["host"] = self.host.to_dict()
+        d["memory_ops"] = self.memory_ops.to_dict()
+        d["sources"] = dict(self.sources)
+        d["fingerprint"] = dict(self.fingerprint)
+        d["notes"] = list(self.notes)
+        d["gemm"] = self.gemm.to_dict()
+        d["attention"] = self.attention.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GpuProfile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} document")
+        if int(d.get("version", 0)) > VERSION:
+            raise ValueError(f"profile version {d.get('version')} is newer than this Mist ({VERSION})")
+        scalars = {k: (int(d[k]) if k == "memory_bytes" else float(d[k])) for k in _SCALARS}
+        return cls(
+            name=str(d["name"]),
+            provenance=str(d["provenance"]),
+            measured=bool(d["measured"]),
+            gemm=GemmTable.from_dict(d["gemm"]),
+            attention=AttentionTable.from_dict(d["attention"]),
+            memory_ops=MemoryOpModel.from_dict(d["memory_ops"]),
+            host=HostOverhead.from_dict(d["host"]),
+            sources=dict(d.get("sources", {})),
+            fingerprint=dict(d.get("fingerprint", {})),
+            notes=list(d.get("notes", [])),
+            **scalars,
+        )
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps(self.to_dict()))
+        return path
+
+
+def dumps(d: dict) -> str:
+    """JSON text: readable top level, the big time tables compact (one line each)."""
+    lines = []
+    for key, value in d.items():
+        if key in ("gemm", "attention"):
+            text = json.dumps(value, separators=(",", ":"))
+        else:
+            text = json.dumps(value, indent=2).replace("\n", "\n  ")
+        lines.append(f"  {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"

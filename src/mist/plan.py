@@ -1,0 +1,222 @@
+"""The Plan: the one contract between tune, simulate, runtime and export.
+
+A plan says how to train a model on a cluster: the gradient-accumulation count G
+(`micro_batches`) and, per pipeline stage in order, its layers, its device mesh, micro-batch
+size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage) and
+the fraction of each state kept in CPU memory. Stage 0 also holds the embedding and the last
+stage the final norm, head and loss. This module validates and (de)serializes; nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mist.errors import MistInputError
+from mist.specs.model import ModelSpec
+from mist.specs.training import ClusterSpec, TrainingSpec
+
+OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
+
+
+@dataclass(frozen=True)
+class Offload:
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in OFFLOAD_KINDS)
+
+
+@dataclass(frozen=True)
+class StageStrategy:
+    layers: int
+    nodes: int
+    gpus_per_node: int
+    micro_batch: int
+    dp: int
+    tp: int
+    zero: int = 0
+    recompute_layers: int = 0
+    offload: Offload = field(default_factory=Offload)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    micro_batches: int
+    stages: tuple[StageStrategy, ...]
+    model_ref: str | None = None   # the preset name or path the plan was written with
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # ------------------------------------------------------------- views
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_ref if self.model_ref else self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "training": self.training.to_dict(),
+            "micro_batches": self.micro_batches,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        d = self.to_dict()
+        text = yaml.safe_dump(d, sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(d, indent=1)
+        path.write_text(text + ("" if text.endswith("\n") else "\n"))
+
+    def summary(self) -> str:
+        m, c, t = self.model, self.cluster, self.training
+        lines = [f"{m.name}: {m.num_layers} layers on {c.nodes}×{c.gpus_per_node} {c.gpu}, "
+                 f"seq {t.seq_len}, global batch {t.global_batch}, G = {self.micro_batches} micro-batches, "
+                 f"{'flash' if t.flash_attention else 'non-flash'} attention"]
+        for i, s in enumerate(self.stages):
+            off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
+            lines.append(f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
+                         f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
+                         f"recompute {s.recompute_layers}" + (f", offload {off}" if off else ""))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ checks
+def _int(what: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MistInputError(f"{what} must be an integer, got {v!r}.")
+    if v < minimum:
+        raise MistInputError(f"{what} must be at least {minimum}, got {v}.")
+    return v
+
+
+def validate(p: Plan) -> None:
+    if not p.stages:
+        raise MistInputError("The plan has no stages.")
+    _int("micro_batches", p.micro_batches)
+    B = p.training.global_batch
+    for i, s in enumerate(p.stages):
+        where = f"Stage {i}"
+        for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp"):
+            _int(f"{where} {f}", getattr(s, f))
+        _int(f"{where} recompute_layers", s.recompute_layers, 0)
+        if s.zero not in (0, 1, 2, 3) or isinstance(s.zero, bool):
+            raise MistInputError(f"{where} zero must be 0, 1, 2 or 3, got {s.zero!r}.")
+        if s.micro_batch * s.dp * p.micro_batches != B:
+            raise MistInputError(
+                f"{where}: micro_batch {s.micro_batch} × dp {s.dp} × micro_batches {p.micro_batches} "
+                f"= {s.micro_batch * s.dp * p.micro_batches}, not the global batch {B}.")
+        if s.dp * s.tp != s.gpus:
+            raise MistInputError(
+                f"{where}: dp {s.dp} × tp {s.tp} = {s.dp * s.tp} does not equal its "
+                f"{s.nodes}×{s.gpus_per_node} = {s.gpus} GPUs.")
+        if s.recompute_layers > s.layers:
+            raise MistInputError(
+                f"{where}: recompute_layers {s.recompute_layers} exceeds its {s.layers} layers.")
+        for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise MistInputError(f"{where} offload.{k} must be a ratio in [0, 1], got {v!r}.")
+        if p.model.num_heads % s.tp:
+            raise MistInputError(
+                f"{where}: tp {s.tp} does not divide the model's {p.model.num_heads} attention heads.")
+        if s.tp > s.gpus_per_node or s.gpus_per_node % s.tp:
+            raise MistInputError(
+                f"{where}: tp {s.tp} must divide its {s.gpus_per_node} GPUs per node "
+                "(tensor parallelism does not cross a node).")
+        try:
+            p.model.check_tp(s.tp)
+        except MistInputError as e:
+            raise MistInputError(f"{where}: {str(e)[0].lower()}{str(e)[1:]}") from None
+        if s.gpus_per_node > p.cluster.gpus_per_node or s.nodes > p.cluster.nodes:
+            raise MistInputError(
+                f"{where}: its mesh {s.nodes}×{s.gpus_per_node} does not fit the cluster's "
+                f"{p.cluster.nodes}×{p.cluster.gpus_per_node}.")
+    layers = sum(s.layers for s in p.stages)
+    if layers != p.model.num_layers:
+        raise MistInputError(f"The stages hold {layers} layers but the model has {p.model.num_layers}.")
+    gpus = sum(s.gpus for s in p.stages)
+    if gpus != p.cluster.world_size:
+        raise MistInputError(f"The stages use {gpus} GPUs but the cluster has {p.cluster.world_size}.")
+
+
+# ------------------------------------------------------------- loading
+def _sub(d: dict, key: str, cls, where: str):
+    if key not in d:
+        raise MistInputError(f"{where} is missing field {key!r}.")
+    v = d[key]
+    if not isinstance(v, dict):
+        raise MistInputError(f"{where} field {key!r} must be a mapping.")
+    allowed = set(cls.__dataclass_fields__)
+    unknown = sorted(set(v) - allowed)
+    if unknown:
+        raise MistInputError(f"{where} field {key!r} has unknown key(s) {', '.join(unknown)}.")
+    try:
+        return cls(**v)
+    except TypeError as e:
+        raise MistInputError(f"{where} field {key!r} is incomplete ({e}).") from None
+
+
+def plan_from_dict(d: dict, source: str = "plan") -> Plan:
+    from mist.specs.loading import load_model, load_model_dict
+
+    if not isinstance(d, dict):
+        raise MistInputError(f"{source} must hold a mapping at the top level.")
+    for k in ("model", "cluster", "training", "micro_batches", "stages"):
+        if k not in d:
+            raise MistInputError(f"{source} is missing field {k!r}.")
+    ref = None
+    if isinstance(d["model"], str):
+        ref = d["model"]
+        model = load_model(ref)
+    elif isinstance(d["model"], dict):
+        model = load_model_dict(d["model"], source=f"{source} model")
+    else:
+        raise MistInputError(f"{source} field 'model' must be a preset name, a path or a model mapping.")
+    cluster = _sub(d, "cluster", ClusterSpec, source)
+    training = _sub(d, "training", TrainingSpec, source)
+    if not isinstance(d["stages"], list) or not d["stages"]:
+        raise MistInputError(f"{source} field 'stages' must be a non-empty list.")
+    stages = []
+    for i, sd in enumerate(d["stages"]):
+        where = f"{source} stage {i}"
+        if not isinstance(sd, dict):
+            raise MistInputError(f"{where} must be a mapping.")
+        sd = dict(sd)
+        off = sd.pop("offload", {}) or {}
+        if not isinstance(off, dict) or set(off) - set(OFFLOAD_KINDS):
+            raise MistInputError(f"{where} offload must map {', '.join(OFFLOAD_KINDS)} to ratios.")
+        unknown = sorted(set(sd) - set(StageStrategy.__dataclass_fields__))
+        if unknown:
+            raise MistInputError(f"{where} has unknown field(s) {', '.join(unknown)}.")
+        missing = [k for k in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp") if k not in sd]
+        if missing:
+            raise MistInputError(f"{where} is missing field(s) {', '.join(missing)}.")
+        stages.append(StageStrategy(**sd, offload=Offload(**off)))
+    return Plan(model=model, cluster=cluster, training=training, micro_batches=d["micro_batches"],
+                stages=tuple(stages), model_ref=ref)
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise MistInputError(f"Plan file {path} does not exist.")
+    text = path.read_text()
+    try:
+        d = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise MistInputError(f"Plan file {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} ({str(e).splitlines()[0]}).") from None
+    return plan_from_dict(d, source=f"Plan file {path}")

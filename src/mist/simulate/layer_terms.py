@@ -1,0 +1,79 @@
+"""Per-layer cost terms of a model on a GPU at one TP degree, vectorized over micro-batch sizes.
+
+Everything the stage schedule needs about a layer: compute times per phase (with the TP
+collectives of the layer, which sit on the critical path), state sizes of the shard, saved
+activations with and without checkpointing, transient peaks and the output size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from mist.analysis import analyze_layer
+from mist.hardware.collectives import load_links
+from mist.simulate.layer_cost import phase_time
+
+
+@dataclass
+class LayerTerms:
+    """Arrays over the micro-batch axis (seconds, bytes); params are per TP shard."""
+    params: int
+    fwd: np.ndarray          # forward compute + TP comm
+    bwd: np.ndarray          # backward compute + TP comm (no recomputation)
+    recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
+    tp_comm_fwd: np.ndarray
+    tp_comm_bwd: np.ndarray
+    saved: np.ndarray        # saved activations, not checkpointed
+    saved_ckpt: np.ndarray   # saved activations, checkpointed (the input only)
+    fwd_peak: np.ndarray     # transient live bytes in forward (excluding the input)
+    bwd_peak: np.ndarray     # live bytes in backward (incl. its own saved activations)
+    bwd_peak_ckpt: np.ndarray
+    output: np.ndarray       # output bytes (p2p message at a stage boundary)
+    flops_fwd: np.ndarray
+    flops_bwd: np.ndarray
+
+
+class _ByIdentity:
+    """Hash a profile by identity (and keep it alive, so the identity stays unique)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return self.obj is other.obj
+
+
+def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b) -> LayerTerms:
+    """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set)."""
+    b = np.atleast_1d(np.asarray(b, dtype=np.float64))
+    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()))
+
+
+@lru_cache(maxsize=512)
+def _layer_terms(spec, key, part, tp, flash, seq, bs) -> LayerTerms:
+    profile = key.obj
+    b = np.asarray(bs, dtype=np.float64)
+    s = np.full_like(b, float(seq))
+    links = load_links(profile.name) if tp > 1 else None
+    kw = dict(tp=tp, flash=flash, dtype="bf16", target="cuda")
+    la = analyze_layer(spec, part, **kw)
+    f = phase_time(profile, links, la, "fwd", b, s)
+    bw = phase_time(profile, links, la, "bwd", b, s)
+    if part == "block":
+        ck = analyze_layer(spec, part, recompute=True, **kw)
+        rc = phase_time(profile, links, ck, "recompute", b, s)
+        recompute, saved_ck, bwd_ck = rc.total, ck.saved(b, s), ck.bwd_peak(b, s)
+    else:
+        recompute, saved_ck, bwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s)
+    return LayerTerms(
+        params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute,
+        tp_comm_fwd=f.comm, tp_comm_bwd=bw.comm,
+        saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
+        bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, output=la.output(b, s),
+        flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s))

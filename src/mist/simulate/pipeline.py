@@ -1,12 +1,18 @@
-"""1F1B pipeline iteration time from the stages' steady time T and one-off extra D.
+"""1F1B pipeline iteration time from each stage's steady time and one-off extras.
 
-Closed form (formulas.md §8):
-    T_iter = (G − 1)·max_i T_i + Σ_i T_i + max(0, max_i (D_i − Σ_{j<i} T_j))
-The slowest stage sets the steady state, one micro-batch fills and drains the pipeline, and a
-stage's one-off work hides in the Σ_{j<i} T_j it waits before its first input arrives.
+Mist's closed form (formulas.md §8) charges one extra D_i per stage and lets it hide behind
+Σ_{j<i} T_j. The two one-offs happen at opposite ends of the iteration, on side streams:
+the first micro-batch's extra (the deferred optimizer step, re-gather, swaps) can run while a
+stage waits for its first input, i.e. behind the upstream forwards Σ_{j<i} F_j; the last
+micro-batch's extra (final gradient reduction, grad swap-out) runs after the stage's last
+backward while the upstream stages drain, i.e. behind Σ_{j<i} B_j. So, with T_i = F_i + B_i:
 
-`event_schedule` plays the same stages through an explicit non-interleaved 1F1B schedule with
-per-micro-batch durations; tests hold the closed form against it, and the timeline uses it.
+    T_iter = (G − 1)·max_i T_i + Σ_i T_i
+             + max(0, max_i (X_i − Σ_{j<i} F_j)) + max(0, max_i (Y_i − Σ_{j<i} B_j))
+
+(X: first-micro-batch extra, Y: last-micro-batch extra; with X = D, Y = 0 and F = T it is
+Mist's form.) `event_schedule` plays the same stages through an explicit 1F1B schedule with the
+same side-stream semantics; tests hold the closed form against it, and the timeline uses it.
 """
 
 from __future__ import annotations
@@ -14,12 +20,19 @@ from __future__ import annotations
 import numpy as np
 
 
-def iteration_time(T, D, G: int):
-    """Vectorized over a leading candidate axis: T, D of shape (..., S)."""
-    T, D = np.asarray(T, dtype=np.float64), np.asarray(D, dtype=np.float64)
-    before = np.cumsum(T, axis=-1) - T
-    exposed = np.maximum(0.0, np.max(D - before, axis=-1))
-    return (G - 1) * T.max(axis=-1) + T.sum(axis=-1) + exposed
+def iteration_time(T, G: int, first=None, last=None, fwd=None):
+    """Vectorized over leading candidate axes: every argument has shape (..., S)."""
+    T = np.asarray(T, dtype=np.float64)
+    F = T if fwd is None else np.asarray(fwd, dtype=np.float64)
+    Bk = T - F if fwd is not None else T
+    out = (G - 1) * T.max(axis=-1) + T.sum(axis=-1)
+    if first is not None:
+        X = np.asarray(first, dtype=np.float64)
+        out = out + np.maximum(0.0, np.max(X - (np.cumsum(F, axis=-1) - F), axis=-1))
+    if last is not None:
+        Y = np.asarray(last, dtype=np.float64)
+        out = out + np.maximum(0.0, np.max(Y - (np.cumsum(Bk, axis=-1) - Bk), axis=-1))
+    return out
 
 
 def one_f_one_b_order(stage: int, num_stages: int, G: int) -> list[tuple[str, int]]:
@@ -39,18 +52,20 @@ def one_f_one_b_order(stage: int, num_stages: int, G: int) -> list[tuple[str, in
 
 
 def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
-    """Start/end of every forward and backward on every stage.
+    """Start/end of every forward and backward on every stage, and the one-offs.
 
-    fwd[i], bwd[i]: stable forward / backward time of stage i; the first micro-batch's forward
-    takes first_extra[i] longer and the last micro-batch's backward last_extra[i] longer.
-    Returns (iteration time, events: list of (stage, "F"/"B", micro-batch, start, end)).
+    fwd[i], bwd[i]: stable forward / backward time of stage i. first_extra[i] runs from the
+    start of the iteration and must finish before stage i's first forward; last_extra[i] runs
+    after stage i's last backward and does not block other stages.
+    Returns (iteration time, events: list of (stage, kind, micro-batch, start, end)) with kind
+    "F", "B", "X" (first extra) or "Y" (last extra).
     """
     S = len(fwd)
     done: dict = {}
     clock = [0.0] * S
     orders = [one_f_one_b_order(i, S, G) for i in range(S)]
     pos = [0] * S
-    events = []
+    events = [(i, "X", 0, 0.0, first_extra[i]) for i in range(S) if first_extra[i] > 0]
     progress = True
     while progress:
         progress = False
@@ -59,10 +74,12 @@ def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
                 kind, m = orders[i][pos[i]]
                 if kind == "F":
                     dep = done.get(("F", i - 1, m)) if i > 0 else 0.0
-                    dur = fwd[i] + (first_extra[i] if m == 0 else 0.0)
+                    if dep is not None and m == 0:
+                        dep = max(dep, first_extra[i])
+                    dur = fwd[i]
                 else:
                     dep = done.get(("B", i + 1, m)) if i < S - 1 else done.get(("F", i, m))
-                    dur = bwd[i] + (last_extra[i] if m == G - 1 else 0.0)
+                    dur = bwd[i]
                 if dep is None:
                     break
                 start = max(clock[i], dep)
@@ -74,4 +91,9 @@ def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
                 progress = True
     if any(p < len(o) for p, o in zip(pos, orders)):
         raise RuntimeError("1F1B schedule deadlocked")
-    return max(clock), events
+    ends = []
+    for i in range(S):
+        ends.append(clock[i] + last_extra[i])
+        if last_extra[i] > 0:
+            events.append((i, "Y", G - 1, clock[i], clock[i] + last_extra[i]))
+    return max(ends), events

@@ -36,9 +36,11 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
         model = StageModel(plan.model, profile, s.tp, t.flash_attention, t.seq_len)
         results.append(model.evaluate(st))
     T = np.array([float(r.T[0]) for r in results])
-    D = np.array([float(r.D[0]) for r in results])
+    F = np.array([float(r.fwd[0]) for r in results])
+    X = np.array([float(r.first_extra[0]) for r in results])
+    Y = np.array([float(r.last_extra[0]) for r in results])
     G = plan.micro_batches
-    it = float(iteration_time(T, D, G))
+    it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
     tokens = t.global_batch * t.seq_len
     # model FLOPs of one iteration: every stage's per-micro-batch FLOPs × its dp × G (no recompute)
     flops = sum(float(r.flops_per_microbatch[0]) * s.tp * s.dp * G for r, s in zip(results, plan.stages))
@@ -58,6 +60,8 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
                             f"over the {capacity / 2**30:.1f} GiB of a {profile.name}")
         stages.append({
             "stable_time_s": float(r.T[0]), "delta_time_s": float(r.D[0]),
+            "first_microbatch_extra_s": float(r.first_extra[0]),
+            "last_microbatch_extra_s": float(r.last_extra[0]),
             "peak_memory_bytes": int(round(peak)),
             "fwd_peak_bytes": int(round(float(r.fwd_peak[0]))),
             "bwd_peak_bytes": int(round(float(r.bwd_peak[0]))),
@@ -79,15 +83,8 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
         "stages": stages,
     }
     if with_events:
-        fwd = [float(r.fwd[0]) for r in results]
-        bwd = [float(r.T[0] - r.fwd[0]) for r in results]
-        if G == 1:
-            first = [0.0] * len(results)
-            last = [0.0] * len(results)
-        else:
-            first = [float(r.first_extra[0]) for r in results]
-            last = [float(r.last_extra[0]) for r in results]
-        ev_time, events = event_schedule(fwd, bwd, first, last, G)
+        fwd, bwd = list(F), list(T - F)
+        ev_time, events = event_schedule(fwd, bwd, list(X), list(Y), G)
         out["_events"] = events
         out["_channels"] = [{k: float(v[0]) for k, v in r.channels.items()} for r in results]
         out["_stable"] = [(f, b) for f, b in zip(fwd, bwd)]

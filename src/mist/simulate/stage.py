@@ -59,8 +59,8 @@ class StageInput:
 
 @dataclass
 class StageResult:
-    T: np.ndarray
-    D: np.ndarray
+    T: np.ndarray              # steady time of one micro-batch (forward + backward)
+    D: np.ndarray              # one-off extra per iteration = first_extra + last_extra
     time_breakdown: dict       # sums to T
     delta_breakdown: dict      # sums to D
     fwd_peak: np.ndarray
@@ -221,13 +221,14 @@ class StageModel:
         first_mb_f = first_f + edge_first + pp_first
         last_mb_b = last_b + edge_last + pp_last
         # the first/last micro-batch differ from a stable one only in their fwd / bwd halves
-        D = (first_mb_f - (stable_f + edge_f)) + (last_mb_b - (stable_b + edge_b))
-        if G == 1:
-            T = T_stable + D
-            D = np.zeros(shape)
+        X = np.maximum(first_mb_f - (stable_f + edge_f), 0.0)   # first micro-batch's extra
+        Y = np.maximum(last_mb_b - (stable_b + edge_b), 0.0)    # last micro-batch's extra
+        if G == 1:  # the one micro-batch is both first and last
+            T = T_stable + X + Y
+            X, Y = np.zeros(shape), np.zeros(shape)
         else:
             T = T_stable
-        D = np.maximum(D, 0.0)
+        D = X + Y
 
         compute = L * (cf + cb) + pp_compute
         recompute = c * crc
@@ -235,14 +236,7 @@ class StageModel:
         exposed = T - compute - recompute - tp - p2p
         breakdown = {"compute_s": compute, "recompute_s": recompute, "tp_comm_s": tp,
                      "exposed_transfers_s": exposed, "p2p_s": p2p}
-        delta_breakdown = {"optimizer_and_regather_s": np.maximum(first_mb_f - (stable_f + edge_f), 0.0),
-                           "final_reduction_s": np.maximum(last_mb_b - (stable_b + edge_b), 0.0)}
-        if G == 1:
-            delta_breakdown = {k: np.zeros(shape) for k in delta_breakdown}
-        else:
-            tot = sum(delta_breakdown.values())
-            scale = np.where(tot > 0, D / np.where(tot > 0, tot, 1.0), 0.0)
-            delta_breakdown = {k: v * scale for k, v in delta_breakdown.items()}
+        delta_breakdown = {"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y}
 
         mem = self._memory(st, shape, L, c, dp, zero, wo, go, oo, ao, blk, g, pp_terms, P)
         flops = L * (g(blk.flops_fwd) + g(blk.flops_bwd))
@@ -257,8 +251,7 @@ class StageModel:
         return StageResult(T=T, D=D, time_breakdown=breakdown, delta_breakdown=delta_breakdown,
                            fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
                            memory_breakdown=mem["breakdown"], flops_per_microbatch=flops,
-                           fwd=np.minimum(fwd_part, T), first_extra=np.maximum(first_mb_f - stable_f - edge_f, 0.0),
-                           last_extra=np.maximum(last_mb_b - stable_b - edge_b, 0.0), channels=channels)
+                           fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels)
 
     # ------------------------------------------------------------------ memory
     def _memory(self, st, shape, L, c, dp, zero, wo, go, oo, ao, blk, g, pp_terms, P):

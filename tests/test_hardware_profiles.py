@@ -1,0 +1,275 @@
+"""Tests of the GPU profiles (`mist.hardware`): loading, table reproduction, broadcasting, models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mist.errors import MistInputError
+from mist.hardware import available_profiles, load_profile, op_class
+from mist.hardware.host import stream_time
+
+DATA = Path("/work/shared/data")
+H200_DATA = DATA / "gpus" / "h200"
+needs_data = pytest.mark.skipif(not H200_DATA.is_dir(), reason="shared measurement data not available")
+
+EXPECTED = {"h200", "h100", "l4", "a100-sxm4-40gb", "a10g", "v100-sxm2-32gb"}
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_profile("h200")
+
+
+# ---------------------------------------------------------------------------- loading
+def test_every_shipped_profile_loads_and_predicts():
+    names = available_profiles()
+    assert EXPECTED <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.name == name
+        assert p.provenance and "\n" not in p.provenance
+        assert isinstance(p.memory_bytes, int) and p.memory_bytes > 10 * 2**30
+        for field in ("peak_flops", "hbm_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "bidir_bandwidth",
+                      "adam_gpu_s_per_param", "adam_cpu_s_per_param"):
+            assert getattr(p, field) > 0, (name, field)
+        t = p.gemm_time(4096, 4096, 4096)
+        assert 0 < t < 0.1
+        # achieved rate never beats the datasheet peak
+        assert p.gemm.flops_rate(8192, 8192, 8192) < p.peak_flops
+        assert p.attention_time(2, 32, 32, 2048, 128, True, False) > 0
+        assert p.memory_op_time("gelu", 1e8) > 0
+        assert set(p.sources) >= {"memory_bytes", "gemm", "attention", "memory_ops", "host", "host_link"}
+
+
+def test_profile_files_are_small():
+    from importlib import resources
+
+    for f in (resources.files("mist.hardware") / "profiles").iterdir():
+        if f.name.endswith(".json"):
+            assert len(f.read_bytes()) < 1_000_000, f.name
+
+
+def test_h100_is_labelled_not_measured():
+    p = load_profile("h100")
+    assert p.measured is False
+    assert "roofline" in p.provenance and "no measurements" in p.provenance
+    h200 = load_profile("h200")
+    assert h200.measured is True
+    # same tensor peak: big GEMMs equal; lower HBM: memory-bound ops slower
+    assert p.gemm_time(8192, 8192, 8192) == pytest.approx(h200.gemm_time(8192, 8192, 8192), rel=0.02)
+    assert p.memory_op_time("gelu", 1e9) > 1.3 * h200.memory_op_time("gelu", 1e9)
+    assert p.memory_bytes < h200.memory_bytes
+
+
+def test_unknown_gpu_raises_one_sentence():
+    with pytest.raises(MistInputError) as exc:
+        load_profile("x")
+    msg = str(exc.value)
+    assert msg.startswith("Unknown GPU 'x'; known: ")
+    assert "h200" in msg and msg.endswith(".") and msg.count(". ") == 0
+
+
+def test_aliases_and_case():
+    assert load_profile("A100").name == "a100-sxm4-40gb"
+    assert load_profile("NVIDIA H200").name == "h200"
+    assert load_profile("H100-SXM").name == "h100"
+    assert load_profile("v100").name == "v100-sxm2-32gb"
+
+
+def test_profile_json_path_round_trip(tmp_path, h200):
+    path = h200.save(tmp_path / "my-gpu.json")
+    again = load_profile(str(path))
+    assert again.name == h200.name and again.provenance == h200.provenance
+    m = np.array([700, 3000, 50000])
+    np.testing.assert_allclose(again.gemm_time(m, 5000, 1000), h200.gemm_time(m, 5000, 1000), rtol=1e-4)
+    np.testing.assert_allclose(
+        again.attention_time(3, 24, 8, 3000, 96, True, True), h200.attention_time(3, 24, 8, 3000, 96, True, True),
+        rtol=1e-4,
+    )
+    assert again.memory_op_time("silu", 1e7, True) == pytest.approx(h200.memory_op_time("silu", 1e7, True))
+    assert json.loads(path.read_text())["format"] == "mist-gpu-profile"
+
+
+def test_bad_profile_paths_raise_input_errors(tmp_path):
+    with pytest.raises(MistInputError, match="does not exist"):
+        load_profile(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    with pytest.raises(MistInputError, match="not a valid profile"):
+        load_profile(str(bad))
+
+
+# ---------------------------------------------------------------------------- GEMM
+@needs_data
+def test_h200_gemm_reproduces_measured_points(h200):
+    rows = json.loads((H200_DATA / "gemm.json").read_text())["rows"]
+    m, n, k, ms = (np.array([r[key] for r in rows], float) for key in ("m", "n", "k", "ms"))
+    pred = h200.gemm_time(m, n, k)
+    np.testing.assert_allclose(pred, ms * 1e-3, rtol=0.02)
+
+
+def test_gemm_interpolates_monotonically_between_points(h200):
+    m = np.linspace(4096, 8192, 41)
+    t = h200.gemm_time(m, 4096, 4096)
+    assert np.all(np.diff(t) > 0)
+    k = np.geomspace(2048, 4096, 17)
+    assert np.all(np.diff(h200.gemm_time(8192, 8192, k)) > 0)
+    n = np.geomspace(16384, 32768, 9)
+    assert np.all(np.diff(h200.gemm_time(16384, n, 8192)) > 0)
+    # between nodes the time stays between the nodes' times
+    lo, hi = h200.gemm_time(4096, 4096, 4096), h200.gemm_time(8192, 4096, 4096)
+    assert lo < h200.gemm_time(6000, 4096, 4096) < hi
+
+
+def test_gemm_outside_grid_clamps_efficiency_and_keeps_floor(h200):
+    floor = h200.gemm.floor_s
+    assert 10e-6 < floor < 20e-6
+    assert h200.gemm_time(1, 1, 1) == pytest.approx(floor)
+    assert h200.gemm_time(64, 64, 64) == pytest.approx(floor)
+    # above the grid: constant efficiency (time doubles with m)
+    t1, t2 = h200.gemm_time(32768, 8192, 8192), h200.gemm_time(65536, 8192, 8192)
+    assert t2 == pytest.approx(2 * t1, rel=1e-6)
+    assert h200.gemm_time(0, 128, 128) == 0.0
+
+
+def test_gemm_batch_equals_stacked_rows(h200):
+    assert h200.gemm_time(2048, 2048, 128, batch=32) == pytest.approx(h200.gemm_time(65536, 2048, 128), rel=0.05)
+    assert h200.gemm_time(1024, 1024, 1024, batch=8) > h200.gemm_time(1024, 1024, 1024)
+
+
+def test_vectorized_calls_broadcast(h200):
+    m = np.array([512, 2048, 8192])[:, None]
+    n = np.array([1024, 4096, 16384, 3000])[None, :]
+    t = h200.gemm_time(m, n, 4096)
+    assert t.shape == (3, 4)
+    assert t[1, 2] == pytest.approx(h200.gemm_time(2048, 16384, 4096))
+    a = h200.attention_time(np.array([1, 2, 4])[:, None], 32, 8, np.array([1024, 4096])[None, :], 128, True, True)
+    assert a.shape == (3, 2)
+    assert a[2, 1] == pytest.approx(h200.attention_time(4, 32, 8, 4096, 128, True, True))
+    mb = h200.memory_op_time("native_layer_norm", np.array([[1e6, 1e7], [1e8, 1e9]]), False)
+    assert mb.shape == (2, 2)
+    assert float(h200.gemm_time(4096, 4096, 4096)) > 0  # scalars work too
+
+
+# ---------------------------------------------------------------------------- attention
+@needs_data
+def test_h200_attention_reproduces_table(h200):
+    rows = json.loads((H200_DATA / "attention.json").read_text())["rows"]
+    e_call = h200.host.backward_call_s
+    for r in rows:
+        args = (r["b"], r["heads"], r["heads"], r["s"], r["d"], True)
+        assert h200.attention_time(*args, backward=False) == pytest.approx(r["fwd_ms"] * 1e-3, rel=0.02)
+        bwd = h200.attention_time(*args, backward=True)
+        assert bwd == pytest.approx(max(r["bwd_ms"] * 1e-3 - e_call, r["fwd_ms"] * 1e-3), rel=0.02)
+        if r["bwd_ms"] > 1.0:  # GPU-bound rows: the table itself
+            assert bwd == pytest.approx(r["bwd_ms"] * 1e-3, rel=0.02)
+
+
+def test_attention_gqa_causal_and_scaling(h200):
+    mha = h200.attention_time(2, 32, 32, 4096, 128, True, False)
+    assert h200.attention_time(2, 32, 8, 4096, 128, True, False) == pytest.approx(mha)
+    assert h200.attention_time(2, 32, 1, 4096, 128, True, False) == pytest.approx(mha)
+    full = h200.attention_time(2, 32, 32, 4096, 128, False, False)
+    assert 1.8 * mha < full < 2.0 * mha
+    assert h200.attention_time(2, 32, 32, 4096, 128, True, True) > 2 * mha
+    # beyond the table: time ∝ s² at the edge's efficiency
+    t8, t16 = h200.attention_time(8, 64, 64, 8192, 128), h200.attention_time(8, 64, 64, 16384, 128)
+    assert t16 == pytest.approx(4 * t8, rel=1e-6)
+    with pytest.raises(ValueError):
+        h200.attention_time(1, 8, 16, 1024, 64)
+
+
+# ---------------------------------------------------------------------------- memory-bound ops
+def test_memory_op_time_increases_with_bytes_and_has_floor(h200):
+    nbytes = np.geomspace(1e3, 1e10, 30)
+    for op in ("native_layer_norm", "gelu_backward", "mul", "some_new_op", "_log_softmax"):
+        for backward in (False, True):
+            t = h200.memory_op_time(op, nbytes, backward)
+            assert np.all(np.diff(t) > 0)
+            assert np.all(t >= h200.memory_ops.floor_s)
+    assert 1e-6 <= h200.memory_ops.floor_s <= 10e-6
+    assert h200.memory_op_time("gelu", 0) == 0.0
+    # big copies run near the measured copy bandwidth, never above the datasheet HBM
+    t = h200.memory_op_time("copy_", 4e9)
+    assert 4e9 / h200.hbm_bandwidth < t < 1.3 * 4e9 / h200.hbm_bandwidth
+
+
+def test_op_names_map_to_classes():
+    assert op_class("native_layer_norm") == "layernorm"
+    assert op_class("native_layer_norm_backward") == "layernorm"
+    assert op_class("_fused_rms_norm") == "rmsnorm"
+    assert op_class("aten::add.Tensor") == "binary"
+    assert op_class("add_") == "binary"
+    assert op_class("silu_backward") == "swiglu"
+    assert op_class("_softmax_backward_data") == "softmax"
+    assert op_class("nll_loss_forward") == "cross_entropy"
+    assert op_class("native_dropout") == "dropout"
+    assert op_class("copy_") == "copy"
+    assert op_class("rsqrt") == "elementwise"
+    assert op_class("totally_unknown_op") == "elementwise"
+
+
+def test_measured_classes_have_own_bandwidths(h200):
+    bw = h200.memory_ops.bandwidth
+    assert bw["layernorm"]["bwd"] < bw["gelu"]["bwd"]  # LN backward makes two passes
+    for c in ("layernorm", "rmsnorm", "gelu", "swiglu", "dropout", "binary", "cross_entropy"):
+        assert "measured" in h200.memory_ops.sources[c]
+        for d in ("fwd", "bwd"):
+            assert 0.2e12 < bw[c][d] <= h200.hbm_bandwidth
+
+
+# ---------------------------------------------------------------------------- host-bound regime
+def test_stream_time_long_kernels_is_their_sum(h200):
+    k = np.full(10, 1e-3)
+    assert h200.stream_time(k) == pytest.approx(k.sum())
+    assert h200.stream_time(k, backward=True) == pytest.approx(k.sum())
+
+
+def test_stream_time_tiny_kernels_is_host_bound(h200):
+    n = 50
+    for backward in (False, True):
+        h = h200.host_overhead(backward)
+        t = h200.stream_time(np.full(n, 1e-7), backward=backward)
+        assert (n - 1) * h < t < n * h
+    assert h200.host.bwd_op_s > h200.host.fwd_op_s
+
+
+def test_stream_time_vectorized_and_matches_recursion():
+    rng = np.random.default_rng(0)
+    k = rng.uniform(0, 40e-6, size=(4, 3, 25))
+    h = 15e-6
+    got = stream_time(k, h)
+    assert got.shape == (4, 3)
+    for idx in np.ndindex(4, 3):
+        end = 0.0
+        for i, ki in enumerate(k[idx]):
+            end = max(i * h, end) + ki
+        assert got[idx] == pytest.approx(end)
+    # per-op host overheads
+    per_op = np.array([1e-3, 0.0, 0.0])
+    assert stream_time([1e-6, 1e-6, 1e-6], per_op) == pytest.approx(1e-3 + 1e-6)
+    assert stream_time(np.zeros((2, 0)), h).shape == (2,)
+
+
+def test_host_calibration_is_plausible(h200):
+    assert 5e-6 <= h200.host.fwd_op_s <= 30e-6
+    assert 10e-6 <= h200.host.bwd_op_s <= 60e-6
+    assert h200.host.backward_call_s > 0
+
+
+# ---------------------------------------------------------------------------- build
+@needs_data
+def test_shipped_profiles_match_a_fresh_build():
+    from mist.hardware.build import build_all
+
+    fresh = build_all(DATA)
+    for name, p in fresh.items():
+        shipped = load_profile(name)
+        np.testing.assert_allclose(shipped.gemm.times_s, p.gemm.times_s, rtol=1e-4)
+        np.testing.assert_allclose(shipped.attention.bwd_s, p.attention.bwd_s, rtol=1e-4)
+        assert shipped.memory_bytes == p.memory_bytes
+        assert shipped.provenance == p.provenance

@@ -251,7 +251,7 @@ def test_stream_time_vectorized_and_matches_recursion():
         assert got[idx] == pytest.approx(end)
     # per-op host overheads
     per_op = np.array([1e-3, 0.0, 0.0])
-    assert stream_time([1e-6, 1e-6, 1e-6], per_op) == pytest.approx(1e-3 + 1e-6)
+    assert stream_time([1e-6, 1e-6, 1e-6], per_op) == pytest.approx(1e-3 + 2e-6)
     assert stream_time(np.zeros((2, 0)), h).shape == (2,)
 
 

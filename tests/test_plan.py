@@ -1,0 +1,96 @@
+"""Plan validation and (de)serialization: every invariant violation has its own message."""
+
+import copy
+import json
+
+import pytest
+
+from mist.errors import MistInputError
+from mist.plan import load_plan, plan_from_dict
+
+GOOD = {
+    "model": "gpt3-1.3b",
+    "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 4},
+    "training": {"seq_len": 2048, "global_batch": 32, "flash_attention": True},
+    "micro_batches": 8,
+    "stages": [
+        {"layers": 13, "nodes": 1, "gpus_per_node": 2, "micro_batch": 2, "dp": 2, "tp": 1, "zero": 1,
+         "recompute_layers": 5, "offload": {"optimizer": 0.5}},
+        {"layers": 11, "nodes": 1, "gpus_per_node": 2, "micro_batch": 4, "dp": 1, "tp": 2, "zero": 0,
+         "recompute_layers": 0},
+    ],
+}
+
+
+def mutate(**changes):
+    d = copy.deepcopy(GOOD)
+    for path, v in changes.items():
+        keys = path.split("__")
+        tgt = d
+        for k in keys[:-1]:
+            tgt = tgt[int(k)] if k.isdigit() else tgt[k]
+        last = keys[-1]
+        if v is KeyError:
+            del tgt[last]
+        else:
+            tgt[int(last) if last.isdigit() else last] = v
+    return d
+
+
+def test_good_plan_roundtrips(tmp_path):
+    p = plan_from_dict(GOOD)
+    assert p.num_stages == 2 and p.stages[0].offload.optimizer == 0.5
+    for name in ("p.json", "p.yaml"):
+        f = tmp_path / name
+        p.save(f)
+        q = load_plan(f)
+        assert q.to_dict() == p.to_dict()
+    assert "stage 1: 11 layers" in p.summary()
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"stages__0__micro_batch": 3}, "not the global batch"),
+    ({"stages__1__tp": 1}, "does not equal"),
+    ({"stages__0__layers": 12}, "hold 23 layers"),
+    ({"cluster__gpus_per_node": 8}, "cluster has 8"),
+    ({"stages__0__recompute_layers": 14}, "exceeds"),
+    ({"stages__0__offload": {"optimizer": 1.5}}, "ratio in [0, 1]"),
+    ({"stages__0__offload": {"grads": -0.1}}, "ratio in [0, 1]"),
+    ({"cluster__nodes": 2, "cluster__gpus_per_node": 2, "stages__1__nodes": 2,
+      "stages__1__gpus_per_node": 1}, "does not cross a node"),
+    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 15, "num_kv_heads": 15,
+                "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}}, "divisible"),
+    ({"stages__0__zero": 4}, "zero must be"),
+    ({"micro_batches": 0}, "at least 1"),
+    ({"stages": []}, "non-empty"),
+    ({"cluster": KeyError}, "missing field 'cluster'"),
+    ({"stages__0__dp": KeyError}, "missing field(s) dp"),
+    ({"stages__0__pipeline": 3}, "unknown field"),
+    ({"model": "nope-7b"}, "Unknown model"),
+])
+def test_each_violation_has_its_message(changes, needle):
+    with pytest.raises(MistInputError) as e:
+        plan_from_dict(mutate(**changes))
+    msg = str(e.value)
+    assert needle in msg, msg
+    assert msg.endswith(".") and "\n" not in msg
+
+
+def test_tp_must_divide_heads():
+    d = mutate(model={"family": "gpt", "num_layers": 24, "hidden_size": 2040, "num_heads": 15,
+                      "num_kv_heads": 15, "ffn_hidden_size": 8160, "vocab_size": 50304,
+                      "tie_embeddings": False})
+    with pytest.raises(MistInputError, match="tp 2 does not divide the model's 15 attention heads"):
+        plan_from_dict(d)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(MistInputError, match="does not exist"):
+        load_plan(tmp_path / "none.json")
+    f = tmp_path / "bad.json"
+    f.write_text("{not json")
+    with pytest.raises(MistInputError, match="not valid JSON"):
+        load_plan(f)
+    f.write_text(json.dumps([1, 2]))
+    with pytest.raises(MistInputError, match="mapping"):
+        load_plan(f)

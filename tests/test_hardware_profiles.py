@@ -165,7 +165,7 @@ def test_h200_attention_reproduces_table(h200):
         assert h200.attention_time(*args, backward=False) == pytest.approx(r["fwd_ms"] * 1e-3, rel=0.02)
         bwd = h200.attention_time(*args, backward=True)
         assert bwd == pytest.approx(max(r["bwd_ms"] * 1e-3 - e_call, r["fwd_ms"] * 1e-3), rel=0.02)
-        if r["bwd_ms"] > 1.0:  # GPU-bound rows: the table itself
+        if r["bwd_ms"] > 5.0:  # long GPU-bound rows: the table itself
             assert bwd == pytest.approx(r["bwd_ms"] * 1e-3, rel=0.02)
 
 

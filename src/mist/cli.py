@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)
     except MistInputError as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)

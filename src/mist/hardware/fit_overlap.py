@@ -266,13 +266,17 @@ def fit_internode(layouts: list[Layout], intra_busbw) -> dict | None:
 # ---- p2p ----------------------------------------------------------------------------------------
 
 def read_p2p(path: Path):
-    """(bytes, seconds) of a p2p_*.csv: row 1 sizes (MB = MiB), next rows GB/s (≈ MB/ms); all data
-    rows are used (A10G's inter-node file has three repeats)."""
-    rows = [r for r in csv.reader(path.open()) if r]
-    mb = np.array([float(v) for v in rows[0]])
+    """(bytes, seconds) of a p2p_*.csv: a row of sizes (MB = MiB), then a row of GB/s (≈ MB/ms). All
+    data rows are used; rows repeating the size header are skipped (A10G's inter-node file holds
+    three header + data pairs)."""
+    with path.open() as fh:
+        rows = [[float(v) for v in r] for r in csv.reader(fh) if r]
+    mb = np.array(rows[0])
     xs, ts = [], []
     for r in rows[1:]:
-        gbps = np.array([float(v) for v in r])
+        gbps = np.array(r)
+        if gbps.shape == mb.shape and np.array_equal(gbps, mb):
+            continue
         xs.append(mb * MIB)
         ts.append(mb / gbps / 1e3)  # MB / (GB/s) = ms, the reading Aceso uses (data/README.md §3.3)
     return np.concatenate(xs), np.concatenate(ts)
@@ -333,12 +337,6 @@ def build_dp_links(data: Path, fitted_internode: dict, g2g_intra: dict) -> dict:
         if gpu in DATASHEET_P2P_INTRA and "p2p_intra" not in e:
             a, bw, prov = DATASHEET_P2P_INTRA[gpu]
             e["p2p_intra"] = {"alpha_s": a, "bw_Bps": _sig(bw), "provenance": prov}
-        if gpu == "v100-sxm2-16gb" and "p2p_intra" not in e:
-            p = Path(data) / "gpus" / "v100-sxm2-32gb" / "op-profiles" / "p2p_intra_node.csv"
-            if p.is_file():
-                e["p2p_intra"] = fit_p2p(p)
-                e["p2p_intra"]["provenance"] = "proxy: V100-SXM2-32GB p2p_intra_node.csv (same NVLink 2 " \
-                                               "board family); " + e["p2p_intra"]["provenance"]
         if gpu == "a10g" and "internode" not in e and "p2p_inter" in e:
             e["internode"] = {"alpha_s": e["p2p_inter"]["alpha_s"], "nic_Bps_per_node": e["p2p_inter"]["bw_Bps"],
                               "provenance": "inferred: node NIC rate taken as the single-pair inter-node p2p "
@@ -349,6 +347,13 @@ def build_dp_links(data: Path, fitted_internode: dict, g2g_intra: dict) -> dict:
                                                   "(all groups of the node active), {k: [alpha_s, busbw_Bps]}"}
         out[gpu] = e
     return out
+
+
+def dumps(doc) -> str:
+    """Indented JSON with lists of numbers kept on one line (small, diff-friendly files)."""
+    text = json.dumps(doc, indent=1, ensure_ascii=False)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]",
+                  text) + "\n"
 
 
 # ---- per-GPU driver -----------------------------------------------------------------------------
@@ -365,10 +370,16 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
             "least squares (pairs → triples → four-set, bounds [1, 50]) on the mixed rows with std/mean ≤ 0.1; "
             "standalone inputs = measured compute-alone and predicted comm times")
     model = fit_factors(X, y, gpu, prov)
-    errs = {"fitted": rel_errors(overlap_time(X, model), y),
+    pred = overlap_time(X, model)
+    k_act = (X > 0).sum(1)
+    errs = {"fitted": rel_errors(pred, y),
             "serial_sum": rel_errors(X.sum(1), y),
             "max": rel_errors(X.max(1), y),
             "pairs_additive": rel_errors(overlap_time(X, _pairs_additive(model)), y)}
+    errs["fitted"]["median_by_active_channels"] = {
+        str(k): rel_errors(pred[k_act == k], y[k_act == k])["median"] for k in (2, 3, 4) if (k_act == k).any()}
+    errs["fitted"]["rows_dropped_std"] = int(sum(
+        ((L.active().sum(1) >= 2) & (L.rel_std > STD_MAX)).sum() for L in layouts))
     if loo and len(layouts) > 1:
         preds, meas, per = [], [], {}
         for i, L in enumerate(layouts):
@@ -429,12 +440,12 @@ def main(argv=None):
         doc = fit_gpu(Path(a.data), gpu, loo=not a.no_loo)
         intra[gpu] = doc.pop("_intra_tab")
         internode[gpu] = doc.get("internode")
-        (out / f"{gpu}.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        (out / f"{gpu}.json").write_text(dumps(doc))
         e = doc["fit_errors"]
         line = "  ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in e.items())
         print(f"{gpu}: median/mean rel. error  {line}")
     dp = build_dp_links(Path(a.data), internode, {g: t for g, t in intra.items() if t})
-    (out / "dp_links.json").write_text(json.dumps(dp, indent=1, ensure_ascii=False) + "\n")
+    (out / "dp_links.json").write_text(dumps(dp))
     print(f"wrote {out}/dp_links.json for {', '.join(dp)}")
 
 

@@ -35,7 +35,8 @@ class GemmTable:
     extra: dict = field(default_factory=dict)  # fit parameters etc., kept for provenance
 
     def __post_init__(self) -> None:
-        self.times_s = np.asarray(self.times_s, dtype=float)
+        self.times_s = np.array(self.times_s, dtype=float)
+        self.times_s.flags.writeable = False
         self._grid = LogGrid(
             [self.m_axis, self.n_axis, self.k_axis], self.times_s, (1.0, 1.0, 1.0), self.floor_s
         )
@@ -45,7 +46,7 @@ class GemmTable:
         m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
         t = self._grid(m * batch, n, k)
         bytes_moved = self.element_bytes * batch * (m * k + n * k + m * n)
-        return np.maximum(t, bytes_moved / self.roofline_bandwidth)
+        return np.where(t > 0, np.maximum(t, bytes_moved / self.roofline_bandwidth), 0.0)
 
     def flops_rate(self, m, n, k, batch=1) -> np.ndarray:
         """Achieved FLOP/s (2·m·n·k·batch / time)."""

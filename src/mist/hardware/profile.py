@@ -55,17 +55,18 @@ class GpuProfile:
     notes: list = field(default_factory=list)
 
     # ------------------------------------------------------------------ predictors
+    # Scalars in give a numpy float64 out (a Python float subclass); arrays give arrays.
     def gemm_time(self, m, n, k, batch=1):
         """y[m,n] = x[m,k] @ w[n,k]^T; `batch` independent GEMMs of that shape (bmm)."""
-        return self.gemm.time(m, n, k, batch)
+        return _out(self.gemm.time(m, n, k, batch))
 
     def attention_time(self, b, heads, kv_heads, s, d, causal=True, backward=False):
-        """Fused flash SDPA kernel alone (forward or backward)."""
-        return self.attention.time(b, heads, kv_heads, s, d, causal, backward)
+        """Fused flash SDPA kernel alone (forward or backward); GQA costs as MHA at `heads`."""
+        return _out(self.attention.time(b, heads, kv_heads, s, d, causal, backward))
 
     def memory_op_time(self, op, bytes_moved, backward=False):
-        """Memory-bound kernel of aten op `op` moving `bytes_moved` (read + written)."""
-        return self.memory_ops.time(op, bytes_moved, backward)
+        """Memory-bound kernel of aten op `op` (a str) moving `bytes_moved` (read + written)."""
+        return _out(self.memory_ops.time(op, bytes_moved, backward))
 
     def stream_time(self, kernel_times, backward=False, host_overhead=None):
         """End of the last kernel when the host issues them every h seconds (see `host`).
@@ -74,7 +75,7 @@ class GpuProfile:
         profile's per-op value (scalar or per-op array).
         """
         h = self.host.per_op(backward) if host_overhead is None else host_overhead
-        return stream_time(kernel_times, h)
+        return _out(stream_time(kernel_times, h))
 
     # ------------------------------------------------------------------ extras
     def host_overhead(self, backward=False) -> float:
@@ -83,7 +84,7 @@ class GpuProfile:
     def adam_time(self, params, on_cpu=False):
         """Seconds of one fp32 AdamW step over `params` parameters."""
         rate = self.adam_cpu_s_per_param if on_cpu else self.adam_gpu_s_per_param
-        return np.asarray(params, dtype=float) * rate
+        return _out(np.asarray(params, dtype=float) * rate)
 
     def summary(self) -> str:
         gib = self.memory_bytes / 2**30
@@ -134,6 +135,11 @@ class GpuProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(self.to_dict()))
         return path
+
+
+def _out(x):
+    """0-d arrays -> numpy float64 scalars; other arrays unchanged."""
+    return np.asarray(x)[()]
 
 
 def dumps(d: dict) -> str:

@@ -53,6 +53,7 @@ class LayerAnalysis:
     fwd_live: list                     # live activation bytes at each forward op (peak = max)
     bwd_live: list                     # ... at each backward / recompute op
     flops: dict = field(default_factory=dict)   # phase -> sympy FLOPs
+    unit_batch: "LayerAnalysis | None" = None   # the exact b = 1 trace (memory at b = 1)
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -66,17 +67,24 @@ class LayerAnalysis:
         vals = self._fn(key, exprs)(b, s)
         return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), b.shape) for v in vals])
 
+    def _mem(self, key: str, exprs, b, s) -> np.ndarray:
+        v = self._eval(key, exprs(self), b, s).max(axis=0)
+        if self.unit_batch is not None and np.any(np.asarray(b) == 1):
+            v1 = self.unit_batch._eval(key, exprs(self.unit_batch), b, s).max(axis=0)
+            v = np.where(np.broadcast_to(np.asarray(b) == 1, v.shape), v1, v)
+        return v
+
     def saved(self, b, s) -> np.ndarray:
-        return self._eval("saved", [self.saved_bytes], b, s)[0]
+        return self._mem("saved", lambda a: [a.saved_bytes], b, s)
 
     def output(self, b, s) -> np.ndarray:
-        return self._eval("output", [self.output_bytes], b, s)[0]
+        return self._mem("output", lambda a: [a.output_bytes], b, s)
 
     def fwd_peak(self, b, s) -> np.ndarray:
-        return self._eval("fwd_live", self.fwd_live, b, s).max(axis=0)
+        return self._mem("fwd_live", lambda a: a.fwd_live, b, s)
 
     def bwd_peak(self, b, s) -> np.ndarray:
-        return self._eval("bwd_live", self.bwd_live, b, s).max(axis=0)
+        return self._mem("bwd_live", lambda a: a.bwd_live, b, s)
 
     def flops_of(self, phase: str, b, s) -> np.ndarray:
         return self._eval("flops_" + phase, [self.flops.get(phase, sympy.Integer(0))], b, s)[0]
@@ -122,11 +130,15 @@ def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
     spec.check_tp(tp)
-    return _analyze(spec, part, tp, flash, dtype, target, recompute and part == "block")
+    rc = recompute and part == "block"
+    la = _analyze(spec, part, tp, flash, dtype, target, rc, False)
+    if la.unit_batch is None:
+        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True)
+    return la
 
 
-@lru_cache(maxsize=256)
-def _analyze(spec, part, tp, flash, dtype, target, recompute) -> LayerAnalysis:
+@lru_cache(maxsize=512)
+def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
     tdtype = DTYPES[dtype]
     group = TPGroup(tp, 0, None)
     h = spec.hidden_size
@@ -166,7 +178,7 @@ def _analyze(spec, part, tp, flash, dtype, target, recompute) -> LayerAnalysis:
             label_recompute(trace, m)
         return m
 
-    trace, _ = run_trace(build_and_hook, make_inputs, forward, backward)
+    trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)
     records = trace.records
     _retarget(records, target)
     for r in records:

@@ -181,15 +181,21 @@ def _attention_params(name: str, args, kwargs, ex: _Expr) -> dict:
     return {"b": b, "heads": hq, "kv_heads": hk, "s": s, "d": d, "causal": causal}
 
 
-def _symbolic(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int) -> torch.Tensor:
-    """A fake tensor whose first `dynamic_dims` sizes are symbols (example values from `shape`)."""
+def _symbolic(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int,
+              unit_batch: bool = False) -> torch.Tensor:
+    """A fake tensor whose first `dynamic_dims` sizes are symbols (example values from `shape`);
+    with `unit_batch` the batch dimension is the constant 1 instead."""
+    if unit_batch:
+        shape = (1, *shape[1:])
     with unset_fake_temporarily():
         real = torch.zeros(shape, dtype=dtype)
     dyn = [DimDynamic.DYNAMIC] * dynamic_dims + [DimDynamic.STATIC] * (real.dim() - dynamic_dims)
+    if unit_batch:
+        dyn[0] = DimDynamic.STATIC
     return mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
 
 
-def run_trace(build, make_inputs, forward, backward) -> tuple[Trace, _Expr]:
+def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -> tuple[Trace, _Expr]:
     """Build a module and trace forward + backward with symbolic (b, s).
 
     build(trace):                the module (constructed under fake mode: no real memory).
@@ -197,6 +203,9 @@ def run_trace(build, make_inputs, forward, backward) -> tuple[Trace, _Expr]:
                                  first n dims are symbolic; the first input's dims 0, 1 are (b, s).
     forward(module, inputs):     the output (tensor) of the traced part.
     backward(output, inputs):    runs autograd from that output.
+    unit_batch:                  trace b = 1 exactly. PyTorch makes some reshapes views only
+                                 when a dimension is 1, so b = 1 can keep fewer copies than the
+                                 general symbolic b (e.g. the key in materialised attention).
     """
     trace = Trace()
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
@@ -204,10 +213,11 @@ def run_trace(build, make_inputs, forward, backward) -> tuple[Trace, _Expr]:
         module = build(trace)
         for p in module.parameters():
             trace.param_sids.add(_sid(p))
-        inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n))
+        inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n, unit_batch))
         subs = {}
         for t in inputs:  # every input is laid out [b, s, ...]
-            subs[t.shape[0].node.expr] = B
+            if not unit_batch:
+                subs[t.shape[0].node.expr] = B
             subs[t.shape[1].node.expr] = S
         ex = _Expr(subs)
         for t in inputs:

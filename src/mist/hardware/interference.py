@@ -184,20 +184,22 @@ def overlap_time(x, factors) -> np.ndarray:
         raise ValueError(f"x must have a last axis of length {len(CHANNELS)}, got shape {x.shape}")
     if np.any(x < 0):
         raise ValueError("standalone times must be ≥ 0")
-    bits = 1 << np.arange(len(CHANNELS))
-    t = np.zeros(x.shape[:-1])
+    shape = x.shape[:-1]
+    x = x.reshape(-1, len(CHANNELS))
+    bits = (1 << np.arange(len(CHANNELS))).astype(float)
+    t = np.zeros(x.shape[0])
     for _ in range(len(CHANNELS) - 1):  # each phase finishes ≥ 1 channel: ≤ 3 phases
         active = x > 0
         run = active.sum(axis=-1) >= 2
         if not run.any():
             break
-        f = table[(active * bits).sum(axis=-1)]  # (..., 4)
+        f = table[(active @ bits).astype(np.intp)]  # (..., 4); rows of sets with < 2 channels are 1
         y = x * f
-        delta = np.where(run, np.where(active, y, np.inf).min(axis=-1), 0.0)
-        left = np.where(active, (y - delta[..., None]) / f, x)
-        x = np.where(run[..., None], left, x)
-        t = t + delta
-    return t + x.sum(axis=-1)
+        delta = np.where(active, y, np.inf).min(axis=-1)
+        delta[~run] = 0.0  # ≤ 1 channel left: nothing to overlap (and x·1/1 leaves x unchanged)
+        x = np.where(active, (y - delta[..., None]) / f, x)
+        t += delta
+    return (t + x.sum(axis=-1)).reshape(shape)
 
 
 # ---- shipped fits and fallbacks --------------------------------------------------------------

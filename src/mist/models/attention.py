@@ -75,7 +75,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(hq // hk, dim=1)
             v = v.repeat_interleave(hq // hk, dim=1)
         s = q.shape[2]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        # scale q (b·heads·s·d) rather than the b·heads·s² scores; mask the scores in place
+        scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         return torch.matmul(probs, v)

@@ -92,10 +92,19 @@ class StageModel:
         return lt, inv.reshape(np.shape(b))
 
     def _coll(self, op, nbytes, dp, st: StageInput):
+        """DP-group collective; the group spans the stage's nodes (TP ranks are node-local)."""
         dp = _arr(dp)
-        nodes = np.minimum(st.nodes, np.ceil(dp * self.tp / st.gpus_per_node))
-        t = collective_time(self.profile.name, op, nbytes, dp, np.maximum(nodes, 1), st.gpus_per_node)
-        return np.where(dp > 1, t, 0.0)
+        nb = np.broadcast_to(_arr(nbytes), np.broadcast(dp, _arr(nbytes)).shape)
+        dpb = np.broadcast_to(dp, nb.shape)
+        out = np.zeros(nb.shape)
+        for n in np.unique(dpb):
+            if n <= 1:
+                continue
+            sel = dpb == n
+            nodes = int(min(st.nodes, np.ceil(n * self.tp / st.gpus_per_node)))
+            out[sel] = collective_time(self.profile.name, op, nb[sel], int(n), max(nodes, 1),
+                                       st.cluster_gpus_per_node)
+        return out
 
     def _h2d(self, nbytes):
         return _arr(nbytes) / self.profile.h2d_bandwidth

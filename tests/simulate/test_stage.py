@@ -1,0 +1,103 @@
+"""Stage schedule and memory: breakdowns sum, and each knob moves time/memory the right way."""
+
+import time
+
+import numpy as np
+import pytest
+
+from mist.hardware import load_profile
+from mist.simulate.stage import StageInput, StageModel
+from mist.specs.presets import get_preset
+
+SPEC = get_preset("gpt3-1.3b")
+
+
+@pytest.fixture(scope="module")
+def l4_model():
+    return StageModel(SPEC, load_profile("l4"), tp=1, flash=True, seq=2048)
+
+
+def stage(**kw):
+    base = dict(first=True, last=False, index=0, num_stages=2, layers=np.array([12]),
+                recompute=np.array([0]), b=np.array([2]), dp=np.array([2]), tp=1, zero=np.array([1]),
+                wo=np.array([0.0]), go=np.array([0.0]), oo=np.array([0.0]), ao=np.array([0.0]), G=8,
+                nodes=1, gpus_per_node=2, cluster_gpus_per_node=4)
+    base.update({k: (np.array([v]) if k in ("layers", "recompute", "b", "dp", "zero", "wo", "go", "oo", "ao")
+                     and not isinstance(v, np.ndarray) else v) for k, v in kw.items()})
+    return StageInput(**base)
+
+
+def one(r, field):
+    return float(np.asarray(getattr(r, field))[0])
+
+
+def test_breakdowns_sum(l4_model):
+    for kw in ({}, dict(zero=3, wo=0.5, go=0.5, oo=0.75, ao=0.25, recompute=4), dict(last=True, first=False, index=1)):
+        r = l4_model.evaluate(stage(**kw))
+        assert sum(float(v[0]) for v in r.time_breakdown.values()) == pytest.approx(one(r, "T"), rel=1e-9)
+        assert sum(float(v[0]) for v in r.memory_breakdown.values()) == pytest.approx(one(r, "peak"), rel=1e-9)
+        assert sum(float(v[0]) for v in r.delta_breakdown.values()) == pytest.approx(one(r, "D"), rel=1e-9)
+        assert min(float(v[0]) for v in r.memory_breakdown.values()) >= 0
+
+
+def test_zero_levels_shrink_memory(l4_model):
+    peaks = [one(l4_model.evaluate(stage(zero=z)), "peak") for z in (0, 1, 2, 3)]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+
+
+def test_recompute_trades_time_for_memory(l4_model):
+    a, b = l4_model.evaluate(stage(recompute=0)), l4_model.evaluate(stage(recompute=12))
+    assert one(b, "peak") < one(a, "peak")
+    assert one(b, "T") > one(a, "T")
+    assert float(b.time_breakdown["recompute_s"][0]) > 0 == float(a.time_breakdown["recompute_s"][0])
+
+
+@pytest.mark.parametrize("knob", ["wo", "go", "oo", "ao"])
+def test_offload_frees_memory_and_never_speeds_up(l4_model, knob):
+    a = l4_model.evaluate(stage())
+    b = l4_model.evaluate(stage(**{knob: 1.0}))
+    assert one(b, "peak") < one(a, "peak")
+    assert one(b, "T") + one(b, "D") >= one(a, "T") + one(a, "D") - 1e-12
+
+
+def test_optimizer_offload_cost_is_one_off(l4_model):
+    a = l4_model.evaluate(stage(oo=0.0))
+    b = l4_model.evaluate(stage(oo=1.0))
+    assert one(b, "T") == pytest.approx(one(a, "T"), rel=1e-9)
+    assert one(b, "D") > one(a, "D")
+
+
+def test_earlier_stages_hold_more_micro_batches(l4_model):
+    first = l4_model.evaluate(stage(index=0, num_stages=4, first=False))
+    later = l4_model.evaluate(stage(index=3, num_stages=4, first=False, last=False))
+    assert one(first, "peak") > one(later, "peak")
+
+
+def test_without_data_parallelism_the_one_off_is_the_optimizer_step(l4_model):
+    a = l4_model.evaluate(stage(dp=1, b=4, zero=0))
+    prof = l4_model.profile
+    params = 12 * SPEC.block_params() + SPEC.embedding_params()
+    assert float(a.delta_breakdown["last_microbatch_reduction_s"][0]) == 0.0
+    assert one(a, "D") == pytest.approx(prof.adam_gpu_s_per_param * params, rel=0.02)
+
+
+def test_vectorized_matches_scalar(l4_model):
+    zs = np.array([0, 1, 2, 3, 1])
+    oos = np.array([0, 0, 0.5, 1.0, 0.25])
+    rv = l4_model.evaluate(stage(zero=zs, oo=oos))
+    for i in range(len(zs)):
+        rs = l4_model.evaluate(stage(zero=int(zs[i]), oo=float(oos[i])))
+        assert float(rv.T[i]) == pytest.approx(one(rs, "T"))
+        assert float(rv.peak[i]) == pytest.approx(one(rs, "peak"))
+
+
+def test_many_candidates_fast(l4_model):
+    n = 20000
+    rng = np.random.default_rng(0)
+    st = stage(zero=rng.integers(0, 4, n), wo=rng.choice([0, .5, 1], n), go=rng.choice([0, .5, 1], n),
+               oo=rng.random(n), ao=rng.random(n), recompute=rng.integers(0, 13, n))
+    l4_model.evaluate(st)  # warm the traces
+    t = time.perf_counter()
+    r = l4_model.evaluate(st)
+    assert r.T.shape == (n,)
+    assert time.perf_counter() - t < 5.0

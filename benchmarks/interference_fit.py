@@ -1,6 +1,6 @@
 """Fit-error table of the interference model and the fitted communication bandwidths.
 
-    PYTHONPATH=src python benchmarks/interference_fit.py [--data /work/shared/data] [--shipped]
+    PYTHONPATH=src python benchmarks/interference_fit.py [--data ../shared/data] [--shipped]
 
 Refits every GPU with overlap-benchmark data (mist.hardware.fit_overlap.fit_gpu, including the
 leave-one-layout-out refits) and checks the refit against the shipped `overlap/<gpu>.json`; with
@@ -33,7 +33,7 @@ def _gb(x):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="/work/shared/data")
+    ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--shipped", action="store_true", help="report the shipped files, no refit")
     ap.add_argument("-o", "--out", default=str(ROOT / "results" / "interference_fit.md"))
     a = ap.parse_args(argv)

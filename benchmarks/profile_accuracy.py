@@ -7,7 +7,7 @@
 * H200: drop each GEMM-grid / attention-table node and predict it from its grid neighbours (what
   a lookup between nodes does); drop each bandwidth-bound elementwise row and refit its class.
 
-    python benchmarks/profile_accuracy.py [--data /work/shared/data] [--out benchmarks/results/profile_accuracy.md]
+    python benchmarks/profile_accuracy.py [--data ../shared/data] [--out benchmarks/results/profile_accuracy.md]
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def report(data: Path) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIST_SHARED_DATA", "/work/shared/data")))
+    ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIST_SHARED_DATA", "../shared/data")))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "profile_accuracy.md")
     args = ap.parse_args(argv)
     text = report(args.data)

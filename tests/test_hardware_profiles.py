@@ -12,7 +12,7 @@ from mist.errors import MistInputError
 from mist.hardware import available_profiles, load_profile, op_class
 from mist.hardware.host import stream_time
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # shared/ beside the checkout
 H200_DATA = DATA / "gpus" / "h200"
 needs_data = pytest.mark.skipif(not H200_DATA.is_dir(), reason="shared measurement data not available")
 

@@ -18,7 +18,7 @@ from mist.hardware.interference import (
 )
 
 FITTED = ("l4", "a100-sxm4-40gb", "v100-sxm2-16gb")
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # shared/ beside the checkout
 
 
 # ---- estimator --------------------------------------------------------------------------------

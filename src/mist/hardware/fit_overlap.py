@@ -1,6 +1,6 @@
 """Fit the interference factors and communication models from the Mist artifact's overlap benchmark.
 
-    python -m mist.hardware.fit_overlap --data /work/shared/data -o src/mist/hardware/overlap
+    python -m mist.hardware.fit_overlap --data ../shared/data -o src/mist/hardware/overlap
 
 Input: `data/gpus/<gpu>/overlap-bench/bandwidth-<gpu>-n<nodes>-m<gpus>-intra<k>-inter<j>.json`
 (data/README.md §4; the merged file is skipped, it is the union of the per-layout files). Every value
@@ -428,7 +428,7 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="/work/shared/data")
+    ap.add_argument("--data", default="../shared/data")
     ap.add_argument("-o", "--out", default="src/mist/hardware/overlap")
     ap.add_argument("--gpus", nargs="*", default=list(OVERLAP_GPUS))
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-layout-out refits")

@@ -15,6 +15,7 @@ import numpy as np
 import sympy
 import torch
 
+from mist.analysis import disk_cache
 from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, S, OpRecord
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
@@ -57,6 +58,12 @@ class LayerAnalysis:
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_fns"] = {}
+        d["unit_batch"] = None  # cached under its own key
+        return d
+
     def _fn(self, key: str, exprs):
         if key not in self._fns:
             self._fns[key] = sympy.lambdify((B, S), list(exprs), modules="numpy")
@@ -139,6 +146,16 @@ def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool
 
 @lru_cache(maxsize=512)
 def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
+    key = (spec, part, tp, flash, dtype, target, recompute, unit_batch)
+    hit = disk_cache.load(key)
+    if hit is not None:
+        return hit
+    la = _trace_and_analyze(*key)
+    disk_cache.store(key, la)
+    return la
+
+
+def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
     tdtype = DTYPES[dtype]
     group = TPGroup(tp, 0, None)
     h = spec.hidden_size

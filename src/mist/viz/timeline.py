@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LANES = ("compute", "collectives", "swap-in", "swap-out")
 CHANNEL_OF = {"collectives": "G2G", "swap-in": "C2G", "swap-out": "G2C"}
+# forward, backward, first micro-batch's one-off (optimizer step), last one's (final reduction)
+COLORS = {"F": "tab:blue", "B": "tab:orange", "X": "tab:green", "Y": "tab:purple"}
 
 
 def draw_timeline(sim: dict, path: str, title: str = "") -> None:
@@ -26,19 +28,19 @@ def draw_timeline(sim: dict, path: str, title: str = "") -> None:
             for (st, kind, m, start, end) in events:
                 if st != i:
                     continue
-                color = "tab:blue" if kind == "F" else "tab:orange"
+                color = COLORS[kind]
                 if lane == "compute":
                     ax.broken_barh([(start, end - start)], (y, 0.8), facecolors=color, edgecolor="white", linewidth=0.3)
                     if end - start > sim["iteration_time_s"] / 60:
                         ax.text((start + end) / 2, y + 0.4, f"{kind}{m}", ha="center", va="center", fontsize=6, color="white")
-                else:
+                elif kind in ("F", "B"):
                     vol = channels[i][CHANNEL_OF[lane]] / 2
                     if vol > 0:
                         ax.broken_barh([(start, min(vol, end - start))], (y, 0.8), facecolors=color, alpha=0.5)
     ax.set_yticks(ytick)
     ax.set_yticklabels(ylab, fontsize=7)
     ax.set_xlabel("time (s)")
-    ax.set_title(title or f"one iteration: {sim['iteration_time_s'] * 1e3:.1f} ms (blue forward, orange backward)")
+    ax.set_title(title or f"one iteration: {sim['iteration_time_s'] * 1e3:.1f} ms (blue forward, orange backward, green optimizer step, purple final reduction)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,69 @@
+"""`mist simulate` end to end on example plans."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from mist.cli import main
+from mist.hardware import load_profile
+from mist.plan import load_plan
+from mist.simulate.plan_sim import simulate_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_json(args, capsys):
+    main(args)
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["gpt3-1.3b-2xl4-pp2.json", "llama-7b-8xl4-mixed.json"])
+def test_simulate_json_keys_and_sums(name, capsys, tmp_path):
+    png = tmp_path / "t.png"
+    r = run_json(["simulate", str(EXAMPLES / name), "--json", "--timeline", str(png)], capsys)
+    for k in ("iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "mfu", "fits", "stages"):
+        assert k in r
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for s in r["stages"]:
+        for k in ("stable_time_s", "delta_time_s", "peak_memory_bytes", "memory_breakdown", "time_breakdown"):
+            assert k in s
+        assert sum(s["memory_breakdown"].values()) == pytest.approx(s["peak_memory_bytes"], abs=8)
+        assert sum(s["time_breakdown"].values()) == pytest.approx(s["stable_time_s"], rel=1e-9)
+    assert 0 < r["mfu"] < 1
+    assert r["throughput_samples_per_s"] == pytest.approx(load_plan(EXAMPLES / name).training.global_batch
+                                                         / r["iteration_time_s"])
+
+
+def test_one_plan_simulates_well_under_a_second():
+    plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
+    prof = load_profile("l4")
+    simulate_plan(plan, prof)  # traces (or cache) once
+    t = time.perf_counter()
+    simulate_plan(plan, prof)
+    assert time.perf_counter() - t < 0.5
+
+
+def test_plan_that_does_not_fit_names_stage_and_overshoot(tmp_path, capsys):
+    d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
+    d["model"] = "gpt3-7b"
+    d["stages"][0]["layers"] = 16
+    d["stages"][1]["layers"] = 16
+    d["stages"][0]["recompute_layers"] = 0
+    f = tmp_path / "big.json"
+    f.write_text(json.dumps(d))
+    r = run_json(["simulate", str(f), "--json"], capsys)
+    assert r["fits"] is False
+    assert any(msg.startswith("stage 0 needs") and "over the" in msg for msg in r["memory_problems"])
+
+
+def test_bad_plan_exits_2(tmp_path, capsys):
+    d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
+    d["micro_batches"] = 7
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", str(f)])
+    assert e.value.code == 2
+    assert "global batch" in capsys.readouterr().err

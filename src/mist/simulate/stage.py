@@ -55,6 +55,7 @@ class StageInput:
     nodes: int = 1         # nodes spanned by the stage mesh
     gpus_per_node: int = 1   # GPUs per node of the stage mesh
     cluster_gpus_per_node: int = 1
+    in_flight: int | None = None   # earlier micro-batches held (default: 1F1B's min(S−1−i, G−1))
 
 
 @dataclass
@@ -72,6 +73,7 @@ class StageResult:
     first_extra: np.ndarray = None  # the first micro-batch's extra forward time
     last_extra: np.ndarray = None   # the last micro-batch's extra backward time
     channels: dict = None           # standalone channel volumes of a stable micro-batch (seconds)
+    saved_per_microbatch: np.ndarray = None  # activations one in-flight micro-batch keeps
 
 
 def _arr(x):
@@ -79,7 +81,15 @@ def _arr(x):
 
 
 class StageModel:
-    """Cost model of stages for one (model, GPU, TP degree, attention kernel, sequence)."""
+    """Cost model of stages for one (model, GPU, TP degree, attention kernel, sequence).
+
+    `components` computes, for a batch of strategies, everything that does not depend on the
+    stage's layer count, recomputed blocks or in-flight micro-batches: per-layer times of each
+    micro-batch kind (interference applied), the stage's fixed terms (edges, embedding/head,
+    p2p) and per-layer memory. `compose` combines them for any (layers, recompute, in-flight),
+    which is plain arithmetic: the tuner composes one set of components over every split.
+    `evaluate` = compose(components).
+    """
 
     def __init__(self, spec, profile, tp: int, flash: bool, seq: int):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
@@ -118,12 +128,17 @@ class StageModel:
 
     # ------------------------------------------------------------------ stage
     def evaluate(self, st: StageInput) -> StageResult:
+        in_flight = (max(0, min(st.num_stages - 1 - st.index, st.G - 1)) if st.in_flight is None
+                     else st.in_flight)
+        comp = self.components(st)
+        return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G)
+
+    def components(self, st: StageInput) -> dict:
+        """Everything independent of layers, recomputed blocks and in-flight micro-batches."""
         prof = self.profile
-        b = _arr(st.b)
-        shape = np.broadcast(b, _arr(st.layers), _arr(st.dp), _arr(st.zero), _arr(st.wo), _arr(st.go),
-                             _arr(st.oo), _arr(st.ao), _arr(st.recompute)).shape
-        bb = np.broadcast_to(b, shape)
-        L, c = np.broadcast_to(_arr(st.layers), shape), np.broadcast_to(_arr(st.recompute), shape)
+        shape = np.broadcast(_arr(st.b), _arr(st.dp), _arr(st.zero), _arr(st.wo), _arr(st.go),
+                             _arr(st.oo), _arr(st.ao)).shape
+        bb = np.broadcast_to(_arr(st.b), shape)
         dp, zero = np.broadcast_to(_arr(st.dp), shape), np.broadcast_to(_arr(st.zero), shape)
         wo, go, oo, ao = (np.broadcast_to(_arr(v), shape) for v in (st.wo, st.go, st.oo, st.ao))
         G = st.G
@@ -154,15 +169,14 @@ class StageModel:
         c2g_b_w = W / ws * wo + Gr / gs * go
         g2c_b = self._d2h(Gr / gs * go)
 
-        def layer_fwd(ck, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0, extra_g2c=0.0):
+        def layer_fwd(ck, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):
             act = A_ck if ck else A_full
-            return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g,
-                                 self._d2h(act * ao) + extra_g2c)
+            return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
 
         def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0):
             act = A_ck if ck else A_full
             comp = cb + (crc if ck else 0.0)
-            return self._overlap(comp, g2g_b + extra_g2g, self._h2d(c2g_b_w + act * ao), g2c_b + extra_g2c)
+            return self._overlap(comp, g2g_b + extra_g2g, self._h2d(c2g_b_w + act * ao), g2c_b + extra_g2c) + tpb
 
         # first micro-batch: lazy optimizer step per layer
         p_os = P / os_
@@ -174,29 +188,30 @@ class StageModel:
         final_red = np.where(zero == 1, rs_g, 0.0) + np.where(zero == 0, ar_g, 0.0)
         grads_out = self._d2h(GRAD_B * p_os * oo * (1 - go))
 
-        n_ck, n_no = c, L - c
-        stable_f = n_ck * layer_fwd(True) + n_no * layer_fwd(False)
-        stable_b = n_ck * layer_bwd(True) + n_no * layer_bwd(False)
-        first_layer = lambda ck: np.maximum(layer_fwd(ck, opt_gpu, regather, upd_in), opt_cpu)  # noqa: E731
-        first_f = n_ck * first_layer(True) + n_no * first_layer(False)
-        last_b = n_ck * layer_bwd(True, final_red, grads_out) + n_no * layer_bwd(False, final_red, grads_out)
-
+        comp = {"shape": shape, "G": G}
+        for ck, tag in ((True, "ck"), (False, "no")):
+            comp["f_" + tag] = layer_fwd(ck)
+            comp["b_" + tag] = layer_bwd(ck)
+            comp["first_" + tag] = np.maximum(layer_fwd(ck, opt_gpu, regather, upd_in), opt_cpu)
+            comp["last_" + tag] = layer_bwd(ck, final_red, grads_out)
         # edges: the first prefetch and the last reduction / swap-out have nothing to hide behind
-        edge_f = np.maximum(g2g_f, c2g_f)
-        edge_b = np.maximum(g2g_b, g2c_b)
-        edge_first = np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
-        edge_last = np.maximum(g2g_b + final_red, g2c_b + grads_out)
+        comp["edge_f"] = np.maximum(g2g_f, c2g_f)
+        comp["edge_b"] = np.maximum(g2g_b, g2c_b)
+        comp["edge_first"] = np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
+        comp["edge_last"] = np.maximum(g2g_b + final_red, g2c_b + grads_out)
+        comp["layer_compute"] = cf + cb
+        comp["layer_recompute"] = crc
+        comp["layer_tp"] = tpf + tpb
+        comp["layer_flops"] = g(blk.flops_fwd) + g(blk.flops_bwd)
+        comp["channels_layer"] = {
+            "G2G": g2g_f + g2g_b, "C2G": c2g_f + self._h2d(c2g_b_w),
+            "G2C": g2c_b, "act_ck": self._d2h(A_ck * ao), "act_no": self._d2h(A_full * ao)}
 
         # ---- pre / post layers (not offloaded; sharded like the stage)
-        pp_stable = np.zeros(shape)
-        pp_first = np.zeros(shape)
-        pp_last = np.zeros(shape)
-        pp_compute = np.zeros(shape)
-        pp_tp = np.zeros(shape)
-        pp_fwd = np.zeros(shape)
-        parts = [p for p, on in (("pre", st.first), ("post", st.last)) if on]
+        z = np.zeros(shape)
+        pp = {k: z.copy() for k in ("stable", "first", "last", "compute", "tp", "fwd", "flops")}
         pp_terms = {}
-        for part in parts:
+        for part in [p for p, on in (("pre", st.first), ("post", st.last)) if on]:
             lt, pix = self._terms(part, bb)
             pp_terms[part] = (lt, pix)
             Wp = WEIGHT_B * lt.params
@@ -207,113 +222,127 @@ class StageModel:
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
             g2g_s = np.where(sharded_w, 2 * agp, 0.0) + np.where(sharded_g, rsp, 0.0)
             stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
-            pp_stable += stable
-            pp_compute += f_c + b_c - tpp
-            pp_fwd += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-            pp_tp += tpp
-            p_os_pp = lt.params / os_
-            pp_first += np.maximum(0.0, prof.adam_gpu_s_per_param * p_os_pp
-                                   + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
-            pp_last += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
+            pp["stable"] += stable
+            pp["compute"] += f_c + b_c - tpp
+            pp["tp"] += tpp
+            pp["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
+            pp["first"] += (prof.adam_gpu_s_per_param * lt.params / os_
+                            + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
+            pp["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
+            pp["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
+        comp["pp"] = pp
 
         # ---- p2p activations / gradients at the stage boundaries (on the critical path)
-        out_bytes = g(blk.output)
-        p2p = np.zeros(shape)
+        p2p = z.copy()
         if st.num_stages > 1:
             n_recv = (0 if st.first else 1) + (0 if st.last else 1)
             # neighbouring stages sit on other nodes when a stage takes whole nodes
             cross = st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node
-            p2p = n_recv * collective_time(self.profile.name, "p2p", out_bytes, 2, 2 if cross else 1,
+            p2p = n_recv * collective_time(self.profile.name, "p2p", g(blk.output), 2, 2 if cross else 1,
                                            st.cluster_gpus_per_node)
+        comp["p2p"] = np.broadcast_to(p2p, shape)
 
-        T_stable = stable_f + stable_b + edge_f + edge_b + pp_stable + p2p
-        first_mb_f = first_f + edge_first + pp_first
-        last_mb_b = last_b + edge_last + pp_last
-        # the first/last micro-batch differ from a stable one only in their fwd / bwd halves
-        X = np.maximum(first_mb_f - (stable_f + edge_f), 0.0)   # first micro-batch's extra
-        Y = np.maximum(last_mb_b - (stable_b + edge_b), 0.0)    # last micro-batch's extra
-        if G == 1:  # the one micro-batch is both first and last
-            T = T_stable + X + Y
-            X, Y = np.zeros(shape), np.zeros(shape)
-        else:
-            T = T_stable
-        D = X + Y
-
-        compute = L * (cf + cb) + pp_compute
-        recompute = c * crc
-        tp = L * (tpf + tpb) + pp_tp
-        exposed = T - compute - recompute - tp - p2p
-        breakdown = {"compute_s": compute, "recompute_s": recompute, "tp_comm_s": tp,
-                     "exposed_transfers_s": exposed, "p2p_s": p2p}
-        delta_breakdown = {"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y}
-
-        mem = self._memory(st, shape, L, c, dp, zero, wo, go, oo, ao, blk, g, pp_terms, P)
-        flops = L * (g(blk.flops_fwd) + g(blk.flops_bwd))
-        for part, (lt, pix) in pp_terms.items():
-            flops = flops + lt.flops_fwd[pix] + lt.flops_bwd[pix]
-        fwd_part = stable_f + edge_f + pp_fwd + p2p / 2
-        channels = {
-            "G2G": L * (g2g_f + g2g_b),
-            "C2G": L * (c2g_f + self._h2d(c2g_b_w)) + (n_ck * self._h2d(A_ck * ao) + n_no * self._h2d(A_full * ao)),
-            "G2C": L * g2c_b + (n_ck * self._d2h(A_ck * ao) + n_no * self._d2h(A_full * ao)),
-        }
-        return StageResult(T=T, D=D, time_breakdown=breakdown, delta_breakdown=delta_breakdown,
-                           fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
-                           memory_breakdown=mem["breakdown"], flops_per_microbatch=flops,
-                           fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels)
-
-    # ------------------------------------------------------------------ memory
-    def _memory(self, st, shape, L, c, dp, zero, wo, go, oo, ao, blk, g, pp_terms, P):
-        ws = np.where(zero >= 3, dp, 1.0)
-        gs = np.where(zero >= 2, dp, 1.0)
-        os_ = np.where(zero >= 1, dp, 1.0)
-        W, Gr, O = WEIGHT_B * P, GRAD_B * P, OPT_B * P
-        weights = L * W / ws * (1 - wo)
-        grads = L * Gr / gs * (1 - go)
-        opt = L * O / os_ * (1 - oo)
+        # ---- memory components
+        layer_w, layer_g, layer_o = W / ws * (1 - wo), Gr / gs * (1 - go), O / os_ * (1 - oo)
+        pp_w, pp_g, pp_o = z.copy(), z.copy(), z.copy()
         w_max, g_max = W, Gr
         for part, (lt, pix) in pp_terms.items():
-            weights = weights + WEIGHT_B * lt.params / ws
-            grads = grads + GRAD_B * lt.params / gs
-            opt = opt + OPT_B * lt.params / os_
+            pp_w = pp_w + WEIGHT_B * lt.params / ws
+            pp_g = pp_g + GRAD_B * lt.params / gs
+            pp_o = pp_o + OPT_B * lt.params / os_
             w_max, g_max = max(w_max, WEIGHT_B * lt.params), max(g_max, GRAD_B * lt.params)
-        buffers = (2 * w_max * ((zero >= 3) | (wo > 0)) + 2 * g_max * ((zero >= 2) | (go > 0))).astype(np.float64)
-
-        A_f, A_c = g(blk.saved) * (1 - ao), g(blk.saved_ckpt) * (1 - ao)
-        blocks_saved = (L - c) * A_f + c * A_c
-        pre_saved = np.zeros(shape)
         x_in = g(blk.output)
-        if "pre" in pp_terms:
-            lt, pix = pp_terms["pre"]
-            pre_saved = lt.saved[pix]
-        last_ck = c >= 1
-        A_last = np.where(last_ck, A_c, A_f)
-        in_flight = max(0, min(st.num_stages - 1 - st.index, st.G - 1))
-        saved_mb = blocks_saved + pre_saved
-        p2p_buf = (2 * x_in) if st.num_stages > 1 else np.zeros(shape)
-        states = weights + grads + opt + buffers
-        base_act = in_flight * saved_mb + p2p_buf
-        cur_before_last = pre_saved + blocks_saved - A_last
-        fwd_last_peak = g(blk.fwd_peak)
-        bwd_last_peak = np.where(last_ck, g(blk.bwd_peak_ckpt), g(blk.bwd_peak))
-        ao_fetch = g(blk.saved) * ao  # the next layer's offloaded activations coming back
-        fwd_cands = [cur_before_last + x_in + fwd_last_peak]
-        bwd_cands = [cur_before_last + bwd_last_peak + ao_fetch]
+        pre_saved = pp_terms["pre"][0].saved[pp_terms["pre"][1]] if "pre" in pp_terms else z
+        post_fwd = post_bwd = None
         if "post" in pp_terms:
             lt, pix = pp_terms["post"]
-            fwd_cands.append(pre_saved + blocks_saved + x_in + lt.fwd_peak[pix])
-            bwd_cands.append(pre_saved + blocks_saved + lt.bwd_peak[pix])
+            post_fwd, post_bwd = lt.fwd_peak[pix], lt.bwd_peak[pix]
+        pre_peaks = None
         if "pre" in pp_terms:
             lt, pix = pp_terms["pre"]
-            fwd_cands.append(lt.fwd_peak[pix])
-            bwd_cands.append(lt.bwd_peak[pix])
-        fwd_act = np.max(np.stack(np.broadcast_arrays(*fwd_cands)), axis=0)
-        bwd_act = np.max(np.stack(np.broadcast_arrays(*bwd_cands)), axis=0)
-        fwd_peak = states + base_act + fwd_act
-        bwd_peak = states + base_act + bwd_act
-        peak = np.maximum(fwd_peak, bwd_peak)
-        act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
-        breakdown = {"weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": opt,
-                     "buffers_bytes": buffers, "activations_bytes": act_held,
-                     "transient_bytes": peak - states - act_held}
-        return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown}
+            pre_peaks = (lt.fwd_peak[pix], lt.bwd_peak[pix])
+        comp["mem"] = {
+            "layer_w": layer_w, "layer_g": layer_g, "layer_o": layer_o,
+            "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
+            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + 2 * g_max * ((zero >= 2) | (go > 0))).astype(np.float64),
+            "A_f": A_full * (1 - ao), "A_c": A_ck * (1 - ao), "pre_saved": pre_saved, "x_in": x_in,
+            "fwd_last_no": g(blk.fwd_peak), "fwd_last_ck": g(blk.fwd_peak),
+            "bwd_last_no": g(blk.bwd_peak), "bwd_last_ck": g(blk.bwd_peak_ckpt),
+            "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
+            "p2p_buf": (2 * x_in) if st.num_stages > 1 else z,
+            "opt_offloadable": O / os_,   # optimizer bytes per layer that oo = 1 would move to the host
+        }
+        return comp
+
+
+def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
+    """Stage time and memory of `L` layers with the last `c` recomputed and `in_flight` earlier
+    micro-batches held, from `components` (all arrays broadcast against each other)."""
+    L, c = _arr(L), _arr(c)
+    n_ck, n_no = c, L - c
+    pp = comp["pp"]
+    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"]
+    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"]
+    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"]
+    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"]
+    p2p = comp["p2p"]
+    T_stable = stable_f + stable_b + comp["edge_f"] + comp["edge_b"] + pp["stable"] + p2p
+    X = np.maximum(first_f + comp["edge_first"] + pp["first"] - (stable_f + comp["edge_f"]), 0.0)
+    Y = np.maximum(last_b + comp["edge_last"] + pp["last"] - (stable_b + comp["edge_b"]), 0.0)
+    fwd_part = stable_f + comp["edge_f"] + pp["fwd"] + p2p / 2
+    if G == 1:  # the one micro-batch is both first and last
+        T = T_stable + X + Y
+        X, Y = np.zeros_like(T), np.zeros_like(T)
+    else:
+        T = T_stable + 0.0 * X
+    D = X + Y
+    compute = L * comp["layer_compute"] + pp["compute"]
+    recompute = c * comp["layer_recompute"]
+    tp = L * comp["layer_tp"] + pp["tp"]
+    p2pb = np.broadcast_to(p2p, T.shape)
+    breakdown = {"compute_s": compute + 0 * T, "recompute_s": recompute + 0 * T, "tp_comm_s": tp + 0 * T,
+                 "exposed_transfers_s": T - compute - recompute - tp - p2pb, "p2p_s": p2pb + 0 * T}
+    ch = comp["channels_layer"]
+    channels = {"G2G": L * ch["G2G"], "C2G": L * ch["C2G"] + n_ck * ch["act_ck"] + n_no * ch["act_no"],
+                "G2C": L * ch["G2C"] + n_ck * ch["act_ck"] + n_no * ch["act_no"]}
+    mem = _memory(comp["mem"], L, c, in_flight)
+    flops = L * comp["layer_flops"] + pp["flops"]
+    return StageResult(T=T, D=D, time_breakdown=breakdown,
+                       delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
+                       fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
+                       memory_breakdown=mem["breakdown"], flops_per_microbatch=flops + 0 * T,
+                       fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
+                       saved_per_microbatch=mem["saved_per_microbatch"])
+
+
+def _memory(m: dict, L, c, in_flight) -> dict:
+    weights = L * m["layer_w"] + m["pp_w"]
+    grads = L * m["layer_g"] + m["pp_g"]
+    opt = L * m["layer_o"] + m["pp_o"]
+    buffers = m["buffers"]
+    ck = c >= 1  # the last block is checkpointed whenever any is
+    blocks_saved = (L - c) * m["A_f"] + c * m["A_c"]
+    A_last = np.where(ck, m["A_c"], m["A_f"])
+    saved_mb = blocks_saved + m["pre_saved"]
+    states = weights + grads + opt + buffers
+    base_act = in_flight * saved_mb + m["p2p_buf"]
+    cur_before_last = saved_mb - A_last
+    fwd_cands = [cur_before_last + m["x_in"] + np.where(ck, m["fwd_last_ck"], m["fwd_last_no"])]
+    bwd_cands = [cur_before_last + np.where(ck, m["bwd_last_ck"], m["bwd_last_no"]) + m["ao_fetch"]]
+    if m["post_fwd"] is not None:
+        fwd_cands.append(saved_mb + m["x_in"] + m["post_fwd"])
+        bwd_cands.append(saved_mb + m["post_bwd"])
+    if m["pre_peaks"] is not None:
+        fwd_cands.append(m["pre_peaks"][0] + 0 * saved_mb)
+        bwd_cands.append(m["pre_peaks"][1] + 0 * saved_mb)
+    fwd_act = np.max(np.stack(np.broadcast_arrays(*fwd_cands)), axis=0)
+    bwd_act = np.max(np.stack(np.broadcast_arrays(*bwd_cands)), axis=0)
+    fwd_peak = states + base_act + fwd_act
+    bwd_peak = states + base_act + bwd_act
+    peak = np.maximum(fwd_peak, bwd_peak)
+    act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
+    breakdown = {"weights_bytes": weights + 0 * peak, "grads_bytes": grads + 0 * peak,
+                 "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
+                 "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
+    return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown,
+            "saved_per_microbatch": saved_mb + 0 * peak}

@@ -83,6 +83,108 @@ def simulate(
     _print_simulation(p, res)
 
 
+def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash):
+    from mist.hardware import load_profile
+    from mist.specs.loading import load_model
+    from mist.specs.training import ClusterSpec, TrainingSpec
+
+    spec = load_model(model)
+    cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node)
+    training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash)
+    if spec.family == "gpt" and seq > spec.max_position_embeddings:
+        raise MistInputError(
+            f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
+    return spec, cluster, training, load_profile(gpu)
+
+
+def _progress_printer(enabled: bool):
+    if not enabled or not err.is_terminal:
+        return None, None
+    from rich.progress import Progress
+
+    prog = Progress(console=err, transient=True)
+    task = prog.add_task("tuning", total=None)
+
+    def update(done, total, best):
+        prog.update(task, completed=done, total=total,
+                    description=f"tuning (best {best * 1e3:.0f} ms)" if best < float("inf") else "tuning")
+    return prog, update
+
+
+@app.command()
+def tune(
+    model: str = typer.Option("gpt3-1.3b", help="Preset name, model file or HF config.json."),
+    gpu: str = typer.Option("l4", help="GPU name or profile JSON path."),
+    nodes: int = typer.Option(1, help="Nodes."),
+    gpus_per_node: int = typer.Option(2, "--gpus-per-node", help="GPUs per node."),
+    seq: int = typer.Option(2048, help="Sequence length."),
+    global_batch: int = typer.Option(32, "--global-batch", help="Global batch (sequences)."),
+    space: str = typer.Option("full", help="Search space: full, mist-paper, megatron, deepspeed, aceso."),
+    time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
+    output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
+    no_flash: bool = typer.Option(False, "--no-flash", help="Materialised attention instead of flash."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Find the fastest plan that fits, write it, and print its prediction."""
+    from mist.tune.run import ALL_SPACES, run_space
+
+    if space not in ALL_SPACES:
+        raise MistInputError(f"Unknown search space {space!r}; choose one of {', '.join(ALL_SPACES)}.")
+    if time_budget is not None and time_budget <= 0:
+        raise MistInputError(f"--time-budget must be positive, got {time_budget}.")
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash)
+    prog, update = _progress_printer(not as_json)
+    if prog is not None:
+        with prog:
+            res = run_space(space, spec, cluster, training, profile, time_budget, update)
+    else:
+        res = run_space(space, spec, cluster, training, profile, time_budget, None)
+    if res.plan is None:
+        raise MistInputError(res.infeasible_reason or "No plan fits.")
+    if output:
+        res.plan.save(output)
+    if as_json:
+        d = res.to_json()
+        d.pop("infeasible_reason", None)
+        print(json.dumps(d, indent=1))
+        return
+    out.print(f"searched the {res.space} space in {res.tuning_time_s:.1f} s "
+              f"({res.candidates_evaluated:,} candidates evaluated)" + (f"; plan written to {output}" if output else ""))
+    _print_simulation(res.plan, res.predicted)
+
+
+@app.command()
+def compare(
+    model: str = typer.Option("gpt3-1.3b", help="Preset name, model file or HF config.json."),
+    gpu: str = typer.Option("l4", help="GPU name or profile JSON path."),
+    nodes: int = typer.Option(1, help="Nodes."),
+    gpus_per_node: int = typer.Option(2, "--gpus-per-node", help="GPUs per node."),
+    seq: int = typer.Option(2048, help="Sequence length."),
+    global_batch: int = typer.Option(32, "--global-batch", help="Global batch (sequences)."),
+    time_budget: float = typer.Option(None, "--time-budget", help="Budget per search space (seconds)."),
+    no_flash: bool = typer.Option(False, "--no-flash", help="Materialised attention instead of flash."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Mist's plan against the best plan of each baseline's space, under the same cost model."""
+    from mist.tune.compare import compare_spaces
+
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash)
+    rows = compare_spaces(spec, cluster, training, profile, time_budget)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    t = Table(title=f"{spec.name} on {nodes}×{gpus_per_node} {profile.name}, seq {seq}, batch {global_batch}")
+    for col in ("space", "iteration (ms)", "samples/s", "Mist full speedup", "tuning (s)", "plan"):
+        t.add_column(col, justify="right" if col != "plan" else "left")
+    for r in rows["spaces"]:
+        it = r["iteration_time_s"]
+        t.add_row(r["space"], f"{it * 1e3:.1f}" if it else "no fit",
+                  f"{r['throughput_samples_per_s']:.2f}" if it else "-",
+                  f"{r['speedup_of_full']:.3f}×" if r.get("speedup_of_full") else "-",
+                  f"{r['tuning_time_s']:.1f}", r.get("plan_summary", r.get("infeasible_reason") or ""))
+    out.print(t)
+
+
 def _print_simulation(p, r: dict) -> None:
     out.print(p.summary())
     out.print(f"profile: {r['profile']}")

@@ -1,0 +1,407 @@
+"""Baseline search spaces — Megatron-LM, DeepSpeed, Aceso — costed by Mist's own simulator.
+
+Each baseline enumerates (or, for Aceso, walks) the plans its system can express and keeps the
+feasible one with the smallest predicted iteration time. Every candidate is costed exactly as
+`mist.simulate.plan_sim.simulate_plan` costs it — the same `StageModel` per stage, the same 1F1B
+closed form `pipeline.iteration_time`, the same allocator margin — with each stage's result
+memoized, because a candidate usually differs from the previous one in one or two stages. The
+winner is re-simulated with `simulate_plan`; should the memoized path ever disagree with it (the
+simulator changed under us), the search is rerun calling `simulate_plan` for every candidate.
+
+Rules shared by all three (reference/mist-system.md §13.4, the brief of this module):
+  * every stage has the same GPU count: S divides the world size; a stage's mesh is whole nodes
+    (nodes/S × gpus_per_node) when S ≤ nodes, else a power-of-two slice of one node
+    (1 × world/S); TP stays within a node and divides the heads, FFN and vocabulary;
+  * micro_batch × dp × G = global batch on every stage (G = gradient-accumulation steps);
+  * pipeline depth S is a power of two, at most the layer count.
+
+Megatron-LM (core_r0.4.0): power-of-two (dp, tp, pp), dp·tp·pp = world size; Megatron's own rule
+  for the layer split — pp must divide the layer count, every stage gets L/pp layers (core_r0.4.0
+  asserts it; uneven first/last stages came later); micro-batch ∈ {1, 2, 4, 8}; full recompute of
+  every layer on or off; the distributed optimizer (ZeRO-1) whenever dp > 1; no offload.
+DeepSpeed (0.12 + Megatron-DeepSpeed): pp ∈ powers of two, tp ∈ powers of two within a node
+  (tp = 1 is plain DeepSpeed, tp > 1 Megatron-DeepSpeed), dp the rest; layers split as
+  DeepSpeed's `partition_uniform` does (as even as possible, the first L mod S stages take one
+  more); ZeRO 0–3 (> 0 only when dp > 1); with pp > 1 only ZeRO 0/1 (DeepSpeed's pipeline engine
+  rejects ZeRO-2/3) and no offload; with pp = 1 also ZeRO-Offload (optimizer states to the CPU,
+  oo = 1, with ZeRO ≥ 1, or ZeRO-0 when dp = 1) and with ZeRO-3 ZeRO-Infinity (weights, grads and
+  optimizer states offloaded); micro-batch ∈ {1, 2, 4, 8, 16}; full recompute on or off.
+Aceso (EuroSys'24): iterative bottleneck alleviation per (S, b) configuration, S a power of two,
+  b ∈ {1, 2, 4, 8}. It starts balanced (uniform split as above, no recompute, tp 1, ZeRO-1 when
+  dp > 1) and repeatedly takes the bottleneck stage — the one furthest over memory if the plan
+  does not fit, else the one with the largest steady (stable) micro-batch time — and tries: move
+  its boundary layer to a neighbour (which recomputes it or not), change its recomputed blocks by
+  ±1 or ±2, toggle its recompute (none ↔ all), halve or double its tp (dp the other way, its
+  micro-batch rescaled so b·dp stays B/G). The best move is taken; a move that does not beat the
+  best plan so far is a "hop", and the walk ends after 7 hops in a row without improvement, when
+  no unvisited move is left, or at the time budget (200 s, or `time_budget`, shared among the
+  configurations). Stages may end with different tp/dp, recompute and layer counts. No offload.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from mist.errors import MistInputError
+from mist.plan import Offload, Plan, StageStrategy
+from mist.simulate.pipeline import iteration_time
+from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan, stage_inputs
+from mist.simulate.stage import StageModel
+from mist.specs.model import ModelSpec
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.result import TuneResult, public_prediction
+
+GiB = 2**30
+MEGATRON_MICRO_BATCHES = (1, 2, 4, 8)
+DEEPSPEED_MICRO_BATCHES = (1, 2, 4, 8, 16)
+ACESO_MICRO_BATCHES = (1, 2, 4, 8)
+ACESO_BUDGET_S = 200.0
+ACESO_MAX_HOPS = 7
+
+__all__ = ["tune_megatron", "tune_deepspeed", "tune_aceso", "stage_mesh", "even_split",
+           "ACESO_BUDGET_S", "ACESO_MAX_HOPS"]
+
+
+# ------------------------------------------------------------------ shared rules
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def stage_mesh(cluster: ClusterSpec, S: int) -> tuple[int, int] | None:
+    """(nodes, gpus_per_node) of every stage when the cluster is cut into S equal stages."""
+    W = cluster.world_size
+    if S < 1 or W % S:
+        return None
+    if S <= cluster.nodes:
+        return (cluster.nodes // S, cluster.gpus_per_node) if cluster.nodes % S == 0 else None
+    per = W // S
+    if cluster.gpus_per_node % per or not _is_pow2(per):
+        return None
+    return (1, per)
+
+
+def even_split(L: int, S: int) -> list[int]:
+    """Layers per stage, as even as possible; the first L mod S stages take one more."""
+    q, r = divmod(L, S)
+    return [q + 1] * r + [q] * (S - r)
+
+
+def _tp_options(model: ModelSpec, stage_gpus_per_node: int) -> list[int]:
+    out = []
+    for t in _pow2_upto(stage_gpus_per_node):
+        if stage_gpus_per_node % t or model.num_heads % t:
+            continue
+        try:
+            model.check_tp(t)
+        except MistInputError:
+            continue
+        out.append(t)
+    return out
+
+
+def _depths(model: ModelSpec, cluster: ClusterSpec):
+    """Power-of-two pipeline depths S ≤ L with a valid equal stage mesh, and that mesh."""
+    for S in _pow2_upto(min(model.num_layers, cluster.world_size)):
+        mesh = stage_mesh(cluster, S)
+        if mesh is not None:
+            yield S, mesh
+
+
+# ------------------------------------------------------------------ costing
+@dataclass(frozen=True)
+class _Cost:
+    time: float            # predicted iteration time (s)
+    fits: bool
+    stage_times: tuple     # steady time of one micro-batch, per stage
+    needs: tuple           # peak × (1 + allocator margin), per stage (bytes)
+
+    capacity: float = math.inf
+
+    @property
+    def objective(self) -> tuple:
+        """Feasible plans by time; infeasible ones after them, by total then worst overshoot."""
+        if self.fits:
+            return (0, self.time, 0.0)
+        return (1, sum(max(0.0, n - self.capacity) for n in self.needs), max(self.needs))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+class _Evaluator:
+    """Costs (G, stages) candidates exactly as simulate_plan does, memoized per stage."""
+
+    def __init__(self, model, cluster, training, profile, exact: bool = False, model_ref=None):
+        self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
+        self.exact, self.model_ref = exact, model_ref
+        self.capacity = float(profile.memory_bytes)
+        self.count = 0
+        self.min_need = math.inf
+        self._stage: dict = {}
+        self._plans: dict = {}
+        self._models: dict = {}
+
+    def plan(self, G: int, stages) -> Plan:
+        return Plan(model=self.model, cluster=self.cluster, training=self.training,
+                    micro_batches=G, stages=tuple(stages), model_ref=self.model_ref)
+
+    def _stage_model(self, tp: int) -> StageModel:
+        m = self._models.get(tp)
+        if m is None:
+            t = self.training
+            m = self._models[tp] = StageModel(self.model, self.profile, tp, t.flash_attention, t.seq_len)
+        return m
+
+    def cost(self, G: int, stages: tuple) -> _Cost:
+        key = (G, stages)
+        c = self._plans.get(key)
+        if c is not None:
+            return c
+        if self.exact:
+            sim = simulate_plan(self.plan(G, stages), self.profile)
+            c = _Cost(sim["iteration_time_s"], bool(sim["fits"]),
+                      tuple(s["stable_time_s"] for s in sim["stages"]),
+                      tuple(s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]),
+                      self.capacity)
+        else:
+            S = len(stages)
+            rows = [self._stage.get((i, S, G, s)) for i, s in enumerate(stages)]
+            if any(r is None for r in rows):
+                inputs = stage_inputs(self.plan(G, stages))   # validates the plan
+                for i, (st, s) in enumerate(zip(inputs, stages)):
+                    if rows[i] is None:
+                        r = self._stage_model(s.tp).evaluate(st)
+                        rows[i] = self._stage[(i, S, G, s)] = (
+                            float(r.T[0]), float(r.fwd[0]), float(r.first_extra[0]),
+                            float(r.last_extra[0]), float(r.peak[0]))
+            T, F, X, Y, P = (np.array(col) for col in zip(*rows))
+            it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
+            needs = tuple(float(p) * (1 + ALLOCATOR_MARGIN) for p in P)
+            c = _Cost(it, all(n <= self.capacity for n in needs), tuple(float(t) for t in T), needs,
+                      self.capacity)
+        self._plans[key] = c
+        self.count += 1
+        self.min_need = min(self.min_need, max(c.needs))
+        return c
+
+
+def _best_of(ev: _Evaluator, candidates, deadline: float):
+    best, best_c = None, None
+    for G, stages in candidates:
+        c = ev.cost(G, stages)
+        if c.fits and (best_c is None or c.time < best_c.time):
+            best, best_c = (G, stages), c
+        if time.monotonic() > deadline:
+            break
+    return best
+
+
+def _run(space: str, search, model, cluster, training, profile, time_budget, none_reason: str) -> TuneResult:
+    t0 = time.monotonic()
+    budget = math.inf if time_budget is None else float(time_budget)
+    ref = model.name if model.name else None
+    try:
+        from mist.specs.presets import get_preset
+        if ref is None or get_preset(ref) != model:
+            ref = None
+    except Exception:
+        ref = None
+    for exact in (False, True):
+        ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref)
+        best = search(ev, t0, budget)
+        if best is None:
+            break
+        plan = ev.plan(*best)
+        sim = simulate_plan(plan, profile)
+        fast = ev.cost(*best)
+        if exact or (sim["fits"] == fast.fits
+                     and math.isclose(sim["iteration_time_s"], fast.time, rel_tol=1e-9, abs_tol=1e-12)):
+            return TuneResult(space=space, plan=plan, predicted=public_prediction(sim),
+                              tuning_time_s=time.monotonic() - t0, candidates_evaluated=ev.count,
+                              infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]))
+    if ev.count == 0:
+        reason = (f"No {space} candidate exists for {model.name or 'the model'} on "
+                  f"{cluster.world_size} GPUs with global batch {training.global_batch}: {none_reason}.")
+    else:
+        reason = (f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
+                  f"{ev.min_need / GiB:.2f} GiB on its fullest GPU (peak + {ALLOCATOR_MARGIN:.0%} "
+                  f"allocator margin), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}.")
+    return TuneResult(space=space, plan=None, predicted=None, tuning_time_s=time.monotonic() - t0,
+                      candidates_evaluated=ev.count, infeasible_reason=reason)
+
+
+# ------------------------------------------------------------------ Megatron-LM
+def _megatron_candidates(model, cluster, training):
+    L, B = model.num_layers, training.global_batch
+    for S, (n, g) in _depths(model, cluster):
+        if L % S:          # Megatron-LM (core_r0.4.0): num_layers divisible by pp
+            continue
+        l = L // S
+        for tp in _tp_options(model, g):
+            dp = n * g // tp
+            if not _is_pow2(dp):
+                continue
+            zero = 1 if dp > 1 else 0
+            for b in MEGATRON_MICRO_BATCHES:
+                if B % (b * dp):
+                    continue
+                for rc in (l, 0):
+                    s = StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
+                                      zero=zero, recompute_layers=rc)
+                    yield B // (b * dp), (s,) * S
+
+
+def tune_megatron(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
+                  time_budget: float | None = None) -> TuneResult:
+    """Megatron-LM's space: power-of-two (dp, tp, pp), uniform split, all-or-nothing recompute."""
+    def search(ev, t0, budget):
+        return _best_of(ev, _megatron_candidates(model, cluster, training), t0 + budget)
+    return _run("megatron", search, model, cluster, training, profile, time_budget,
+                "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch "
+                f"{'/'.join(map(str, MEGATRON_MICRO_BATCHES))} must divide the batch over the GPUs")
+
+
+# ------------------------------------------------------------------ DeepSpeed
+def _deepspeed_candidates(model, cluster, training):
+    L, B = model.num_layers, training.global_batch
+    full = Offload(weights=1.0, grads=1.0, optimizer=1.0)
+    for S, (n, g) in _depths(model, cluster):
+        layers = even_split(L, S)
+        for tp in _tp_options(model, g):
+            dp = n * g // tp
+            if dp == 1:
+                zeros = [0]
+            else:
+                zeros = [0, 1, 2, 3] if S == 1 else [0, 1]
+            variants = [(z, Offload()) for z in zeros]
+            if S == 1:   # DeepSpeed offloads only without pipeline parallelism
+                variants += [(z, Offload(optimizer=1.0)) for z in (zeros[1:] or [0])]   # ZeRO-Offload
+                if 3 in zeros:
+                    variants.append((3, full))                                          # ZeRO-Infinity
+            for b in DEEPSPEED_MICRO_BATCHES:
+                if B % (b * dp):
+                    continue
+                for z, off in variants:
+                    for full_rc in (True, False):
+                        yield B // (b * dp), tuple(
+                            StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
+                                          zero=z, recompute_layers=l if full_rc else 0, offload=off)
+                            for l in layers)
+
+
+def tune_deepspeed(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
+                   time_budget: float | None = None) -> TuneResult:
+    """DeepSpeed's space: ZeRO 0–3, ZeRO-Offload/-Infinity (pp = 1), PP, Megatron-DeepSpeed TP."""
+    def search(ev, t0, budget):
+        return _best_of(ev, _deepspeed_candidates(model, cluster, training), t0 + budget)
+    return _run("deepspeed", search, model, cluster, training, profile, time_budget,
+                "micro-batch " f"{'/'.join(map(str, DEEPSPEED_MICRO_BATCHES))} × dp must divide the batch")
+
+
+# ------------------------------------------------------------------ Aceso
+def _aceso_start(model, cluster, training, S, mesh, b):
+    n, g = mesh
+    dp = n * g
+    B = training.global_batch
+    if B % (b * dp):
+        return None
+    stages = tuple(StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=1,
+                                 zero=1 if dp > 1 else 0, recompute_layers=0)
+                   for l in even_split(model.num_layers, S))
+    return B // (b * dp), stages
+
+
+def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int]) -> list[tuple]:
+    """Neighbours of a plan that change its bottleneck stage i (samples = b·dp per stage)."""
+    S, s = len(stages), stages[i]
+    out = []
+
+    def put(changes: dict):
+        new = list(stages)
+        for j, v in changes.items():
+            new[j] = v
+        out.append(tuple(new))
+
+    if s.layers > 1:   # move the boundary layer to a neighbour, which recomputes it or not
+        src = replace(s, layers=s.layers - 1, recompute_layers=min(s.recompute_layers, s.layers - 1))
+        for j in (i - 1, i + 1):
+            if 0 <= j < S:
+                d = stages[j]
+                for rc in sorted({d.recompute_layers, d.recompute_layers + 1}):
+                    put({i: src, j: replace(d, layers=d.layers + 1, recompute_layers=rc)})
+    for delta in (1, 2, -1, -2):
+        r = s.recompute_layers + delta
+        if 0 <= r <= s.layers:
+            put({i: replace(s, recompute_layers=r)})
+    put({i: replace(s, recompute_layers=0 if s.recompute_layers else s.layers)})
+    for tp in (s.tp * 2, s.tp // 2):
+        if tp in tp_opts:
+            dp = s.gpus // tp
+            if samples % dp == 0:
+                put({i: replace(s, tp=tp, dp=dp, micro_batch=samples // dp, zero=1 if dp > 1 else 0)})
+    return list(dict.fromkeys(o for o in out if o != stages))
+
+
+def _aceso_walk(ev: _Evaluator, G: int, start: tuple, deadline: float, tp_opts: list[int]):
+    samples = start[0].micro_batch * start[0].dp
+    cur, cur_c = start, ev.cost(G, start)
+    best, best_c = cur, cur_c
+    visited = {cur}
+    hops = 0
+    while time.monotonic() < deadline:
+        if cur_c.fits:
+            i = max(range(len(cur)), key=lambda k: cur_c.stage_times[k])
+        else:
+            i = max(range(len(cur)), key=lambda k: cur_c.needs[k])
+        moves = [m for m in _aceso_moves(cur, i, samples, tp_opts) if m not in visited]
+        if not moves:
+            break
+        scored = [(ev.cost(G, m).objective, k) for k, m in enumerate(moves)]
+        obj, k = min(scored)
+        cur = moves[k]
+        cur_c = ev.cost(G, cur)
+        visited.add(cur)
+        if obj < best_c.objective:
+            best, best_c, hops = cur, cur_c, 0
+        else:
+            hops += 1
+            if hops >= ACESO_MAX_HOPS:
+                break
+    return best, best_c
+
+
+def tune_aceso(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
+               time_budget: float | None = None) -> TuneResult:
+    """Aceso-style iterative bottleneck alleviation over heterogeneous per-stage strategies."""
+    def search(ev, t0, budget):
+        total = ACESO_BUDGET_S if time_budget is None else float(time_budget)
+        configs = []
+        for S, mesh in _depths(model, cluster):
+            tp_opts = _tp_options(model, mesh[1])
+            for b in ACESO_MICRO_BATCHES:
+                st = _aceso_start(model, cluster, training, S, mesh, b)
+                if st is not None:
+                    configs.append((st, tp_opts))
+        best, best_c = None, None
+        for k, ((G, start), tp_opts) in enumerate(configs):
+            now = time.monotonic()
+            left = max(0.0, t0 + total - now)   # out of time: only the balanced start is costed
+            found, c = _aceso_walk(ev, G, start, now + left / (len(configs) - k), tp_opts)
+            if c.fits and (best_c is None or c.time < best_c.time):
+                best, best_c = (G, found), c
+        return best
+    return _run("aceso", search, model, cluster, training, profile, time_budget,
+                "micro-batch " f"{'/'.join(map(str, ACESO_MICRO_BATCHES))} × the GPUs of a stage must divide the batch")

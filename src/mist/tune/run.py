@@ -1,0 +1,21 @@
+"""One entry point for every search space (Mist's own and the baselines')."""
+
+from __future__ import annotations
+
+from mist.tune.result import TuneResult
+from mist.tune.space import BASELINE_SPACES, get_space
+
+ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES
+
+
+def run_space(space: str, model, cluster, training, profile, time_budget=None, progress=None) -> TuneResult:
+    if space in BASELINE_SPACES:
+        from mist.tune import baselines
+
+        fn = {"megatron": baselines.tune_megatron, "deepspeed": baselines.tune_deepspeed,
+              "aceso": baselines.tune_aceso}[space]
+        return fn(model, cluster, training, profile, time_budget=time_budget)
+    from mist.tune.search import tune
+
+    return tune(model, cluster, training, profile, get_space(space), time_budget=time_budget,
+                progress=progress)

@@ -1,0 +1,138 @@
+"""`mist tune`: the outer loops (pipeline depth S, gradient accumulation G, and for the paper's
+space one TP degree for all stages) around intra-stage frontiers and the inter-stage program.
+
+Pruning: a (S, G) pair is skipped when a lower bound — every block at its fastest steady time,
+spread perfectly over S stages, for G + S − 1 micro-batch slots — is not below the best plan
+found so far. The search first uses strategies without weight/gradient offload (they add PCIe
+traffic every micro-batch); only when nothing fits does it open those knobs as well.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mist.plan import Offload, Plan, StageStrategy
+from mist.simulate.plan_sim import simulate_plan
+from mist.specs.model import ModelSpec
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.inter import best_split
+from mist.tune.intra import StageTables
+from mist.tune.result import TuneResult, public_prediction
+from mist.tune.space import SearchSpace, get_space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_meshes(cluster: ClusterSpec, L: int) -> list[tuple[int, int, int]]:
+    """(S, nodes per stage, GPUs per node per stage) for every pipeline depth with equal meshes."""
+    out = []
+    N, K = cluster.nodes, cluster.gpus_per_node
+    for S in _divisors(N * K):
+        if S > L:
+            continue
+        if S <= N:
+            if N % S == 0:
+                out.append((S, N // S, K))
+        elif S % N == 0 and K % (S // N) == 0:
+            out.append((S, 1, K // (S // N)))
+    return out
+
+
+def g_values(B: int, policy: str) -> list[int]:
+    gs = _divisors(B)
+    if policy == "pow2":
+        gs = [g for g in gs if g & (g - 1) == 0]
+    return gs
+
+
+@dataclass
+class _Best:
+    objective: float = np.inf
+    plan_args: tuple | None = None
+
+
+def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
+         space: str | SearchSpace = "full", time_budget: float | None = None,
+         progress=None) -> TuneResult:
+    """Search the space for the fastest plan that fits. `progress(done, total, best_s)` is
+    called after every (S, G) pair when given."""
+    sp = get_space(space) if isinstance(space, str) else space
+    t0 = time.perf_counter()
+    L, B = model.num_layers, training.global_batch
+    best = _Best()
+    evaluated = 0
+    min_peak = np.inf
+    budget_hit = False
+    combos = [(m, G) for m in stage_meshes(cluster, L) for G in g_values(B, sp.g_policy)]
+    # visit promising pairs first: moderate pipelines and many micro-batches per iteration
+    combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
+    for with_wg in (False, True):
+        done = 0
+        for (S, nodes, gpn), G in combos:
+            if time_budget is not None and time.perf_counter() - t0 > time_budget:
+                budget_hit = True
+                break
+            tps = [None]
+            if sp.uniform_tp:
+                tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
+            for tp_fixed in tps:
+                tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, S, G,
+                                     nodes, gpn, cluster.gpus_per_node, B, with_wg)
+                if not tables.tp_choices(tp_fixed):
+                    continue
+                lb_layer = tables.min_layer_time()
+                if (G + S - 1) * lb_layer * L / S >= best.objective:
+                    continue
+                lo, hi = 1, L - S + 1
+                if sp.layer_slack is not None:
+                    mean = round(L / S)
+                    lo, hi = max(1, mean - sp.layer_slack), min(hi, mean + sp.layer_slack)
+                    if S == 1 or G == 1:
+                        lo = hi = L // S if L % S == 0 else mean
+                options = []
+                for i in range(S):
+                    row = {}
+                    for l in range(lo, hi + 1):
+                        opt = tables.options(i, l, tp_fixed)
+                        min_peak = min(min_peak, opt.min_peak)
+                        if len(opt.T):
+                            row[l] = opt
+                    options.append(row)
+                evaluated += tables.evaluated
+                split = best_split(options, L, G, lmin=lo, lmax=hi, bound=best.objective)
+                if split is not None and split.objective < best.objective:
+                    strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
+                    best = _Best(split.objective, (S, nodes, gpn, G, split.layers, strategies))
+            done += 1
+            if progress is not None:
+                progress(done, len(combos), best.objective)
+        if best.plan_args is not None or budget_hit:
+            break
+    elapsed = time.perf_counter() - t0
+    if best.plan_args is None:
+        reason = (f"No configuration fits: the least memory any stage reached is "
+                  f"{min_peak / 2**30:.1f} GiB against the {profile.memory_bytes / 2**30:.1f} GiB of a "
+                  f"{profile.name} (with the allocator margin)." if np.isfinite(min_peak) else
+                  "No configuration of this space applies to this model and cluster.")
+        if budget_hit:
+            reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
+        return TuneResult(sp.name, None, None, elapsed, evaluated, reason)
+    plan = build_plan(model, cluster, training, *best.plan_args)
+    predicted = public_prediction(simulate_plan(plan, profile))
+    return TuneResult(sp.name, plan, predicted, elapsed, evaluated, None)
+
+
+def build_plan(model, cluster, training, S, nodes, gpn, G, layers, strategies) -> Plan:
+    stages = []
+    for l, st in zip(layers, strategies):
+        stages.append(StageStrategy(
+            layers=int(l), nodes=nodes, gpus_per_node=gpn, micro_batch=int(st["b"]), dp=int(st["dp"]),
+            tp=int(st["tp"]), zero=int(st["zero"]), recompute_layers=int(st["recompute"]),
+            offload=Offload(weights=st["wo"], grads=st["go"], optimizer=st["oo"], activations=st["ao"])))
+    return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(stages),
+                model_ref=model.name if model.name != "custom" else None)

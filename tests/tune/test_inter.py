@@ -1,0 +1,81 @@
+"""The inter-stage dynamic program against brute force over every split and option."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mist.simulate.pipeline import iteration_time
+from mist.tune.inter import best_split
+from mist.tune.intra import Options, pareto_2d
+
+
+def random_options(rng, S, L, K):
+    opts = []
+    for i in range(S):
+        d = {}
+        for l in range(1, L + 1):
+            k = int(rng.integers(1, K + 1))
+            T = l * rng.uniform(0.8, 1.2, k) + rng.uniform(0, 0.3, k)
+            F = T * rng.uniform(0.25, 0.4, k)
+            X = rng.uniform(0, 3, k) * (rng.random(k) < 0.7)
+            Y = rng.uniform(0, 2, k) * (rng.random(k) < 0.7)
+            d[l] = Options(T, F, X, Y, [None] * k)
+        opts.append(d)
+    return opts
+
+
+def brute(opts, L, G):
+    S = len(opts)
+    best = np.inf
+    for split in itertools.product(range(1, L + 1), repeat=S):
+        if sum(split) != L:
+            continue
+        for ks in itertools.product(*[range(len(opts[i][l].T)) for i, l in enumerate(split)]):
+            pick = [opts[i][l] for i, l in enumerate(split)]
+            T = np.array([p.T[k] for p, k in zip(pick, ks)])
+            F = np.array([p.F[k] for p, k in zip(pick, ks)])
+            X = np.array([p.X[k] for p, k in zip(pick, ks)])
+            Y = np.array([p.Y[k] for p, k in zip(pick, ks)])
+            best = min(best, float(iteration_time(T, G, first=X, last=Y, fwd=F)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 4))
+    L = int(rng.integers(S, 7))
+    G = int(rng.integers(1, 9))
+    opts = random_options(rng, S, L, 3)
+    res = best_split(opts, L, G)
+    assert res.exact
+    assert res.objective == pytest.approx(brute(opts, L, G), rel=1e-12)
+    # the returned split reproduces its objective
+    T = np.array([opts[i][l].T[k] for i, (l, k) in enumerate(zip(res.layers, res.choice))])
+    F = np.array([opts[i][l].F[k] for i, (l, k) in enumerate(zip(res.layers, res.choice))])
+    X = np.array([opts[i][l].X[k] for i, (l, k) in enumerate(zip(res.layers, res.choice))])
+    Y = np.array([opts[i][l].Y[k] for i, (l, k) in enumerate(zip(res.layers, res.choice))])
+    assert sum(res.layers) == L
+    assert float(iteration_time(T, G, first=X, last=Y, fwd=F)) == pytest.approx(res.objective, rel=1e-12)
+
+
+def test_infeasible_returns_none():
+    empty = Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [])
+    assert best_split([{1: empty, 2: empty}], 2, 4) is None
+
+
+def test_large_instance_is_fast():
+    import time
+    rng = np.random.default_rng(1)
+    opts = random_options(rng, 8, 48, 8)
+    t = time.perf_counter()
+    res = best_split(opts, 48, 32)
+    assert res is not None and sum(res.layers) == 48
+    assert time.perf_counter() - t < 20
+
+
+def test_pareto_2d():
+    T = np.array([1, 2, 3, 1.5, 2.5])
+    D = np.array([5, 3, 1, 6, 4])
+    assert sorted(pareto_2d(T, D).tolist()) == [0, 1, 2]

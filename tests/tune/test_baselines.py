@@ -146,10 +146,11 @@ def test_megatron_result_rules(results):
 # ------------------------------------------------------------------ DeepSpeed
 def test_deepspeed_space_rules(results):
     model, cluster, training = case("gpt3-2.7b", 4, True)
-    cands = list(bl._deepspeed_candidates(model, cluster, training)) + [
-        (results["deepspeed"].plan.micro_batches, results["deepspeed"].plan.stages)]
+    chosen = results["deepspeed"].plan
+    cands = [(G, st, training.global_batch) for G, st in bl._deepspeed_candidates(model, cluster, training)]
+    cands.append((chosen.micro_batches, chosen.stages, chosen.training.global_batch))
     kinds = set()
-    for G, stages in cands:
+    for G, stages, B in cands:
         S = len(stages)
         for s in stages:
             off = s.offload
@@ -164,10 +165,10 @@ def test_deepspeed_space_rules(results):
                 assert s.zero <= 1                                       # no ZeRO-2/3 with PP
             assert s.recompute_layers in (0, s.layers)
             assert s.micro_batch in (1, 2, 4, 8, 16)
-            assert s.micro_batch * s.dp * G == training.global_batch
+            assert s.micro_batch * s.dp * G == B
         assert max(s.layers for s in stages) - min(s.layers for s in stages) <= 1
     assert kinds == {"offload", "infinity"}
-    assert {s.tp for _, st in cands for s in st} >= {1, 2}
+    assert {s.tp for _, st, _ in cands for s in st} >= {1, 2}
 
 
 # ------------------------------------------------------------------ Aceso

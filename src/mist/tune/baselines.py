@@ -52,6 +52,7 @@ from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan, stage_inputs
 from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
+from mist.specs.presets import get_preset
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.result import TuneResult, public_prediction
 
@@ -126,7 +127,6 @@ class _Cost:
     fits: bool
     stage_times: tuple     # steady time of one micro-batch, per stage
     needs: tuple           # peak × (1 + allocator margin), per stage (bytes)
-
     capacity: float = math.inf
 
     @property
@@ -135,10 +135,6 @@ class _Cost:
         if self.fits:
             return (0, self.time, 0.0)
         return (1, sum(max(0.0, n - self.capacity) for n in self.needs), max(self.needs))
-
-
-class _Mismatch(Exception):
-    pass
 
 
 class _Evaluator:
@@ -212,12 +208,9 @@ def _best_of(ev: _Evaluator, candidates, deadline: float):
 def _run(space: str, search, model, cluster, training, profile, time_budget, none_reason: str) -> TuneResult:
     t0 = time.monotonic()
     budget = math.inf if time_budget is None else float(time_budget)
-    ref = model.name if model.name else None
-    try:
-        from mist.specs.presets import get_preset
-        if ref is None or get_preset(ref) != model:
-            ref = None
-    except Exception:
+    try:   # plans name their model by preset when it is one, else carry the full spec
+        ref = model.name if model.name and get_preset(model.name) == model else None
+    except MistInputError:
         ref = None
     for exact in (False, True):
         ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref)

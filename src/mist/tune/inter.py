@@ -77,7 +77,7 @@ def _min_remaining(options, L, lmin, lmax):
 
 
 def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
-               max_states: int = 512, bound: float = np.inf) -> Split | None:
+               max_states: int = 64, bound: float = np.inf) -> Split | None:
     """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers).
 
     Returns the best split, or None when no split is feasible (or none is below `bound`)."""

@@ -1,0 +1,75 @@
+"""The tuner end to end: its plans re-simulate to exactly its prediction, it is never slower
+than a baseline's best (their spaces are inside ours), the paper space keeps its limits."""
+
+import json
+
+import pytest
+
+from mist.cli import main
+from mist.hardware import load_profile
+from mist.simulate.plan_sim import simulate_plan
+from mist.specs.presets import get_preset
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.run import run_space
+from mist.tune.search import g_values, stage_meshes
+
+
+@pytest.fixture(scope="module")
+def case():
+    return (get_preset("gpt3-1.3b"), ClusterSpec("l4", 1, 4),
+            TrainingSpec(seq_len=2048, global_batch=64, flash_attention=True), load_profile("l4"))
+
+
+@pytest.fixture(scope="module")
+def results(case):
+    return {sp: run_space(sp, *case) for sp in ("full", "mist-paper", "megatron", "deepspeed", "aceso")}
+
+
+def test_tuned_plan_resimulates_exactly(case, results):
+    r = results["full"]
+    assert r.plan is not None and r.predicted["fits"]
+    again = simulate_plan(r.plan, case[3])
+    assert again["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert r.candidates_evaluated > 1000
+
+
+@pytest.mark.parametrize("baseline", ["megatron", "deepspeed", "aceso", "mist-paper"])
+def test_full_space_never_slower_than_a_baseline(results, baseline):
+    ours, theirs = results["full"].iteration_time_s, results[baseline].iteration_time_s
+    assert theirs is not None
+    assert ours <= theirs * (1 + 1e-9)
+
+
+def test_paper_space_limits(results):
+    p = results["mist-paper"].plan
+    assert p.micro_batches & (p.micro_batches - 1) == 0
+    assert len({s.tp for s in p.stages}) == 1
+    assert all(s.micro_batch in (1, 2, 4) and s.zero >= 1 for s in p.stages)
+    mean = round(24 / len(p.stages))
+    assert all(abs(s.layers - mean) <= 2 for s in p.stages)
+
+
+def test_meshes_and_g_values():
+    assert stage_meshes(ClusterSpec("l4", 2, 8), 24) == [(1, 2, 8), (2, 1, 8), (4, 1, 4), (8, 1, 2), (16, 1, 1)]
+    assert g_values(24, "divisors") == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert g_values(24, "pow2") == [1, 2, 4, 8]
+
+
+def test_tune_cli_json_and_plan_file(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    main(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--gpus-per-node", "2", "--global-batch", "32",
+          "--json", "-o", str(out)])
+    r = json.loads(capsys.readouterr().out)
+    for k in ("plan", "predicted", "tuning_time_s", "candidates_evaluated"):
+        assert k in r
+    main(["simulate", str(out), "--json"])
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time_s"] == r["predicted"]["iteration_time_s"]
+
+
+def test_nothing_fits_exits_2_with_memory_reason(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--model", "llama-70b", "--gpu", "l4", "--gpus-per-node", "1", "--global-batch", "4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "least memory" in err

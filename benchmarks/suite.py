@@ -1,0 +1,144 @@
+"""The paper's benchmark suite (plus H200 clusters) under Mist's cost model.
+
+For every case: Mist's full space, the original Mist space, and the Megatron-LM, DeepSpeed and
+Aceso-style spaces, each searched with the same simulator. Writes a Markdown table, a JSON file
+and a plot of speedups; rows are appended as cases finish, so a partial run keeps its results.
+
+    PYTHONPATH=src python benchmarks/suite.py [--only l4|a100|h200] [--budget SEC] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from mist.hardware import load_profile
+from mist.specs.presets import get_preset
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.compare import compare_spaces, short_summary  # noqa: F401
+
+SIZES = [("1.3b", 2), ("2.7b", 4), ("7b", 8), ("13b", 16), ("22b", 32)]
+PRESET = {"gpt": "gpt3-{}", "llama": "llama-{}", "falcon": "falcon-{}"}
+SPACES = ("full", "mist-paper", "megatron", "deepspeed", "aceso")
+
+
+def paper_cases(gpu: str, seq: int):
+    for size, n in SIZES:
+        for fam, flash in (("gpt", True), ("gpt", False), ("llama", True), ("falcon", True)):
+            name = PRESET[fam].format(size)
+            if fam == "falcon" and size == "7b":
+                name = "falcon-paper-7b"
+            yield dict(model=name, gpu=gpu, n=n, seq=seq, flash=flash)
+
+
+def h200_cases():
+    for name, n in (("llama3-8b", 8), ("llama2-13b", 16), ("gpt3-22b", 32), ("llama2-70b", 32), ("llama3-70b", 64)):
+        yield dict(model=name, gpu="h200", n=n, seq=4096, flash=True)
+
+
+def all_cases(only=None):
+    groups = {"l4": lambda: paper_cases("l4", 2048), "a100": lambda: paper_cases("a100-sxm4-40gb", 4096),
+              "h200": h200_cases}
+    for key, gen in groups.items():
+        if only and key not in only:
+            continue
+        yield from gen()
+
+
+def run_case(c, budget):
+    n = c["n"]
+    cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
+    training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"])
+    return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, SPACES)
+
+
+def markdown(rows) -> str:
+    head = ("| model | GPUs | seq | flash | full (ms) | vs Megatron | vs DeepSpeed | vs Aceso | vs Mist-paper "
+            "| full tuning (s) | full plan |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        sp = {s["space"]: s for s in r["spaces"]}
+        full = sp["full"]
+
+        def sx(name):
+            v = sp[name].get("speedup_of_full")
+            return f"{v:.3f}×" if v else ("no fit" if sp[name]["iteration_time_s"] is None else "-")
+
+        case = (f"| {r['model']} | {r['nodes'] * r['gpus_per_node']}× {r['gpu']} | {r['seq_len']} | "
+                f"{'on' if r['flash_attention'] else 'off'} | ")
+        if full["iteration_time_s"]:
+            lines.append(case + f"{full['iteration_time_s'] * 1e3:.0f} | {sx('megatron')} | {sx('deepspeed')} | "
+                         f"{sx('aceso')} | {sx('mist-paper')} | {full['tuning_time_s']:.1f} | "
+                         f"{full.get('plan_summary', '')} |")
+        else:
+            lines.append(case + "no fit | - | - | - | - | - | |")
+    summary = []
+    for name in ("megatron", "deepspeed", "aceso", "mist-paper"):
+        vals = [s["speedup_of_full"] for r in rows for s in r["spaces"]
+                if s["space"] == name and s.get("speedup_of_full")]
+        if vals:
+            summary.append(f"| {name} | {statistics.mean(vals):.3f}× | {max(vals):.3f}× | {min(vals):.3f}× | {len(vals)} |")
+    tt = [s["tuning_time_s"] for r in rows for s in r["spaces"] if s["space"] == "full"]
+    txt = head + "\n".join(lines) + "\n\n| baseline space | mean speedup of full | max | min | cases |\n|---|---|---|---|---|\n"
+    txt += "\n".join(summary) + "\n"
+    if tt:
+        txt += f"\nFull-space tuning time: median {statistics.median(tt):.1f} s, max {max(tt):.1f} s over {len(tt)} cases.\n"
+    return txt
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['nodes'] * r['gpus_per_node']}×{r['gpu'].split('-')[0]}"
+              + ("" if r["flash_attention"] else "\nno-flash") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
+    w = 0.2
+    for j, name in enumerate(("megatron", "deepspeed", "aceso", "mist-paper")):
+        ys = [next((s.get("speedup_of_full") or 0) for s in r["spaces"] if s["space"] == name) for r in rows]
+        ax.bar([i + (j - 1.5) * w for i in range(len(rows))], ys, w, label=f"vs {name}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=6, rotation=90)
+    ax.set_ylabel("predicted speedup of Mist (full space)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", choices=["l4", "a100", "h200"])
+    ap.add_argument("--budget", type=float, default=60.0, help="time budget per space and case (s)")
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "suite" if not a.only else "suite-" + "-".join(a.only)
+    jpath = out / f"{tag}.json"
+    rows = json.loads(jpath.read_text()) if jpath.exists() else []
+    done = {(r["model"], r["gpu"], r["nodes"] * r["gpus_per_node"], r["flash_attention"]) for r in rows}
+    for c in all_cases(a.only):
+        if (c["model"], c["gpu"], c["n"], c["flash"]) in done:
+            continue
+        t = time.perf_counter()
+        r = run_case(c, a.budget)
+        r["wall_s"] = time.perf_counter() - t
+        rows.append(r)
+        jpath.write_text(json.dumps(rows, indent=1))
+        (out / f"{tag}.md").write_text(markdown(rows))
+        plot(rows, out / f"{tag}.png")
+        full = next(s for s in r["spaces"] if s["space"] == "full")
+        print(f"{c['model']:16s} {c['n']:3d}×{c['gpu']:15s} flash={c['flash']!s:5s} "
+              f"full={full['iteration_time_s']} wall {r['wall_s']:.0f}s", flush=True)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -71,7 +71,10 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     combos = [(m, G) for m in stage_meshes(cluster, L) for G in g_values(B, sp.g_policy)]
     # visit promising pairs first: moderate pipelines and many micro-batches per iteration
     combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
-    for with_wg in (False, True):
+    phases = (True,) if sp.wg_policy == "always" else (False, True)
+    if all(v == 0 for v in sp.wo) and all(v == 0 for v in sp.go):
+        phases = (False,)
+    for with_wg in phases:
         done = 0
         for (S, nodes, gpn), G in combos:
             if time_budget is not None and time.perf_counter() - t0 > time_budget:

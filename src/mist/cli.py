@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -17,6 +18,16 @@ err = Console(stderr=True)
 out = Console()
 
 GIB = 1 << 30
+
+# options shared by the commands that describe a training job
+ModelOpt = Annotated[str, typer.Option(help="Preset name, model file (JSON/YAML) or HF config.json.")]
+GpuOpt = Annotated[str, typer.Option(help="GPU name or profile JSON path.")]
+NodesOpt = Annotated[int, typer.Option(help="Nodes.")]
+GpnOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
+SeqOpt = Annotated[int, typer.Option(help="Sequence length.")]
+BatchOpt = Annotated[int, typer.Option("--global-batch", help="Global batch (sequences).")]
+NoFlashOpt = Annotated[bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 @app.callback()
@@ -113,17 +124,17 @@ def _progress_printer(enabled: bool):
 
 @app.command()
 def tune(
-    model: str = typer.Option("gpt3-1.3b", help="Preset name, model file or HF config.json."),
-    gpu: str = typer.Option("l4", help="GPU name or profile JSON path."),
-    nodes: int = typer.Option(1, help="Nodes."),
-    gpus_per_node: int = typer.Option(2, "--gpus-per-node", help="GPUs per node."),
-    seq: int = typer.Option(2048, help="Sequence length."),
-    global_batch: int = typer.Option(32, "--global-batch", help="Global batch (sequences)."),
+    model: ModelOpt = "gpt3-1.3b",
+    gpu: GpuOpt = "l4",
+    nodes: NodesOpt = 1,
+    gpus_per_node: GpnOpt = 2,
+    seq: SeqOpt = 2048,
+    global_batch: BatchOpt = 32,
     space: str = typer.Option("full", help="Search space: full, mist-paper, megatron, deepspeed, aceso."),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
-    no_flash: bool = typer.Option(False, "--no-flash", help="Materialised attention instead of flash."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    no_flash: NoFlashOpt = False,
+    as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
     from mist.tune.run import ALL_SPACES, run_space
@@ -155,15 +166,15 @@ def tune(
 
 @app.command()
 def compare(
-    model: str = typer.Option("gpt3-1.3b", help="Preset name, model file or HF config.json."),
-    gpu: str = typer.Option("l4", help="GPU name or profile JSON path."),
-    nodes: int = typer.Option(1, help="Nodes."),
-    gpus_per_node: int = typer.Option(2, "--gpus-per-node", help="GPUs per node."),
-    seq: int = typer.Option(2048, help="Sequence length."),
-    global_batch: int = typer.Option(32, "--global-batch", help="Global batch (sequences)."),
+    model: ModelOpt = "gpt3-1.3b",
+    gpu: GpuOpt = "l4",
+    nodes: NodesOpt = 1,
+    gpus_per_node: GpnOpt = 2,
+    seq: SeqOpt = 2048,
+    global_batch: BatchOpt = 32,
     time_budget: float = typer.Option(None, "--time-budget", help="Budget per search space (seconds)."),
-    no_flash: bool = typer.Option(False, "--no-flash", help="Materialised attention instead of flash."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    no_flash: NoFlashOpt = False,
+    as_json: JsonOpt = False,
 ):
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
     from mist.tune.compare import compare_spaces

@@ -41,6 +41,18 @@ class TPGroup:
         return f"TPGroup(size={self.size}, rank={self.rank}, group={'yes' if self.group else 'none'})"
 
 
+class VocabShard(torch.nn.Module):
+    """Base of the vocabulary-parallel modules: rank r of t holds rows [r·V/t, (r+1)·V/t)."""
+
+    def __init__(self, spec, tp: TPGroup | None):
+        super().__init__()
+        tp = tp or TPGroup()
+        spec.check_tp(tp.size)
+        self.spec, self.tp = spec, tp
+        self.vocab_local = spec.vocab_size // tp.size
+        self.vocab_start = tp.rank * self.vocab_local
+
+
 def _announce(op: str, x: torch.Tensor, tp: TPGroup) -> None:
     for fn in list(_observers):
         fn(op, x, tp.size)

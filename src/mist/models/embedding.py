@@ -6,21 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mist.models.collectives import TPGroup, reduce_from_tp
+from mist.models.collectives import TPGroup, VocabShard, reduce_from_tp
 from mist.specs.model import ModelSpec
 
 
-class Embedding(nn.Module):
+class Embedding(VocabShard):
     """Each TP rank holds vocab_size/tp rows; out-of-shard tokens give zeros, then all-reduce."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
                  dtype: torch.dtype = torch.bfloat16, device=None):
-        super().__init__()
-        tp = tp or TPGroup()
-        spec.check_tp(tp.size)
-        self.spec, self.tp = spec, tp
-        self.vocab_local = spec.vocab_size // tp.size
-        self.vocab_start = tp.rank * self.vocab_local
+        super().__init__(spec, tp)
         self.word = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))
         self.position = (nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size,
                                                   dtype=dtype, device=device))

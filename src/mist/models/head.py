@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mist.models.collectives import TPGroup, all_reduce_, copy_to_tp
+from mist.models.collectives import TPGroup, VocabShard, all_reduce_, copy_to_tp
 from mist.models.norms import make_norm
 from mist.specs.model import ModelSpec
 
@@ -52,17 +52,12 @@ def vocab_parallel_cross_entropy(logits, target, vocab_start: int, tp: TPGroup):
     return loss
 
 
-class Head(nn.Module):
+class Head(VocabShard):
     """norm → logits (local vocabulary shard) → mean cross-entropy."""
 
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
                  dtype: torch.dtype = torch.bfloat16, device=None):
-        super().__init__()
-        tp = tp or TPGroup()
-        spec.check_tp(tp.size)
-        self.spec, self.tp = spec, tp
-        self.vocab_local = spec.vocab_size // tp.size
-        self.vocab_start = tp.rank * self.vocab_local
+        super().__init__(spec, tp)
         self.norm = make_norm(spec.family, spec.hidden_size, spec.norm_eps, dtype, device)
         # With tied embeddings the runtime points `weight` at the embedding's word table.
         self.weight = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))

@@ -215,3 +215,15 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
                          recompute=recompute, records=records, params=params, saved_bytes=saved,
                          output_bytes=out_bytes, fwd_live=fwd_live, bwd_live=bwd_live,
                          flops={k: sympy.expand(v) for k, v in flops.items()})
+
+
+def warm(spec: ModelSpec, tps, flash: bool, dtype: str = "bf16", target: str = "cuda") -> None:
+    """Trace (or load from the disk cache) every layer a search over `tps` will need."""
+    for tp in tps:
+        try:
+            spec.check_tp(tp)
+        except ValueError:
+            continue
+        for part in PARTS:
+            analyze_layer(spec, part, tp, flash, dtype, target)
+        analyze_layer(spec, "block", tp, flash, dtype, target, recompute=True)

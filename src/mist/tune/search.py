@@ -53,7 +53,7 @@ def g_values(B: int, policy: str) -> list[int]:
 @dataclass
 class _Best:
     objective: float = np.inf
-    plan_args: tuple | None = None
+    plan: Plan | None = None
 
 
 def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
@@ -68,6 +68,13 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     evaluated = 0
     min_peak = np.inf
     budget_hit = False
+    if sp.seed_space:
+        # a quick search of a sub-space first: its plan is a plan of this space too, and its
+        # time is an incumbent that prunes most of the larger search
+        seed = tune(model, cluster, training, profile, sp.seed_space, time_budget)
+        evaluated += seed.candidates_evaluated
+        if seed.plan is not None:
+            best = _Best(seed.iteration_time_s, seed.plan)
     combos = [(m, G) for m in stage_meshes(cluster, L) for G in g_values(B, sp.g_policy)]
     # visit promising pairs first: moderate pipelines and many micro-batches per iteration
     combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
@@ -97,6 +104,10 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
                     lo, hi = max(1, mean - sp.layer_slack), min(hi, mean + sp.layer_slack)
                     if S == 1 or G == 1:
                         lo = hi = L // S if L % S == 0 else mean
+                # a stage of l blocks takes at least l·lb_layer per micro-batch, so G times that
+                # bounds the iteration from below: longer stages cannot beat the incumbent
+                if np.isfinite(best.objective):
+                    hi = min(hi, max(lo, int(best.objective / (G * lb_layer))))
                 options = []
                 for i in range(S):
                     row = {}
@@ -110,14 +121,15 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
                 split = best_split(options, L, G, lmin=lo, lmax=hi, bound=best.objective)
                 if split is not None and split.objective < best.objective:
                     strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
-                    best = _Best(split.objective, (S, nodes, gpn, G, split.layers, strategies))
+                    best = _Best(split.objective, build_plan(model, cluster, training, S, nodes, gpn, G,
+                                                             split.layers, strategies))
             done += 1
             if progress is not None:
                 progress(done, len(combos), best.objective)
-        if best.plan_args is not None or budget_hit:
+        if best.plan is not None or budget_hit:
             break
     elapsed = time.perf_counter() - t0
-    if best.plan_args is None:
+    if best.plan is None:
         reason = (f"No configuration fits: the least memory any stage reached is "
                   f"{min_peak / 2**30:.1f} GiB against the {profile.memory_bytes / 2**30:.1f} GiB of a "
                   f"{profile.name} (with the allocator margin)." if np.isfinite(min_peak) else
@@ -125,7 +137,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
         if budget_hit:
             reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
         return TuneResult(sp.name, None, None, elapsed, evaluated, reason)
-    plan = build_plan(model, cluster, training, *best.plan_args)
+    plan = best.plan
     predicted = public_prediction(simulate_plan(plan, profile))
     return TuneResult(sp.name, plan, predicted, elapsed, evaluated, None)
 

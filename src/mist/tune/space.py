@@ -43,10 +43,11 @@ class SearchSpace:
     # weight/gradient offload move their bytes over PCIe every micro-batch: "if_needed" opens
     # them only when no plan fits without them; "always" searches them from the start
     wg_policy: str = "if_needed"
+    seed_space: str | None = None       # search this (smaller) space first for an incumbent
 
 
 SPACES = {
-    "full": SearchSpace("full"),
+    "full": SearchSpace("full", seed_space="mist-paper"),
     "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), wo=PAPER_WG, go=PAPER_WG,
                               oo=PAPER_OA, ao=PAPER_OA, g_policy="pow2", b_values=(1, 2, 4), layer_slack=2),
 }

@@ -1,0 +1,95 @@
+"""Saved-activation handling: fractional offloading to host memory, and byte accounting.
+
+One `saved_tensors_hooks` pair wraps a stage's whole forward. While a decoder block runs with an
+offload ratio r > 0, `pack` keeps the first (1 − r) of each saved tensor's elements on the device
+(as a fresh copy, so that the original storage can be freed) and moves the last r to host memory
+(pinned, copied on a side stream on CUDA); `unpack` copies it back and rebuilds the tensor at the
+start of its backward. Weights (views of the flat weight buffers) are never offloaded here: they
+are the weight-offload's business. Tensors saved while no ratio is set pass through unchanged and
+are only counted.
+
+GPU path (untested here: this machine has no GPU): the device→host copy runs on a side stream
+after waiting for the compute stream; the device tail is `record_stream`-ed on that stream so the
+caching allocator does not reuse it early, and `unpack` makes the compute stream wait for the copy's
+event before the host→device copy back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mist.runtime.buffers import host_empty, split_point
+from mist.runtime.memory import MemoryAccount
+
+
+class _Offloaded:
+    __slots__ = ("shape", "dtype", "device", "head", "tail", "event")
+
+    def __init__(self, shape, dtype, device, head, tail, event):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.head, self.tail, self.event = head, tail, event
+
+
+class SavedTensorManager:
+    def __init__(self, device: torch.device, memory: MemoryAccount, is_weight):
+        self.device = torch.device(device)
+        self.memory = memory
+        self.is_weight = is_weight          # callable: tensor → True for a view of a weight buffer
+        self.ratio = 0.0
+        self.cuda = self.device.type == "cuda"
+        self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._seen: set[int] = set()
+        self.offloaded_bytes = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def new_micro_batch(self) -> None:
+        self._seen.clear()
+
+    # ------------------------------------------------------------------ hooks
+    def _count(self, nbytes: int, key: int | None) -> None:
+        if key is not None:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        self.memory.add_activations(nbytes)
+
+    def pack(self, t: torch.Tensor):
+        if self.is_weight(t):
+            return t
+        on_device = t.device == self.device
+        if self.ratio <= 0 or t.numel() < 2 or not on_device:
+            if on_device:
+                st = t.untyped_storage()
+                self._count(st.nbytes(), st.data_ptr())
+            return t
+        flat = t.detach().reshape(-1)
+        keep = split_point(flat.numel(), self.ratio)
+        head = flat[:keep].clone()
+        tail_dev = flat[keep:]
+        tail = host_empty(tail_dev.numel(), t.dtype)
+        event = None
+        if self.cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                tail.copy_(tail_dev, non_blocking=True)
+                tail_dev.record_stream(self.d2h_stream)
+                event = torch.cuda.Event()
+                event.record(self.d2h_stream)
+        else:
+            tail.copy_(tail_dev)
+        self._count(head.numel() * head.element_size(), None)
+        self.offloaded_bytes += tail.numel() * tail.element_size()
+        return _Offloaded(t.shape, t.dtype, t.device, head, tail, event)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if packed.event is not None:
+            torch.cuda.current_stream(packed.device).wait_event(packed.event)
+        out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype,
+                          device=packed.device)
+        out[:packed.head.numel()].copy_(packed.head)
+        out[packed.head.numel():].copy_(packed.tail, non_blocking=packed.event is not None)
+        return out.view(packed.shape)

@@ -1,0 +1,101 @@
+"""Training data: seeded synthetic sequences or a local token stream, and the batch split.
+
+Every layout trains on the same samples: the global batch of B sequences of step k is the same
+whatever the plan; it is split into G micro-batches of B/G consecutive sequences, and each
+micro-batch across the dp ranks in rank order (dp rank d takes sequences [d·b, (d+1)·b) of it).
+Targets are the next tokens (each sequence is drawn with seq_len + 1 tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mist.errors import MistInputError
+
+
+class SyntheticData:
+    """Seeded sequences from a random Markov chain (learnable, so the loss falls).
+
+    Each next token is a fixed random permutation of the current one, except with probability
+    `noise` a uniformly random token.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, seed: int, noise: float = 0.25):
+        self.vocab, self.seq_len, self.B, self.seed, self.noise = vocab, seq_len, global_batch, seed, noise
+        g = torch.Generator().manual_seed(seed * 7919 + 17)
+        self.next_token = torch.randperm(vocab, generator=g)
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        B, s = self.B, self.seq_len
+        x = torch.empty(B, s + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(self.vocab, (B,), generator=g)
+        jump = torch.rand(B, s, generator=g) < self.noise
+        rnd = torch.randint(self.vocab, (B, s), generator=g)
+        for t in range(s):
+            x[:, t + 1] = torch.where(jump[:, t], rnd[:, t], self.next_token[x[:, t]])
+        return x
+
+
+def byte_tokens(data: bytes, vocab: int) -> np.ndarray:
+    """Byte-level tokenizer: each byte is a token id (modulo the vocabulary when it is < 256)."""
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    return ids % vocab if vocab < 256 else ids
+
+
+class TokenFileData:
+    """Windows of seq_len + 1 tokens from a text file (byte-level) or a .npy of token ids.
+
+    Sequence j of the run (j = step·B + i) starts at token (j · seq_len) mod (n − seq_len).
+    """
+
+    def __init__(self, path: str | Path, vocab: int, seq_len: int, global_batch: int):
+        path = Path(path)
+        if not path.is_file():
+            raise MistInputError(f"Data file {path} does not exist.")
+        if path.suffix == ".npy":
+            try:
+                tokens = np.load(path, mmap_mode="r")
+            except ValueError as e:
+                raise MistInputError(f"Data file {path} is not a readable .npy array ({e}).") from None
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise MistInputError(f"Data file {path} must hold a 1-D array of integer token ids.")
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+                raise MistInputError(
+                    f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}).")
+        else:
+            tokens = byte_tokens(path.read_bytes(), vocab)
+        if tokens.size < seq_len + 1:
+            raise MistInputError(
+                f"Data file {path} holds {tokens.size} tokens, fewer than one sequence of {seq_len + 1}.")
+        self.tokens, self.vocab, self.seq_len, self.B = tokens, vocab, seq_len, global_batch
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        n, s = self.tokens.size, self.seq_len
+        rows = []
+        for i in range(self.B):
+            start = ((step * self.B + i) * s) % (n - s)
+            rows.append(np.asarray(self.tokens[start:start + s + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+
+def make_data(source: str, vocab: int, seq_len: int, global_batch: int, seed: int):
+    if source == "synthetic":
+        return SyntheticData(vocab, seq_len, global_batch, seed)
+    return TokenFileData(source, vocab, seq_len, global_batch)
+
+
+def split_micro_batches(batch: torch.Tensor, G: int, dp: int, dp_rank: int):
+    """This dp rank's G micro-batches [(tokens, targets)] of a global batch [B, s + 1]."""
+    B = batch.shape[0]
+    per_mb = B // G
+    b = per_mb // dp
+    out = []
+    for g in range(G):
+        lo = g * per_mb + dp_rank * b
+        seqs = batch[lo:lo + b]
+        out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+    return out

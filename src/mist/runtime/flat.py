@@ -1,0 +1,345 @@
+"""Flat parameters with ZeRO 0–3 over the data-parallel group and fractional weight/grad offload.
+
+Written here rather than with FSDP2 `fully_shard`: FSDP2 cannot express *fractional* offloading
+(a ratio of each state in host memory, the rest on the device), nor a different ZeRO level for
+weights, gradients and optimizer states than its own, so each unit (the embedding, every decoder
+block, the head) is one `FlatUnit`:
+
+- its parameters (this rank's TP shards) are views of one flat working buffer ``full`` of Np
+  elements (N padded to a multiple of dp), in the working dtype (bf16/fp16/fp32);
+- the fp32 master weights and Adam moments cover the optimizer range: this rank's 1/dp shard
+  [dp_rank·S, (dp_rank+1)·S) for ZeRO ≥ 1, all Np for ZeRO 0; each is a `SplitBuffer` whose last
+  ``optimizer`` fraction lives on the host (its Adam step runs on the CPU, see `optimizer.py`);
+- weights: for ZeRO 0–2 without weight offload ``full`` is persistent. Otherwise the persistent copy
+  is a `SplitBuffer` (this rank's shard for ZeRO 3, the whole buffer for ZeRO 0–2 with its last
+  ``weights`` fraction on the host) and ``full`` is materialised before use (the host tail copied
+  in, all-gathered over dp for ZeRO 3) and freed after (its storage is resized to 0; the parameter
+  views, including those autograd saved, become valid again when it is re-materialised);
+- gradients: when every parameter's gradient of a micro-batch has been accumulated (post-accumulate
+  hooks), they are flattened and, for ZeRO ≥ 2, reduce-scattered over dp each micro-batch into a
+  shard accumulator; for ZeRO 0/1 accumulated locally over the micro-batches and all-reduced
+  (ZeRO 0) or reduce-scattered (ZeRO 1) once at the last one. Gradients are averaged over dp
+  (divided by dp before the SUM). The accumulator's last ``grads`` fraction lives on the host and is
+  accumulated there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mist.runtime.buffers import SplitBuffer
+from mist.runtime.memory import MemoryAccount
+
+
+@dataclass
+class ParamInfo:
+    name: str                    # full-model name
+    shape: torch.Size
+    offset: int
+    numel: int
+    decay: bool                  # AdamW weight decay applies (matrices, not norms/biases)
+    norm_skip: tuple | None      # local flat range [a, b) that this rank does not count in the norm
+    kv_range: tuple | None       # local flat range holding KV-head copies (grads summed over the KV group)
+
+
+def _intersect(ranges, lo, hi):
+    """Pieces of `ranges` (absolute) inside [lo, hi), shifted to start at lo."""
+    out = []
+    for a, b in ranges:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            out.append((a - lo, b - lo))
+    return out
+
+
+def _complement(ranges, lo, hi):
+    out, cur = [], lo
+    for a, b in sorted(ranges):
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if a > cur:
+            out.append((cur, a))
+        cur = max(cur, b)
+    if cur < hi:
+        out.append((cur, hi))
+    return out
+
+
+class Comms:
+    """The data-parallel and KV groups a unit talks to (None: a group of one rank)."""
+
+    def __init__(self, dp: int, dp_rank: int, dp_group, kv_group=None, kv_size: int = 1):
+        self.dp, self.dp_rank, self.dp_group = dp, dp_rank, dp_group
+        self.kv_group, self.kv_size = kv_group, kv_size
+
+
+class FlatUnit:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list]], infos: list[dict], *,
+                 dtype: torch.dtype, device: torch.device, comms: Comms, zero: int,
+                 weights: float, grads: float, optimizer: float, micro_batches: int,
+                 memory: MemoryAccount, copy_stream=None):
+        """`params`: (full name, fp32 parameter with the initial values, owners [(module, attr)]);
+        `infos`: per parameter {decay, norm_skip (local element range), kv_range}."""
+        self.name, self.dtype, self.device = name, dtype, torch.device(device)
+        self.comms, self.zero, self.G = comms, zero, micro_batches
+        self.memory = memory
+        self.copy_stream = copy_stream
+        dp, r = comms.dp, comms.dp_rank
+        self.infos: list[ParamInfo] = []
+        off = 0
+        for (pname, p, _), extra in zip(params, infos):
+            n = p.numel()
+            def shift(rng, o=off):
+                return None if rng is None else (o + rng[0], o + rng[1])
+            self.infos.append(ParamInfo(pname, p.shape, off, n, extra["decay"],
+                                        shift(extra.get("norm_skip")), shift(extra.get("kv_range"))))
+            off += n
+        self.N = off
+        self.Np = math.ceil(off / dp) * dp
+        self.S = self.Np // dp
+        self.opt_lo = r * self.S if zero >= 1 else 0
+        self.L = self.S if zero >= 1 else self.Np
+
+        # fp32 initial values → master (exact fp32 init) and working buffer (cast)
+        init = torch.zeros(self.Np, dtype=torch.float32)
+        for (_, p, _), info in zip(params, self.infos):
+            init[info.offset:info.offset + info.numel].copy_(p.detach().reshape(-1))
+        self.master = SplitBuffer(self.L, optimizer, torch.float32, self.device, zero=False)
+        self.master.copy_(init[self.opt_lo:self.opt_lo + self.L])
+        self.exp_avg = SplitBuffer(self.L, optimizer, torch.float32, self.device)
+        self.exp_avg_sq = SplitBuffer(self.L, optimizer, torch.float32, self.device)
+        self.step_count = 0
+
+        self.full = init.to(self.device, dtype)
+        if self.full.data_ptr() == init.data_ptr():
+            self.full = init.clone()
+        self.persistent = zero < 3 and weights == 0
+        self.store = None
+        if not self.persistent:
+            if zero == 3:
+                self.store = SplitBuffer(self.S, weights, dtype, self.device, zero=False)
+                self.store.copy_(self.full[r * self.S:(r + 1) * self.S])
+            else:
+                self.store = SplitBuffer(self.Np, weights, dtype, self.device, zero=False)
+                self.store.copy_(self.full)
+        del init
+
+        # parameters become views of the flat buffer (every owner of a shared parameter too)
+        self.params: list[nn.Parameter] = []
+        for (_, _, owners), info in zip(params, self.infos):
+            view = self.full[info.offset:info.offset + info.numel].view(info.shape)
+            newp = nn.Parameter(view, requires_grad=True)
+            for mod, attr in owners:
+                setattr(mod, attr, newp)
+            self.params.append(newp)
+        self.materialized = True
+        self._counted = False
+        self.keep_until_backward = False   # e.g. a tied embedding also used by the head
+        self._event = None
+        if not self.persistent:
+            self.release()
+
+        # gradient accumulator
+        self.acc = None
+        if zero >= 2:
+            self.acc = SplitBuffer(self.S, grads, dtype, self.device)
+        elif micro_batches > 1:
+            self.acc = SplitBuffer(self.Np, grads, dtype, self.device)
+        self.grads_ratio = grads
+        self.opt_grad: SplitBuffer | None = None
+
+        # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
+        decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
+        self.decay_ranges = _intersect(decay, self.opt_lo, self.opt_lo + self.L)
+        skip = [i.norm_skip for i in self.infos if i.norm_skip]
+        nlo = r * self.S
+        shard = _complement(skip, nlo, nlo + self.S)
+        base = self.opt_lo
+        self.norm_ranges = [(a - base, b - base) for a, b in shard]
+        self.kv_ranges = [i.kv_range for i in self.infos if i.kv_range]
+
+        # hooks and per-micro-batch state
+        self._pending = 0
+        self.micro_batch = 0
+        self.last = True
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+        mem = self.master.device_bytes * 3
+        mem += self.full.numel() * self.full.element_size() if self.persistent else self.store.device_bytes
+        mem += self.acc.device_bytes if self.acc is not None else 0
+        memory.add_persistent(mem)
+
+    # ------------------------------------------------------------ weights
+    @property
+    def full_bytes(self) -> int:
+        return self.Np * self.full.element_size()
+
+    def storage_ptr(self) -> int:
+        return self.full.untyped_storage().data_ptr()
+
+    def materialize(self, prefetch: bool = False) -> None:
+        """Make `full` whole. With CUDA and `prefetch`, the copies run on the copy stream."""
+        if self.materialized:
+            return
+        self.full.untyped_storage().resize_(self.full_bytes)
+        self.memory.add_transient(self.full_bytes)
+        self._counted = True
+        use_stream = prefetch and self.copy_stream is not None
+        if use_stream:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        ctx = torch.cuda.stream(self.copy_stream) if use_stream else _nullctx()
+        with ctx:
+            if self.zero == 3:
+                c = self.comms
+                shard = self.store.read(0, self.S, self.device)
+                if c.dp_group is None:
+                    self.full.copy_(shard)
+                else:
+                    dist.all_gather_into_tensor(self.full, shard.contiguous(), group=c.dp_group)
+            else:
+                d = self.store.dev_len
+                self.full[:d].copy_(self.store.dev)
+                self.full[d:].copy_(self.store.host, non_blocking=use_stream)
+            if use_stream:
+                self._event = torch.cuda.Event()
+                self._event.record(self.copy_stream)
+        self.materialized = True
+
+    def wait(self) -> None:
+        """Before using the weights: order the compute stream after a prefetch's copies."""
+        if self._event is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(self._event)
+            self.full.record_stream(cur)
+            self._event = None
+
+    def release(self) -> None:
+        if self.persistent or not self.materialized:
+            return
+        if self._event is not None:
+            self.wait()
+        self.full.untyped_storage().resize_(0)
+        if self._counted:
+            self.memory.add_transient(-self.full_bytes)
+            self._counted = False
+        self.materialized = False
+
+    # ------------------------------------------------------------ gradients
+    def start_micro_batch(self, index: int, last: bool) -> None:
+        self.micro_batch, self.last = index, last
+        self._pending = len(self.params)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self.reduce_grads()
+
+    def finish_micro_batch(self) -> None:
+        """After the backward: a unit whose hooks did not all fire (no gradient) reduces now."""
+        if self._pending > 0:
+            self._pending = 0
+            self.reduce_grads()
+
+    def _flat_grad(self) -> torch.Tensor:
+        flat = torch.zeros(self.Np, dtype=self.dtype, device=self.device)
+        for p, info in zip(self.params, self.infos):
+            if p.grad is not None:
+                flat[info.offset:info.offset + info.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return flat
+
+    def reduce_grads(self) -> None:
+        flat = self._flat_grad()
+        self.memory.add_transient(self.full_bytes)
+        c = self.comms
+        if c.kv_group is not None:
+            for a, b in self.kv_ranges:
+                dist.all_reduce(flat[a:b], group=c.kv_group)
+        self.release()
+        first = self.micro_batch == 0
+        if c.dp > 1:
+            flat.div_(c.dp)
+        if self.zero >= 2:
+            shard = self._reduce_scatter(flat)
+            if first:
+                self.acc.copy_(shard)
+            else:
+                self.acc.add_(shard)
+            if self.last:
+                self.opt_grad = self.acc
+        else:
+            if not self.last:
+                if first:
+                    self.acc.copy_(flat)
+                else:
+                    self.acc.add_(flat)
+            else:
+                if not first:
+                    flat.add_(self.acc.read(0, self.Np, self.device))
+                if self.zero == 1:
+                    red = self._reduce_scatter(flat)
+                else:
+                    if c.dp_group is not None:
+                        dist.all_reduce(flat, group=c.dp_group)
+                    red = flat
+                # the reduced gradient waits for the optimizer with its `grads` fraction on the host
+                if self.acc is not None and self.zero == 0:
+                    self.acc.copy_(red)
+                    self.opt_grad = self.acc
+                else:
+                    buf = SplitBuffer(self.L, self.grads_ratio, self.dtype, self.device, zero=False)
+                    buf.copy_(red)
+                    self.opt_grad = buf
+        self.memory.add_transient(-self.full_bytes)
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        c = self.comms
+        if c.dp_group is None:
+            return flat
+        out = torch.empty(self.S, dtype=self.dtype, device=self.device)
+        dist.reduce_scatter_tensor(out, flat, group=c.dp_group)
+        return out
+
+    # ------------------------------------------------------------ after the optimizer step
+    @torch.no_grad()
+    def update_weights(self) -> None:
+        """New working weights from the fp32 master (re-gathered over dp for ZeRO 1/2)."""
+        m = self.master
+        if self.zero == 3:
+            self.store.write(0, m.dev.to(self.dtype))
+            self.store.write(m.dev_len, m.host.to(self.dtype))
+        elif self.zero == 0:
+            target = self.full if self.persistent else None
+            if target is not None:
+                target[:m.dev_len].copy_(m.dev)
+                target[m.dev_len:].copy_(m.host)
+            else:
+                self.store.write(0, m.dev.to(self.dtype))
+                self.store.write(m.dev_len, m.host.to(self.dtype))
+        else:
+            shard = torch.empty(self.S, dtype=self.dtype, device=self.device)
+            shard[:m.dev_len].copy_(m.dev)
+            shard[m.dev_len:].copy_(m.host)
+            out = self.full if self.persistent else torch.empty(self.Np, dtype=self.dtype, device=self.device)
+            if self.comms.dp_group is None:
+                out.copy_(shard)
+            else:
+                dist.all_gather_into_tensor(out, shard, group=self.comms.dp_group)
+            if not self.persistent:
+                self.store.copy_(out)
+        self.opt_grad = None
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

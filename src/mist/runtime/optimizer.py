@@ -1,0 +1,131 @@
+"""AdamW over the flat units' fp32 master shards: device part on the device, host part on the CPU.
+
+Each unit's optimizer range (its 1/dp shard for ZeRO ≥ 1, everything for ZeRO 0) is split like its
+master weights: the first (1 − optimizer-offload) elements step on the device, the rest — master,
+m and v kept in host memory — step on the CPU (a CPU Adam, not a round trip through the GPU).
+The arithmetic is exactly `torch.optim.AdamW(foreach=False)`'s, with decoupled weight decay on
+matrices only (not on norms and biases).
+
+Gradient clipping uses the global norm over every rank's gradient shard: each element is counted
+once (parameters replicated across TP ranks only on TP rank 0, KV-head copies only on the first
+rank of their KV group, ZeRO-0 full gradients only over this dp rank's 1/dp slice), summed over
+the whole world. fp16 uses dynamic loss scaling; a non-finite norm skips the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mist.runtime.flat import FlatUnit
+
+
+def adamw_(p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+           weight_decay: float, decay_ranges) -> None:
+    if p.numel() == 0:
+        return
+    if weight_decay:
+        for a, b in decay_ranges:
+            p[a:b].mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to min_ratio · base_lr at `total`."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    t = min(max(step - warmup, 0) / span, 1.0)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (halve on overflow, double after `interval` good steps)."""
+
+    def __init__(self, enabled: bool, init: float = 2.0 ** 16, interval: int = 1000):
+        self.enabled, self.scale, self.interval, self._good = enabled, init if enabled else 1.0, interval, 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2, 1.0)
+            self._good = 0
+        else:
+            self._good += 1
+            if self._good % self.interval == 0:
+                self.scale *= 2
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+
+
+class ShardedAdamW:
+    def __init__(self, units: list[FlatUnit], *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 max_grad_norm: float = 1.0, scaler: LossScaler | None = None, norm_group=None):
+        self.units = units
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay, self.max_grad_norm = eps, weight_decay, max_grad_norm
+        self.scaler = scaler or LossScaler(False)
+        self.norm_group = norm_group
+        self.step_count = 0
+
+    def _sq_norm(self, device: torch.device) -> torch.Tensor:
+        dev = torch.zeros((), dtype=torch.float64, device=device)
+        host = torch.zeros((), dtype=torch.float64)
+        for u in self.units:
+            g = u.opt_grad
+            for lo, hi in u.norm_ranges:
+                for part, a, b, _ in g.pieces(lo, hi):
+                    t = getattr(g, part)[a:b].float()
+                    s = torch.dot(t, t).double()
+                    if part == "dev":
+                        dev += s
+                    else:
+                        host += s
+        return dev + host.to(device)
+
+    @torch.no_grad()
+    def step(self, lr: float, device: torch.device) -> StepResult:
+        sq = self._sq_norm(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq, group=self.norm_group)
+        norm = math.sqrt(sq.item()) / self.scaler.scale if math.isfinite(sq.item()) else float("inf")
+        if not math.isfinite(norm):
+            self.scaler.update(True)
+            for u in self.units:
+                u.opt_grad = None
+            return StepResult(norm, True)
+        self.scaler.update(False)
+        coef = 1.0
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)
+        mult = coef / self.scaler.scale
+        self.step_count += 1
+        kw = dict(step=self.step_count, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                  weight_decay=self.weight_decay)
+        for u in self.units:
+            m, ea, es, g = u.master, u.exp_avg, u.exp_avg_sq, u.opt_grad
+            d = m.dev_len
+            dec_dev = [(a, min(b, d)) for a, b in u.decay_ranges if a < d]
+            dec_host = [(max(a, d) - d, b - d) for a, b in u.decay_ranges if b > d]
+            g_dev = g.read(0, d, m.device).to(torch.float32, copy=True).mul_(mult)
+            adamw_(m.dev, ea.dev, es.dev, g_dev, decay_ranges=dec_dev, **kw)
+            if m.host.numel():
+                # the offloaded fraction of the optimizer states steps on the CPU
+                g_host = g.read(d, u.L, "cpu").to(torch.float32, copy=True).mul_(mult)
+                adamw_(m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw)
+            u.update_weights()
+        return StepResult(norm, False)

@@ -1,0 +1,252 @@
+"""Train one rank's part of a plan: build, initialise, step, measure.
+
+`Trainer` owns this rank's stage (modules on its TP shard, one `FlatUnit` per embedding / block /
+head), the sharded AdamW, the data, and the metrics. `launch.py` starts the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from mist.errors import MistInputError
+from mist.models import TPGroup
+from mist.plan import Offload, Plan
+from mist.runtime.activations import SavedTensorManager
+from mist.runtime.config import TrainConfig
+from mist.runtime.data import make_data, split_micro_batches
+from mist.runtime.flat import Comms, FlatUnit
+from mist.runtime.layout import RankGroups
+from mist.runtime.memory import MemoryAccount
+from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
+from mist.runtime.schedule import GradAccumSchedule
+from mist.runtime.sharding import (full_meta_model, init_stage_params, kv_replicated_rows,
+                                   tp_slice)
+from mist.runtime.stage import StageModule, StageRunner
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_flops_per_step(plan: Plan) -> float:
+    """6 · parameters · tokens plus attention (12 · layers · hidden · seq per token)."""
+    m, t = plan.model, plan.training
+    tokens = t.global_batch * t.seq_len
+    return 6.0 * m.total_params() * tokens + 12.0 * m.num_layers * m.hidden_size * t.seq_len * tokens
+
+
+def working_dtypes(plan: Plan):
+    """(working weight dtype, autocast dtype or None, fp16 loss scaling?)."""
+    t = plan.training
+    wd, cd = DTYPES[t.param_dtype], DTYPES[t.compute_dtype]
+    if wd == cd:
+        return wd, None, wd == torch.float16
+    if wd != torch.float32:
+        raise MistInputError(
+            f"mist train runs compute in {t.compute_dtype} only with {t.compute_dtype} or fp32 "
+            f"parameters, not {t.param_dtype}.")
+    return wd, cd, cd == torch.float16
+
+
+def _param_info(name: str, p: torch.Tensor, spec, tp: int, tp_rank: int) -> dict:
+    info = {"decay": p.dim() >= 2, "norm_skip": None, "kv_range": None}
+    if tp == 1:
+        return info
+    if tp_slice(name, spec, tp, tp_rank) is None:
+        if tp_rank != 0:             # replicated on every TP rank: counted once, on rank 0
+            info["norm_skip"] = (0, p.numel())
+        return info
+    rows = kv_replicated_rows(name, spec, tp, tp_rank)
+    if rows is not None:
+        cols = p.numel() // p.shape[0]
+        info["kv_range"] = (rows[0] * cols, rows[1] * cols)
+        if tp_rank % (tp // spec.num_kv_heads):
+            info["norm_skip"] = info["kv_range"]
+    return info
+
+
+class Trainer:
+    def __init__(self, plan: Plan, cfg: TrainConfig, groups: RankGroups, device: torch.device):
+        self.plan, self.cfg, self.groups = plan, cfg, groups
+        self.device = torch.device(device)
+        spec, t = plan.model, plan.training
+        lay = groups.stage
+        st = plan.stages[lay.index]
+        self.stage = st
+        if spec.family == "gpt" and t.seq_len > spec.max_position_embeddings:
+            raise MistInputError(f"Sequence length {t.seq_len} exceeds the model's "
+                                 f"{spec.max_position_embeddings} learned positions.")
+        self.dtype, autocast, fp16 = working_dtypes(plan)
+        self.scaler = LossScaler(fp16)
+        first, last = lay.index == 0, lay.index == plan.num_stages - 1
+        self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group)
+        flash = t.flash_attention
+
+        # this stage's modules in fp32 on the CPU, seeded exactly like the single-process model
+        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer)
+        local = {}
+        for n, p in module.named_parameters():
+            local[module.full_name(n)] = p
+        init_stage_params(local, spec, lay.tp, groups.tp_rank, cfg.seed, flash)
+
+        self.memory = MemoryAccount()
+        comms = Comms(st.dp, groups.dp_rank, groups.dp_group, groups.kv_group, groups.kv_size)
+        copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        owners = module.owners()
+        seen: set[int] = set()
+        self.units: list[FlatUnit] = []
+        for prefix, mod in module.unit_modules():
+            plist, infos = [], []
+            for n, p in mod.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = module.full_name(f"{prefix}.{n}")
+                plist.append((name, p, owners[id(p)]))
+                infos.append(_param_info(name, p, spec, lay.tp, groups.tp_rank))
+            # offloading applies to the decoder blocks (the embedding and head are sharded like
+            # the stage but never offloaded, as the cost model assumes)
+            off = st.offload if prefix.startswith("blocks.") else Offload()
+            self.units.append(FlatUnit(
+                module.full_name(prefix), plist, infos, dtype=self.dtype, device=self.device,
+                comms=comms, zero=st.zero, weights=off.weights, grads=off.grads,
+                optimizer=off.optimizer, micro_batches=plan.micro_batches, memory=self.memory,
+                copy_stream=copy_stream))
+        if spec.tie_embeddings and first and last:
+            self.units[0].keep_until_backward = True
+        self.module = module
+
+        def is_weight(x: torch.Tensor) -> bool:
+            ptr = x.untyped_storage().data_ptr()
+            return any(u.materialized and u.storage_ptr() == ptr for u in self.units)
+
+        self.saved = SavedTensorManager(self.device, self.memory, is_weight)
+        self.runner = StageRunner(module, self.units, st.recompute_layers, st.offload.activations,
+                                  self.saved, autocast)
+        self.schedule = GradAccumSchedule(plan.micro_batches)
+        self.optimizer = ShardedAdamW(self.units, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                                      scaler=self.scaler)
+        self.data = make_data(cfg.data, spec.vocab_size, t.seq_len, t.global_batch, cfg.seed)
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------ training
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self, step: int) -> dict:
+        cfg, g = self.cfg, self.groups
+        lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        batch = self.data.global_batch(step)
+        mbs = [(x.to(self.device), y.to(self.device))
+               for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.dp_rank)]
+        self._sync()
+        t0 = time.perf_counter()
+        losses = self.schedule.run(self.runner, mbs, self.scaler.scale)
+        res = self.optimizer.step(lr, self.device)
+        loss = torch.stack(losses).float().mean()
+        if g.dp_group is not None:
+            dist.all_reduce(loss, group=g.dp_group)
+            loss /= self.stage.dp
+        self._sync()
+        dt = time.perf_counter() - t0
+        rec = {"step": step, "loss": float(loss.item()), "lr": lr, "grad_norm": res.grad_norm,
+               "skipped": res.skipped, "time_s": dt}
+        self.history.append(rec)
+        return rec
+
+    def run(self) -> dict | None:
+        """Train cfg.steps steps; return the metrics on rank 0 (None elsewhere)."""
+        t = self.plan.training
+        tokens = t.global_batch * t.seq_len
+        for step in range(self.cfg.steps):
+            rec = self.train_step(step)
+            if self.cfg.log and self.groups.rank == 0:
+                print(f"step {step + 1}/{self.cfg.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+                      f"grad norm {rec['grad_norm']:.3f}  {rec['time_s'] * 1e3:.0f} ms  "
+                      f"{tokens / rec['time_s']:,.0f} tokens/s" + ("  (skipped)" if rec["skipped"] else ""),
+                      flush=True)
+        metrics = self.metrics()
+        if self.groups.rank == 0 and self.cfg.metrics_path:
+            with open(self.cfg.metrics_path, "w") as f:
+                json.dump(metrics, f, indent=1)
+        return metrics if self.groups.rank == 0 else None
+
+    # ------------------------------------------------------------ metrics
+    def peak_memory(self) -> list[int]:
+        """Per stage, the largest peak over its ranks (collective over the world)."""
+        n = self.plan.num_stages
+        peak = torch.zeros(n, dtype=torch.float64, device=self.device)
+        peak[self.groups.stage.index] = (torch.cuda.max_memory_allocated(self.device)
+                                         if self.device.type == "cuda" else self.memory.peak)
+        if self.groups.world > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return [int(v) for v in peak.tolist()]
+
+    def metrics(self) -> dict:
+        from mist.hardware import load_profile
+
+        t = self.plan.training
+        tokens = t.global_batch * t.seq_len
+        times = [r["time_s"] for r in self.history]
+        steady = times[1:] if len(times) > 1 else times   # the first step warms up
+        step_time = sum(steady) / len(steady)
+        try:
+            peak_flops = load_profile(self.plan.cluster.gpu).peak_flops
+        except MistInputError:
+            peak_flops = None
+        flops = model_flops_per_step(self.plan)
+        mfu = (flops / step_time / (self.plan.cluster.world_size * peak_flops)
+               if peak_flops and self.device.type == "cuda" else None)
+        source = ("torch.cuda.max_memory_allocated" if self.device.type == "cuda" else
+                  "accounted: device part of weights, gradients, optimizer states, materialised "
+                  "weights and kept saved activations (CPU run, no allocator statistics)")
+        return {
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "mfu": mfu,
+            "model_flops_per_step": flops,
+            "losses": [r["loss"] for r in self.history],
+            "grad_norms": [r["grad_norm"] for r in self.history],
+            "lrs": [r["lr"] for r in self.history],
+            "step_times_s": times,
+            "skipped_steps": sum(r["skipped"] for r in self.history),
+            "device": self.device.type,
+            "world_size": self.groups.world,
+            "stages": [{"peak_memory_bytes": p, "peak_memory_source": source}
+                       for p in self.peak_memory()],
+        }
+
+    # ------------------------------------------------------------ export
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 master weights as the single-process model's state dict (rank 0; collective)."""
+        g, spec = self.groups, self.plan.model
+        tp = self.tp.size
+        shapes = {n: p.shape for n, p in full_meta_model(spec, self.plan.training.flash_attention).named_parameters()}
+        out = {}
+        for u in self.units:
+            m = u.master.read(0, u.L, self.device).contiguous()
+            if u.zero >= 1 and g.dp_group is not None:
+                full = torch.empty(u.Np, dtype=torch.float32, device=self.device)
+                dist.all_gather_into_tensor(full, m, group=g.dp_group)
+            else:
+                full = m
+            for info in u.infos:
+                local = full[info.offset:info.offset + info.numel].view(info.shape)
+                sl = tp_slice(info.name, spec, tp, g.tp_rank)
+                if sl is None:
+                    value = local.clone()
+                else:
+                    parts = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(parts, local.contiguous(), group=g.tp_group)
+                    value = torch.zeros(shapes[info.name], dtype=torch.float32, device=self.device)
+                    for r, part in enumerate(parts):
+                        dim, idx = tp_slice(info.name, spec, tp, r)
+                        value.index_copy_(dim, idx.to(self.device), part)
+                out[info.name] = value.cpu()
+        return out if g.rank == 0 else None

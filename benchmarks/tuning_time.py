@@ -23,7 +23,7 @@ NONE = (0.0,)
 
 
 def steps():
-    base = replace(SPACES["full"], name="base", zero_levels=(0, 1), recompute="all_or_nothing",
+    base = replace(SPACES["full"], name="base", seed_space=None, zero_levels=(0, 1), recompute="all_or_nothing",
                    wo=NONE, go=NONE, oo=NONE, ao=NONE)
     s1 = replace(base, name="+ZeRO-2/3", zero_levels=(0, 1, 2, 3))
     s2 = replace(s1, name="+checkpointing", recompute="any")

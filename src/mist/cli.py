@@ -130,7 +130,7 @@ def tune(
     gpus_per_node: GpnOpt = 2,
     seq: SeqOpt = 2048,
     global_batch: BatchOpt = 32,
-    space: str = typer.Option("full", help="Search space: full, mist-paper, megatron, deepspeed, aceso."),
+    space: str = typer.Option("full", help="Search space: full, mist-paper, megatron, deepspeed, aceso, megatron-paper."),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
     no_flash: NoFlashOpt = False,

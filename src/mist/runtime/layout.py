@@ -81,8 +81,10 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
         if len(ranks) < 2:
             return None
         g = dist.new_group(ranks)
+        if rank not in ranks:
+            return None
         rg.created.append(g)
-        return g if rank in ranks else None
+        return g
 
     for s in layouts:
         for d in range(s.dp):

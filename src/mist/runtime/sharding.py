@@ -103,8 +103,8 @@ def init_constant(name: str) -> float:
 
 def local_to_full_name(local_name: str, first_layer: int) -> str:
     """A stage module's parameter name → the full model's (block indices are global there)."""
-    m = re.match(r"blocks\.(\d+)\.(.*)", local_name)
-    return f"blocks.{int(m.group(1)) + first_layer}.{m.group(2)}" if m else local_name
+    m = re.match(r"blocks\.(\d+)(.*)", local_name)
+    return f"blocks.{int(m.group(1)) + first_layer}{m.group(2)}" if m else local_name
 
 
 @torch.no_grad()

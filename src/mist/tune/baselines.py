@@ -237,8 +237,9 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
 
 
 # ------------------------------------------------------------------ Megatron-LM
-def _megatron_candidates(model, cluster, training):
+def _megatron_candidates(model, cluster, training, micro_batches=None, recompute=("full", "none")):
     L, B = model.num_layers, training.global_batch
+    micro_batches = micro_batches or MEGATRON_MICRO_BATCHES
     for S, (n, g) in _depths(model, cluster):
         if L % S:          # Megatron-LM (core_r0.4.0): num_layers divisible by pp
             continue
@@ -248,10 +249,10 @@ def _megatron_candidates(model, cluster, training):
             if not _is_pow2(dp):
                 continue
             zero = 1 if dp > 1 else 0
-            for b in MEGATRON_MICRO_BATCHES:
+            for b in micro_batches:
                 if B % (b * dp):
                     continue
-                for rc in (l, 0):
+                for rc in [l if r == "full" else 0 for r in recompute]:
                     s = StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
                                       zero=zero, recompute_layers=rc)
                     yield B // (b * dp), (s,) * S
@@ -265,6 +266,17 @@ def tune_megatron(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     return _run("megatron", search, model, cluster, training, profile, time_budget,
                 "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch "
                 f"{'/'.join(map(str, MEGATRON_MICRO_BATCHES))} must divide the batch over the GPUs")
+
+
+def tune_megatron_paper(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
+                        time_budget: float | None = None) -> TuneResult:
+    """Megatron-LM as the Mist paper tuned it (reference/mist-system.md §13.4): full
+    recomputation always on, micro-batch 1/2/4, distributed optimizer; otherwise as above."""
+    def search(ev, t0, budget):
+        return _best_of(ev, _megatron_candidates(model, cluster, training, (1, 2, 4), ("full",)), t0 + budget)
+    return _run("megatron-paper", search, model, cluster, training, profile, time_budget,
+                "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch 1/2/4 "
+                "must divide the batch over the GPUs")
 
 
 # ------------------------------------------------------------------ DeepSpeed

@@ -13,7 +13,7 @@ def run_space(space: str, model, cluster, training, profile, time_budget=None, p
         from mist.tune import baselines
 
         fn = {"megatron": baselines.tune_megatron, "deepspeed": baselines.tune_deepspeed,
-              "aceso": baselines.tune_aceso}[space]
+              "aceso": baselines.tune_aceso, "megatron-paper": baselines.tune_megatron_paper}[space]
         return fn(model, cluster, training, profile, time_budget=time_budget)
     from mist.tune.search import tune
 

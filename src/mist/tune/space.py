@@ -51,7 +51,7 @@ SPACES = {
     "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), wo=PAPER_WG, go=PAPER_WG,
                               oo=PAPER_OA, ao=PAPER_OA, g_policy="pow2", b_values=(1, 2, 4), layer_slack=2),
 }
-BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
+BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
 
 
 def get_space(name: str) -> SearchSpace:

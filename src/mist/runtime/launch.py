@@ -1,0 +1,176 @@
+"""Start the processes of a plan: under torchrun, or as local worker processes (`--local`).
+
+Under torchrun each process reads RANK / WORLD_SIZE / LOCAL_RANK and joins NCCL (GPUs) or gloo
+(CPUs). With `--local` the parent forks (CPU) or spawns (CUDA) one worker per rank on a free
+localhost port, waits for them and re-raises the first error; rank 0 sends back its metrics
+(and, on request, the full trained weights, which the tests compare with a single process).
+Everything that can be checked from the plan alone is checked before any process starts, so a
+plan that cannot run ends with one sentence and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mist.errors import MistInputError
+from mist.plan import Plan
+from mist.runtime.config import TrainConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_runnable(plan: Plan) -> None:
+    if plan.num_stages > 1:
+        raise MistInputError(
+            f"Pipeline parallelism is not implemented yet: this plan has {plan.num_stages} stages "
+            "and mist train runs single-stage plans only.")
+
+
+def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
+    """('cuda' or 'cpu', a note to print or None)."""
+    gpu = plan.cluster.gpu
+    if gpu.lower() == "cpu":
+        return "cpu", None
+    if torch.cuda.is_available():
+        return "cuda", None
+    if local:
+        return "cpu", (f"note: this machine has no CUDA device; running the {gpu} plan on "
+                       f"{plan.cluster.world_size} CPU worker process(es) with gloo instead.")
+    raise MistInputError(f"The plan targets {gpu} GPUs but this machine has no CUDA device "
+                         "(use --local to run it on CPU processes).")
+
+
+def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.device,
+             init_method: str, want_state: bool = False) -> dict | None:
+    """One rank, from joining the process group to leaving it; rank 0 returns its results."""
+    from mist.runtime.layout import build_groups
+    from mist.runtime.trainer import Trainer
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=10))
+    try:
+        groups = build_groups(plan, rank, world)
+        trainer = Trainer(plan, cfg, groups, device)
+        metrics = trainer.run()
+        state = trainer.full_state_dict() if want_state else None
+        groups.destroy()
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    out = {"metrics": metrics}
+    if want_state:
+        out["state"] = {k: v.numpy() for k, v in state.items()}
+    return out
+
+
+def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q):
+    try:
+        if device_type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        res = run_rank(plan, cfg, rank, world, device, f"tcp://127.0.0.1:{port}", want_state)
+        q.put(("ok", rank, res))
+    except MistInputError as e:
+        q.put(("input", rank, str(e)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        q.put(("error", rank, traceback.format_exc()))
+
+
+def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_state: bool = False,
+                start_method: str | None = None) -> dict:
+    """Run the plan on local worker processes (one per rank); rank 0's result."""
+    import torch.multiprocessing as mp
+
+    check_runnable(plan)
+    world = plan.cluster.world_size
+    if device_type == "cuda" and torch.cuda.device_count() < world:
+        raise MistInputError(f"The plan needs {world} GPUs but this machine has "
+                             f"{torch.cuda.device_count()}.")
+    method = start_method or ("spawn" if device_type == "cuda" else "fork")
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_local_worker, args=(r, world, plan, cfg, device_type, port, want_state, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result, error, done = None, None, set()
+    try:
+        while len(done) < world and error is None:
+            try:
+                kind, rank, payload = q.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()
+                        and p.exitcode not in (0, None)]
+                if dead:
+                    error = ("error", f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            done.add(rank)
+            if kind == "ok":
+                if rank == 0:
+                    result = payload
+            else:
+                error = (kind, payload)
+    finally:
+        if error is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join()
+    if error is not None:
+        if error[0] == "input":
+            raise MistInputError(error[1])
+        raise RuntimeError(f"a training worker failed:\n{error[1]}")
+    return result
+
+
+def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
+    """`mist train`: under torchrun (env) or with local workers; prints progress on rank 0."""
+    from mist.plan import load_plan
+
+    plan = load_plan(plan_path)
+    check_runnable(plan)
+    world = plan.cluster.world_size
+    if local:
+        dev, note = device_type_for(plan, local=True)
+        if note:
+            print(note, flush=True)
+        res = spawn_local(plan, cfg, device_type=dev)
+        return res["metrics"] if res else None
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise MistInputError("mist train runs under torchrun (RANK and WORLD_SIZE are not set); "
+                             "use --local to start the worker processes here.")
+    rank, env_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if env_world != world:
+        raise MistInputError(f"The plan needs {world} processes ({plan.cluster.nodes}×"
+                             f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env_world}.")
+    dev, _ = device_type_for(plan, local=False)
+    if dev == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
+                                 f"{torch.cuda.device_count()} GPU(s).")
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        device = torch.device("cpu")
+    res = run_rank(plan, cfg, rank, world, device, "env://")
+    sys.stdout.flush()
+    return res["metrics"] if res else None

@@ -246,6 +246,43 @@ def _print_estimate(r: dict) -> None:
     out.print(m)
 
 
+@app.command()
+def train(
+    plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
+    steps: int = typer.Option(10, help="Training steps (optimizer updates)."),
+    data: str = typer.Option("synthetic", help="'synthetic', a text file (byte-level tokens) or a .npy of token ids."),
+    metrics: str = typer.Option(None, "--metrics", help="Write step time, tokens/s, MFU, losses and per-stage peak memory to this JSON file."),
+    local: bool = typer.Option(False, "--local", help="Start the worker processes here (CPU/gloo without CUDA) instead of under torchrun."),
+    seed: int = typer.Option(0, help="Seed of the initialization and the synthetic data."),
+    lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate (AdamW)."),
+    min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decay ends at this fraction of --lr."),
+    warmup: int = typer.Option(None, "--warmup", help="Linear warm-up steps (default: 10% of the steps, at most 100)."),
+    weight_decay: float = typer.Option(0.1, "--weight-decay", help="AdamW decoupled weight decay (matrices only)."),
+    beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
+    beta2: float = typer.Option(0.95, "--beta2", help="AdamW beta2."),
+    eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
+    clip: float = typer.Option(1.0, "--clip", help="Clip the global gradient norm to this (0: no clipping)."),
+):
+    """Run a plan on torch.distributed (under torchrun, or --local worker processes)."""
+    from mist.runtime import TrainConfig, train_command
+
+    cfg = TrainConfig(steps=steps, data=data, seed=seed, lr=lr, min_lr_ratio=min_lr_ratio,
+                      warmup_steps=warmup, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                      eps=eps, max_grad_norm=clip, metrics_path=metrics)
+    res = train_command(plan, cfg, local)
+    if res is not None:
+        mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a (CPU run)"
+        peaks = ", ".join(f"{s['peak_memory_bytes'] / GIB:.3f}" for s in res["stages"])
+        out.print(f"step time {res['step_time_s'] * 1e3:.1f} ms · {res['tokens_per_s']:,.0f} tokens/s · "
+                  f"MFU {mfu} · peak memory per stage (GiB) {peaks} · final loss {res['losses'][-1]:.4f}"
+                  + (f"; metrics written to {metrics}" if metrics else ""))
+
+
+from mist.cli_profile import profile_command  # noqa: E402  (registered as `mist profile`)
+
+app.command("profile", help="Measure this machine's CPU or GPU and write a profile that --gpu accepts.")(profile_command)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one sentence on stderr and exit code 2."""
     try:

@@ -175,12 +175,38 @@ def load_dp_links(gpu: str) -> DpLinks:
     if intra is None and not e:
         known = sorted(_table())
         raise ValueError(f"no link data for GPU '{gpu}'; known: {', '.join(known)}")
+    return dp_links_from_parts(key, intra, e)
+
+
+_PARTS = {"internode": ("alpha_s", "nic_Bps_per_node"), "p2p_intra": ("alpha_s", "bw_Bps"),
+          "p2p_inter": ("alpha_s", "bw_Bps")}
+
+
+def shipped_parts(gpu: str) -> dict:
+    """The shipped `overlap/dp_links.json` entry of a GPU ({} when there is none)."""
+    return dict(_table().get(normalize_gpu(gpu), {}))
+
+
+def dp_links_from_parts(gpu: str, intra: LinkModel | None, e: dict) -> DpLinks:
+    """A DpLinks from an intra-node fit and a `dp_links.json`-style entry: optional parts
+    "internode" {alpha_s, nic_Bps_per_node}, "p2p_intra" / "p2p_inter" {alpha_s, bw_Bps},
+    "intra_allgather" {"fits": {k: [alpha_s, busbw_Bps]}}, each with a "provenance" line.
+    ValueError when a part is malformed (a GPU profile's own `dp_links` section uses this form)."""
+    for part, keys in _PARTS.items():
+        if part in e:
+            v = e[part]
+            if not isinstance(v, dict) or any(not isinstance(v.get(k), (int, float)) for k in keys):
+                raise ValueError(f"dp_links part '{part}' needs numbers {', '.join(keys)}")
+            if v["alpha_s"] < 0 or v[keys[1]] <= 0:
+                raise ValueError(f"dp_links part '{part}': alpha_s must be >= 0 and {keys[1]} > 0")
+    if "intra_allgather" in e and not isinstance(e["intra_allgather"].get("fits"), dict):
+        raise ValueError("dp_links part 'intra_allgather' needs 'fits': {k: [alpha_s, busbw_Bps]}")
     ag = e.get("intra_allgather", {}).get("fits")
-    prov = {part: e[part]["provenance"] for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather")
-            if part in e}
+    prov = {part: e[part].get("provenance", "")
+            for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather") if part in e}
     if intra is not None:
         prov["intra"] = intra.provenance
-    return DpLinks(key, intra, ag, e.get("internode"), e.get("p2p_intra"), e.get("p2p_inter"), prov)
+    return DpLinks(gpu, intra, ag, e.get("internode"), e.get("p2p_intra"), e.get("p2p_inter"), prov)
 
 
 def collective_time(gpu: str, op: str, nbytes, group_size: int, nodes_spanned: int = 1,

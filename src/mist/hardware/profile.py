@@ -3,6 +3,11 @@
 A profile is a JSON document (see `to_dict`) produced by `python -m mist.hardware.build` from
 the shared measurement data and shipped inside the package; loading it needs nothing else.
 Every *_time method returns seconds, accepts python scalars or numpy arrays and broadcasts.
+
+A profile may carry its own link and overlap models (optional sections `links`, `dp_links`,
+`interference`; `mist profile` writes them). The simulator asks the profile for them
+(`link_model`, `collective_time`, `interference_model`); a profile without a section falls back
+to the shipped per-GPU file of its name, exactly as before sections existed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class GpuProfile:
     sources: dict = field(default_factory=dict)  # field group -> where its numbers came from
     fingerprint: dict = field(default_factory=dict)  # environment of the measurements
     notes: list = field(default_factory=list)
+    # optional own models (None: the shipped per-name files are used, see module docstring)
+    links: dict | None = None  # intra-node collectives, LinkModel JSON {"gpu", "provenance", "fits"}
+    dp_links: dict | None = None  # DP / cross-node / p2p parts of DpLinks (the dp_links.json entry form)
+    interference: dict | None = None  # InterferenceModel JSON {"provenance", "channels", "factors"}
 
     # ------------------------------------------------------------------ predictors
     # Scalars in give a numpy float64 out (a Python float subclass); arrays give arrays.
@@ -77,6 +86,61 @@ class GpuProfile:
         h = self.host.per_op(backward) if host_overhead is None else host_overhead
         return _out(stream_time(kernel_times, h))
 
+    # ------------------------------------------------------------------ links and overlap
+    def link_model(self):
+        """Intra-node (TP) collective model: the own `links` section, else the shipped file of
+        this name (`collectives.load_links`); None when neither exists."""
+        from mist.hardware.collectives import LinkModel, load_links
+
+        if self.links is None:
+            return load_links(self.name)
+        return self._cached("links", lambda: LinkModel(str(self.links.get("gpu", self.name)),
+                                                       str(self.links.get("provenance", "")),
+                                                       self.links["fits"]))
+
+    def dp_link_model(self):
+        """DP / cross-node / p2p model (`dp_links.DpLinks`): built from the own `links` and
+        `dp_links` sections where present (a missing one taken from the shipped files of this
+        name), else the shipped model (`dp_links.load_dp_links`)."""
+        from mist.hardware.dp_links import dp_links_from_parts, load_dp_links, shipped_parts
+
+        if self.links is None and self.dp_links is None:
+            return load_dp_links(self.name)
+
+        def build():
+            parts = self.dp_links if self.dp_links is not None else shipped_parts(self.name)
+            return dp_links_from_parts(self.name, self.link_model(), parts)
+        return self._cached("dp_links", build)
+
+    def collective_time(self, op, nbytes, group_size, nodes_spanned=1, gpus_per_node=8, *,
+                        concurrent_groups=None):
+        """Seconds of a DP / cross-node collective or p2p message (see `dp_links.collective_time`)."""
+        if self.links is None and self.dp_links is None:
+            from mist.hardware.dp_links import collective_time
+
+            return collective_time(self.name, op, nbytes, group_size, nodes_spanned, gpus_per_node,
+                                   concurrent_groups=concurrent_groups)
+        return self.dp_link_model().time(op, nbytes, group_size, nodes_spanned, gpus_per_node,
+                                         concurrent_groups=concurrent_groups)
+
+    def interference_model(self):
+        """Compute/communication interference factors: the own `interference` section, else the
+        shipped fit or fallback of this name (`interference.load_interference`)."""
+        from mist.hardware.interference import InterferenceModel, load_interference
+
+        if self.interference is None:
+            return load_interference(self.name)
+        return self._cached("interference", lambda: InterferenceModel.from_json(self.interference))
+
+    def _cached(self, key, build):
+        """Model built from an own section, rebuilt when the section object is replaced."""
+        cache = self.__dict__.setdefault("_models", {})
+        ident = (id(self.links), id(self.dp_links), id(self.interference))
+        hit = cache.get(key)
+        if hit is None or hit[0] != ident:
+            hit = cache[key] = (ident, build())
+        return hit[1]
+
     # ------------------------------------------------------------------ extras
     def host_overhead(self, backward=False) -> float:
         return self.host.per_op(backward)
@@ -89,7 +153,7 @@ class GpuProfile:
     def summary(self) -> str:
         gib = self.memory_bytes / 2**30
         return (
-            f"{self.name}: {gib:.1f} GiB, peak {self.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"{self.name}: {gib:.1f} GiB, peak {_tflops(self.peak_flops)} TFLOP/s, "
             f"HBM {self.hbm_bandwidth / 1e9:.0f} GB/s, H2D/D2H {self.h2d_bandwidth / 1e9:.1f}/"
             f"{self.d2h_bandwidth / 1e9:.1f} GB/s  [{self.provenance}]"
         )
@@ -107,6 +171,9 @@ class GpuProfile:
         d["notes"] = list(self.notes)
         d["gemm"] = self.gemm.to_dict()
         d["attention"] = self.attention.to_dict()
+        for key in _SECTIONS:
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
     @classmethod
@@ -127,6 +194,7 @@ class GpuProfile:
             sources=dict(d.get("sources", {})),
             fingerprint=dict(d.get("fingerprint", {})),
             notes=list(d.get("notes", [])),
+            **_sections(d),
             **scalars,
         )
 
@@ -135,6 +203,43 @@ class GpuProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(self.to_dict()))
         return path
+
+
+_SECTIONS = ("links", "dp_links", "interference")
+
+
+def _sections(d: dict) -> dict:
+    """The optional own-model sections of a profile document, checked (ValueError when malformed)."""
+    from mist.hardware.collectives import LinkModel
+    from mist.hardware.dp_links import dp_links_from_parts
+    from mist.hardware.interference import InterferenceModel
+
+    out = {k: d.get(k) for k in _SECTIONS}
+    for k, v in out.items():
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"section '{k}' must be an object")
+    links = None
+    if out["links"] is not None:
+        fits = out["links"].get("fits")
+        if not isinstance(fits, dict) or not fits:
+            raise ValueError("section 'links' needs 'fits': {op: {group size: [alpha_s, busbw_Bps]}}")
+        for op, table in fits.items():
+            for n, ab in dict(table).items():
+                alpha, busbw = (float(x) for x in ab)
+                if int(n) < 2 or not (alpha >= 0 and busbw > 0):
+                    raise ValueError(f"section 'links': bad fit {op}/{n}: {ab}")
+        links = LinkModel(str(d.get("name", "")), "", fits)
+    if out["dp_links"] is not None:
+        dp_links_from_parts(str(d.get("name", "")), links, out["dp_links"])
+    if out["interference"] is not None:
+        InterferenceModel.from_json(out["interference"])
+    return out
+
+
+def _tflops(flops: float) -> str:
+    """TFLOP/s for printing: whole numbers for GPUs, 3 significant digits below 10 (CPU profiles)."""
+    t = flops / 1e12
+    return f"{t:.0f}" if t >= 10 else f"{t:.3g}"
 
 
 def _out(x):

@@ -4,6 +4,20 @@
     result = spawn_local(plan, TrainConfig(steps=3))        # local worker processes (CPU/gloo)
 
 `mist train PLAN` (cli) launches it under torchrun or with `--local`.
+
+Modules:
+    launch     processes (torchrun env or local workers), device choice, one-sentence errors
+    layout     rank layout of the stages and their TP / DP / KV process groups
+    sharding   which slice of each full parameter a TP rank holds; seeded streamed init
+    stage      a stage's modules (embedding? blocks head?) and the forward with unit hooks
+    schedule   order of forwards/backwards (GradAccumSchedule; a pipeline schedule goes here)
+    flat       FlatUnit: flat weights, ZeRO 0–3, weight/grad offload, gradient reduction
+    optimizer  AdamW on the master shards (device part on the device, host part on the CPU),
+               global-norm clipping, loss scaling, LR schedule
+    activations saved-tensor hooks: activation offload and byte accounting
+    buffers    SplitBuffer: a flat state's device head and host tail
+    data       synthetic / file data and the layout-independent batch split
+    trainer    one rank's training loop, metrics, full state dict
 """
 
 from mist.runtime.config import TrainConfig

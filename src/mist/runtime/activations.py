@@ -8,7 +8,7 @@ start of its backward. Weights (views of the flat weight buffers) are never offl
 are the weight-offload's business. Tensors saved while no ratio is set pass through unchanged and
 are only counted.
 
-GPU path (untested here: this machine has no GPU): the device→host copy runs on a side stream
+GPU path (ran once on one H200, world size 1; not part of CI): the device→host copy runs on a side stream
 after waiting for the compute stream; the device tail is `record_stream`-ed on that stream so the
 caching allocator does not reuse it early, and `unpack` makes the compute stream wait for the copy's
 event before the host→device copy back.

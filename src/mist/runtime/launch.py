@@ -61,13 +61,15 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+                            timeout=timedelta(minutes=10), **kw)
     try:
         groups = build_groups(plan, rank, world)
         trainer = Trainer(plan, cfg, groups, device)
         metrics = trainer.run()
         state = trainer.full_state_dict() if want_state else None
+        dist.barrier()          # every rank is done with every group before any is torn down
         groups.destroy()
     finally:
         dist.destroy_process_group()
@@ -79,10 +81,10 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
     return out
 
 
-def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q):
+def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q, threads):
     try:
         if device_type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            torch.set_num_threads(threads)
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         res = run_rank(plan, cfg, rank, world, device, f"tcp://127.0.0.1:{port}", want_state)
         q.put(("ok", rank, res))
@@ -93,8 +95,15 @@ def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q):
 
 
 def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_state: bool = False,
-                start_method: str | None = None) -> dict:
-    """Run the plan on local worker processes (one per rank); rank 0's result."""
+                start_method: str | None = None, threads: int | None = None) -> dict:
+    """Run the plan on local worker processes (one per rank); rank 0's result.
+
+    `start_method` "spawn" (default: clean interpreters) or "fork" (about a second faster per
+    run when the parent already imported torch.distributed, as the tests do). `threads`: intra-op
+    threads per CPU worker; by default one for forked workers, because a forked child must not
+    start OpenMP threads when its parent already ran parallel torch code (GNU libgomp is not
+    fork-safe), and the cores divided among the workers otherwise.
+    """
     import torch.multiprocessing as mp
 
     check_runnable(plan)
@@ -102,11 +111,14 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise MistInputError(f"The plan needs {world} GPUs but this machine has "
                              f"{torch.cuda.device_count()}.")
-    method = start_method or ("spawn" if device_type == "cuda" else "fork")
+    method = start_method or "spawn"
+    if threads is None:
+        threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context(method)
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_local_worker, args=(r, world, plan, cfg, device_type, port, want_state, q))
+    procs = [ctx.Process(target=_local_worker, args=(r, world, plan, cfg, device_type, port, want_state, q,
+                                                          threads))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -145,14 +157,23 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     """`mist train`: under torchrun (env) or with local workers; prints progress on rank 0."""
     from mist.plan import load_plan
 
+    from mist.runtime.data import make_data
+
     plan = load_plan(plan_path)
     check_runnable(plan)
     world = plan.cluster.world_size
+    t = plan.training
+    make_data(cfg.data, plan.model.vocab_size, t.seq_len, t.global_batch, cfg.seed)  # checks the data
     if local:
         dev, note = device_type_for(plan, local=True)
         if note:
             print(note, flush=True)
-        res = spawn_local(plan, cfg, device_type=dev)
+        if dev == "cpu":
+            # this parent has run no parallel torch code, so forked workers may use threads
+            res = spawn_local(plan, cfg, device_type=dev, start_method="fork",
+                              threads=max(1, (os.cpu_count() or 1) // world))
+        else:
+            res = spawn_local(plan, cfg, device_type=dev)
         return res["metrics"] if res else None
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise MistInputError("mist train runs under torchrun (RANK and WORLD_SIZE are not set); "

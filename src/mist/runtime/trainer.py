@@ -7,7 +7,6 @@ head), the sharded AdamW, the data, and the metrics. `launch.py` starts the proc
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import torch
@@ -19,7 +18,7 @@ from mist.plan import Offload, Plan
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.config import TrainConfig
 from mist.runtime.data import make_data, split_micro_batches
-from mist.runtime.flat import Comms, FlatUnit
+from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
@@ -97,7 +96,7 @@ class Trainer:
         copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         owners = module.owners()
         seen: set[int] = set()
-        self.units: list[FlatUnit] = []
+        unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
         for prefix, mod in module.unit_modules():
             plist, infos = [], []
             for n, p in mod.named_parameters():
@@ -107,6 +106,9 @@ class Trainer:
                 name = module.full_name(f"{prefix}.{n}")
                 plist.append((name, p, owners[id(p)]))
                 infos.append(_param_info(name, p, spec, lay.tp, groups.tp_rank))
+            unit_params.append((prefix, plist, infos))
+        self.units: list[FlatUnit] = []
+        for prefix, plist, infos in unit_params:
             # offloading applies to the decoder blocks (the embedding and head are sharded like
             # the stage but never offloaded, as the cost model assumes)
             off = st.offload if prefix.startswith("blocks.") else Offload()
@@ -177,15 +179,23 @@ class Trainer:
         return metrics if self.groups.rank == 0 else None
 
     # ------------------------------------------------------------ metrics
-    def peak_memory(self) -> list[int]:
-        """Per stage, the largest peak over its ranks (collective over the world)."""
-        n = self.plan.num_stages
-        peak = torch.zeros(n, dtype=torch.float64, device=self.device)
-        peak[self.groups.stage.index] = (torch.cuda.max_memory_allocated(self.device)
-                                         if self.device.type == "cuda" else self.memory.peak)
+    def host_bytes(self) -> int:
+        """Host (CPU) memory of this rank's offloaded states: weights, gradients, optimizer."""
+        n = 0
+        for u in self.units:
+            n += 3 * u.master.host_bytes
+            n += u.store.host_bytes if u.store is not None else 0
+            n += u.acc.host_bytes if u.acc is not None else 0
+        return n
+
+    def stage_maxima(self, values: list[float]) -> list[list[int]]:
+        """Per stage, the largest of each value over the stage's ranks (collective over the world)."""
+        n, k = self.plan.num_stages, len(values)
+        t = torch.zeros(n, k, dtype=torch.float64, device=self.device)
+        t[self.groups.stage.index] = torch.tensor(values, dtype=torch.float64)
         if self.groups.world > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return [int(v) for v in peak.tolist()]
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [[int(v) for v in row] for row in t.tolist()]
 
     def metrics(self) -> dict:
         from mist.hardware import load_profile
@@ -205,6 +215,9 @@ class Trainer:
         source = ("torch.cuda.max_memory_allocated" if self.device.type == "cuda" else
                   "accounted: device part of weights, gradients, optimizer states, materialised "
                   "weights and kept saved activations (CPU run, no allocator statistics)")
+        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                else self.memory.peak)
+        per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes])
         return {
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
@@ -217,8 +230,9 @@ class Trainer:
             "skipped_steps": sum(r["skipped"] for r in self.history),
             "device": self.device.type,
             "world_size": self.groups.world,
-            "stages": [{"peak_memory_bytes": p, "peak_memory_source": source}
-                       for p in self.peak_memory()],
+            "stages": [{"peak_memory_bytes": p, "peak_memory_source": source,
+                        "host_state_bytes": h, "activation_bytes_offloaded": a}
+                       for p, h, a in per_stage],
         }
 
     # ------------------------------------------------------------ export
@@ -233,7 +247,7 @@ class Trainer:
             m = u.master.read(0, u.L, self.device).contiguous()
             if u.zero >= 1 and g.dp_group is not None:
                 full = torch.empty(u.Np, dtype=torch.float32, device=self.device)
-                dist.all_gather_into_tensor(full, m, group=g.dp_group)
+                all_gather_flat(full, m, group=g.dp_group)
             else:
                 full = m
             for info in u.infos:

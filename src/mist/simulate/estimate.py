@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from mist.analysis import analyze_layer
-from mist.hardware.collectives import load_links
 from mist.simulate.layer_cost import phase_time
 from mist.specs.model import ModelSpec
 
@@ -42,7 +41,7 @@ def activation_peak(pre, blk, post, layers: int, b, s) -> tuple[float, str]:
 def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
              recompute: str = "none", flash: bool = True, dtype: str = "bf16") -> dict:
     spec.check_tp(tp)
-    links = load_links(profile.name) if tp > 1 else None
+    links = profile.link_model() if tp > 1 else None  # own section or shipped file
     ckpt = recompute == "full"
     kw = dict(tp=tp, flash=flash, dtype=dtype, target="cuda")
     blk = analyze_layer(spec, "block", recompute=ckpt, **kw)

@@ -13,7 +13,6 @@ from functools import lru_cache
 import numpy as np
 
 from mist.analysis import analyze_layer
-from mist.hardware.collectives import load_links
 from mist.simulate.layer_cost import phase_time
 
 
@@ -60,7 +59,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
-    links = load_links(profile.name) if tp > 1 else None
+    links = profile.link_model() if tp > 1 else None  # own section or shipped file
     kw = dict(tp=tp, flash=flash, dtype="bf16", target="cuda")
     la = analyze_layer(spec, part, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)

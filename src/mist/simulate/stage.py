@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mist.hardware.dp_links import collective_time
-from mist.hardware.interference import load_interference, overlap_time
+from mist.hardware.interference import overlap_time
 from mist.simulate.layer_terms import layer_terms
 
 WEIGHT_B, GRAD_B, OPT_B = 2, 2, 12
@@ -93,7 +92,7 @@ class StageModel:
 
     def __init__(self, spec, profile, tp: int, flash: bool, seq: int):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
-        self.interference = load_interference(profile.name)
+        self.interference = profile.interference_model()  # own section or shipped file
 
     # ------------------------------------------------------------------ helpers
     def _terms(self, part, b):
@@ -112,8 +111,8 @@ class StageModel:
                 continue
             sel = dpb == n
             nodes = int(min(st.nodes, np.ceil(n * self.tp / st.gpus_per_node)))
-            out[sel] = collective_time(self.profile.name, op, nb[sel], int(n), max(nodes, 1),
-                                       st.cluster_gpus_per_node)
+            out[sel] = self.profile.collective_time(op, nb[sel], int(n), max(nodes, 1),
+                                                 st.cluster_gpus_per_node)
         return out
 
     def _h2d(self, nbytes):
@@ -238,8 +237,8 @@ class StageModel:
             n_recv = (0 if st.first else 1) + (0 if st.last else 1)
             # neighbouring stages sit on other nodes when a stage takes whole nodes
             cross = st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node
-            p2p = n_recv * collective_time(self.profile.name, "p2p", g(blk.output), 2, 2 if cross else 1,
-                                           st.cluster_gpus_per_node)
+            p2p = n_recv * self.profile.collective_time("p2p", g(blk.output), 2, 2 if cross else 1,
+                                                        st.cluster_gpus_per_node)
         comp["p2p"] = np.broadcast_to(p2p, shape)
 
         # ---- memory components

@@ -1,0 +1,505 @@
+"""Single-process micro-benchmarks: GEMM grid, flash attention, memory-bound ops, host overheads,
+copies, AdamW, memory capacity and the environment fingerprint.
+
+Every function takes a `Device` and a perf_counter `deadline`; grids are measured in order of
+increasing work and the points left when the deadline passes are filled from their measured
+lower neighbours (at the same efficiency), the filled points listed in the result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import threading
+import time
+
+import numpy as np
+
+from mist.profiling.timing import Device, time_op, wall_of
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------- grid filling
+def fill_missing(t: np.ndarray, work: np.ndarray) -> list[tuple]:
+    """Fill NaN entries of `t` in place at the mean log-efficiency (work / time) of their finite
+    lower neighbours along each axis, in order of work; returns the filled indices."""
+    missing = sorted((tuple(int(v) for v in i) for i in np.argwhere(np.isnan(t))), key=lambda i: work[i])
+    finite = np.isfinite(t)
+    best = float(np.nanmax(work[finite] / t[finite])) if finite.any() else 1e9
+    for idx in missing:
+        rates = []
+        for ax in range(t.ndim):
+            nb = list(idx)
+            nb[ax] -= 1
+            if nb[ax] >= 0 and np.isfinite(t[tuple(nb)]):
+                rates.append(work[tuple(nb)] / t[tuple(nb)])
+        rate = float(np.exp(np.mean(np.log(rates)))) if rates else best
+        t[idx] = work[idx] / rate
+    return missing
+
+
+def suspicious(t: np.ndarray, work: np.ndarray, factor: float = 2.0) -> list[tuple]:
+    """Measured points that look hit by noise (another process taking the cores): slower than
+    `factor` × a lower neighbour scaled up by the work ratio, or slower than `factor` × an upper
+    neighbour (more work in less time). Efficiency grows with size, so neither happens in clean data."""
+    out = []
+    for idx in np.ndindex(*t.shape):
+        if not np.isfinite(t[idx]):
+            continue
+        for ax in range(t.ndim):
+            lo, hi = list(idx), list(idx)
+            lo[ax] -= 1
+            hi[ax] += 1
+            lo, hi = tuple(lo), tuple(hi)
+            if lo[ax] >= 0 and np.isfinite(t[lo]) and t[idx] > factor * t[lo] * work[idx] / work[lo]:
+                out.append(idx)
+                break
+            if hi[ax] < t.shape[ax] and np.isfinite(t[hi]) and t[idx] > factor * t[hi]:
+                out.append(idx)
+                break
+    return out
+
+
+def recheck(t: np.ndarray, work: np.ndarray, measure, deadline: float, rounds: int = 2) -> int:
+    """Re-measure `suspicious` points (keeping the faster value) while time is left; returns how
+    many re-measurements were made."""
+    count = 0
+    for _ in range(rounds):
+        bad = suspicious(t, work)
+        if not bad:
+            break
+        for idx in bad:
+            if time.perf_counter() > deadline:
+                return count
+            t[idx] = min(t[idx], measure(idx))
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- GEMM
+def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
+    """Times of y[m, n] = x[m, k] @ w[n, k]^T (F.linear) over the grid axes^3 (seconds)."""
+    import torch
+    import torch.nn.functional as F
+
+    ms = ns = ks = [int(a) for a in axes]
+    shape = (len(ms), len(ns), len(ks))
+    t = np.full(shape, np.nan)
+    work = 2.0 * np.array(ms, float)[:, None, None] * np.array(ns, float)[None, :, None] * np.array(ks, float)[None, None, :]
+    order = sorted(np.ndindex(*shape), key=lambda i: work[i])
+    xs, ws = {}, {}
+    g = torch.Generator(device=dev.torch_device).manual_seed(0)
+
+    def rand(r, c):
+        return torch.randn(r, c, generator=g, device=dev.torch_device, dtype=torch.float32).to(dev.dtype)
+
+    def point(idx):
+        i, j, l = idx
+        m, n, k = ms[i], ns[j], ks[l]
+        x = xs.get((m, k))
+        if x is None:
+            x = xs[(m, k)] = rand(m, k)
+        w = ws.get((n, k))
+        if w is None:
+            w = ws[(n, k)] = rand(n, k)
+        return time_op(lambda: F.linear(x, w), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
+
+    with torch.no_grad():
+        for done, idx in enumerate(order):
+            if time.perf_counter() > deadline and done >= 8:
+                break
+            t[idx] = point(idx)
+            if tick:
+                tick((done + 1) / len(order))
+        rechecked = recheck(t, work, point, deadline)
+    measured = int(np.isfinite(t).sum())
+    filled = fill_missing(t, work)
+    rates = work / t
+    return {"axes": [ms, ns, ks], "times_s": t, "measured": measured, "rechecked": rechecked,
+            "filled": [[ms[a], ns[b], ks[c]] for a, b, c in filled],
+            "best_flops": float(np.max(rates[np.isfinite(rates)])), "floor_s": float(t[0, 0, 0])}
+
+
+# ---------------------------------------------------------------------------- attention
+def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline: float, tick=None) -> dict:
+    """Causal SDPA forward and backward kernel times over grid b × heads × s × d (seconds).
+
+    The kernel is PyTorch's default choice for these shapes, as the models call it (a fused
+    flash / memory-efficient / cuDNN kernel on CUDA, the CPU flash kernel on a CPU). Backward =
+    the autograd.grad time of the saved forward; on a CPU minus the backward()-call cost (not below
+    half the raw value) — on CUDA the back-to-back event timing of large shapes is device time,
+    while small shapes stay host-bound there (the table's floor region)."""
+    import torch
+    import torch.nn.functional as F
+
+    keys = ("b", "heads", "s", "d")
+    axes = [list(grid[k]) for k in keys]
+    shape = tuple(len(a) for a in axes)
+    fwd, bwd = np.full(shape, np.nan), np.full(shape, np.nan)
+    mesh = np.meshgrid(*[np.array(a, float) for a in axes], indexing="ij")
+    work = 2.0 * mesh[0] * mesh[1] * mesh[2] ** 2 * mesh[3]
+    order = sorted(np.ndindex(*shape), key=lambda i: work[i])
+    g = torch.Generator(device=dev.torch_device).manual_seed(1)
+    def point(idx):
+        """Times fwd and bwd at idx (bwd kept as the faster of old and new); returns fwd."""
+        b, h, s, d = (axes[a][idx[a]] for a in range(4))
+        q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
+                   for _ in range(3))
+        tf = time_op(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, target_s=0.01)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dy = torch.randn_like(out)
+        raw = time_op(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True), dev, target_s=0.01)
+        if dev.kind == "cpu":
+            raw = max(raw - backward_call_s, 0.5 * raw)
+        bwd[idx] = np.fmin(bwd[idx], raw)
+        return tf
+
+    for done, idx in enumerate(order):
+        if time.perf_counter() > deadline and done >= 4:
+            break
+        fwd[idx] = point(idx)
+        if tick:
+            tick((done + 1) / len(order))
+    rechecked = recheck(fwd, work, point, deadline)
+    rechecked += recheck(bwd, work, lambda i: (point(i), bwd[i])[1], deadline)
+    measured = int(np.isfinite(fwd).sum())
+    filled = fill_missing(fwd, work)
+    fill_missing(bwd, work)
+    return {"axes": dict(zip(keys, axes)), "fwd_s": fwd, "bwd_s": bwd, "measured": measured, "rechecked": rechecked,
+            "filled": [[axes[a][i[a]] for a in range(4)] for i in filled],
+            "fwd_floor_s": float(fwd[(0,) * 4]), "bwd_floor_s": float(bwd[(0,) * 4])}
+
+
+# ---------------------------------------------------------------------------- host overheads
+def measure_host(dev: Device) -> dict:
+    """Per-op host costs of eager PyTorch with autograd recording, on tiny tensors.
+
+    fwd_op_s: median per-op wall time of loops of tiny forward ops (add, mul, gelu, layer_norm).
+    bwd_op_s, backward_call_s: autograd.grad over chains of n tiny ops, t = E + n·h_bwd fitted by
+    least squares over n (E = the once-per-backward() engine cost)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(8, 8, device=dev.torch_device, dtype=torch.float32).to(dev.dtype).requires_grad_()
+    w = torch.ones(8, device=dev.torch_device, dtype=dev.dtype, requires_grad=True)
+    N = 200
+    ops = {"add": lambda: x + x, "mul": lambda: x * 1.0001, "gelu": lambda: F.gelu(x),
+           "layer_norm": lambda: F.layer_norm(x, (8,), w)}
+    per_op = {}
+    for name, op in ops.items():
+        def loop(op=op):
+            for _ in range(N):
+                op()
+        loop()
+        per_op[name] = float(np.median([wall_of(loop, dev) for _ in range(5)])) / N
+    h_fwd = float(np.median(list(per_op.values())))
+    ns, ts = [1, 4, 16, 64], []
+    for n in ns:
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        g = torch.ones_like(y)
+
+        def back(y=y, g=g):
+            torch.autograd.grad(y, x, g, retain_graph=True)
+        back()
+        ts.append(float(np.median([wall_of(back, dev) for _ in range(15)])))
+    a = np.stack([np.ones(len(ns)), np.array(ns, float)], axis=1)
+    (e_call, h_bwd), *_ = np.linalg.lstsq(a, np.array(ts), rcond=None)
+    h_bwd = max(float(h_bwd), 1e-7)
+    e_call = max(float(e_call), 0.0)
+    return {"fwd_op_s": h_fwd, "bwd_op_s": h_bwd, "backward_call_s": e_call, "per_op_fwd_s": per_op,
+            "backward_chain": {"ops": ns, "seconds": ts}}
+
+
+def measure_op_floor(dev: Device) -> float:
+    """Launch floor of a tiny memory-bound kernel: on CUDA the device time of a trivial kernel
+    (replayed from a CUDA graph, so no host issue cost), on CPU the time of a tiny op (dispatch
+    included: on a CPU the host runs the kernel itself)."""
+    import torch
+
+    x = torch.ones(64, device=dev.torch_device, dtype=dev.dtype)
+    if dev.kind == "cuda":
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    x.add_(0)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            n = 100
+            with torch.cuda.graph(graph):
+                for _ in range(n):
+                    x.add_(0)
+            return time_op(graph.replay, dev, target_s=0.01) / n
+        except Exception:  # pragma: no cover - graphs unavailable
+            return 3e-6
+    with torch.no_grad():
+        return time_op(lambda: torch.add(x, x), dev, target_s=0.01, max_reps=2000)
+
+
+# ---------------------------------------------------------------------------- memory-bound ops
+def _io_bytes(element_bytes: int) -> dict:
+    """Bytes read + written at the aten-op boundary per module, in units of T = one [m, h] tensor,
+    (forward, backward) — the accounting of `mist.hardware.build.h200.IO_BYTES`, generalized to the
+    element size (masks are 1 byte per element)."""
+    e = float(element_bytes)
+    return {
+        "layernorm": (2.0, 3.0),
+        "rmsnorm": (2.0, 3.0),
+        "gelu": (2.0, 3.0),
+        "swiglu": (2.5, 10.5),  # x [m, h] -> silu(x1) * x2 [m, h/2]
+        "dropout": (2.0 + 1.0 / e, 2.0 + 1.0 / e),
+        "binary": (3.0, 6.0),  # mul: fwd x, y -> z; bwd dz·y and dz·x (two binary kernels)
+        "softmax": (2.0, 3.0),
+        "copy": (2.0, 2.0),
+    }
+
+
+def _ce_bytes(element_bytes: int) -> tuple[float, float]:
+    """Cross-entropy bytes per logit: fp32 upcast (unless fp32), log_softmax 4+4, nll reads 4;
+    backward nll 4+4, log_softmax_backward 4+4+4, cast back 4+e (unless fp32)."""
+    up = 0.0 if element_bytes == 4 else element_bytes + 4.0
+    return up + 12.0, 20.0 + up
+
+
+def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s: float, cap_Bps: float,
+                       deadline: float, tick=None) -> dict:
+    """Effective bandwidth per class (fwd, bwd) over the sizes T (bytes of one [m, h] tensor,
+    h = 1024 on a CPU, 4096 on CUDA).
+
+    CPU: fitted in the form the profile uses, t = floor + io·T / bw (least relative error), the
+    backward times less the backward()-call cost (the host runs everything, so wall time is the
+    cost). CUDA: back-to-back event timing is device time once a kernel outlasts its host issue
+    cost, so the rate is fitted as t = c + io·T / bw on the two largest sizes (bandwidth-bound),
+    nothing subtracted. Either way a rate above max(cap_Bps, the largest size's effective rate)
+    is capped there.
+    `copy` has no backward kernel (clone's gradient is passed through): its backward = forward."""
+    import torch
+    import torch.nn.functional as F
+
+    from mist.hardware.build.common import fit_floor_plus_rate
+
+    e = dev.element_bytes
+    h = 4096 if dev.kind == "cuda" else 1024
+    io = _io_bytes(e)
+    ce_f, ce_b = _ce_bytes(e)
+    g = torch.Generator(device=dev.torch_device).manual_seed(2)
+
+    def rnd(*shape, grad=True):
+        t = torch.randn(*shape, generator=g, device=dev.torch_device).to(dev.dtype)
+        return t.requires_grad_(grad)
+
+    def build(cls, m):
+        x = rnd(m, h)
+        if cls == "layernorm":
+            wt, bs = rnd(h), rnd(h)
+            return (lambda: F.layer_norm(x, (h,), wt, bs)), (x, wt, bs)
+        if cls == "rmsnorm":
+            wt = rnd(h)
+            return (lambda: F.rms_norm(x, (h,), wt)), (x, wt)
+        if cls == "gelu":
+            return (lambda: F.gelu(x)), (x,)
+        if cls == "swiglu":
+            def f():
+                a, b = x.chunk(2, dim=-1)
+                return F.silu(a) * b
+            return f, (x,)
+        if cls == "dropout":
+            return (lambda: F.dropout(x, 0.1, training=True)), (x,)
+        if cls == "binary":
+            y = rnd(m, h)
+            return (lambda: x * y), (x, y)
+        if cls == "softmax":
+            return (lambda: torch.softmax(x, dim=-1)), (x,)
+        if cls == "copy":
+            return (lambda: x.clone()), (x,)
+        raise KeyError(cls)
+
+    classes = list(io) + ["cross_entropy"]
+    rows = {c: {"T": [], "fwd_s": [], "bwd_s": []} for c in classes}
+    steps = len(classes) * len(sizes_bytes)
+    done = 0
+    for T in sorted(sizes_bytes):
+        for cls in classes:
+            if time.perf_counter() > deadline and len(rows[cls]["T"]) >= 2:
+                done += 1
+                continue
+            if cls == "cross_entropy":
+                V = 8192
+                m = max(1, int(T // (V * e)))
+                logits = rnd(m, V)
+                tgt = torch.randint(0, V, (m,), device=dev.torch_device)
+                f = (lambda: F.cross_entropy(logits.float(), tgt))
+                inputs, units = (logits,), float(m * V)
+            else:
+                m = max(1, int(T // (h * e)))
+                f, inputs = build(cls, m)
+                units = float(m * h * e)
+            tf = time_op(f, dev, target_s=0.01)
+            if cls == "copy":
+                tb = tf
+            else:
+                out = f()
+                dy = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+                tb = time_op(lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True), dev, target_s=0.01)
+                if dev.kind == "cpu":
+                    tb = max(tb - backward_call_s, 0.5 * tb)
+                del out, dy
+            rows[cls]["T"].append(units)
+            rows[cls]["fwd_s"].append(tf)
+            rows[cls]["bwd_s"].append(tb)
+            del inputs, f
+            done += 1
+            if tick:
+                tick(done / steps)
+    bandwidth, fits = {}, {}
+    for cls in classes:
+        r = rows[cls]
+        fio, bio = (ce_f, ce_b) if cls == "cross_entropy" else io[cls]
+        bw = {}
+        for key, factor in (("fwd", fio), ("bwd", bio)):
+            x = factor * np.array(r["T"])
+            t = np.array(r[key + "_s"])
+            if dev.kind == "cuda" and len(x) >= 2:
+                rate, _ = fit_floor_plus_rate(x[-2:], t[-2:])
+            else:
+                rate, _ = fit_floor_plus_rate(x, np.maximum(t - floor_s, 0.1 * t), intercept=False)
+            cap = max(cap_Bps, float(x[-1] / t[-1]))
+            capped = not np.isfinite(rate) or rate > cap
+            rate = min(rate, cap)
+            bw[key] = float(rate)
+            pred = floor_s + x / rate
+            fits[f"{cls}/{key}"] = {"bytes": x.tolist(), "seconds": t.tolist(), "capped": bool(capped),
+                                    "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4)}
+        bandwidth[cls] = bw
+    return {"bandwidth": bandwidth, "fits": fits, "io_units": {**{k: list(v) for k, v in io.items()},
+                                                               "cross_entropy_per_logit": [ce_f, ce_b]}}
+
+
+# ---------------------------------------------------------------------------- copies, AdamW
+def measure_copies(dev: Device, nbytes: int) -> dict:
+    """Host↔device copy rates (B/s, bytes moved one way) and the device copy rate (read + write),
+    best of the repetitions (STREAM-style: a bandwidth is what the link can do).
+
+    CUDA: pinned H2D and D2H, both at once on two streams (total B/s), device-to-device.
+    CPU: there is no device link; a host memcpy stands in for H2D and D2H, two memcpy threads at
+    once for the bidirectional rate, and the same memcpy (read + write) is the copy rate."""
+    import torch
+
+    n = nbytes // 4
+    if dev.kind == "cuda":
+        host_a = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        d_a = torch.zeros(n, dtype=torch.float32, device=dev.torch_device)
+        d_b = torch.zeros(n, dtype=torch.float32, device=dev.torch_device)
+        h2d = time_op(lambda: d_a.copy_(host_a, non_blocking=True), dev, target_s=0.05, stat="min")
+        d2h = time_op(lambda: host_b.copy_(d_b, non_blocking=True), dev, target_s=0.05, stat="min")
+        d2d = time_op(lambda: d_b.copy_(d_a), dev, target_s=0.05, stat="min")
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def both():
+            with torch.cuda.stream(s1):
+                d_a.copy_(host_a, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host_b.copy_(d_b, non_blocking=True)
+        both()
+        bidir = float(np.min([wall_of(both, dev) for _ in range(5)]))
+        return {"h2d_Bps": nbytes / h2d, "d2h_Bps": nbytes / d2h, "bidir_Bps": 2 * nbytes / bidir,
+                "copy_Bps": 2 * nbytes / d2d, "bytes": nbytes, "kind": "pinned host <-> device"}
+    src, dst = torch.ones(n), torch.empty(n)
+    src2, dst2 = torch.ones(n), torch.empty(n)
+    t = time_op(lambda: dst.copy_(src), dev, target_s=0.1, stat="min")
+
+    def both():
+        th = threading.Thread(target=lambda: dst2.copy_(src2))
+        th.start()
+        dst.copy_(src)
+        th.join()
+    both()
+    bidir = float(np.min([wall_of(both, dev) for _ in range(5)]))
+    return {"h2d_Bps": nbytes / t, "d2h_Bps": nbytes / t, "bidir_Bps": 2 * nbytes / bidir,
+            "copy_Bps": 2 * nbytes / t, "bytes": nbytes, "kind": "host memcpy (CPU: no device link)"}
+
+
+def measure_adam(dev: Device, params: int, host_params: int) -> dict:
+    """Seconds per parameter of one fp32 AdamW step: on the device (fused on CUDA, foreach on the
+    CPU) and on the host CPU (foreach)."""
+    import torch
+
+    def rate(device, n, fused):
+        p = torch.zeros(n, dtype=torch.float32, device=device, requires_grad=True)
+        p.grad = torch.full_like(p, 1e-3)
+        kw = {"fused": True} if fused else {"foreach": True}
+        opt = torch.optim.AdamW([p], lr=1e-4, **kw)
+        d = Device("cuda" if device.type == "cuda" else "cpu", "fp32", dev.index)
+        return time_op(opt.step, d, target_s=0.1, min_reps=3, max_reps=20) / n
+
+    out = {}
+    if dev.kind == "cuda":
+        out["device_s_per_param"] = rate(dev.torch_device, params, fused=True)
+        out["host_s_per_param"] = rate(torch.device("cpu"), host_params, fused=False)
+    else:
+        out["device_s_per_param"] = out["host_s_per_param"] = rate(torch.device("cpu"), host_params, fused=False)
+    return out
+
+
+# ---------------------------------------------------------------------------- capacity, fingerprint
+def memory_capacity(dev: Device) -> tuple[int, str]:
+    """(bytes, source): CUDA total device memory; CPU available RAM (MemAvailable)."""
+    if dev.kind == "cuda":
+        import torch
+
+        total = int(torch.cuda.get_device_properties(dev.index).total_memory)
+        return total, "measured: torch total_memory of the device"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "measured: available host RAM (/proc/meminfo MemAvailable), CPU run"
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(pages), "measured: available host RAM (sysconf), CPU run"
+
+
+def device_name(dev: Device) -> str:
+    if dev.kind == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(dev.index)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(dev: Device, processes: int) -> dict:
+    import torch
+
+    fp = {
+        "device": device_name(dev),
+        "device_kind": dev.kind,
+        "dtype": dev.dtype_name,
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "processes": processes,
+    }
+    if dev.kind == "cuda":
+        props = torch.cuda.get_device_properties(dev.index)
+        fp.update(cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
+                  sm_count=props.multi_processor_count, device_count=torch.cuda.device_count())
+    return fp

@@ -1,0 +1,430 @@
+"""`run_profile`: measure the device this runs on and assemble a `GpuProfile` with its own
+`links`, `dp_links` and `interference` sections.
+
+Phases (each gets its share of what is left of the time budget; grids stop early and fill the
+rest from measured neighbours when their share runs out):
+
+    host overheads → GEMM grid → attention → memory-bound ops → copies → AdamW
+    → in-process interference pairs → collectives over K processes (+ the {C, G2G} pair)
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mist.profiling.timing import Budget, Device, warm_up
+
+MiB = 2**20
+GiB = 2**30
+
+SHARES = {"host": 0.03, "gemm": 0.30, "attention": 0.12, "copies": 0.05, "memory_ops": 0.12,
+          "adam": 0.03, "overlap": 0.08, "collectives": 0.27}
+
+
+@dataclass
+class Settings:
+    """What to measure (grids and sizes); `settings_for` picks them from the device and budget."""
+
+    gemm_axes: list
+    attention: dict
+    memory_sizes: list
+    copy_bytes: int
+    adam_params: int
+    adam_host_params: int
+    coll_sizes: list
+    coll_target_s: float
+    overlap_gemm: list
+    overlap_copy_bytes: int
+    overlap_ag_bytes: int
+    overlap_target_s: float
+    shares: dict = field(default_factory=lambda: dict(SHARES))
+
+
+def settings_for(kind: str, time_budget: float) -> Settings:
+    """Grids for `kind` ("cpu" or "cuda"); budgets under 60 s get the quick (small) grids."""
+    quick = time_budget < 60
+    if kind == "cuda":
+        if quick:
+            return Settings(
+                gemm_axes=[256, 512, 1024, 2048, 4096],
+                attention={"b": [1, 2], "heads": [8, 16], "s": [512, 1024, 2048], "d": [64, 128]},
+                memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB], copy_bytes=256 * MiB,
+                adam_params=16 * 2**20, adam_host_params=4 * 2**20,
+                coll_sizes=[1 * MiB, 16 * MiB, 128 * MiB], coll_target_s=0.02,
+                overlap_gemm=[4096, 4096, 4096], overlap_copy_bytes=64 * MiB, overlap_ag_bytes=64 * MiB,
+                overlap_target_s=0.05)
+        return Settings(
+            gemm_axes=[128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+            attention={"b": [1, 4], "heads": [8, 16, 32], "s": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128]},
+            memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB], copy_bytes=1 * GiB,
+            adam_params=64 * 2**20, adam_host_params=16 * 2**20,
+            coll_sizes=[1 * MiB, 8 * MiB, 64 * MiB, 512 * MiB], coll_target_s=0.05,
+            overlap_gemm=[8192, 8192, 8192], overlap_copy_bytes=256 * MiB, overlap_ag_bytes=256 * MiB,
+            overlap_target_s=0.2)
+    if quick:
+        return Settings(
+            gemm_axes=[32, 64, 128, 256],
+            attention={"b": [1, 2], "heads": [2, 4], "s": [64, 128], "d": [32, 64]},
+            memory_sizes=[256 * 1024, 1 * MiB, 4 * MiB], copy_bytes=64 * MiB,
+            adam_params=1 * 2**20, adam_host_params=1 * 2**20,
+            coll_sizes=[64 * 1024, 1 * MiB, 4 * MiB], coll_target_s=0.02,
+            overlap_gemm=[256, 256, 256], overlap_copy_bytes=4 * MiB, overlap_ag_bytes=1 * MiB,
+            overlap_target_s=0.1)
+    return Settings(
+        gemm_axes=[64, 128, 256, 512, 1024, 2048],
+        attention={"b": [1, 2], "heads": [2, 4], "s": [128, 256, 512, 1024], "d": [32, 64]},
+        memory_sizes=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB], copy_bytes=256 * MiB,
+        adam_params=4 * 2**20, adam_host_params=4 * 2**20,
+        coll_sizes=[64 * 1024, 512 * 1024, 4 * MiB, 16 * MiB], coll_target_s=0.05,
+        overlap_gemm=[512, 512, 512], overlap_copy_bytes=16 * MiB, overlap_ag_bytes=4 * MiB,
+        overlap_target_s=0.25)
+
+
+def default_name(kind: str) -> str:
+    if kind == "cuda":
+        import torch
+
+        from mist.profiling.compute import device_name
+
+        dev = device_name(Device("cuda"))
+        return "cuda-" + "-".join(dev.lower().replace("_", " ").split()) if torch.cuda.is_available() else "cuda"
+    return f"cpu-{socket.gethostname().split('.')[0].lower()}"
+
+
+def known_gpu(device: str) -> str | None:
+    """The datasheet/shipped key of a CUDA device name ("NVIDIA H200" → "h200"), or None."""
+    from mist.hardware.build.common import DATASHEET
+    from mist.hardware.registry import _normalize
+
+    key = _normalize(device)
+    if key in DATASHEET:
+        return key
+    tokens = key.replace("-", " ").split()
+    for k in DATASHEET:
+        base = k.split("-")[0]
+        if base in tokens:
+            return k
+    return None
+
+
+def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 180.0, name: str | None = None,
+                progress=None, dtype: str | None = None, settings: Settings | None = None):
+    """Measure this machine's `device` and return a `GpuProfile` (not written; see `write_profile`).
+
+    progress(fraction in [0, 1], message) is called as the phases advance."""
+    import torch
+
+    from mist.profiling import compute, overlap
+    from mist.profiling.comm import run_workers
+
+    kind = device
+    dev = Device(kind, dtype or ("bf16" if kind == "cuda" else "fp32"))
+    st = settings or settings_for(kind, time_budget)
+    budget = Budget(float(time_budget), dict(st.shares))
+    phases = list(st.shares)
+    report = progress or (lambda frac, msg: None)
+
+    def ticker(phase):
+        i = phases.index(phase)
+
+        def tick(frac, msg=None):
+            report(min(1.0, (i + min(max(frac, 0.0), 1.0)) / len(phases)), msg or phase)
+        return tick
+
+    if kind == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    meas: dict = {"settings": st, "device": dev, "processes": processes}
+
+    ticker("host")(0.0, "host overheads")
+    budget.phase_deadline("host")
+    warm_up(dev, min(2.0, 0.02 * time_budget))
+    meas["host"] = compute.measure_host(dev)
+    meas["op_floor_s"] = compute.measure_op_floor(dev)
+    call = meas["host"]["backward_call_s"]
+
+    tick = ticker("gemm")
+    tick(0.0, "GEMM grid")
+    meas["gemm"] = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"),
+                                        lambda f: tick(f, "GEMM grid"))
+    tick = ticker("attention")
+    tick(0.0, "attention")
+    meas["attention"] = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
+                                                  lambda f: tick(f, "attention"))
+    ticker("copies")(0.0, "copies")
+    budget.phase_deadline("copies")
+    meas["copies"] = compute.measure_copies(dev, st.copy_bytes)
+    tick = ticker("memory_ops")
+    tick(0.0, "memory-bound ops")
+    meas["memory_ops"] = compute.measure_memory_ops(dev, st.memory_sizes, call, meas["op_floor_s"],
+                                                    meas["copies"]["copy_Bps"], budget.phase_deadline("memory_ops"),
+                                                    lambda f: tick(f, "memory-bound ops"))
+    ticker("adam")(0.0, "AdamW")
+    budget.phase_deadline("adam")
+    meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params)
+    ticker("overlap")(0.0, "compute/copy interference")
+    budget.phase_deadline("overlap")
+    meas["overlap_local"] = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes,
+                                                        st.overlap_target_s)
+    meas["capacity"] = compute.memory_capacity(dev)
+
+    tick = ticker("collectives")
+    workers = processes
+    notes = []
+    if kind == "cuda" and processes > torch.cuda.device_count():
+        workers = torch.cuda.device_count()
+        notes.append(f"{processes} processes asked, {workers} GPU(s) visible: NCCL needs one GPU per "
+                     f"process, so collectives ran over {workers}")
+    meas["comm"], meas["comm_error"] = None, None
+    if workers >= 2:
+        tick(0.0, f"collectives over {workers} processes (starting)")
+        deadline = budget.phase_deadline("collectives")
+        cfg = {
+            "device": kind, "dtype": dev.dtype_name,
+            "threads": max(1, (torch.get_num_threads() if kind == "cpu" else 4) // (workers if kind == "cpu" else 1)),
+            "group_sizes": [n for n in (2, 4, 8, 16, 32) if n < workers],
+            "sizes": st.coll_sizes, "target_s": st.coll_target_s,
+            "deadline": time.time() + max(0.0, deadline - time.perf_counter()),
+            "interference": {"gemm": st.overlap_gemm, "ag_bytes": st.overlap_ag_bytes,
+                             "target_s": st.overlap_target_s},
+        }
+        try:
+            meas["comm"] = run_workers(workers, cfg, lambda f, m: tick(f, m),
+                                       timeout_s=max(120.0, 4 * budget.remaining() + 60))
+        except RuntimeError as exc:
+            meas["comm_error"] = str(exc)
+            notes.append(f"collectives not measured: {str(exc).splitlines()[0]}")
+    else:
+        budget.phase_deadline("collectives")
+        if kind == "cuda" and workers < 2:
+            notes.append("one GPU visible: collectives and the {C, G2G} pair were not measured")
+        elif workers < 2:
+            notes.append("one process: collectives and the {C, G2G} pair were not measured")
+    meas["fingerprint"] = compute.fingerprint(dev, processes)
+    meas["fingerprint"]["profile_seconds"] = round(budget.elapsed(), 1)
+    meas["notes"] = notes
+    report(1.0, "done")
+    return assemble(meas, name or default_name(kind))
+
+
+# ---------------------------------------------------------------------------- assembly
+def assemble(meas: dict, name: str):
+    """A GpuProfile from the measurements of `run_profile`."""
+    from mist.hardware.attention import AttentionTable
+    from mist.hardware.build.common import DATASHEET
+    from mist.hardware.gemm import GemmTable
+    from mist.hardware.host import HostOverhead
+    from mist.hardware.memory_ops import MemoryOpModel
+    from mist.hardware.profile import GpuProfile
+
+    dev: Device = meas["device"]
+    fp = meas["fingerprint"]
+    kind = dev.kind
+    where = f"{fp['device']} ({kind}, {dev.dtype_name}, torch {fp['torch'].split('+')[0]}, {fp['date'][:10]})"
+    g, a, mo, host, cp, adam = (meas[k] for k in ("gemm", "attention", "memory_ops", "host", "copies", "adam"))
+    copy_bw = cp["copy_Bps"]
+    plateau = g["best_flops"]
+
+    ms, ns, ks = g["axes"]
+    gemm = GemmTable(ms, ns, ks, g["times_s"], g["floor_s"], copy_bw, element_bytes=dev.element_bytes,
+                     source=(f"measured by mist profile: F.linear {dev.dtype_name} grid {len(ms)}x{len(ns)}x{len(ks)} "
+                             f"({ms[0]}..{ms[-1]}), {g['measured']} points timed, {len(g['filled'])} filled at their "
+                             f"lower neighbours' efficiency; best {plateau / 1e12:.3g} TFLOP/s"),
+                     extra={"filled": g["filled"], "plateau_flops": plateau})
+    ax = a["axes"]
+    attention = AttentionTable(ax["b"], ax["heads"], ax["s"], ax["d"], a["fwd_s"], a["bwd_s"],
+                               a["fwd_floor_s"], a["bwd_floor_s"],
+                               source=(f"measured by mist profile: scaled_dot_product_attention(is_causal=True) "
+                                       f"{dev.dtype_name} (PyTorch's default fused kernel, as the models call it), "
+                                       f"{a['measured']} points timed, {len(a['filled'])} filled; backward = "
+                                       "autograd.grad time" + (" minus the backward()-call cost" if kind == "cpu"
+                                                               else " (back-to-back CUDA events)")),
+                               extra={"filled": a["filled"], "backward_call_subtracted_s": host["backward_call_s"]})
+    bw = dict(mo["bandwidth"])
+    core = ("layernorm", "rmsnorm", "gelu", "swiglu", "dropout", "binary")
+    bw["elementwise"] = {d: float(np.median([bw[c][d] for c in core])) for d in ("fwd", "bwd")}
+    src = {c: f"measured by mist profile: {c} fwd/bwd at {len(meas['settings'].memory_sizes)} sizes, "
+              f"t = floor + io_bytes / bw (aten-level bytes, {dev.dtype_name}; fit errors in "
+              "fingerprint.memory_op_fits)" for c in mo["bandwidth"]}
+    src["binary"] = "measured by mist profile: elementwise multiply fwd (3T) and its backward (two multiplies, 6T)"
+    src["copy"] = "measured by mist profile: clone (read + write); backward = forward (no backward kernel)"
+    src["elementwise"] = "generic fallback: median of the measured layernorm/rmsnorm/gelu/swiglu/dropout/binary classes"
+    memory_ops = MemoryOpModel(bandwidth=bw, floor_s=meas["op_floor_s"], sources=src)
+    host_model = HostOverhead(
+        fwd_op_s=host["fwd_op_s"], bwd_op_s=host["bwd_op_s"], backward_call_s=host["backward_call_s"],
+        source=("measured by mist profile: median per-op time of loops of tiny add/mul/gelu/layer_norm with "
+                "autograd recording; autograd.grad over chains of 1..64 tiny ops fitted as E + n*h_bwd"
+                + ("; on a CPU the host runs the kernels itself, so kernel times include dispatch and "
+                   "stream_time reduces to their serial sum" if kind == "cpu" else "")))
+
+    known = known_gpu(fp["device"]) if kind == "cuda" else None
+    capacity, cap_src = meas["capacity"]
+    if kind == "cuda" and known:
+        peak, peak_src = DATASHEET[known]["peak_flops"], f"datasheet: {DATASHEET[known]['label']} dense bf16/fp16"
+        hbm, hbm_src = DATASHEET[known]["hbm"], (f"datasheet: {DATASHEET[known]['label']} "
+                                                 f"(measured device copy {copy_bw / 1e12:.2f} TB/s read+write)")
+    else:
+        peak, peak_src = plateau, f"measured: best GEMM rate of the grid ({dev.dtype_name})"
+        hbm = copy_bw
+        hbm_src = ("measured: host memcpy read+write bandwidth (CPU run)" if kind == "cpu"
+                   else "measured: device-to-device copy, read+write")
+    links, dp_links, link_notes = _link_sections(meas, name, known, where)
+    interference = _interference_section(meas, name, known, where)
+    notes = list(meas["notes"]) + link_notes
+    if kind == "cpu":
+        notes.append(f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
+                     "H2D/D2H are a host memcpy; the simulator counts bf16 bytes, so byte-proportional terms of "
+                     "an fp32 run are under-predicted about 2x")
+    fp = dict(fp)
+    fp["copy_bandwidth"] = copy_bw
+    fp["copies"] = {k: v for k, v in cp.items()}
+    fp["host_detail"] = {"per_op_fwd_s": host["per_op_fwd_s"], "backward_chain": host["backward_chain"]}
+    fp["memory_op_fits"] = mo["fits"]
+    return GpuProfile(
+        name=name,
+        provenance=f"measured by mist profile on {where}",
+        measured=True,
+        memory_bytes=int(capacity),
+        peak_flops=float(peak),
+        hbm_bandwidth=float(hbm),
+        h2d_bandwidth=float(cp["h2d_Bps"]),
+        d2h_bandwidth=float(cp["d2h_Bps"]),
+        bidir_bandwidth=float(cp["bidir_Bps"]),
+        adam_gpu_s_per_param=float(adam["device_s_per_param"]),
+        adam_cpu_s_per_param=float(adam["host_s_per_param"]),
+        gemm=gemm, attention=attention, memory_ops=memory_ops, host=host_model,
+        sources={
+            "memory_bytes": cap_src,
+            "peak_flops": peak_src,
+            "hbm_bandwidth": hbm_src,
+            "host_link": (f"measured: {cp['kind']}, {cp['bytes'] / MiB:.0f} MiB"
+                          + ("" if kind == "cuda" else " (no device link on a CPU: labelled stand-in)")),
+            "adam": ("measured: fused AdamW on the GPU; foreach AdamW on the host" if kind == "cuda"
+                     else "measured: foreach AdamW on the CPU (device = host)"),
+            "gemm": gemm.source, "attention": attention.source,
+            "memory_ops": "measured by mist profile (see memory_ops.sources)", "host": host_model.source,
+            "links": links["provenance"], "dp_links": "; ".join(f"{k}: {v.get('provenance', '')}"
+                                                                for k, v in dp_links.items() if isinstance(v, dict)),
+            "interference": interference["provenance"],
+        },
+        fingerprint=fp,
+        notes=notes,
+        links=links, dp_links=dp_links, interference=interference,
+    )
+
+
+def _link_sections(meas: dict, name: str, known: str | None, where: str):
+    """(links, dp_links, notes): fitted from the worker measurements; otherwise borrowed from the
+    shipped files of a known GPU, or assumed from the copy rates — always labelled."""
+    from mist.hardware.collectives import OPS, load_links
+    from mist.hardware.dp_links import shipped_parts
+    from mist.profiling.comm import fit_links, fit_p2p
+
+    dev: Device = meas["device"]
+    comm = meas.get("comm")
+    notes = []
+    cp = meas["copies"]
+    if comm is not None:
+        fits, errors = fit_links(comm["collectives"])
+        sizes = sorted(int(n) for op in fits for n in fits[op])
+        links = {"gpu": name, "provenance": (f"measured by mist profile: {comm['backend']} all_reduce/all_gather/"
+                                             f"reduce_scatter over {comm['world']} processes on {where}, ring "
+                                             "alpha-busbw fit" + ("; larger groups use the largest measured group's fit"
+                                                                  if sizes else "")),
+                 "fits": fits, "median_rel_error": errors}
+        p2p = fit_p2p(comm["p2p"])
+        p2p["provenance"] = f"measured by mist profile: {comm['backend']} send/recv ping-pong between 2 processes"
+        largest = str(max(int(n) for n in fits.get("all_gather", {str(comm["world"]): 0})))
+        ag_alpha, ag_bw = fits.get("all_gather", {}).get(largest, [p2p["alpha_s"], p2p["bw_Bps"]])
+        if dev.kind == "cpu":
+            internode = {"alpha_s": float(max(ag_alpha, p2p["alpha_s"])), "nic_Bps_per_node": float(p2p["bw_Bps"]),
+                         "provenance": ("assumed: another machine reached at this machine's measured loopback gloo "
+                                        "send/recv rate (a CPU 'node' is this machine; cross-node not measured)")}
+        else:
+            internode = _cuda_internode(known)
+        dp_links = {"internode": internode, "p2p_intra": p2p}
+        return links, dp_links, notes
+    if known and load_links(known) is not None:
+        lm = load_links(known)
+        links = {"gpu": name, "provenance": f"borrowed (not measured here): shipped {known} link model — {lm.provenance}",
+                 "fits": lm.fits}
+        parts = shipped_parts(known)
+        dp_links = {}
+        for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather"):
+            if part in parts:
+                v = dict(parts[part])
+                v["provenance"] = f"borrowed from shipped {known}: {v.get('provenance', '')}"
+                dp_links[part] = v
+        notes.append(f"links/dp_links borrowed from the shipped {known} models (collectives not measured)")
+        return links, dp_links, notes
+    # assumed from the measured copy rates: labelled, so that TP/DP plans still simulate
+    if dev.kind == "cpu":
+        alpha, bw = 5e-5, cp["copy_Bps"] / 4
+        why = "assumed (collectives not measured): gloo-like alpha 50 us, bus bandwidth a quarter of the memcpy rate"
+    else:
+        alpha, bw = 2e-5, cp["h2d_Bps"]
+        why = "assumed (collectives not measured): alpha 20 us, bus bandwidth = the measured PCIe H2D rate"
+    links = {"gpu": name, "provenance": why, "fits": {op: {str(n): [alpha, bw] for n in (2, 4, 8)} for op in OPS}}
+    dp_links = {"p2p_intra": {"alpha_s": alpha, "bw_Bps": bw, "provenance": why},
+                "internode": (_cuda_internode(known) if dev.kind == "cuda" else
+                              {"alpha_s": alpha, "nic_Bps_per_node": bw, "provenance": why})}
+    notes.append("links/dp_links assumed from the copy rates (collectives not measured)")
+    return links, dp_links, notes
+
+
+def _cuda_internode(known: str | None) -> dict:
+    from mist.hardware.dp_links import shipped_parts
+
+    if known:
+        part = shipped_parts(known).get("internode")
+        if part:
+            return dict(part, provenance=f"borrowed from shipped {known} (a single machine cannot measure the "
+                                         f"network): {part.get('provenance', '')}")
+    return {"alpha_s": 2e-5, "nic_Bps_per_node": 8 * 400e9 / 8,
+            "provenance": "assumed (not measured: one machine): 8 x 400 Gb/s NICs per node"}
+
+
+def _interference_section(meas: dict, name: str, known: str | None, where: str) -> dict:
+    from mist.hardware.interference import InterferenceModel, load_interference
+
+    local = meas["overlap_local"]
+    factors = {k: v["factors"] for k, v in local.items() if k != "how"}
+    detail = {k: {kk: vv for kk, vv in v.items() if kk != "factors"} for k, v in local.items() if k != "how"}
+    measured = ["{C,C2G}", "{C,G2C}", "{C2G,G2C}"]
+    extra_src = ""
+    comm = meas.get("comm")
+    if comm is not None and comm.get("interference"):
+        factors["C+G2G"] = comm["interference"]["factors"]
+        detail["C+G2G"] = {k: v for k, v in comm["interference"].items() if k != "factors"}
+        measured.append("{C,G2G}")
+    elif known:
+        shipped = load_interference(known).factors
+        for key in ("C+G2G", "G2G+C2G", "G2G+G2C"):
+            factors[key] = shipped[key]
+        extra_src = f"; {{C,G2G}}, {{G2G,C2G}}, {{G2G,G2C}} borrowed from the shipped {known} model (not measured here)"
+    prov = (f"measured by mist profile on {where}: pairs {', '.join(measured)} ({local['how']}){extra_src}; "
+            "all other channel sets serial sum (f_A[c] = |A|, not measured)")
+    model = InterferenceModel(factors, prov, name, extra={"pairs": detail})
+    return model.to_json()
+
+
+def write_profile(profile, output) -> str:
+    """Save with `GpuProfile.save`; returns the path written."""
+    return str(profile.save(output))
+
+
+def measured_gemm_points(profile, count: int) -> list[tuple[int, int, int]]:
+    """Measured grid nodes of a profile's GEMM table from the top quarter of its work range (largest
+    first), for re-checks: small kernels are the noisiest to re-time."""
+    g = profile.gemm
+    pts = [(int(m), int(n), int(k)) for m in g.m_axis for n in g.n_axis for k in g.k_axis]
+    filled = {tuple(int(v) for v in p) for p in g.extra.get("filled", [])}
+    pts = [p for p in pts if p not in filled]
+    pts.sort(key=lambda p: p[0] * p[1] * p[2])
+    if not pts:
+        return []
+    idx = np.unique(np.linspace(3 * len(pts) // 4, len(pts) - 1, count).round().astype(int))
+    return [pts[i] for i in idx[::-1]]

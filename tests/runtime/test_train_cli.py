@@ -1,0 +1,103 @@
+"""`mist train`: a local run end to end, and plans that cannot run → one sentence, exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mist.cli import main
+from mist.errors import MistInputError
+from mist.runtime import TrainConfig, spawn_local
+from rt_helpers import SPECS, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan_file(tmp_path, gpu="cpu", dp=2, tp=1, name="plan.json", **kw):
+    plan = make_plan("llama", dp=dp, tp=tp, gpu=gpu, **kw)
+    path = tmp_path / name
+    plan.save(path)
+    return path
+
+
+def _fail(args, capsys, monkeypatch=None, env=None):
+    if env is not None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    return err
+
+
+def test_local_run_writes_metrics(tmp_path):
+    """A GPU plan with --local on a machine without CUDA runs on CPU workers and says so."""
+    plan = _plan_file(tmp_path, gpu="l4", zero=1, G=2, recompute=1, offload={"optimizer": 0.5})
+    metrics = tmp_path / "m.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "mist", "train", str(plan), "--local", "--steps", "3",
+                        "--metrics", str(metrics), "--lr", "1e-2", "--seed", "1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA device" in r.stdout and "step 3/3" in r.stdout
+    m = json.loads(metrics.read_text())
+    for k in ("step_time_s", "tokens_per_s", "mfu", "losses", "stages"):
+        assert k in m
+    assert len(m["losses"]) == 3 and m["losses"][-1] < m["losses"][0]
+    assert m["mfu"] is None                      # measured on CPU: no GPU peak applies
+    assert m["step_time_s"] > 0 and m["tokens_per_s"] > 0
+    assert len(m["stages"]) == 1 and m["stages"][0]["peak_memory_bytes"] > 0
+
+
+def test_world_size_mismatch(tmp_path, capsys, monkeypatch):
+    plan = _plan_file(tmp_path)
+    err = _fail(["train", str(plan)], capsys, monkeypatch,
+                {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"})
+    assert "needs 2 processes" in err and "started 3" in err
+
+
+def test_gpu_plan_without_cuda_under_torchrun(tmp_path, capsys, monkeypatch):
+    plan = _plan_file(tmp_path, gpu="h200")
+    err = _fail(["train", str(plan)], capsys, monkeypatch,
+                {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert "no CUDA device" in err and "--local" in err
+
+
+def test_no_launcher(tmp_path, capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    err = _fail(["train", str(_plan_file(tmp_path))], capsys)
+    assert "torchrun" in err
+
+
+def test_pipeline_plans_are_refused(capsys):
+    err = _fail(["train", str(ROOT / "examples" / "gpt3-1.3b-2xl4-pp2.json"), "--local"], capsys)
+    assert "Pipeline parallelism is not implemented yet" in err
+
+
+def test_bad_plan_and_bad_data(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    d = json.loads(_plan_file(tmp_path).read_text())
+    d["stages"][0]["dp"] = 3
+    bad.write_text(json.dumps(d))
+    _fail(["train", str(bad), "--local"], capsys)
+    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--data", str(tmp_path / "none.txt")], capsys)
+    assert "does not exist" in err
+    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "0"], capsys)
+    assert "--steps" in err
+
+
+def test_worker_input_errors_reach_the_caller():
+    """An error found inside the workers comes back as the same one sentence."""
+    from dataclasses import replace
+
+    plan = make_plan("gpt", dp=2)
+    short = replace(SPECS["gpt"], max_position_embeddings=8)
+    plan = replace(plan, model=short)
+    with pytest.raises(MistInputError, match="exceeds the model's 8 learned positions"):
+        spawn_local(plan, TrainConfig(steps=1, log=False), start_method="fork")

@@ -49,7 +49,6 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mist.hardware.interference import (
-    CHANNELS,
     SUBSETS,
     InterferenceModel,
     overlap_time,

@@ -20,10 +20,11 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import tempfile
-import threading
 import time
 
 import numpy as np
+
+from mist.profiling.overlap import concurrent
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -202,28 +203,8 @@ def _script(rank, world, init_file, cfg, q):  # pragma: no cover - subprocess
                 t0 = time.perf_counter()
                 run()
                 alone[key].append(time.perf_counter() - t0)
-        together = {"C": [], "G2G": []}
-        for _ in range(2):
-            dist.barrier()
-            ends = {}
-            go = threading.Barrier(2)
-
-            def side():
-                go.wait()
-                t0 = time.perf_counter()
-                run_g()
-                ends["G2G"] = time.perf_counter() - t0
-            th = threading.Thread(target=side)
-            th.start()
-            go.wait()
-            t0 = time.perf_counter()
-            run_c()
-            ends["C"] = time.perf_counter() - t0
-            th.join()
-            for key in ends:
-                together[key].append(ends[key])
+        ec, eg = concurrent(run_c, run_g, 2, before=dist.barrier)
         xc, xg = float(np.median(alone["C"])), float(np.median(alone["G2G"]))
-        ec, eg = float(np.median(together["C"])), float(np.median(together["G2G"]))
         fc, fg = factors_from_finish(xc, xg, ec, eg)
         result["interference"] = {"factors": [fc, fg], "alone_s": [xc, xg], "together_s": [ec, eg],
                                   "gemm": [m, n, k], "all_gather_bytes": count * esize,

@@ -33,11 +33,14 @@ def factors_from_finish(xa: float, xb: float, ea: float, eb: float) -> tuple[flo
     return float(np.clip(fa, 1.0, CAP)), float(np.clip(fb, 1.0, CAP))
 
 
-def concurrent(run_a, run_b, repeats: int = 2) -> tuple[float, float]:
+def concurrent(run_a, run_b, repeats: int = 2, before=None) -> tuple[float, float]:
     """Median finish times (e_A, e_B) of run_a (this thread) and run_b (another thread) started
-    together; each callable must return only once its own work is complete."""
+    together; each callable must return only once its own work is complete. `before()` runs at
+    the start of every repetition (e.g. a barrier across processes)."""
     ea, eb = [], []
     for _ in range(repeats):
+        if before is not None:
+            before()
         ends = {}
         go = threading.Barrier(2)
 

@@ -278,6 +278,45 @@ def train(
                   + (f"; metrics written to {metrics}" if metrics else ""))
 
 
+@app.command()
+def validate(
+    plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
+    steps: int = typer.Option(3, "--steps", help="Training steps to measure (the first is warm-up)."),
+    gpu: str = typer.Option(None, "--gpu", help="Profile to predict with (default: the plan's GPU)."),
+    local: bool = typer.Option(False, "--local", help="Start the worker processes here instead of under torchrun."),
+    drift: bool = typer.Option(True, "--drift/--no-drift", help="Re-measure a few of the profile's own micro-benchmarks."),
+    as_json: JsonOpt = False,
+):
+    """Run a plan and print predicted vs measured time and memory with signed relative errors."""
+    from mist.hardware import load_profile
+    from mist.plan import load_plan
+    from mist.validate import run_and_validate
+
+    p = load_plan(plan)
+    profile = load_profile(gpu or p.cluster.gpu)
+    r = run_and_validate(plan, profile, steps, local, drift)
+    if not r:
+        return
+    if as_json:
+        print(json.dumps(r, indent=1, default=str))
+        return
+    pred, meas, err = r["predicted"], r["measured"], r["errors"]
+    t = Table(title=f"{p.model.name}: predicted ({profile.name}) vs measured")
+    for col in ("quantity", "predicted", "measured", "error"):
+        t.add_column(col, justify="right")
+    fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
+    t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
+    for i, (ps, ms, e) in enumerate(zip(pred["stages"], meas.get("stages", []), err["peak_memory"])):
+        mb = ms.get("peak_memory_bytes")
+        t.add_row(f"stage {i} peak memory (GiB)", f"{ps['peak_memory_bytes'] / GIB:.3f}",
+                  "-" if mb is None else f"{mb / GIB:.3f}", fmt(e))
+    out.print(t)
+    d = r.get("drift")
+    if d and d.get("drifted"):
+        out.print(f"[yellow]warning:[/] this machine no longer matches the profile: its micro-benchmarks "
+                  f"run at {d.get('geomean_ratio', float('nan')):.2f}× the profiled times.")
+
+
 from mist.cli_profile import profile_command  # noqa: E402  (registered as `mist profile`)
 
 app.command("profile", help="Measure this machine's CPU or GPU and write a profile that --gpu accepts.")(profile_command)
@@ -294,10 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except Exception as e:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:  # usage errors (click-style) carry their own exit code and message
+        if hasattr(e, "exit_code") and hasattr(e, "show"):
             e.show()
             sys.exit(e.exit_code)
         raise

@@ -171,12 +171,17 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         holder["m"] = m
         return m
 
+    # the example sequence length must fit the learned positions of a gpt model
+    hint_s = HINT_S if spec.max_position_embeddings > HINT_S else max(2, spec.max_position_embeddings - 1)
+    if hint_s == HINT_B:
+        hint_s = 2
+
     def make_inputs(sym):
         if part == "pre":
-            return [sym((HINT_B, HINT_S), torch.long, 2)]
-        x = sym((HINT_B, HINT_S, h), tdtype, 2).requires_grad_()
+            return [sym((HINT_B, hint_s), torch.long, 2)]
+        x = sym((HINT_B, hint_s, h), tdtype, 2).requires_grad_()
         if part == "post":
-            return [x, sym((HINT_B, HINT_S), torch.long, 2)]
+            return [x, sym((HINT_B, hint_s), torch.long, 2)]
         return [x]
 
     def forward(m, inputs):

@@ -1,0 +1,48 @@
+"""`mist validate`: run a plan with the runtime and put the measurement next to the prediction.
+
+Errors are signed and relative, (predicted − measured) / measured. When the profile was written
+by `mist profile` on this kind of device, a quick re-measurement of a few of its own
+micro-benchmarks tells whether the machine has drifted (> 10 %) since the profile was taken.
+"""
+
+from __future__ import annotations
+
+from mist.plan import Plan
+from mist.runtime.config import TrainConfig
+from mist.simulate.plan_sim import simulate_plan
+
+
+def _rel(pred, meas):
+    if pred is None or meas in (None, 0):
+        return None
+    return (pred - meas) / meas
+
+
+def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> dict:
+    """Combine a simulation of `plan` on `profile` with the runtime's `metrics`."""
+    pred = {k: v for k, v in simulate_plan(plan, profile).items() if not k.startswith("_")}
+    # the runtime's step is one iteration: G micro-batches, the optimizer step included
+    errors = {"step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
+              "peak_memory": [_rel(ps["peak_memory_bytes"], ms.get("peak_memory_bytes"))
+                              for ps, ms in zip(pred["stages"], metrics.get("stages", []))]}
+    out = {"predicted": pred, "measured": metrics, "errors": errors}
+    if drift is not None:
+        out["drift"] = drift
+    return out
+
+
+def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> dict:
+    from mist.plan import load_plan
+    from mist.runtime.launch import train_command
+
+    plan = load_plan(plan_path)
+    drift = None
+    fp = getattr(profile, "fingerprint", None) or {}
+    if check_drift and fp.get("device_kind"):
+        from mist.profiling.drift import check
+
+        drift = check(profile, quick=True)
+    metrics = train_command(plan_path, TrainConfig(steps=steps, log=False), local)
+    if metrics is None:  # a non-zero rank under torchrun
+        return {}
+    return validate(plan, profile, metrics, drift)

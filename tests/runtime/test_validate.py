@@ -1,0 +1,32 @@
+"""`mist validate`: a local run next to its prediction, with signed relative errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rt_helpers import make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_validate_json_reports_signed_relative_errors(tmp_path):
+    plan = make_plan("gpt", dp=2, tp=1, gpu="l4", zero=1, G=2)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "mist", "validate", str(path), "--local", "--steps", "2",
+                        "--no-drift", "--json"], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    pred, meas, err = out["predicted"], out["measured"], out["errors"]
+    for k in ("iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "mfu", "fits", "stages"):
+        assert k in pred
+    for k in ("step_time_s", "tokens_per_s", "losses", "stages"):
+        assert k in meas
+    assert err["step_time"] == pytest.approx((pred["iteration_time_s"] - meas["step_time_s"]) / meas["step_time_s"])
+    mb = meas["stages"][0]["peak_memory_bytes"]
+    assert err["peak_memory"][0] == pytest.approx((pred["stages"][0]["peak_memory_bytes"] - mb) / mb)

@@ -67,6 +67,7 @@ def test_good_plan_roundtrips(tmp_path):
     ({"stages__0__dp": KeyError}, "missing field(s) dp"),
     ({"stages__0__pipeline": 3}, "unknown field"),
     ({"model": "nope-7b"}, "Unknown model"),
+    ({"training__seq_len": 16384}, "learned positions"),
 ])
 def test_each_violation_has_its_message(changes, needle):
     with pytest.raises(MistInputError) as e:

@@ -145,6 +145,9 @@ def validate(p: Plan) -> None:
             raise MistInputError(
                 f"{where}: its mesh {s.nodes}×{s.gpus_per_node} does not fit the cluster's "
                 f"{p.cluster.nodes}×{p.cluster.gpus_per_node}.")
+    if p.model.family == "gpt" and p.training.seq_len > p.model.max_position_embeddings:
+        raise MistInputError(f"Sequence length {p.training.seq_len} exceeds the model's "
+                             f"{p.model.max_position_embeddings} learned positions.")
     layers = sum(s.layers for s in p.stages)
     if layers != p.model.num_layers:
         raise MistInputError(f"The stages hold {layers} layers but the model has {p.model.num_layers}.")

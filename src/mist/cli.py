@@ -201,17 +201,17 @@ def _print_simulation(p, r: dict) -> None:
     out.print(f"profile: {r['profile']}")
     out.print(f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
               f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}")
-    t = Table(title="stages")
-    for col in ("stage", "T (ms)", "D (ms)", "compute", "recompute", "TP comm", "exposed transfers",
-                "p2p", "peak (GiB)", "fits"):
+    t = Table(title="stages (times in ms per micro-batch; D once per iteration)")
+    for col in ("stage", "T", "D", "compute", "recomp", "TP", "exposed", "p2p", "peak GiB", "fits"):
         t.add_column(col, justify="right")
+
+    def ms(x):
+        return f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.2f}"
     for i, s in enumerate(r["stages"]):
         tb = s["time_breakdown"]
-        t.add_row(str(i), f"{s['stable_time_s'] * 1e3:.2f}", f"{s['delta_time_s'] * 1e3:.2f}",
-                  f"{tb['compute_s'] * 1e3:.2f}", f"{tb['recompute_s'] * 1e3:.2f}",
-                  f"{tb['tp_comm_s'] * 1e3:.2f}", f"{tb['exposed_transfers_s'] * 1e3:.2f}",
-                  f"{tb['p2p_s'] * 1e3:.2f}", f"{s['peak_memory_bytes'] / GIB:.2f}",
-                  "yes" if s["fits"] else "[red]no[/]")
+        t.add_row(str(i), ms(s["stable_time_s"]), ms(s["delta_time_s"]), ms(tb["compute_s"]),
+                  ms(tb["recompute_s"]), ms(tb["tp_comm_s"]), ms(max(tb["exposed_transfers_s"], 0.0)),
+                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GIB:.2f}", "yes" if s["fits"] else "[red]no[/]")
     out.print(t)
     for msg in r["memory_problems"]:
         out.print(f"[red]does not fit:[/] {msg}")

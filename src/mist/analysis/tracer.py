@@ -216,6 +216,12 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
         inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n, unit_batch))
         subs = {}
         for t in inputs:  # every input is laid out [b, s, ...]
+            lead = [t.shape[1]] if unit_batch else [t.shape[0], t.shape[1]]
+            if not all(isinstance(d, torch.SymInt) for d in lead):
+                # a PyTorch that silently specializes the example sizes would give constants
+                # for every b and s: refuse rather than predict from the example shapes
+                raise RuntimeError(f"PyTorch {torch.__version__} did not keep the traced batch/sequence "
+                                   "sizes symbolic; Mist's analysis needs symbolic shapes")
             if not unit_batch:
                 subs[t.shape[0].node.expr] = B
             subs[t.shape[1].node.expr] = S

@@ -180,6 +180,10 @@ class FlatUnit:
         self._pending = 0
         self.micro_batch = 0
         self.last = True
+        # pipeline with tied embeddings: the parameters' gradients accumulate over the step's
+        # micro-batches and are reduced once after it (`reduce_deferred`), after the tied copies
+        # on the first and last stage were summed
+        self.defer_reduce = False
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -249,15 +253,31 @@ class FlatUnit:
         self._pending = len(self.params)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.defer_reduce:
+            return
         self._pending -= 1
         if self._pending == 0:
             self.reduce_grads()
 
     def finish_micro_batch(self) -> None:
         """After the backward: a unit whose hooks did not all fire (no gradient) reduces now."""
+        if self.defer_reduce:
+            self._pending = 0
+            return
         if self._pending > 0:
             self._pending = 0
             self.reduce_grads()
+
+    def reduce_deferred(self, tied: list[int], group) -> None:
+        """After the step's last backward: sum the gradients of the parameters with index in
+        `tied` over `group` (the other stage's copy), then reduce everything as one micro-batch."""
+        for i in tied:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+            dist.all_reduce(p.grad, group=group)
+        self.micro_batch, self.last = 0, True
+        self.reduce_grads()
 
     def _flat_grad(self) -> torch.Tensor:
         flat = torch.zeros(self.Np, dtype=self.dtype, device=self.device)

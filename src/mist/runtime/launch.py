@@ -32,10 +32,12 @@ def free_port() -> int:
 
 
 def check_runnable(plan: Plan) -> None:
-    if plan.num_stages > 1:
-        raise MistInputError(
-            f"Pipeline parallelism is not implemented yet: this plan has {plan.num_stages} stages "
-            "and mist train runs single-stage plans only.")
+    for i in range(1, plan.num_stages):
+        a, b = plan.stages[i - 1], plan.stages[i]
+        if (a.dp, a.tp) != (b.dp, b.tp):
+            raise MistInputError(
+                f"mist train runs pipelines only with the same dp and tp on every stage for now, "
+                f"but stage {i - 1} has dp {a.dp} × tp {a.tp} and stage {i} dp {b.dp} × tp {b.tp}.")
 
 
 def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:

@@ -6,6 +6,9 @@ local rank = dp_rank · tp + tp_rank. With fewer KV heads than TP ranks, the tp 
 consecutive ranks that hold copies of one KV head form a "KV group" (their copies' gradients are
 summed). `dist.new_group` is collective over the whole world, so every rank creates every group in
 the same order; groups of one rank are not created (None: nothing to communicate).
+Pipeline stages (for now all with the same dp and tp) exchange activations and gradients between
+the ranks at the same local position of neighbouring stages (`RankGroups.peer`); with tied
+embeddings the first and last stage's ranks at the same local position form a "tied group".
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class RankGroups:
     dp_group: object = None
     kv_group: object = None      # ranks sharing copies of one KV head (tp > num_kv_heads)
     kv_size: int = 1
+    tied_group: object = None    # pipeline: the first and last stage's copies of tied embeddings
     stages: list[StageLayout] = field(default_factory=list)
     created: list = field(default_factory=list)
 
@@ -67,6 +71,13 @@ class RankGroups:
         for g in self.created:
             dist.destroy_process_group(g)
         self.created.clear()
+
+    def peer(self, offset: int) -> int | None:
+        """The rank with this rank's (dp, tp) position in the stage `offset` away (None: none)."""
+        j = self.stage.index + offset
+        if not 0 <= j < len(self.stages):
+            return None
+        return self.stages[j].first_rank + self.dp_rank * self.stages[j].tp + self.tp_rank
 
 
 def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
@@ -103,4 +114,12 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
                     g = make(tps[k * rep:(k + 1) * rep])
                     if g is not None:
                         rg.kv_group, rg.kv_size = g, rep
+    if plan.model.tie_embeddings and len(layouts) > 1:
+        # adjacent stages have the same dp and tp (launch.check_runnable), so the first and the
+        # last stage hold the same embedding shards at the same local positions
+        a, z = layouts[0], layouts[-1]
+        for local in range(a.dp * a.tp):
+            g = make([a.first_rank + local, z.first_rank + local])
+            if g is not None:
+                rg.tied_group = g
     return rg

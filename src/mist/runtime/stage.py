@@ -87,6 +87,25 @@ class StageRunner:
             u.release()
         self.saved.memory.reset_activations()
 
+    # ------------------------------------------------------------ pipeline (1F1B) split
+    # With several micro-batches in flight the forward and the backward of one micro-batch are
+    # separated: the saved-activation bookkeeping starts at its forward, the units' gradient
+    # state at its backward; its activation bytes are released from the account after it.
+    def begin_forward(self) -> int:
+        self.saved.new_micro_batch()
+        return self.saved.memory.activations
+
+    def begin_backward(self, index: int, last: bool) -> None:
+        for u in self.units:
+            u.start_micro_batch(index, last)
+
+    def end_backward(self, activation_bytes: int) -> None:
+        for u in self.units:
+            u.finish_micro_batch()
+            u.release()
+        mem = self.saved.memory
+        mem.activations = max(mem.activations - activation_bytes, 0)
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

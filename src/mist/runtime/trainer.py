@@ -22,7 +22,7 @@ from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
-from mist.runtime.schedule import GradAccumSchedule
+from mist.runtime.schedule import GradAccumSchedule, PipelineSchedule
 from mist.runtime.sharding import (full_meta_model, init_stage_params, kv_replicated_rows,
                                    tp_slice)
 from mist.runtime.stage import StageModule, StageRunner
@@ -97,6 +97,11 @@ class Trainer:
         owners = module.owners()
         seen: set[int] = set()
         unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
+        # pipeline with tied embeddings: the word embedding has a copy on the first and on the last
+        # stage; their gradients are summed after each step (`tied`: unit index → parameter
+        # indices), and only the first stage's copy counts in the gradient norm
+        self.tied: dict[int, list[int]] = {}
+        pp_tied = spec.tie_embeddings and plan.num_stages > 1
         for prefix, mod in module.unit_modules():
             plist, infos = [], []
             for n, p in mod.named_parameters():
@@ -104,8 +109,13 @@ class Trainer:
                     continue
                 seen.add(id(p))
                 name = module.full_name(f"{prefix}.{n}")
+                info = _param_info(name, p, spec, lay.tp, groups.tp_rank)
+                if pp_tied and name == "embedding.word":
+                    self.tied.setdefault(len(unit_params), []).append(len(plist))
+                    if prefix == "head":
+                        info["norm_skip"] = (0, p.numel())
                 plist.append((name, p, owners[id(p)]))
-                infos.append(_param_info(name, p, spec, lay.tp, groups.tp_rank))
+                infos.append(info)
             unit_params.append((prefix, plist, infos))
         self.units: list[FlatUnit] = []
         for prefix, plist, infos in unit_params:
@@ -119,6 +129,8 @@ class Trainer:
                 copy_stream=copy_stream))
         if spec.tie_embeddings and first and last:
             self.units[0].keep_until_backward = True
+        for k in self.tied:
+            self.units[k].defer_reduce = True
         self.module = module
 
         def is_weight(x: torch.Tensor) -> bool:
@@ -128,7 +140,11 @@ class Trainer:
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.runner = StageRunner(module, self.units, st.recompute_layers, st.offload.activations,
                                   self.saved, autocast)
-        self.schedule = GradAccumSchedule(plan.micro_batches)
+        if plan.num_stages > 1:
+            self.schedule = PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages,
+                                             groups.peer(-1), groups.peer(1), self.device)
+        else:
+            self.schedule = GradAccumSchedule(plan.micro_batches)
         self.optimizer = ShardedAdamW(self.units, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                                       scaler=self.scaler)
@@ -149,11 +165,18 @@ class Trainer:
         self._sync()
         t0 = time.perf_counter()
         losses = self.schedule.run(self.runner, mbs, self.scaler.scale)
+        for k, idx in self.tied.items():
+            self.units[k].reduce_deferred(idx, g.tied_group)
         res = self.optimizer.step(lr, self.device)
-        loss = torch.stack(losses).float().mean()
-        if g.dp_group is not None:
+        last = g.stage.index == self.plan.num_stages - 1
+        loss = (torch.stack(losses).float().mean() if last
+                else torch.zeros((), dtype=torch.float32, device=self.device))
+        if last and g.dp_group is not None:
             dist.all_reduce(loss, group=g.dp_group)
             loss /= self.stage.dp
+        if self.plan.num_stages > 1:
+            # the loss exists on the last stage: every rank (rank 0 reports it) gets it from there
+            dist.broadcast(loss, src=g.stages[-1].first_rank)
         self._sync()
         dt = time.perf_counter() - t0
         rec = {"step": step, "loss": float(loss.item()), "lr": lr, "grad_norm": res.grad_norm,
@@ -263,4 +286,16 @@ class Trainer:
                         dim, idx = tp_slice(info.name, spec, tp, r)
                         value.index_copy_(dim, idx.to(self.device), part)
                 out[info.name] = value.cpu()
+        if self.plan.num_stages > 1:
+            # each stage's first rank holds its stage's weights; rank 0 merges them (a tied
+            # embedding's copy on the last stage equals the first stage's)
+            mine = out if g.rank == g.stage.first_rank else None
+            parts = [None] * g.world if g.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0)
+            if g.rank != 0:
+                return None
+            out = {}
+            for part in parts:
+                for k, v in (part or {}).items():
+                    out.setdefault(k, v)
         return out if g.rank == 0 else None

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mist.profiling.timing import Device
+from mist.profiling.timing import Device, one_call_s
 
 CAP = 10.0
 
@@ -96,13 +96,7 @@ def _loop(fn, count, dev: Device, stream=None):
 
 
 def _count(fn, dev: Device, target_s: float) -> int:
-    fn()
-    dev.sync()
-    t0 = time.perf_counter()
-    fn()
-    dev.sync()
-    one = max(time.perf_counter() - t0, 1e-7)
-    return int(np.clip(target_s / one, 1, 100000))
+    return int(np.clip(target_s / one_call_s(fn, dev), 1, 100000))
 
 
 def measure_local_pairs(dev: Device, gemm_shape, copy_bytes: int, target_s: float) -> dict:

@@ -49,18 +49,23 @@ class Device:
             torch.cuda.synchronize(self.index)
 
 
-def time_op(fn, dev: Device, target_s: float = 0.02, min_reps: int = 3, max_reps: int = 200,
-            warmup: int = 1, stat: str = "median") -> float:
-    """Median (or with stat="min" the best, STREAM-style for bandwidths) seconds of one call of
-    `fn` on `dev` (see module docstring)."""
-    pick = np.min if stat == "min" else np.median
+def one_call_s(fn, dev: Device, warmup: int = 1) -> float:
+    """Seconds of one call of `fn` after `warmup` calls (a rough size for repetition counts)."""
     for _ in range(warmup):
         fn()
     dev.sync()
     t0 = time.perf_counter()
     fn()
     dev.sync()
-    one = max(time.perf_counter() - t0, 1e-7)
+    return max(time.perf_counter() - t0, 1e-7)
+
+
+def time_op(fn, dev: Device, target_s: float = 0.02, min_reps: int = 3, max_reps: int = 200,
+            warmup: int = 1, stat: str = "median") -> float:
+    """Median (or with stat="min" the best, STREAM-style for bandwidths) seconds of one call of
+    `fn` on `dev` (see module docstring)."""
+    pick = np.min if stat == "min" else np.median
+    one = one_call_s(fn, dev, warmup)
     reps = int(np.clip(target_s / one, min_reps, max_reps))
     if dev.kind == "cuda":
         import torch

@@ -23,6 +23,17 @@ MiB = 2**20
 
 
 # ---------------------------------------------------------------------------- grid filling
+
+def sweep(order, point, store, deadline: float, min_done: int, tick=None) -> None:
+    """Measure grid points in `order` into `store[idx] = point(idx)` until the deadline (after at
+    least `min_done` points), reporting progress through `tick(fraction)`."""
+    for done, idx in enumerate(order):
+        if time.perf_counter() > deadline and done >= min_done:
+            break
+        store[idx] = point(idx)
+        if tick:
+            tick((done + 1) / len(order))
+
 def fill_missing(t: np.ndarray, work: np.ndarray) -> list[tuple]:
     """Fill NaN entries of `t` in place at the mean log-efficiency (work / time) of their finite
     lower neighbours along each axis, in order of work; returns the filled indices."""
@@ -108,12 +119,7 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
         return time_op(lambda: F.linear(x, w), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
 
     with torch.no_grad():
-        for done, idx in enumerate(order):
-            if time.perf_counter() > deadline and done >= 8:
-                break
-            t[idx] = point(idx)
-            if tick:
-                tick((done + 1) / len(order))
+        sweep(order, point, t, deadline, 8, tick)
         rechecked = recheck(t, work, point, deadline)
     measured = int(np.isfinite(t).sum())
     filled = fill_missing(t, work)
@@ -157,12 +163,7 @@ def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline:
         bwd[idx] = np.fmin(bwd[idx], raw)
         return tf
 
-    for done, idx in enumerate(order):
-        if time.perf_counter() > deadline and done >= 4:
-            break
-        fwd[idx] = point(idx)
-        if tick:
-            tick((done + 1) / len(order))
+    sweep(order, point, fwd, deadline, 4, tick)
     rechecked = recheck(fwd, work, point, deadline)
     rechecked += recheck(bwd, work, lambda i: (point(i), bwd[i])[1], deadline)
     measured = int(np.isfinite(fwd).sum())

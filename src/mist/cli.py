@@ -262,13 +262,18 @@ def train(
     beta2: float = typer.Option(0.95, "--beta2", help="AdamW beta2."),
     eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
     clip: float = typer.Option(1.0, "--clip", help="Clip the global gradient norm to this (0: no clipping)."),
+    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Save a checkpoint (torch.distributed.checkpoint) here at the end of training."),
+    checkpoint_every: int = typer.Option(None, "--checkpoint-every", help="Also save a checkpoint every N steps."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir (same plan)."),
+    stop_after: int = typer.Option(None, "--stop-after", help="End this run after N steps (checkpointed; the LR schedule still spans --steps)."),
 ):
     """Run a plan on torch.distributed (under torchrun, or --local worker processes)."""
     from mist.runtime import TrainConfig, train_command
 
     cfg = TrainConfig(steps=steps, data=data, seed=seed, lr=lr, min_lr_ratio=min_lr_ratio,
                       warmup_steps=warmup, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
-                      eps=eps, max_grad_norm=clip, metrics_path=metrics)
+                      eps=eps, max_grad_norm=clip, metrics_path=metrics, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, resume=resume, stop_after=stop_after)
     res = train_command(plan, cfg, local)
     if res is not None:
         mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a (CPU run)"

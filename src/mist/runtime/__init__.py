@@ -18,6 +18,7 @@ Modules:
     buffers    SplitBuffer: a flat state's device head and host tail
     data       synthetic / file data and the layout-independent batch split
     trainer    one rank's training loop, metrics, full state dict
+    checkpoint save / resume with torch.distributed.checkpoint (per-rank shards, plan hash)
 """
 
 from mist.runtime.config import TrainConfig

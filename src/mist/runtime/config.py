@@ -22,6 +22,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0         # 0 disables clipping
     metrics_path: str | None = None
     log: bool = True                   # rank 0 prints one line per step
+    checkpoint_dir: str | None = None  # save a checkpoint here at the end (and every checkpoint_every)
+    checkpoint_every: int | None = None
+    resume: bool = False               # continue from the latest checkpoint in checkpoint_dir
+    stop_after: int | None = None      # end this run after this many steps (the schedule still spans `steps`)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -37,6 +41,12 @@ class TrainConfig:
         for name, b in (("--beta1", self.beta1), ("--beta2", self.beta2)):
             if not 0 <= b < 1:
                 raise MistInputError(f"{name} must lie in [0, 1), got {b}.")
+
+        for name, v in (("--checkpoint-every", self.checkpoint_every), ("--stop-after", self.stop_after)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise MistInputError(f"{name} must be a positive integer, got {v!r}.")
+        if (self.resume or self.checkpoint_every is not None) and not self.checkpoint_dir:
+            raise MistInputError("--resume and --checkpoint-every need --checkpoint-dir.")
 
     @property
     def warmup(self) -> int:

@@ -57,9 +57,11 @@ def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
 def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.device,
              init_method: str, want_state: bool = False) -> dict | None:
     """One rank, from joining the process group to leaving it; rank 0 returns its results."""
+    from mist.runtime.checkpoint import check_resume
     from mist.runtime.layout import build_groups
     from mist.runtime.trainer import Trainer
 
+    ckpt = check_resume(plan, cfg) if cfg.resume else None   # before joining: every rank fails alike
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -69,6 +71,8 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
     try:
         groups = build_groups(plan, rank, world)
         trainer = Trainer(plan, cfg, groups, device)
+        if ckpt is not None:
+            trainer.resume_from(ckpt[0])
         metrics = trainer.run()
         state = trainer.full_state_dict() if want_state else None
         dist.barrier()          # every rank is done with every group before any is torn down
@@ -109,6 +113,9 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     import torch.multiprocessing as mp
 
     check_runnable(plan)
+    if cfg.resume:
+        from mist.runtime.checkpoint import check_resume
+        check_resume(plan, cfg)
     world = plan.cluster.world_size
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise MistInputError(f"The plan needs {world} GPUs but this machine has "

@@ -150,6 +150,21 @@ class Trainer:
                                       scaler=self.scaler)
         self.data = make_data(cfg.data, spec.vocab_size, t.seq_len, t.global_batch, cfg.seed)
         self.history: list[dict] = []
+        self.start_step = 0
+
+    # ------------------------------------------------------------ checkpoints
+    def resume_from(self, path) -> None:
+        """Restore the state of a checkpoint (collective); training continues at its step."""
+        from mist.runtime import checkpoint
+
+        self.start_step = checkpoint.load(self, path)
+
+    def save_checkpoint(self, step: int) -> None:
+        from mist.runtime import checkpoint
+
+        path = checkpoint.save(self, self.cfg.checkpoint_dir, step)
+        if self.cfg.log and self.groups.rank == 0:
+            print(f"checkpoint saved to {path}", flush=True)
 
     # ------------------------------------------------------------ training
     def _sync(self) -> None:
@@ -188,13 +203,18 @@ class Trainer:
         """Train cfg.steps steps; return the metrics on rank 0 (None elsewhere)."""
         t = self.plan.training
         tokens = t.global_batch * t.seq_len
-        for step in range(self.cfg.steps):
+        cfg = self.cfg
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.start_step + cfg.stop_after)
+        for step in range(self.start_step, end):
             rec = self.train_step(step)
             if self.cfg.log and self.groups.rank == 0:
                 print(f"step {step + 1}/{self.cfg.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                       f"grad norm {rec['grad_norm']:.3f}  {rec['time_s'] * 1e3:.0f} ms  "
                       f"{tokens / rec['time_s']:,.0f} tokens/s" + ("  (skipped)" if rec["skipped"] else ""),
                       flush=True)
+            if cfg.checkpoint_dir and (step + 1 == end or (cfg.checkpoint_every
+                                                          and (step + 1) % cfg.checkpoint_every == 0)):
+                self.save_checkpoint(step + 1)
         metrics = self.metrics()
         if self.groups.rank == 0 and self.cfg.metrics_path:
             with open(self.cfg.metrics_path, "w") as f:

@@ -1,0 +1,156 @@
+"""Checkpoints of `mist train` with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is one DCP directory ``DIR/step_00000042`` (the number of finished steps). Each rank
+puts plain tensors in the state dict under keys unique to it: for every `FlatUnit` the fp32 master
+shard and the two Adam moments (device head and host tail joined into one CPU tensor), named
+``s{stage}.tp{tp rank}.dp{dp rank}.{unit}.{master|exp_avg|exp_avg_sq}``. The ``meta.*`` keys hold
+values every rank shares (DCP stores them once): the step, the optimizer's step count, the loss
+scaler, the data position (the batch of step k is a function of the seed and k), the LR schedule's
+parameters and a hash of the plan, which must be the same on resume.
+
+A directory counts as a checkpoint once DCP wrote its ``.metadata`` (the last file of a save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from mist.errors import MistInputError
+from mist.plan import Plan
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def plan_hash(plan: Plan) -> str:
+    """SHA-256 of the plan's canonical JSON (the model always spelled out, never a preset name)."""
+    d = {**plan.to_dict(), "model": plan.model.to_dict()}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _hash_tensor(h: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8)
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> tuple[Path, int]:
+    """(directory, step) of the newest complete checkpoint under `root`, or MistInputError."""
+    root = Path(root)
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir() and (p / ".metadata").is_file():
+                found.append((int(m.group(1)), p))
+    if not found:
+        raise MistInputError(f"--resume found no checkpoint in {root} (no complete step_* directory).")
+    step, path = max(found)
+    return path, step
+
+
+def meta_template() -> dict[str, torch.Tensor]:
+    return {
+        "meta.step": torch.zeros((), dtype=torch.int64),
+        "meta.optimizer_step": torch.zeros((), dtype=torch.int64),
+        "meta.data_step": torch.zeros((), dtype=torch.int64),
+        "meta.data_seed": torch.zeros((), dtype=torch.int64),
+        "meta.loss_scale": torch.zeros((), dtype=torch.float64),
+        "meta.loss_scale_good": torch.zeros((), dtype=torch.int64),
+        "meta.lr_schedule": torch.zeros(4, dtype=torch.float64),   # lr, warmup, total, min ratio
+        "meta.plan_hash": torch.zeros(32, dtype=torch.uint8),
+    }
+
+
+def read_meta(path: str | Path) -> dict[str, torch.Tensor]:
+    """The shared values of a checkpoint, read by one process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = meta_template()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)    # "assuming ... a single process": meant
+            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign directory: one sentence
+        raise MistInputError(f"Checkpoint {path} cannot be read ({type(e).__name__}).") from None
+    return sd
+
+
+def check_resume(plan: Plan, cfg) -> tuple[Path, int]:
+    """The checkpoint to resume from; MistInputError when there is none, its plan differs or it
+    already finished cfg.steps."""
+    path, step = latest_checkpoint(cfg.checkpoint_dir)
+    meta = read_meta(path)
+    if bytes(meta["meta.plan_hash"].tolist()).hex() != plan_hash(plan):
+        raise MistInputError(f"Checkpoint {path} was written by a different plan; resume it with "
+                             "the plan it was trained with (or use a new --checkpoint-dir).")
+    if step >= cfg.steps:
+        raise MistInputError(f"Checkpoint {path} already finished {step} of --steps {cfg.steps}; "
+                             "nothing is left to train (raise --steps to continue).")
+    return path, step
+
+
+def _unit_key(trainer, unit, what: str) -> str:
+    g = trainer.groups
+    return f"s{g.stage.index}.tp{g.tp_rank}.dp{g.dp_rank}.{unit.name}.{what}"
+
+
+def _buffers(unit):
+    return (("master", unit.master), ("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq))
+
+
+def save(trainer, root: str | Path, step: int) -> Path:
+    """Collective: every rank writes its shards of the state after `step` finished steps."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg, opt = trainer.cfg, trainer.optimizer
+    sd: dict[str, torch.Tensor] = {}
+    for u in trainer.units:
+        for what, buf in _buffers(u):
+            sd[_unit_key(trainer, u, what)] = buf.read(0, buf.length, "cpu").clone()
+    sd.update({
+        "meta.step": torch.tensor(step, dtype=torch.int64),
+        "meta.optimizer_step": torch.tensor(opt.step_count, dtype=torch.int64),
+        "meta.data_step": torch.tensor(step, dtype=torch.int64),
+        "meta.data_seed": torch.tensor(cfg.seed, dtype=torch.int64),
+        "meta.loss_scale": torch.tensor(trainer.scaler.scale, dtype=torch.float64),
+        "meta.loss_scale_good": torch.tensor(trainer.scaler._good, dtype=torch.int64),
+        "meta.lr_schedule": torch.tensor([cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio],
+                                         dtype=torch.float64),
+        "meta.plan_hash": _hash_tensor(plan_hash(trainer.plan)),
+    })
+    path = step_dir(root, step)
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(sd, checkpoint_id=str(path))
+    return path
+
+
+@torch.no_grad()
+def load(trainer, path: str | Path) -> int:
+    """Collective: restore this rank's shards and the shared state; the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = meta_template()
+    for u in trainer.units:
+        for what, buf in _buffers(u):
+            sd[_unit_key(trainer, u, what)] = torch.empty(buf.length, dtype=torch.float32)
+    try:
+        dcp.load(sd, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001
+        raise MistInputError(f"Checkpoint {path} does not hold this rank's state "
+                             f"({type(e).__name__}); resume it with the plan it was trained with.") from None
+    for u in trainer.units:
+        for what, buf in _buffers(u):
+            buf.copy_(sd[_unit_key(trainer, u, what)].to(buf.device))
+        u.update_weights()          # working weights from the restored master (collective for ZeRO 1/2)
+    trainer.optimizer.step_count = int(sd["meta.optimizer_step"])
+    trainer.scaler.scale = float(sd["meta.loss_scale"])
+    trainer.scaler._good = int(sd["meta.loss_scale_good"])
+    return int(sd["meta.data_step"])

@@ -30,6 +30,7 @@ class LayerTerms:
     fwd_peak: np.ndarray     # transient live bytes in forward (excluding the input)
     bwd_peak: np.ndarray     # live bytes in backward (incl. its own saved activations)
     bwd_peak_ckpt: np.ndarray
+    fwd_peak_ckpt: np.ndarray  # a checkpointed block's forward runs without autograd: less is live
     output: np.ndarray       # output bytes (p2p message at a stage boundary)
     flops_fwd: np.ndarray
     flops_bwd: np.ndarray
@@ -67,12 +68,12 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs) -> LayerTerms:
     if part == "block":
         ck = analyze_layer(spec, part, recompute=True, **kw)
         rc = phase_time(profile, links, ck, "recompute", b, s)
-        recompute, saved_ck, bwd_ck = rc.total, ck.saved(b, s), ck.bwd_peak(b, s)
+        recompute, saved_ck, bwd_ck, fwd_ck = rc.total, ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
     else:
-        recompute, saved_ck, bwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s)
+        recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
     return LayerTerms(
         params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute,
         tp_comm_fwd=f.comm, tp_comm_bwd=bw.comm,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
-        bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, output=la.output(b, s),
+        bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),
         flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s))

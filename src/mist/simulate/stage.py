@@ -265,7 +265,7 @@ class StageModel:
             "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
             "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + 2 * g_max * ((zero >= 2) | (go > 0))).astype(np.float64),
             "A_f": A_full * (1 - ao), "A_c": A_ck * (1 - ao), "pre_saved": pre_saved, "x_in": x_in,
-            "fwd_last_no": g(blk.fwd_peak), "fwd_last_ck": g(blk.fwd_peak),
+            "fwd_last_no": g(blk.fwd_peak), "fwd_last_ck": g(blk.fwd_peak_ckpt),
             "bwd_last_no": g(blk.bwd_peak), "bwd_last_ck": g(blk.bwd_peak_ckpt),
             "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
             "p2p_buf": (2 * x_in) if st.num_stages > 1 else z,

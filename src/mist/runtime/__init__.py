@@ -7,10 +7,11 @@
 
 Modules:
     launch     processes (torchrun env or local workers), device choice, one-sentence errors
-    layout     rank layout of the stages and their TP / DP / KV process groups
+    layout     rank layout of the stages and their TP / DP / KV / tied-embedding process groups
     sharding   which slice of each full parameter a TP rank holds; seeded streamed init
     stage      a stage's modules (embedding? blocks head?) and the forward with unit hooks
-    schedule   order of forwards/backwards (GradAccumSchedule; a pipeline schedule goes here)
+    schedule   order of forwards/backwards (GradAccumSchedule; PipelineSchedule: 1F1B with p2p)
+    handoff    which rows of a micro-batch go from which rank to which between pipeline stages
     flat       FlatUnit: flat weights, ZeRO 0–3, weight/grad offload, gradient reduction
     optimizer  AdamW on the master shards (device part on the device, host part on the CPU),
                global-norm clipping, loss scaling, LR schedule

@@ -268,14 +268,27 @@ class FlatUnit:
             self._pending = 0
             self.reduce_grads()
 
-    def reduce_deferred(self, tied: list[int], group) -> None:
-        """After the step's last backward: sum the gradients of the parameters with index in
-        `tied` over `group` (the other stage's copy), then reduce everything as one micro-batch."""
+    def reduce_deferred(self, tied: list[int], segments, scale: float) -> None:
+        """After the step's last backward: sum the tied copies of the parameters with index in
+        `tied`, then reduce everything as one micro-batch.
+
+        `segments`: (local rows lo, hi, group) — every rank of the first and the last stage that
+        holds those vocabulary rows, all dp replicas of both. Each rank's gradient is that of its
+        dp rank's own loss, so it is multiplied by `scale` (1 / its stage's dp) before the SUM:
+        every member then holds the full gradient of those rows, and the usual reduction over its
+        own dp group (divide by dp, sum or reduce-scatter, ZeRO as configured) leaves it unchanged
+        (exactly so for power-of-two dp; the two copies may otherwise differ in the last bit).
+        """
         for i in tied:
             p = self.params[i]
             if p.grad is None:
                 p.grad = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
-            dist.all_reduce(p.grad, group=group)
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            if scale != 1.0:
+                p.grad.mul_(scale)
+            for lo, hi, group in segments:
+                dist.all_reduce(p.grad[lo:hi], group=group)
         self.micro_batch, self.last = 0, True
         self.reduce_grads()
 

@@ -31,15 +31,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_runnable(plan: Plan) -> None:
-    for i in range(1, plan.num_stages):
-        a, b = plan.stages[i - 1], plan.stages[i]
-        if (a.dp, a.tp) != (b.dp, b.tp):
-            raise MistInputError(
-                f"mist train runs pipelines only with the same dp and tp on every stage for now, "
-                f"but stage {i - 1} has dp {a.dp} × tp {a.tp} and stage {i} dp {b.dp} × tp {b.tp}.")
-
-
 def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
     """('cuda' or 'cpu', a note to print or None)."""
     gpu = plan.cluster.gpu
@@ -112,7 +103,6 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     """
     import torch.multiprocessing as mp
 
-    check_runnable(plan)
     if cfg.resume:
         from mist.runtime.checkpoint import check_resume
         check_resume(plan, cfg)
@@ -169,7 +159,6 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     from mist.runtime.data import make_data
 
     plan = load_plan(plan_path)
-    check_runnable(plan)
     world = plan.cluster.world_size
     t = plan.training
     make_data(cfg.data, plan.model.vocab_size, t.seq_len, t.global_batch, cfg.seed)  # checks the data

@@ -6,9 +6,12 @@ local rank = dp_rank · tp + tp_rank. With fewer KV heads than TP ranks, the tp 
 consecutive ranks that hold copies of one KV head form a "KV group" (their copies' gradients are
 summed). `dist.new_group` is collective over the whole world, so every rank creates every group in
 the same order; groups of one rank are not created (None: nothing to communicate).
-Pipeline stages (for now all with the same dp and tp) exchange activations and gradients between
-the ranks at the same local position of neighbouring stages (`RankGroups.peer`); with tied
-embeddings the first and last stage's ranks at the same local position form a "tied group".
+Stages may differ in dp, tp and micro-batch; which rows of a micro-batch travel between which
+ranks of neighbouring stages is `handoff.py`'s (`RankGroups.incoming` / `outgoing`).
+With tied embeddings the word embedding has a copy on the first and on the last stage, each
+vocabulary-sharded by its stage's tp; `tied_segments` cuts the vocabulary at both stages' shard
+boundaries and every segment gets the group of all ranks (of both stages, every dp replica) that
+hold it (`RankGroups.tied`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from mist.plan import Plan
+from mist.runtime.handoff import Piece, incoming, outgoing
 
 
 @dataclass
@@ -28,6 +32,7 @@ class StageLayout:
     tp: int
     first_layer: int
     layers: int
+    micro_batch: int = 1
 
     @property
     def ranks(self) -> range:
@@ -44,7 +49,7 @@ class StageLayout:
 def stage_layouts(plan: Plan) -> list[StageLayout]:
     out, rank, layer = [], 0, 0
     for i, s in enumerate(plan.stages):
-        out.append(StageLayout(i, rank, s.dp, s.tp, layer, s.layers))
+        out.append(StageLayout(i, rank, s.dp, s.tp, layer, s.layers, s.micro_batch))
         rank += s.gpus
         layer += s.layers
     return out
@@ -63,7 +68,9 @@ class RankGroups:
     dp_group: object = None
     kv_group: object = None      # ranks sharing copies of one KV head (tp > num_kv_heads)
     kv_size: int = 1
-    tied_group: object = None    # pipeline: the first and last stage's copies of tied embeddings
+    # pipeline with tied embeddings: (local rows lo, hi, group) of this rank's word-embedding shard
+    # per vocabulary segment, in vocabulary order (see `tied_segments`)
+    tied: list = field(default_factory=list)
     stages: list[StageLayout] = field(default_factory=list)
     created: list = field(default_factory=list)
 
@@ -72,12 +79,33 @@ class RankGroups:
             dist.destroy_process_group(g)
         self.created.clear()
 
-    def peer(self, offset: int) -> int | None:
-        """The rank with this rank's (dp, tp) position in the stage `offset` away (None: none)."""
+    def _neighbour(self, offset: int) -> StageLayout | None:
         j = self.stage.index + offset
-        if not 0 <= j < len(self.stages):
-            return None
-        return self.stages[j].first_rank + self.dp_rank * self.stages[j].tp + self.tp_rank
+        return self.stages[j] if 0 <= j < len(self.stages) else None
+
+    def incoming(self, offset: int) -> list[Piece]:
+        """The pieces of a micro-batch tensor this rank receives from the stage `offset` away."""
+        other = self._neighbour(offset)
+        return [] if other is None else incoming(self.stage, self.dp_rank, self.tp_rank, other)
+
+    def outgoing(self, offset: int) -> list[Piece]:
+        """The pieces of a micro-batch tensor this rank sends to the stage `offset` away."""
+        other = self._neighbour(offset)
+        return [] if other is None else outgoing(self.stage, self.dp_rank, self.tp_rank, other)
+
+
+def tied_segments(first: StageLayout, last: StageLayout, vocab: int) -> list[tuple[int, int, list[int]]]:
+    """(vocabulary rows lo, hi, ranks holding them) of the tied word embedding, cut at the shard
+    boundaries of both stages; the ranks are every dp replica's TP rank whose shard holds it."""
+    cuts = sorted({k * vocab // s.tp for s in (first, last) for k in range(s.tp + 1)})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        ranks = []
+        for s in (first, last):
+            t = lo // (vocab // s.tp)
+            ranks += [s.tp_ranks(d)[t] for d in range(s.dp)]
+        out.append((lo, hi, sorted(ranks)))
+    return out
 
 
 def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
@@ -115,11 +143,10 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
                     if g is not None:
                         rg.kv_group, rg.kv_size = g, rep
     if plan.model.tie_embeddings and len(layouts) > 1:
-        # adjacent stages have the same dp and tp (launch.check_runnable), so the first and the
-        # last stage hold the same embedding shards at the same local positions
-        a, z = layouts[0], layouts[-1]
-        for local in range(a.dp * a.tp):
-            g = make([a.first_rank + local, z.first_rank + local])
+        shard = plan.model.vocab_size // mine.tp
+        for lo, hi, ranks in tied_segments(layouts[0], layouts[-1], plan.model.vocab_size):
+            g = make(ranks)
             if g is not None:
-                rg.tied_group = g
+                start = rg.tp_rank * shard
+                rg.tied.append((lo - start, hi - start, g))
     return rg

@@ -3,13 +3,17 @@
 `GradAccumSchedule` is the single-stage schedule: G micro-batches, each a forward then a backward,
 gradients accumulated (and reduced by the units' hooks at the last one). `PipelineSchedule` is
 its multi-stage sibling with the same `run` contract: non-interleaved 1F1B, with p2p of
-activations and gradients between neighbouring stages.
+activations and gradients between neighbouring stages (which may differ in dp, tp and
+micro-batch: `Links`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from mist.runtime.handoff import Piece
 from mist.runtime.stage import StageRunner
 
 
@@ -37,20 +41,45 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8          # ndim, dims…, dtype code (int64)
 
 
+@dataclass(frozen=True)
+class Links:
+    """This rank's pieces of the micro-batch tensors it exchanges with its neighbour stages
+    (`handoff.py`): activations in from the previous stage (`prev_in`) and out to the next
+    (`next_out`); their gradients in from the next stage (`next_in`) and out to the previous
+    (`prev_out`). `rows`: this rank's micro-batch; `grad_scale`: dp of this stage / dp of the next.
+
+    Each stage's parameter gradients are the gradients of its dp rank's own loss (the token mean
+    over its `rows` samples), averaged over its dp group. The gradient arriving from the next stage
+    is of the next stage's per-rank loss, dp_next / dp_this times this stage's; `grad_scale`
+    converts it (1 with equal dp).
+    """
+
+    prev_in: tuple[Piece, ...] = ()
+    prev_out: tuple[Piece, ...] = ()
+    next_in: tuple[Piece, ...] = ()
+    next_out: tuple[Piece, ...] = ()
+    rows: int = 1
+    grad_scale: float = 1.0
+
+
 class PipelineSchedule:
     """Non-interleaved 1F1B on stage `stage` of `stages`.
 
     Warm-up: min(S − 1 − i, G) forwards; steady state: one forward, one backward; cool-down: the
-    remaining backwards. Activations go to the rank at the same (dp, tp) position of the next stage
-    (`next_rank`), gradients of the stage input back to `prev_rank`. Sends are non-blocking
-    (`isend`, waited for at the end of the step) so that no two neighbours can block on each other's
-    sends; receives block. The loss exists on the last stage only (its list; [] elsewhere).
+    remaining backwards. Each activation piece goes to its rank of the next stage and each piece
+    of the input's gradient back to its rank of the previous stage (`links`), tagged by
+    micro-batch and kind (a pair of ranks exchanges at most one piece per micro-batch and
+    direction). Sends are non-blocking (`isend`, waited for at the end of the step) so that no two
+    neighbours can block on each other's sends; receives block, piece by piece in row order. Every
+    rank of a stage runs the same order of forwards and backwards, so the waits form the same
+    acyclic pattern as between single-rank stages. The loss exists on the last stage only (its
+    list; [] elsewhere).
     """
 
-    def __init__(self, micro_batches: int, stage: int, stages: int, prev_rank: int | None,
-                 next_rank: int | None, device: torch.device):
+    def __init__(self, micro_batches: int, stage: int, stages: int, links: Links,
+                 device: torch.device):
         self.G, self.i, self.S = micro_batches, stage, stages
-        self.prev, self.next = prev_rank, next_rank
+        self.links = links
         self.device = torch.device(device)
 
     # ------------------------------------------------------------ p2p
@@ -60,28 +89,51 @@ class PipelineSchedule:
     def _send_act(self, x: torch.Tensor, g: int, pending: list) -> None:
         import torch.distributed as dist
 
-        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        head[0] = x.dim()
-        head[1:1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-        head[_HEADER - 1] = _DTYPES.index(x.dtype)
         x = x.detach().contiguous()
-        pending.append((dist.isend(head, self.next, tag=self._tag(g, 0)), head))
-        pending.append((dist.isend(x, self.next, tag=self._tag(g, 1)), x))
+        for p in self.links.next_out:
+            part = x[p.lo:p.hi]
+            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            head[0] = part.dim()
+            head[1:1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
+            head[_HEADER - 1] = _DTYPES.index(part.dtype)
+            pending.append((dist.isend(head, p.rank, tag=self._tag(g, 0)), head))
+            pending.append((dist.isend(part, p.rank, tag=self._tag(g, 1)), part))
 
     def _recv_act(self, g: int) -> torch.Tensor:
         import torch.distributed as dist
 
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(head, self.prev, tag=self._tag(g, 0))
-        h = head.tolist()
-        x = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[_HEADER - 1]], device=self.device)
-        dist.recv(x, self.prev, tag=self._tag(g, 1))
+        x = None
+        for p in self.links.prev_in:
+            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(head, p.rank, tag=self._tag(g, 0))
+            h = head.tolist()
+            shape = h[1:1 + h[0]]
+            if x is None:
+                x = torch.empty([self.links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]],
+                                device=self.device)
+            dist.recv(x[p.lo:p.hi], p.rank, tag=self._tag(g, 1))
         return x.requires_grad_(x.is_floating_point())
+
+    def _recv_grad(self, out: torch.Tensor, g: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        for p in self.links.next_in:
+            dist.recv(grad[p.lo:p.hi], p.rank, tag=self._tag(g, 2))
+        if self.links.grad_scale != 1.0:
+            grad.mul_(self.links.grad_scale)
+        return grad
+
+    def _send_grad(self, gx: torch.Tensor, g: int, pending: list) -> None:
+        import torch.distributed as dist
+
+        gx = gx.contiguous()
+        for p in self.links.prev_out:
+            part = gx[p.lo:p.hi]
+            pending.append((dist.isend(part, p.rank, tag=self._tag(g, 2)), part))
 
     # ------------------------------------------------------------ the step
     def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
         G, first, last = self.G, self.i == 0, self.i == self.S - 1
         pending: list = []
         inflight: dict[int, tuple] = {}
@@ -105,13 +157,10 @@ class PipelineSchedule:
             if last:
                 (out * (loss_scale / G)).backward()
             else:
-                grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-                dist.recv(grad, self.next, tag=self._tag(g, 2))
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(out, self._recv_grad(out, g))
             runner.end_backward(act)
             if not first:
-                gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                pending.append((dist.isend(gx.contiguous(), self.prev, tag=self._tag(g, 2)), gx))
+                self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, pending)
 
         warm = min(self.S - 1 - self.i, G)
         for g in range(warm):

@@ -22,7 +22,7 @@ from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
-from mist.runtime.schedule import GradAccumSchedule, PipelineSchedule
+from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
 from mist.runtime.sharding import (full_meta_model, init_stage_params, kv_replicated_rows,
                                    tp_slice)
 from mist.runtime.stage import StageModule, StageRunner
@@ -98,8 +98,9 @@ class Trainer:
         seen: set[int] = set()
         unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
         # pipeline with tied embeddings: the word embedding has a copy on the first and on the last
-        # stage; their gradients are summed after each step (`tied`: unit index → parameter
-        # indices), and only the first stage's copy counts in the gradient norm
+        # stage; their gradients are summed after each step over every rank holding the same
+        # vocabulary rows (`tied`: unit index → parameter indices; `FlatUnit.reduce_deferred`), and
+        # only the first stage's copy counts in the gradient norm
         self.tied: dict[int, list[int]] = {}
         pp_tied = spec.tie_embeddings and plan.num_stages > 1
         for prefix, mod in module.unit_modules():
@@ -141,8 +142,12 @@ class Trainer:
         self.runner = StageRunner(module, self.units, st.recompute_layers, st.offload.activations,
                                   self.saved, autocast)
         if plan.num_stages > 1:
-            self.schedule = PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages,
-                                             groups.peer(-1), groups.peer(1), self.device)
+            nxt = groups.stages[lay.index + 1] if not last else None
+            links = Links(tuple(groups.incoming(-1)), tuple(groups.outgoing(-1)),
+                          tuple(groups.incoming(1)), tuple(groups.outgoing(1)),
+                          rows=st.micro_batch, grad_scale=st.dp / nxt.dp if nxt else 1.0)
+            self.schedule = PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages, links,
+                                             self.device)
         else:
             self.schedule = GradAccumSchedule(plan.micro_batches)
         self.optimizer = ShardedAdamW(self.units, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -181,7 +186,7 @@ class Trainer:
         t0 = time.perf_counter()
         losses = self.schedule.run(self.runner, mbs, self.scaler.scale)
         for k, idx in self.tied.items():
-            self.units[k].reduce_deferred(idx, g.tied_group)
+            self.units[k].reduce_deferred(idx, g.tied, 1.0 / self.stage.dp)
         res = self.optimizer.step(lr, self.device)
         last = g.stage.index == self.plan.num_stages - 1
         loss = (torch.stack(losses).float().mean() if last

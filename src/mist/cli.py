@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from dataclasses import replace
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -18,6 +19,7 @@ err = Console(stderr=True)
 out = Console()
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 # options shared by the commands that describe a training job
 ModelOpt = Annotated[str, typer.Option(help="Preset name, model file (JSON/YAML) or HF config.json.")]
@@ -28,6 +30,8 @@ SeqOpt = Annotated[int, typer.Option(help="Sequence length.")]
 BatchOpt = Annotated[int, typer.Option("--global-batch", help="Global batch (sequences).")]
 NoFlashOpt = Annotated[bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).")]
 
 
 @app.callback()
@@ -94,18 +98,35 @@ def simulate(
     _print_simulation(p, res)
 
 
-def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash):
+def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None):
     from mist.hardware import load_profile
+    from mist.simulate.precision import profile_dtype
     from mist.specs.loading import load_model
     from mist.specs.training import ClusterSpec, TrainingSpec
 
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node)
-    training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash)
+    profile = load_profile(gpu)
+    dt = dtype or profile_dtype(profile)
+    training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash,
+                            param_dtype=dt, compute_dtype=dt)
     if spec.family == "gpt" and seq > spec.max_position_embeddings:
         raise MistInputError(
             f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
-    return spec, cluster, training, load_profile(gpu)
+    return spec, cluster, training, profile
+
+
+def _int_list(option: str, text: str | None) -> tuple | None:
+    """'1,2' → (1, 2); None stays None; anything else is a one-sentence input error."""
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise MistInputError(f"{option} takes positive integers separated by commas, got {text!r}.") from None
+    if not vals or min(vals) < 1:
+        raise MistInputError(f"{option} takes positive integers separated by commas, got {text!r}.")
+    return vals
 
 
 def _progress_printer(enabled: bool):
@@ -134,6 +155,11 @@ def tune(
     time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
     no_flash: NoFlashOpt = False,
+    dtype: DtypeOpt = None,
+    pp: Optional[str] = typer.Option(None, "--pp", help="Allowed pipeline depths, e.g. 2 or 1,2 (default: any)."),
+    tp: Optional[str] = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
+    memory_limit: Optional[float] = typer.Option(
+        None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."),
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
@@ -143,13 +169,21 @@ def tune(
         raise MistInputError(f"Unknown search space {space!r}; choose one of {', '.join(ALL_SPACES)}.")
     if time_budget is not None and time_budget <= 0:
         raise MistInputError(f"--time-budget must be positive, got {time_budget}.")
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash)
+    limits = {"pp_values": _int_list("--pp", pp), "tp_values": _int_list("--tp", tp)}
+    if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
+        raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype)
+    if memory_limit is not None:
+        if not 0 < memory_limit * GIB <= profile.memory_bytes:
+            raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GIB:.2f}] GiB "
+                                 f"(the capacity of {profile.name}), got {memory_limit}.")
+        profile = replace(profile, memory_bytes=int(memory_limit * GIB))
     prog, update = _progress_printer(not as_json)
     if prog is not None:
         with prog:
-            res = run_space(space, spec, cluster, training, profile, time_budget, update)
+            res = run_space(space, spec, cluster, training, profile, time_budget, update, limits)
     else:
-        res = run_space(space, spec, cluster, training, profile, time_budget, None)
+        res = run_space(space, spec, cluster, training, profile, time_budget, None, limits)
     if res.plan is None:
         raise MistInputError(res.infeasible_reason or "No plan fits.")
     if output:
@@ -174,12 +208,13 @@ def compare(
     global_batch: BatchOpt = 32,
     time_budget: float = typer.Option(None, "--time-budget", help="Budget per search space (seconds)."),
     no_flash: NoFlashOpt = False,
+    dtype: DtypeOpt = None,
     as_json: JsonOpt = False,
 ):
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
     from mist.tune.compare import compare_spaces
 
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash)
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype)
     rows = compare_spaces(spec, cluster, training, profile, time_budget)
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -295,7 +330,7 @@ def validate(
     """Run a plan and print predicted vs measured time and memory with signed relative errors."""
     from mist.hardware import load_profile
     from mist.plan import load_plan
-    from mist.validate import run_and_validate
+    from mist.validate import STAGE_ERRORS, run_and_validate
 
     p = load_plan(plan)
     profile = load_profile(gpu or p.cluster.gpu)
@@ -311,10 +346,12 @@ def validate(
         t.add_column(col, justify="right")
     fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
     t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
-    for i, (ps, ms, e) in enumerate(zip(pred["stages"], meas.get("stages", []), err["peak_memory"])):
-        mb = ms.get("peak_memory_bytes")
-        t.add_row(f"stage {i} peak memory (GiB)", f"{ps['peak_memory_bytes'] / GIB:.3f}",
-                  "-" if mb is None else f"{mb / GIB:.3f}", fmt(e))
+    labels = {"peak_memory": "peak memory", "state_memory": "states", "saved_activations": "saved activations"}
+    for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
+        for name, key in STAGE_ERRORS:
+            mb = ms.get(key)
+            t.add_row(f"stage {i} {labels[name]} (MiB)", f"{ps[key] / MIB:.3f}",
+                      "-" if mb is None else f"{mb / MIB:.3f}", fmt(err[name][i]))
     out.print(t)
     d = r.get("drift")
     if d and d.get("drifted"):

@@ -12,6 +12,11 @@ from mist.runtime.config import TrainConfig
 from mist.simulate.plan_sim import simulate_plan
 
 
+# per-stage memory quantities compared: (error name, key in both the prediction and the metrics)
+STAGE_ERRORS = (("peak_memory", "peak_memory_bytes"), ("state_memory", "state_bytes"),
+                ("saved_activations", "saved_activation_peak_bytes"))
+
+
 def _rel(pred, meas):
     if pred is None or meas in (None, 0):
         return None
@@ -22,9 +27,9 @@ def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> d
     """Combine a simulation of `plan` on `profile` with the runtime's `metrics`."""
     pred = {k: v for k, v in simulate_plan(plan, profile).items() if not k.startswith("_")}
     # the runtime's step is one iteration: G micro-batches, the optimizer step included
+    pairs = list(zip(pred["stages"], metrics.get("stages", [])))
     errors = {"step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
-              "peak_memory": [_rel(ps["peak_memory_bytes"], ms.get("peak_memory_bytes"))
-                              for ps, ms in zip(pred["stages"], metrics.get("stages", []))]}
+              **{name: [_rel(ps[key], ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS}}
     out = {"predicted": pred, "measured": metrics, "errors": errors}
     if drift is not None:
         out["drift"] = drift

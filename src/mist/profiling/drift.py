@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mist.cpu_workers import threads_per_worker
 from mist.profiling.timing import Device, time_op, warm_up
 
 MiB = 2**20
@@ -94,7 +95,7 @@ def _check(profile, dev: Device, quick, processes, threshold, attempts) -> dict:
             size = (64 if kind == "cuda" else 4) * MiB
             cfg = {"device": kind, "dtype": dtype, "group_sizes": [], "sizes": [size], "target_s": 0.05,
                    "ops": ["all_reduce"], "p2p": False, "interference": None, "deadline": 0.0,
-                   "threads": max(1, torch.get_num_threads() // processes) if kind == "cpu" else 4}
+                   "threads": threads_per_worker(processes) if kind == "cpu" else 4}
             try:
                 res = run_workers(processes, cfg, timeout_s=120)
                 nb, sec = res["collectives"]["all_reduce"][str(processes)][0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mist.cpu_workers import threads_per_worker
 from mist.profiling.timing import Budget, Device, warm_up
 
 MiB = 2**20
@@ -118,9 +119,6 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
     progress(fraction in [0, 1], message) is called as the phases advance."""
     import torch
 
-    from mist.profiling import compute, overlap
-    from mist.profiling.comm import run_workers
-
     kind = device
     dev = Device(kind, dtype or ("bf16" if kind == "cuda" else "fp32"))
     st = settings or settings_for(kind, time_budget)
@@ -135,8 +133,22 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
             report(min(1.0, (i + min(max(frac, 0.0), 1.0)) / len(phases)), msg or phase)
         return tick
 
-    if kind == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    if kind == "cpu":   # one device of a K-process CPU run: ⌊cores / K⌋ threads
+        torch.set_num_threads(threads_per_worker(processes))
+    try:
+        return _measure(kind, dev, st, budget, processes, report, ticker, name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(kind, dev, st, budget, processes, report, ticker, name):
+    import torch
+
+    from mist.profiling import compute, overlap
+    from mist.profiling.comm import run_workers
+
+    time_budget = budget.total_s
     meas: dict = {"settings": st, "device": dev, "processes": processes}
 
     ticker("host")(0.0, "host overheads")
@@ -184,7 +196,7 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
         deadline = budget.phase_deadline("collectives")
         cfg = {
             "device": kind, "dtype": dev.dtype_name,
-            "threads": max(1, (torch.get_num_threads() if kind == "cpu" else 4) // (workers if kind == "cpu" else 1)),
+            "threads": threads_per_worker(workers) if kind == "cpu" else 4,
             "group_sizes": [n for n in (2, 4, 8, 16, 32) if n < workers],
             "sizes": st.coll_sizes, "target_s": st.coll_target_s,
             "deadline": time.time() + max(0.0, deadline - time.perf_counter()),
@@ -276,8 +288,8 @@ def assemble(meas: dict, name: str):
     notes = list(meas["notes"]) + link_notes
     if kind == "cpu":
         notes.append(f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
-                     "H2D/D2H are a host memcpy; the simulator counts bf16 bytes, so byte-proportional terms of "
-                     "an fp32 run are under-predicted about 2x")
+                     "H2D/D2H are a host memcpy; plans should use the same dtype (training param_dtype and "
+                     "compute_dtype) for the times to apply")
     fp = dict(fp)
     fp["copy_bandwidth"] = copy_bw
     fp["copies"] = {k: v for k, v in cp.items()}

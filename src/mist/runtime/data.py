@@ -97,5 +97,8 @@ def split_micro_batches(batch: torch.Tensor, G: int, dp: int, dp_rank: int):
     for g in range(G):
         lo = g * per_mb + dp_rank * b
         seqs = batch[lo:lo + b]
-        out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+        # compact copies: a view would keep the whole global batch's storage alive (with b = 1
+        # `.contiguous()` returns the view itself) and be saved for backward as such
+        out.append((seqs[:, :-1].clone(memory_format=torch.contiguous_format),
+                    seqs[:, 1:].clone(memory_format=torch.contiguous_format)))
     return out

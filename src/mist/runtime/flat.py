@@ -157,13 +157,11 @@ class FlatUnit:
         if not self.persistent:
             self.release()
 
-        # gradient accumulator
-        self.acc = None
-        if zero >= 2:
-            self.acc = SplitBuffer(self.S, grads, dtype, self.device)
-        elif micro_batches > 1:
-            self.acc = SplitBuffer(self.Np, grads, dtype, self.device)
-        self.grads_ratio = grads
+        # gradient buffer: the shard accumulator under ZeRO ≥ 2; the whole buffer while micro-batches
+        # accumulate (G > 1); with one micro-batch the reduced gradient's L elements (allocated once
+        # here rather than every step, and the same bytes `mist.simulate.states` predicts)
+        n = self.S if zero >= 2 else (self.Np if micro_batches > 1 else self.L)
+        self.acc = SplitBuffer(n, grads, dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
 
         # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
@@ -189,7 +187,7 @@ class FlatUnit:
 
         mem = self.master.device_bytes * 3
         mem += self.full.numel() * self.full.element_size() if self.persistent else self.store.device_bytes
-        mem += self.acc.device_bytes if self.acc is not None else 0
+        mem += self.acc.device_bytes
         memory.add_persistent(mem)
 
     # ------------------------------------------------------------ weights
@@ -334,15 +332,10 @@ class FlatUnit:
                     if c.dp_group is not None:
                         dist.all_reduce(flat, group=c.dp_group)
                     red = flat
-                # the reduced gradient waits for the optimizer with its `grads` fraction on the host:
-                # in the accumulator's own storage when there is one (its first L elements)
-                if self.acc is not None:
-                    self.acc.write(0, red)
-                    self.opt_grad = self.acc
-                else:
-                    buf = SplitBuffer(self.L, self.grads_ratio, self.dtype, self.device, zero=False)
-                    buf.copy_(red)
-                    self.opt_grad = buf
+                # the reduced gradient waits for the optimizer with its `grads` fraction on the host,
+                # in the gradient buffer's first L elements
+                self.acc.write(0, red)
+                self.opt_grad = self.acc
         self.memory.add_transient(-self.full_bytes)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ class MemoryAccount:
         self.transient = 0        # materialised full weights, reduction buffers
         self.activations = 0      # saved activations of the micro-batch(es) in flight
         self.peak = 0
+        self.activations_peak = 0
 
     def _update(self) -> None:
         self.peak = max(self.peak, self.persistent + self.transient + self.activations)
@@ -31,6 +32,7 @@ class MemoryAccount:
 
     def add_activations(self, nbytes: int) -> None:
         self.activations += nbytes
+        self.activations_peak = max(self.activations_peak, self.activations)
         self._update()
 
     def reset_activations(self) -> None:

@@ -233,7 +233,7 @@ class Trainer:
         for u in self.units:
             n += 3 * u.master.host_bytes
             n += u.store.host_bytes if u.store is not None else 0
-            n += u.acc.host_bytes if u.acc is not None else 0
+            n += u.acc.host_bytes
         return n
 
     def stage_maxima(self, values: list[float]) -> list[list[int]]:
@@ -265,7 +265,8 @@ class Trainer:
                   "weights and kept saved activations (CPU run, no allocator statistics)")
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else self.memory.peak)
-        per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes])
+        per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes,
+                                       self.memory.persistent, self.memory.activations_peak])
         return {
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
@@ -278,9 +279,13 @@ class Trainer:
             "skipped_steps": sum(r["skipped"] for r in self.history),
             "device": self.device.type,
             "world_size": self.groups.world,
+            # state_bytes, saved_activation_peak_bytes: tensor accounting on every device (the
+            # device part of weights, gradients and optimizer states; the most saved-activation
+            # bytes kept on the device at once), comparable byte for byte with `mist simulate`
             "stages": [{"peak_memory_bytes": p, "peak_memory_source": source,
-                        "host_state_bytes": h, "activation_bytes_offloaded": a}
-                       for p, h, a in per_stage],
+                        "host_state_bytes": h, "activation_bytes_offloaded": a,
+                        "state_bytes": st, "saved_activation_peak_bytes": sa}
+                       for p, h, a, st, sa in per_stage],
         }
 
     # ------------------------------------------------------------ export

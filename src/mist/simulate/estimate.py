@@ -1,8 +1,8 @@
 """`mist estimate`: one micro-batch of a whole model on one GPU (a TP shard when tp > 1).
 
 Time: embedding + all blocks + head and loss, forward and backward (and the recomputed forward
-of checkpointed blocks). Memory: bf16 weights and gradients, fp32 master weights and Adam
-moments (2 + 2 + 12 bytes per parameter) plus the activation peak of the micro-batch, found by
+of checkpointed blocks). Memory: weights and gradients in `dtype` (default: the dtype the profile
+was measured in, bf16 for GPUs), fp32 master weights and Adam moments (12 bytes per parameter) plus the activation peak of the micro-batch, found by
 walking the layers forward and back with the traced live bytes of each.
 """
 
@@ -12,10 +12,10 @@ import numpy as np
 
 from mist.analysis import analyze_layer
 from mist.simulate.layer_cost import phase_time
+from mist.simulate.precision import default_precision
 from mist.specs.model import ModelSpec
 
 MS = 1e3
-WEIGHT_B, GRAD_B, OPT_B = 2, 2, 12   # bf16 weights and grads; fp32 master + m + v
 
 
 def _f(x) -> float:
@@ -39,11 +39,12 @@ def activation_peak(pre, blk, post, layers: int, b, s) -> tuple[float, str]:
 
 
 def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
-             recompute: str = "none", flash: bool = True, dtype: str = "bf16") -> dict:
+             recompute: str = "none", flash: bool = True, dtype: str | None = None) -> dict:
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
     ckpt = recompute == "full"
-    kw = dict(tp=tp, flash=flash, dtype=dtype, target="cuda")
+    pr = default_precision(profile, dtype)
+    kw = dict(tp=tp, flash=flash, dtype=pr.trace_dtype, target=pr.target)
     blk = analyze_layer(spec, "block", recompute=ckpt, **kw)
     pre = analyze_layer(spec, "pre", **kw)
     post = analyze_layer(spec, "post", **kw)
@@ -61,8 +62,8 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
                + tot("post", "fwd") + tot("post", "bwd"))
     params = pre.params + L * blk.params + post.params
     peak_act, where = activation_peak(pre, blk, post, L, b, s)
-    mem = {"weights_bytes": params * WEIGHT_B, "grads_bytes": params * GRAD_B,
-           "optimizer_bytes": params * OPT_B, "activation_peak_bytes": int(round(peak_act))}
+    mem = {"weights_bytes": params * pr.weight_bytes, "grads_bytes": params * pr.grad_bytes,
+           "optimizer_bytes": params * pr.opt_bytes, "activation_peak_bytes": int(round(peak_act))}
     flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1))
                 for ph in ("fwd", "bwd"))
     time_breakdown = {
@@ -75,7 +76,7 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
     return {
         "model_name": spec.name, "gpu": profile.name, "profile": profile.provenance,
         "measured_profile": bool(getattr(profile, "measured", True)),
-        "seq_len": s, "micro_batch": b, "tp": tp, "recompute": recompute, "flash": flash,
+        "seq_len": s, "micro_batch": b, "tp": tp, "dtype": pr.trace_dtype, "recompute": recompute, "flash": flash,
         "layer": {
             "fwd_compute_ms": _f(t["block"]["fwd"].compute) * MS,
             "bwd_compute_ms": _f(t["block"]["bwd"].compute) * MS,

@@ -49,19 +49,21 @@ class _ByIdentity:
         return self.obj is other.obj
 
 
-def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b) -> LayerTerms:
-    """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set)."""
+def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b,
+                dtype: str = "bf16", target: str = "cuda") -> LayerTerms:
+    """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
+    with the layer traced in `dtype` on the `target` device kind."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
-    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()))
+    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()), dtype, target)
 
 
 @lru_cache(maxsize=512)
-def _layer_terms(spec, key, part, tp, flash, seq, bs) -> LayerTerms:
+def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
-    kw = dict(tp=tp, flash=flash, dtype="bf16", target="cuda")
+    kw = dict(tp=tp, flash=flash, dtype=dtype, target=target)
     la = analyze_layer(spec, part, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)

@@ -6,6 +6,7 @@ import numpy as np
 
 from mist.plan import Plan
 from mist.simulate.pipeline import event_schedule, iteration_time
+from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageInput, StageModel
 
 # The caching allocator rounds and fragments: feasibility keeps this fraction of the capacity
@@ -32,8 +33,9 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
 def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
     t = plan.training
     results = []
+    prec = precision_for(t, profile)
     for st, s in zip(stage_inputs(plan), plan.stages):
-        model = StageModel(plan.model, profile, s.tp, t.flash_attention, t.seq_len)
+        model = StageModel(plan.model, profile, s.tp, t.flash_attention, t.seq_len, prec)
         results.append(model.evaluate(st))
     T = np.array([float(r.T[0]) for r in results])
     F = np.array([float(r.fwd[0]) for r in results])
@@ -66,6 +68,10 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
             "fwd_peak_bytes": int(round(float(r.fwd_peak[0]))),
             "bwd_peak_bytes": int(round(float(r.bwd_peak[0]))),
             "memory_breakdown": {k: int(round(float(v[0]))) for k, v in r.memory_breakdown.items()},
+            # the two terms the runtime accounts tensor by tensor (see `mist.runtime.memory`)
+            "state_bytes": int(round(sum(float(r.memory_breakdown[k][0])
+                                         for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")))),
+            "saved_activation_peak_bytes": int(round(float(r.saved_peak[0]))),
             "time_breakdown": {k: float(v[0]) for k, v in r.time_breakdown.items()},
             "delta_breakdown": {k: float(v[0]) for k, v in r.delta_breakdown.items()},
             "fits": bool(ok),

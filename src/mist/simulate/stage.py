@@ -29,8 +29,8 @@ import numpy as np
 
 from mist.hardware.interference import overlap_time
 from mist.simulate.layer_terms import layer_terms
-
-WEIGHT_B, GRAD_B, OPT_B = 2, 2, 12
+from mist.simulate.precision import Precision, default_precision
+from mist.simulate.states import unit_states
 
 
 @dataclass
@@ -73,6 +73,8 @@ class StageResult:
     last_extra: np.ndarray = None   # the last micro-batch's extra backward time
     channels: dict = None           # standalone channel volumes of a stable micro-batch (seconds)
     saved_per_microbatch: np.ndarray = None  # activations one in-flight micro-batch keeps
+    saved_peak: np.ndarray = None   # saved activations on the device at most: every in-flight
+    #                                 micro-batch's and the current one's, with the head's (last stage)
 
 
 def _arr(x):
@@ -90,14 +92,19 @@ class StageModel:
     `evaluate` = compose(components).
     """
 
-    def __init__(self, spec, profile, tp: int, flash: bool, seq: int):
+    def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
+        self.prec = precision or default_precision(profile, "bf16")
+        # On a CPU device the runtime has no side streams: copies, collectives and the CPU Adam
+        # step run in the rank's own thread, one after another (and on the same cores)
+        self.serial = self.prec.target == "cpu"
         self.interference = profile.interference_model()  # own section or shipped file
 
     # ------------------------------------------------------------------ helpers
     def _terms(self, part, b):
         ub, inv = np.unique(b, return_inverse=True)
-        lt = layer_terms(self.spec, self.profile, part, self.tp, self.flash, self.seq, ub)
+        lt = layer_terms(self.spec, self.profile, part, self.tp, self.flash, self.seq, ub,
+                         self.prec.trace_dtype, self.prec.target)
         return lt, inv.reshape(np.shape(b))
 
     def _coll(self, op, nbytes, dp, st: StageInput):
@@ -122,6 +129,8 @@ class StageModel:
         return _arr(nbytes) / self.profile.d2h_bandwidth
 
     def _overlap(self, c, g2g, c2g, g2c):
+        if self.serial:
+            return _arr(c) + _arr(g2g) + _arr(c2g) + _arr(g2c)
         x = np.stack(np.broadcast_arrays(_arr(c), _arr(g2g), _arr(c2g), _arr(g2c)), axis=-1)
         return overlap_time(x, self.interference)
 
@@ -148,7 +157,9 @@ class StageModel:
         gs = np.where(zero >= 2, dp, 1.0)
         os_ = np.where(zero >= 1, dp, 1.0)
         P = float(blk.params)
-        W, Gr, O = WEIGHT_B * P, GRAD_B * P, OPT_B * P
+        pr = self.prec
+        WEIGHT_B, GRAD_B = pr.weight_bytes, pr.grad_bytes
+        W, Gr = WEIGHT_B * P, GRAD_B * P
         A_full, A_ck = g(blk.saved), g(blk.saved_ckpt)
 
         ag_w = self._coll("all_gather", W, dp, st)
@@ -191,13 +202,16 @@ class StageModel:
         for ck, tag in ((True, "ck"), (False, "no")):
             comp["f_" + tag] = layer_fwd(ck)
             comp["b_" + tag] = layer_bwd(ck)
-            comp["first_" + tag] = np.maximum(layer_fwd(ck, opt_gpu, regather, upd_in), opt_cpu)
+            first = layer_fwd(ck, opt_gpu, regather, upd_in)
+            comp["first_" + tag] = first + opt_cpu if self.serial else np.maximum(first, opt_cpu)
             comp["last_" + tag] = layer_bwd(ck, final_red, grads_out)
         # edges: the first prefetch and the last reduction / swap-out have nothing to hide behind
-        comp["edge_f"] = np.maximum(g2g_f, c2g_f)
-        comp["edge_b"] = np.maximum(g2g_b, g2c_b)
-        comp["edge_first"] = np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
-        comp["edge_last"] = np.maximum(g2g_b + final_red, g2c_b + grads_out)
+        # (none when everything is serial: the layer times already hold all the traffic)
+        edge = 0.0 if self.serial else 1.0
+        comp["edge_f"] = edge * np.maximum(g2g_f, c2g_f)
+        comp["edge_b"] = edge * np.maximum(g2g_b, g2c_b)
+        comp["edge_first"] = edge * np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
+        comp["edge_last"] = edge * np.maximum(g2g_b + final_red, g2c_b + grads_out)
         comp["layer_compute"] = cf + cb
         comp["layer_recompute"] = crc
         comp["layer_tp"] = tpf + tpb
@@ -209,14 +223,23 @@ class StageModel:
         # ---- pre / post layers (not offloaded; sharded like the stage)
         z = np.zeros(shape)
         pp = {k: z.copy() for k in ("stable", "first", "last", "compute", "tp", "fwd", "flops")}
-        pp_terms = {}
+        pp_terms, pp_params = {}, {}
+        # tied embeddings in a pipeline: the last stage's head holds its own copy of the word table
+        # (this TP rank's rows), and both copies' gradients are summed once per iteration
+        tied = self.spec.tie_embeddings and st.num_stages > 1
+        table = self.spec.vocab_size // self.tp * self.spec.hidden_size
+        cross = st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node   # stages on other nodes
         for part in [p for p, on in (("pre", st.first), ("post", st.last)) if on]:
             lt, pix = self._terms(part, bb)
             pp_terms[part] = (lt, pix)
-            Wp = WEIGHT_B * lt.params
+            Pp = pp_params[part] = lt.params + (table if tied and part == "post" and not st.first else 0)
+            Wp = WEIGHT_B * Pp
             agp = self._coll("all_gather", Wp, dp, st)
-            rsp = self._coll("reduce_scatter", GRAD_B * lt.params, dp, st)
-            arp = self._coll("all_reduce", GRAD_B * lt.params, dp, st)
+            rsp = self._coll("reduce_scatter", GRAD_B * Pp, dp, st)
+            arp = self._coll("all_reduce", GRAD_B * Pp, dp, st)
+            if tied:
+                pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
+                                                           st.cluster_gpus_per_node)
             f_c, b_c = lt.fwd[pix], lt.bwd[pix]
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
             g2g_s = np.where(sharded_w, 2 * agp, 0.0) + np.where(sharded_g, rsp, 0.0)
@@ -225,7 +248,7 @@ class StageModel:
             pp["compute"] += f_c + b_c - tpp
             pp["tp"] += tpp
             pp["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-            pp["first"] += (prof.adam_gpu_s_per_param * lt.params / os_
+            pp["first"] += (prof.adam_gpu_s_per_param * Pp / os_
                             + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
             pp["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
             pp["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
@@ -235,27 +258,26 @@ class StageModel:
         p2p = z.copy()
         if st.num_stages > 1:
             n_recv = (0 if st.first else 1) + (0 if st.last else 1)
-            # neighbouring stages sit on other nodes when a stage takes whole nodes
-            cross = st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node
             p2p = n_recv * self.profile.collective_time("p2p", g(blk.output), 2, 2 if cross else 1,
                                                         st.cluster_gpus_per_node)
         comp["p2p"] = np.broadcast_to(p2p, shape)
 
-        # ---- memory components
-        layer_w, layer_g, layer_o = W / ws * (1 - wo), Gr / gs * (1 - go), O / os_ * (1 - oo)
+        # ---- memory components (device-resident states in the runtime's flat-buffer layout)
+        layer_w, layer_g, layer_o = unit_states(P, dp, zero, wo, go, oo, G, pr)
         pp_w, pp_g, pp_o = z.copy(), z.copy(), z.copy()
         w_max, g_max = W, Gr
-        for part, (lt, pix) in pp_terms.items():
-            pp_w = pp_w + WEIGHT_B * lt.params / ws
-            pp_g = pp_g + GRAD_B * lt.params / gs
-            pp_o = pp_o + OPT_B * lt.params / os_
-            w_max, g_max = max(w_max, WEIGHT_B * lt.params), max(g_max, GRAD_B * lt.params)
+        for part, Pp in pp_params.items():
+            # the embedding / head are not offloaded (their fractions are 0)
+            uw, ug, uo = unit_states(Pp, dp, zero, 0.0, 0.0, 0.0, G, pr)
+            pp_w, pp_g, pp_o = pp_w + uw, pp_g + ug, pp_o + uo
+            w_max, g_max = max(w_max, WEIGHT_B * Pp), max(g_max, GRAD_B * Pp)
         x_in = g(blk.output)
         pre_saved = pp_terms["pre"][0].saved[pp_terms["pre"][1]] if "pre" in pp_terms else z
         post_fwd = post_bwd = None
+        post_saved = z
         if "post" in pp_terms:
             lt, pix = pp_terms["post"]
-            post_fwd, post_bwd = lt.fwd_peak[pix], lt.bwd_peak[pix]
+            post_fwd, post_bwd, post_saved = lt.fwd_peak[pix], lt.bwd_peak[pix], lt.saved[pix]
         pre_peaks = None
         if "pre" in pp_terms:
             lt, pix = pp_terms["pre"]
@@ -269,7 +291,8 @@ class StageModel:
             "bwd_last_no": g(blk.bwd_peak), "bwd_last_ck": g(blk.bwd_peak_ckpt),
             "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
             "p2p_buf": (2 * x_in) if st.num_stages > 1 else z,
-            "opt_offloadable": O / os_,   # optimizer bytes per layer that oo = 1 would move to the host
+            "post_saved": post_saved,
+            "opt_offloadable": pr.opt_bytes * P / os_,   # optimizer bytes per layer that oo = 1 would move to the host
         }
         return comp
 
@@ -311,7 +334,7 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
                        fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
                        memory_breakdown=mem["breakdown"], flops_per_microbatch=flops + 0 * T,
                        fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
-                       saved_per_microbatch=mem["saved_per_microbatch"])
+                       saved_per_microbatch=mem["saved_per_microbatch"], saved_peak=mem["saved_peak"])
 
 
 def _memory(m: dict, L, c, in_flight) -> dict:
@@ -344,4 +367,5 @@ def _memory(m: dict, L, c, in_flight) -> dict:
                  "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
                  "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
     return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown,
-            "saved_per_microbatch": saved_mb + 0 * peak}
+            "saved_per_microbatch": saved_mb + 0 * peak,
+            "saved_peak": (in_flight + 1) * saved_mb + m["post_saved"] + 0 * peak}

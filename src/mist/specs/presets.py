@@ -102,3 +102,10 @@ def get_preset(name: str) -> ModelSpec:
         f"known presets include {', '.join(list(PRESETS)[:4])} (see mist.specs.presets)."
     )
     raise MistInputError(f"Unknown model preset {name!r}; {hint}")
+
+
+def preset_ref(model: ModelSpec) -> str | None:
+    """The preset name that stands for `model` in a plan file, or None when it is not a preset
+    (the plan then carries the full spec)."""
+    key = model.name.strip().lower() if model.name else None
+    return key if key in PRESETS and PRESETS[key] == model else None

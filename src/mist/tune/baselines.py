@@ -50,9 +50,10 @@ from mist.errors import MistInputError
 from mist.plan import Offload, Plan, StageStrategy
 from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan, stage_inputs
+from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
-from mist.specs.presets import get_preset
+from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.result import TuneResult, public_prediction
 
@@ -158,7 +159,8 @@ class _Evaluator:
         m = self._models.get(tp)
         if m is None:
             t = self.training
-            m = self._models[tp] = StageModel(self.model, self.profile, tp, t.flash_attention, t.seq_len)
+            m = self._models[tp] = StageModel(self.model, self.profile, tp, t.flash_attention, t.seq_len,
+                                                    precision_for(t, self.profile))
         return m
 
     def cost(self, G: int, stages: tuple) -> _Cost:
@@ -208,10 +210,7 @@ def _best_of(ev: _Evaluator, candidates, deadline: float):
 def _run(space: str, search, model, cluster, training, profile, time_budget, none_reason: str) -> TuneResult:
     t0 = time.monotonic()
     budget = math.inf if time_budget is None else float(time_budget)
-    try:   # plans name their model by preset when it is one, else carry the full spec
-        ref = model.name if model.name and get_preset(model.name) == model else None
-    except MistInputError:
-        ref = None
+    ref = preset_ref(model)
     for exact in (False, True):
         ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref)
         best = search(ev, t0, budget)

@@ -61,17 +61,18 @@ class StageTables:
     """Components per (tp, b, dp, stage kind) for one (model, GPU, seq, S, G, mesh), cached."""
 
     def __init__(self, spec, profile, seq: int, flash: bool, space: SearchSpace, S: int, G: int,
-                 nodes: int, gpn: int, cluster_gpn: int, global_batch: int, with_wg: bool):
+                 nodes: int, gpn: int, cluster_gpn: int, global_batch: int, with_wg: bool,
+                 precision=None):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
         self.S, self.G, self.nodes, self.gpn, self.cluster_gpn = S, G, nodes, gpn, cluster_gpn
-        self.B, self.with_wg = global_batch, with_wg
+        self.B, self.with_wg, self.precision = global_batch, with_wg, precision
         self._models: dict = {}
         self._comps: dict = {}
         self.evaluated = 0
 
     def model(self, tp: int) -> StageModel:
         if tp not in self._models:
-            self._models[tp] = StageModel(self.spec, self.profile, tp, self.flash, self.seq)
+            self._models[tp] = StageModel(self.spec, self.profile, tp, self.flash, self.seq, self.precision)
         return self._models[tp]
 
     def tp_choices(self, tp_fixed: int | None = None) -> list[tuple[int, int, int]]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mist.tune.result import TuneResult
 from mist.tune.space import BASELINE_SPACES, get_space
 
 ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES
 
 
-def run_space(space: str, model, cluster, training, profile, time_budget=None, progress=None) -> TuneResult:
+def run_space(space: str, model, cluster, training, profile, time_budget=None, progress=None,
+              limits: dict | None = None) -> TuneResult:
+    """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces."""
     if space in BASELINE_SPACES:
         from mist.tune import baselines
 
@@ -17,5 +21,6 @@ def run_space(space: str, model, cluster, training, profile, time_budget=None, p
         return fn(model, cluster, training, profile, time_budget=time_budget)
     from mist.tune.search import tune
 
-    return tune(model, cluster, training, profile, get_space(space), time_budget=time_budget,
+    sp = replace(get_space(space), **{k: v for k, v in (limits or {}).items() if v is not None})
+    return tune(model, cluster, training, profile, sp, time_budget=time_budget,
                 progress=progress)

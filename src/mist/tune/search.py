@@ -10,13 +10,15 @@ traffic every micro-batch); only when nothing fits does it open those knobs as w
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mist.plan import Offload, Plan, StageStrategy
 from mist.simulate.plan_sim import simulate_plan
+from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
+from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.inter import best_split
 from mist.tune.intra import StageTables
@@ -70,12 +72,15 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     budget_hit = False
     if sp.seed_space:
         # a quick search of a sub-space first: its plan is a plan of this space too, and its
-        # time is an incumbent that prunes most of the larger search
-        seed = tune(model, cluster, training, profile, sp.seed_space, time_budget)
+        # time is an incumbent that prunes most of the larger search (under this space's limits
+        # on the pipeline depth and TP degrees)
+        sub = replace(get_space(sp.seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
+        seed = tune(model, cluster, training, profile, sub, time_budget)
         evaluated += seed.candidates_evaluated
         if seed.plan is not None:
             best = _Best(seed.iteration_time_s, seed.plan)
-    combos = [(m, G) for m in stage_meshes(cluster, L) for G in g_values(B, sp.g_policy)]
+    meshes = [m for m in stage_meshes(cluster, L) if sp.pp_values is None or m[0] in sp.pp_values]
+    combos = [(m, G) for m in meshes for G in g_values(B, sp.g_policy)]
     # visit promising pairs first: moderate pipelines and many micro-batches per iteration
     combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
     phases = (True,) if sp.wg_policy == "always" else (False, True)
@@ -92,7 +97,8 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
                 tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
             for tp_fixed in tps:
                 tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, S, G,
-                                     nodes, gpn, cluster.gpus_per_node, B, with_wg)
+                                     nodes, gpn, cluster.gpus_per_node, B, with_wg,
+                                     precision_for(training, profile))
                 if not tables.tp_choices(tp_fixed):
                     continue
                 lb_layer = tables.min_layer_time()
@@ -150,4 +156,4 @@ def build_plan(model, cluster, training, S, nodes, gpn, G, layers, strategies) -
             tp=int(st["tp"]), zero=int(st["zero"]), recompute_layers=int(st["recompute"]),
             offload=Offload(weights=st["wo"], grads=st["go"], optimizer=st["oo"], activations=st["ao"])))
     return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(stages),
-                model_ref=model.name if model.name != "custom" else None)
+                model_ref=preset_ref(model))

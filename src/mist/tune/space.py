@@ -28,6 +28,7 @@ PAPER_OA = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 class SearchSpace:
     name: str
     tp_values: tuple | None = None      # None: every power of two that fits
+    pp_values: tuple | None = None      # pipeline depths allowed (None: every one that fits)
     uniform_tp: bool = False            # one TP degree for every stage
     zero_levels: tuple = (0, 1, 2, 3)
     recompute: str = "any"              # "any" | "none" | "all_or_nothing"

@@ -54,6 +54,11 @@ class LayerAnalysis:
     fwd_live: list                     # live activation bytes at each forward op (peak = max)
     bwd_live: list                     # ... at each backward / recompute op
     flops: dict = field(default_factory=dict)   # phase -> sympy FLOPs
+    # per-tensor view of the saved activations (see `saved_split`): numels and element sizes of
+    # the tensors an offloading pack hook splits, and the storages it keeps whole (numel < 2)
+    saved_numels: list = field(default_factory=list)
+    saved_elts: list = field(default_factory=list)
+    saved_whole: sympy.Expr = sympy.Integer(0)
     unit_batch: "LayerAnalysis | None" = None   # the exact b = 1 trace (memory at b = 1)
     _fns: dict = field(default_factory=dict, repr=False)
 
@@ -83,6 +88,16 @@ class LayerAnalysis:
 
     def saved(self, b, s) -> np.ndarray:
         return self._mem("saved", lambda a: [a.saved_bytes], b, s)
+
+    def saved_split(self, b, s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(numels [tensors, *b.shape], element sizes [tensors], whole-kept bytes [*b.shape]): the
+        runtime's activation offload splits each saved tensor of ≥ 2 elements on its own (views
+        of one storage each get their share), so its device bytes are Σ size·(n − round(n·r))
+        plus the whole-kept storages — not (1 − r) of the unique storages."""
+        la = self.unit_batch if (self.unit_batch is not None and np.all(np.asarray(b) == 1)) else self
+        exprs = list(la.saved_numels) + [la.saved_whole]
+        v = la._eval("saved_split", exprs, b, s)
+        return v[:-1], np.asarray(la.saved_elts, dtype=np.float64), v[-1]
 
     def output(self, b, s) -> np.ndarray:
         return self._mem("output", lambda a: [a.output_bytes], b, s)
@@ -208,6 +223,8 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
             r.saved_bytes = sympy.expand(sum((trace.saved[sid] for sid in trace.saved
                                               if trace.producer.get(sid) == r.index), sympy.Integer(0)))
     saved = sympy.expand(sum(trace.saved.values(), sympy.Integer(0)))
+    split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < 2)]
+    whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < 2}
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
     fwd_live, bwd_live = live_bytes(trace)
     flops = {}
@@ -219,7 +236,9 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
     return LayerAnalysis(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target,
                          recompute=recompute, records=records, params=params, saved_bytes=saved,
                          output_bytes=out_bytes, fwd_live=fwd_live, bwd_live=bwd_live,
-                         flops={k: sympy.expand(v) for k, v in flops.items()})
+                         flops={k: sympy.expand(v) for k, v in flops.items()},
+                         saved_numels=[sympy.expand(n) for n, _ in split], saved_elts=[e for _, e in split],
+                         saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))))
 
 
 def warm(spec: ModelSpec, tps, flash: bool, dtype: str = "bf16", target: str = "cuda") -> None:

@@ -84,6 +84,9 @@ class Trace:
         self.storage_bytes: dict[int, sympy.Expr] = {}
         self.producer: dict[int, int] = {}
         self.saved: dict[int, sympy.Expr] = {}       # sid -> bytes, kept for backward by the forward
+        # every tensor handed to autograd's pack hook by the forward (not parameters), one entry per
+        # call: (numel, element size, sid) — what a per-tensor activation offload splits
+        self.saved_calls: list[tuple[sympy.Expr, int, int]] = []
         self.param_sids: set[int] = set()
         self.grad_sids: set[int] = set()
         self.input_sids: set[int] = set()
@@ -235,6 +238,7 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             sid = _sid(t)
             if trace.phase == "fwd" and sid not in trace.param_sids:
                 trace.saved.setdefault(sid, ex.storage_bytes(t))
+                trace.saved_calls.append((ex.numel(t), t.element_size(), sid))
             return t
 
         def on_collective(op, t, group):

@@ -34,6 +34,24 @@ class LayerTerms:
     output: np.ndarray       # output bytes (p2p message at a stage boundary)
     flops_fwd: np.ndarray
     flops_bwd: np.ndarray
+    # per saved tensor (rows; zero-padded) and micro-batch size (columns): what the runtime's
+    # activation offload splits one by one — see `LayerAnalysis.saved_split`
+    split_numel: np.ndarray = None
+    split_elt: np.ndarray = None
+    split_whole: np.ndarray = None
+    split_numel_ckpt: np.ndarray = None
+    split_elt_ckpt: np.ndarray = None
+    split_whole_ckpt: np.ndarray = None
+
+
+def _split(la, b, s):
+    """`saved_split` per micro-batch size (each size its own trace: b = 1 is exact), padded."""
+    parts = [la.saved_split(np.array([bi]), np.array([si])) for bi, si in zip(b, s)]
+    rows = max(len(p[1]) for p in parts)
+    n, e = np.zeros((rows, len(b))), np.zeros((rows, len(b)))
+    for j, (num, elt, _) in enumerate(parts):
+        n[:len(elt), j], e[:len(elt), j] = num[:, 0], elt
+    return n, e, np.array([p[2][0] for p in parts])
 
 
 class _ByIdentity:
@@ -72,10 +90,14 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target) -> LayerTer
         rc = phase_time(profile, links, ck, "recompute", b, s)
         recompute, saved_ck, bwd_ck, fwd_ck = rc.total, ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
     else:
+        ck = la
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
+    split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
         params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute,
         tp_comm_fwd=f.comm, tp_comm_bwd=bw.comm,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),
-        flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s))
+        flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s),
+        split_numel=split[0], split_elt=split[1], split_whole=split[2],
+        split_numel_ckpt=split_ck[0], split_elt_ckpt=split_ck[1], split_whole_ckpt=split_ck[2])

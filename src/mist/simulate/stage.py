@@ -128,6 +128,17 @@ class StageModel:
     def _d2h(self, nbytes):
         return _arr(nbytes) / self.profile.d2h_bandwidth
 
+    def _grad_handling(self, grad_bytes, dp, gs, os_, G: int):
+        """Per micro-batch, once a unit's gradients are complete, the runtime (`FlatUnit.
+        reduce_grads`) flattens them into one buffer (a fill and a copy), divides by dp, and
+        accumulates into the gradient buffer (G > 1) or stores the reduced gradient (G = 1):
+        memory-bound passes on the compute stream."""
+        prof, Gr = self.profile, _arr(grad_bytes)
+        t = prof.memory_op_time("copy", 3 * Gr, True) + np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
+        if G > 1:
+            return t + prof.memory_op_time("add", 3 * Gr / gs, True)
+        return t + prof.memory_op_time("copy", 2 * Gr / os_, True)
+
     def _overlap(self, c, g2g, c2g, g2c):
         if self.serial:
             return _arr(c) + _arr(g2g) + _arr(c2g) + _arr(g2c)
@@ -170,8 +181,7 @@ class StageModel:
         # ---- per-layer channel times (standalone), stable micro-batches
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
         cf = g(blk.fwd) - tpf
-        acc = (prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1 else 0.0)
-        cb = g(blk.bwd) - tpb + acc
+        cb = g(blk.bwd) - tpb + self._grad_handling(Gr, dp, gs, os_, G)
         crc = g(blk.recompute)
         g2g_f = np.where(sharded_w, ag_w, 0.0)
         c2g_f = self._h2d(W / ws * wo)
@@ -240,7 +250,7 @@ class StageModel:
             if tied:
                 pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
                                                            st.cluster_gpus_per_node)
-            f_c, b_c = lt.fwd[pix], lt.bwd[pix]
+            f_c, b_c = lt.fwd[pix], lt.bwd[pix] + self._grad_handling(GRAD_B * Pp, dp, gs, os_, G)
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
             g2g_s = np.where(sharded_w, 2 * agp, 0.0) + np.where(sharded_g, rsp, 0.0)
             stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
@@ -286,7 +296,9 @@ class StageModel:
             "layer_w": layer_w, "layer_g": layer_g, "layer_o": layer_o,
             "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
             "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + 2 * g_max * ((zero >= 2) | (go > 0))).astype(np.float64),
-            "A_f": A_full * (1 - ao), "A_c": A_ck * (1 - ao), "pre_saved": pre_saved, "x_in": x_in,
+            "A_f": _kept_saved(A_full, blk.split_numel, blk.split_elt, blk.split_whole, ix, ao),
+            "A_c": _kept_saved(A_ck, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, ix, ao),
+            "pre_saved": pre_saved, "x_in": x_in,
             "fwd_last_no": g(blk.fwd_peak), "fwd_last_ck": g(blk.fwd_peak_ckpt),
             "bwd_last_no": g(blk.bwd_peak), "bwd_last_ck": g(blk.bwd_peak_ckpt),
             "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
@@ -295,6 +307,17 @@ class StageModel:
             "opt_offloadable": pr.opt_bytes * P / os_,   # optimizer bytes per layer that oo = 1 would move to the host
         }
         return comp
+
+
+def _kept_saved(full, numel, elt, whole, ix, ao):
+    """Saved-activation bytes a block keeps on the device when the fraction `ao` is offloaded.
+    The runtime splits every saved tensor on its own (`SavedTensorManager.pack`): its first
+    n − round(n·ao) elements stay; tensors of one element stay whole. Without offloading the
+    unique storages are kept (`full`)."""
+    ao = _arr(ao)
+    n, e = numel[:, ix], elt[:, ix]          # [tensors, *candidates]
+    kept = (e * (n - np.round(n * ao))).sum(axis=0) + whole[ix]
+    return np.where(ao > 0, kept, full)
 
 
 def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:

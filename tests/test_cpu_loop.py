@@ -1,0 +1,57 @@
+"""The CPU loop end to end, as CI runs it: `mist profile` on this machine's CPU (2 gloo worker
+processes), `mist tune` of a small GPT and Llama on that profile (data parallel, a 2-stage
+pipeline, tensor parallel, and a memory limit that forces offloading), `mist validate` of each
+plan (benchmarks/cpu_loop.py, its quick case set).
+
+Memory is checked where the runtime accounts it tensor by tensor: device-resident states and the
+saved activations kept on the device (also when a fraction of them is offloaded) must match the
+prediction to the byte. Step
+time: the target is |error| ≤ 25 % (shared, noisy 2-core machine); the median must meet it and no
+plan may be off by more than 35 %.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cpu_loop  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpu_loop")
+    assert cpu_loop.main(["--cases", "quick", "--steps", "4", "--out", str(out)]) == 0
+    return json.loads((out / "cpu_loop.json").read_text()), (out / "cpu_loop.md").read_text()
+
+
+def test_the_loop_covers_dp_pp_tp_and_memory_optimizations(loop):
+    data, md = loop
+    plans = [c["plan"] for c in data["cases"]]
+    stages = [s for p in plans for s in p["stages"]]
+    assert any(len(p["stages"]) == 2 for p in plans)
+    assert any(s["dp"] == 2 for s in stages) and any(s["tp"] == 2 for s in stages)
+    assert any(s["recompute_layers"] > 0 or any(v > 0 for v in s["offload"].values()) for s in stages)
+    for p in plans:   # tuned for this CPU profile, in its dtype
+        assert p["training"]["param_dtype"] == p["training"]["compute_dtype"] == "fp32"
+    assert md.count("\n| ") == len(plans) + 1   # header + one row per plan
+
+
+def test_states_and_saved_activations_match_the_runtime(loop):
+    data, _ = loop
+    for c in data["cases"]:
+        for s in c["stages"]:
+            for k in ("state_bytes", "saved_activation_peak_bytes"):
+                assert s[k]["predicted"] == s[k]["measured"], (c["case"], k)
+
+
+def test_step_time_within_the_target(loop):
+    data, _ = loop
+    errs = [abs(c["step_time_error"]) for c in data["cases"]]
+    assert statistics.median(errs) <= 0.25, errs
+    assert max(errs) <= 0.35, errs

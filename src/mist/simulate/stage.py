@@ -295,7 +295,9 @@ class StageModel:
         comp["mem"] = {
             "layer_w": layer_w, "layer_g": layer_g, "layer_o": layer_o,
             "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
-            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + 2 * g_max * ((zero >= 2) | (go > 0))).astype(np.float64),
+            # double buffers of gathered / fetched weights; the runtime flattens each unit's
+            # gradients into one transient buffer (plus a second when they are sharded or offloaded)
+            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + g_max * (1 + ((zero >= 2) | (go > 0)))).astype(np.float64),
             "A_f": _kept_saved(A_full, blk.split_numel, blk.split_elt, blk.split_whole, ix, ao),
             "A_c": _kept_saved(A_ck, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, ix, ao),
             "pre_saved": pre_saved, "x_in": x_in,

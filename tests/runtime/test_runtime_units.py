@@ -131,18 +131,24 @@ def test_lr_schedule_and_loss_scaler():
     assert LossScaler(False).scale == 1.0
 
 
-def test_adamw_matches_torch():
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_adamw_matches_torch(impl):
+    """Bit for bit PyTorch's fused AdamW (the kernel `adamw_` calls); PyTorch's unfused AdamW
+    orders its arithmetic differently, so there the match is to fp32 rounding."""
     torch.manual_seed(0)
     p0, grads = torch.randn(50), [torch.randn(50) for _ in range(3)]
     ref = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **{impl: True})
     p, m, v = p0.clone(), torch.zeros(50), torch.zeros(50)
     for i, g in enumerate(grads):
         ref.grad = g.clone()
         opt.step()
         adamw_(p, m, v, g.clone(), step=i + 1, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
                weight_decay=0.1, decay_ranges=[(0, 50)])
-    assert torch.equal(p, ref.detach())
+    if impl == "fused":
+        assert torch.equal(p, ref.detach())
+    else:
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_activation_offload_roundtrip():

@@ -314,8 +314,9 @@ def assemble(meas: dict, name: str):
             "hbm_bandwidth": hbm_src,
             "host_link": (f"measured: {cp['kind']}, {cp['bytes'] / MiB:.0f} MiB"
                           + ("" if kind == "cuda" else " (no device link on a CPU: labelled stand-in)")),
-            "adam": ("measured: fused AdamW on the GPU; foreach AdamW on the host" if kind == "cuda"
-                     else "measured: foreach AdamW on the CPU (device = host)"),
+            "adam": ("measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the GPU and on "
+                     "the host" if kind == "cuda"
+                     else "measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the CPU (device = host)"),
             "gemm": gemm.source, "attention": attention.source,
             "memory_ops": "measured by mist profile (see memory_ops.sources)", "host": host_model.source,
             "links": links["provenance"], "dp_links": "; ".join(f"{k}: {v.get('provenance', '')}"

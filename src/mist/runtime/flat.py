@@ -163,6 +163,10 @@ class FlatUnit:
         n = self.S if zero >= 2 else (self.Np if micro_batches > 1 else self.L)
         self.acc = SplitBuffer(n, grads, dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
+        # When that buffer is the whole flat gradient and lives on the device, the parameters'
+        # .grad are views of it and autograd accumulates every micro-batch in place (one pass,
+        # nothing to flatten); it is reduced once, after the step's last micro-batch.
+        self.grad_views = self.acc.dev_len == self.Np
 
         # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
         decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
@@ -249,6 +253,10 @@ class FlatUnit:
     def start_micro_batch(self, index: int, last: bool) -> None:
         self.micro_batch, self.last = index, last
         self._pending = len(self.params)
+        if self.grad_views and index == 0:
+            self.acc.dev.zero_()
+            for p, info in zip(self.params, self.infos):
+                p.grad = self.acc.dev[info.offset:info.offset + info.numel].view(info.shape)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.defer_reduce:
@@ -299,6 +307,9 @@ class FlatUnit:
         return flat
 
     def reduce_grads(self) -> None:
+        if self.grad_views:
+            self._reduce_in_place()
+            return
         flat = self._flat_grad()
         self.memory.add_transient(self.full_bytes)
         c = self.comms
@@ -337,6 +348,23 @@ class FlatUnit:
                 self.acc.write(0, red)
                 self.opt_grad = self.acc
         self.memory.add_transient(-self.full_bytes)
+
+    def _reduce_in_place(self) -> None:
+        """The gradients already sum every micro-batch in the buffer: reduce them after the last."""
+        self.release()
+        if not self.last:
+            return
+        c, buf = self.comms, self.acc.dev
+        if c.kv_group is not None:
+            for a, b in self.kv_ranges:
+                dist.all_reduce(buf[a:b], group=c.kv_group)
+        if c.dp > 1:
+            buf.div_(c.dp)
+        if self.zero == 1:
+            self.acc.write(0, self._reduce_scatter(buf))
+        elif c.dp_group is not None:
+            dist.all_reduce(buf, group=c.dp_group)
+        self.opt_grad = self.acc
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         c = self.comms

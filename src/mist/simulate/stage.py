@@ -128,16 +128,27 @@ class StageModel:
     def _d2h(self, nbytes):
         return _arr(nbytes) / self.profile.d2h_bandwidth
 
-    def _grad_handling(self, grad_bytes, dp, gs, os_, G: int):
-        """Per micro-batch, once a unit's gradients are complete, the runtime (`FlatUnit.
-        reduce_grads`) flattens them into one buffer (a fill and a copy), divides by dp, and
-        accumulates into the gradient buffer (G > 1) or stores the reduced gradient (G = 1):
-        memory-bound passes on the compute stream."""
+    def _grad_handling(self, grad_bytes, dp, zero, go, G: int):
+        """(per micro-batch, once per iteration) memory-bound work of the runtime's gradient path
+        for one unit (`FlatUnit`), on the compute stream.
+
+        In place — the gradient buffer is the whole flat gradient on the device (ZeRO 0, or ZeRO 1
+        with G > 1, no gradient offload): the parameters' .grad are views of it, so autograd adds
+        each micro-batch in place; once per iteration it is zeroed and divided by dp.
+        Otherwise the unit's gradients are flattened each micro-batch (a fill and a copy), divided
+        by dp, and accumulated (G > 1) or stored once reduced (G = 1)."""
         prof, Gr = self.profile, _arr(grad_bytes)
-        t = prof.memory_op_time("copy", 3 * Gr, True) + np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
-        if G > 1:
-            return t + prof.memory_op_time("add", 3 * Gr / gs, True)
-        return t + prof.memory_op_time("copy", 2 * Gr / os_, True)
+        dp, zero, go = _arr(dp), _arr(zero), _arr(go)
+        div = np.where(dp > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
+        gs = np.where(zero >= 2, dp, 1.0)
+        os_ = np.where(zero >= 1, dp, 1.0)
+        keep = (prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1
+                else prof.memory_op_time("copy", 2 * Gr / os_, True))
+        flatten = prof.memory_op_time("copy", 3 * Gr, True) + div + keep
+        in_place = _in_place_grads(zero, go, G)
+        per_mb = np.where(in_place, prof.memory_op_time("add", 3 * Gr, True), flatten)
+        per_it = np.where(in_place, prof.memory_op_time("copy", Gr, True) + div, 0.0)
+        return per_mb, per_it
 
     def _overlap(self, c, g2g, c2g, g2c):
         if self.serial:
@@ -181,7 +192,8 @@ class StageModel:
         # ---- per-layer channel times (standalone), stable micro-batches
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
         cf = g(blk.fwd) - tpf
-        cb = g(blk.bwd) - tpb + self._grad_handling(Gr, dp, gs, os_, G)
+        grad_mb, grad_it = self._grad_handling(Gr, dp, zero, go, G)
+        cb = g(blk.bwd) - tpb + grad_mb
         crc = g(blk.recompute)
         g2g_f = np.where(sharded_w, ag_w, 0.0)
         c2g_f = self._h2d(W / ws * wo)
@@ -193,9 +205,9 @@ class StageModel:
             act = A_ck if ck else A_full
             return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
 
-        def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0):
+        def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
             act = A_ck if ck else A_full
-            comp = cb + (crc if ck else 0.0)
+            comp = cb + (crc if ck else 0.0) + extra_c
             return self._overlap(comp, g2g_b + extra_g2g, self._h2d(c2g_b_w + act * ao), g2c_b + extra_g2c) + tpb
 
         # first micro-batch: lazy optimizer step per layer
@@ -214,7 +226,7 @@ class StageModel:
             comp["b_" + tag] = layer_bwd(ck)
             first = layer_fwd(ck, opt_gpu, regather, upd_in)
             comp["first_" + tag] = first + opt_cpu if self.serial else np.maximum(first, opt_cpu)
-            comp["last_" + tag] = layer_bwd(ck, final_red, grads_out)
+            comp["last_" + tag] = layer_bwd(ck, final_red, grads_out, grad_it)
         # edges: the first prefetch and the last reduction / swap-out have nothing to hide behind
         # (none when everything is serial: the layer times already hold all the traffic)
         edge = 0.0 if self.serial else 1.0
@@ -250,7 +262,9 @@ class StageModel:
             if tied:
                 pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
                                                            st.cluster_gpus_per_node)
-            f_c, b_c = lt.fwd[pix], lt.bwd[pix] + self._grad_handling(GRAD_B * Pp, dp, gs, os_, G)
+            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, zero, go * 0, G)
+            f_c, b_c = lt.fwd[pix], lt.bwd[pix] + pp_grad_mb
+            pp["last"] += pp_grad_it
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
             g2g_s = np.where(sharded_w, 2 * agp, 0.0) + np.where(sharded_g, rsp, 0.0)
             stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
@@ -295,9 +309,12 @@ class StageModel:
         comp["mem"] = {
             "layer_w": layer_w, "layer_g": layer_g, "layer_o": layer_o,
             "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
-            # double buffers of gathered / fetched weights; the runtime flattens each unit's
-            # gradients into one transient buffer (plus a second when they are sharded or offloaded)
-            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0)) + g_max * (1 + ((zero >= 2) | (go > 0)))).astype(np.float64),
+            # double buffers of gathered / fetched weights; unless gradients accumulate in place,
+            # the runtime flattens each unit's into one transient buffer (plus a second when they
+            # are sharded or offloaded)
+            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0))
+                        + g_max * ((~_in_place_grads(zero, go, G)).astype(np.float64)
+                                   + ((zero >= 2) | (go > 0)).astype(np.float64))).astype(np.float64),
             "A_f": _kept_saved(A_full, blk.split_numel, blk.split_elt, blk.split_whole, ix, ao),
             "A_c": _kept_saved(A_ck, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, ix, ao),
             "pre_saved": pre_saved, "x_in": x_in,
@@ -309,6 +326,12 @@ class StageModel:
             "opt_offloadable": pr.opt_bytes * P / os_,   # optimizer bytes per layer that oo = 1 would move to the host
         }
         return comp
+
+
+def _in_place_grads(zero, go, G: int):
+    """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
+    zero, go = _arr(zero), _arr(go)
+    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1)))
 
 
 def _kept_saved(full, numel, elt, whole, ix, ao):

@@ -1,0 +1,416 @@
+"""The one-shot GPU loop: one run on a machine with one CUDA GPU (an H200), everything under $OUT.
+
+    OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 460] [--profile-budget 240]
+        [--skip profile,plans,bare]
+
+Phases, in this order; each saves $OUT/gpu_loop.json as it goes (a plan in flight is marked
+"running"), so a run cut short still leaves what it measured; a failing part is recorded with its
+error string and the loop goes on:
+
+1. profile  `python -m mist profile --device cuda --processes 1 --time-budget 240
+            -o $OUT/h200-profile.json` (log: $OUT/profile.log). With one process the collectives
+            share (27 %) of the budget goes unused: about 175 s of measuring + ~15 s start.
+2. plans    llama-1.3b, seq 2048, global batch 8 = micro-batch 4 × G 2, bf16, flash attention,
+            through `mist.runtime.spawn_local` for 5 steps each; the runtime's metrics dict per
+            plan. About 30–40 s a plan (worker start, 1.3B-parameter init, 5 steps); optimizer
+            offload ≈ 80 s (7.4 s a step on 2026-11-29), so it runs last.
+3. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
+            mean/median step time and peak memory, for the runtime-overhead comparison. ~15 s.
+
+The whole run is held to --budget seconds (460, under 8 minutes): a plan gets what is left after
+a reserve for the bare loop and is stopped (its worker terminated) when that runs out; plans that
+cannot get MIN_PLAN_S are skipped. No simulator runs here: `report_gpu_loop.py` predicts the plans
+afterwards on the fetched files (the simulator mis-traced symbolic shapes under torch 2.11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+MODEL, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = "llama-1.3b", 2048, 8, 4, 5
+TOTAL_BUDGET_S = 460.0     # the whole run
+PROFILE_BUDGET_S = 240.0   # `mist profile --time-budget`
+PROFILE_GRACE_S = 90.0     # the profile subprocess is stopped at its budget + this
+BARE_RESERVE_S = 40.0      # kept for the bare loop while plans run
+MIN_PLAN_S = 25.0          # a plan is skipped when less than this is left for it
+PLAN_CAP_S = 150.0         # no plan runs longer than this
+RESULT = "gpu_loop.json"
+PROFILE = "h200-profile.json"
+
+# (name, stage fields given the model's layer count); cheapest first, the slowest last
+PLANS = [
+    ("plain", lambda n: {}),
+    ("full recompute", lambda n: {"recompute_layers": n}),
+    ("activation offload 0.5", lambda n: {"offload": {"activations": 0.5}}),
+    ("ZeRO-0 weights offload 0.5", lambda n: {"zero": 0, "offload": {"weights": 0.5}}),
+    ("optimizer offload 1.0", lambda n: {"offload": {"optimizer": 1.0}}),
+]
+PLAIN = PLANS[0][0]
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def save(out: Path, res: dict) -> None:
+    """Write $OUT/gpu_loop.json atomically (a reader never sees half a file)."""
+    tmp = out / (RESULT + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    os.replace(tmp, out / RESULT)
+
+
+def log(out: Path | None, msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if out is not None:
+        with open(out / "gpu_loop.log", "a") as f:
+            f.write(line + "\n")
+
+
+def error_text(e: BaseException, limit: int = 2000) -> str:
+    """The error's type and message; for long ones (worker tracebacks) the end, where the cause is."""
+    s = f"{type(e).__name__}: {e}"
+    return s if len(s) <= limit else "…" + s[-limit:]
+
+
+class TimeLimit(Exception):
+    pass
+
+
+def with_time_limit(seconds: float, fn):
+    """fn() in the main thread, stopped after `seconds`: on SIGALRM the worker processes this
+    process started (multiprocessing children: spawn_local's ranks) are terminated and TimeLimit
+    is raised."""
+    def on_alarm(signum, frame):
+        for p in multiprocessing.active_children():
+            p.terminate()
+        raise TimeLimit(f"stopped after {seconds:.1f} s (the loop's time limit for this part)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(0.01, seconds))
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for p in multiprocessing.active_children():   # reap what was terminated
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "host": platform.node(), "cpu_count": os.cpu_count(),
+           "modules": {m: importlib.util.find_spec(m) is not None
+                       for m in ("numpy", "scipy", "sympy", "yaml", "typer", "rich")}}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+        env["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    for key, cmd in (("commit", ["git", "rev-parse", "HEAD"]),
+                     ("nvidia_smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                                     "power.limit", "--format=csv,noheader"])):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=15, cwd=ROOT)
+            env[key] = r.stdout.strip() if r.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            env[key] = None
+    return env
+
+
+# ---------------------------------------------------------------------------- phase 1: profile
+def profile_command(path: Path, budget_s: float, device: str = "cuda", cli: bool | None = None) -> tuple[list[str], str]:
+    """`python -m mist profile …`; without typer/rich (the CLI's), the same measurement through
+    `mist.profiling` directly."""
+    if cli is None:
+        cli = all(importlib.util.find_spec(m) is not None for m in ("typer", "rich"))
+    if cli:
+        return ([sys.executable, "-m", "mist", "profile", "--device", device, "--processes", "1",
+                 "--time-budget", f"{budget_s:g}", "-o", str(path)], "mist profile")
+    code = ("import sys; from mist.profiling import run_profile, write_profile; "
+            "p = run_profile(device=sys.argv[3], processes=1, time_budget=float(sys.argv[1])); "
+            "print('wrote', write_profile(p, sys.argv[2])); print(p.summary())")
+    return ([sys.executable, "-c", code, f"{budget_s:g}", str(path), device],
+            "mist.profiling.run_profile (no typer/rich)")
+
+
+def fresh(path: Path, since: float) -> bool:
+    """The file exists and was written by this run (not left by an earlier one)."""
+    return path.exists() and path.stat().st_mtime >= since - 1
+
+
+def run_profile_phase(out: Path, budget_s: float, limit_s: float, device: str = "cuda", cli: bool | None = None) -> dict:
+    path = out / PROFILE
+    cmd, via = profile_command(path, budget_s, device, cli)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)}
+    row = {"status": "running", "via": via, "command": " ".join(cmd), "budget_s": budget_s, "limit_s": limit_s}
+    t0, started = time.perf_counter(), time.time()
+    try:
+        with open(out / "profile.log", "w") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=limit_s, cwd=ROOT)
+        row["returncode"] = r.returncode
+        row["status"] = "ok" if r.returncode == 0 and fresh(path, started) else "error"
+        if row["status"] == "error":
+            row["error"] = f"exit code {r.returncode}: " + (out / "profile.log").read_text()[-1500:]
+    except subprocess.TimeoutExpired:
+        row["status"], row["error"] = "timeout", f"stopped after {limit_s:.0f} s"
+    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+        row["status"], row["error"] = "error", error_text(e)
+    row["wall_s"] = time.perf_counter() - t0
+    if fresh(path, started):
+        row["path"] = PROFILE
+        try:
+            fp = json.loads(path.read_text()).get("fingerprint", {})
+            row["profile_seconds"] = fp.get("profile_seconds")
+        except ValueError as e:
+            row["error"] = error_text(e)
+    return row
+
+
+# ---------------------------------------------------------------------------- phase 2: plans
+def make_plan(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH,
+              gpu: str = "h200", dtype: str = "bf16", flash: bool = True, **stage):
+    """A one-GPU, one-stage plan of `model` (a preset name or a model mapping)."""
+    from mist.plan import plan_from_dict
+    from mist.specs.loading import load_model, load_model_dict
+
+    spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
+    st = {"layers": spec.num_layers, "nodes": 1, "gpus_per_node": 1, "micro_batch": micro_batch, "dp": 1,
+          "tp": 1, "zero": 0, "recompute_layers": 0}
+    st.update(stage)
+    return plan_from_dict({"model": model, "cluster": {"gpu": gpu, "nodes": 1, "gpus_per_node": 1},
+                           "training": {"seq_len": seq, "global_batch": global_batch, "param_dtype": dtype,
+                                        "compute_dtype": dtype, "flash_attention": flash},
+                           "micro_batches": global_batch // micro_batch, "stages": [st]})
+
+
+def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cuda", **spawn_kw) -> dict:
+    """One plan through the runtime: {name, plan, status ok|error|timeout, metrics | error, wall_s}."""
+    from mist.runtime import TrainConfig, spawn_local
+
+    row = {"name": name, "plan": plan.to_dict(), "steps": steps, "limit_s": round(limit_s, 1)}
+    t0 = time.perf_counter()
+    try:
+        res = with_time_limit(limit_s, lambda: spawn_local(plan, TrainConfig(steps=steps, log=False),
+                                                           device_type=device_type, **spawn_kw))
+        row["status"], row["metrics"] = "ok", res["metrics"]
+    except TimeLimit as e:
+        row["status"], row["error"] = "timeout", str(e)
+    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+        row["status"], row["error"] = "error", error_text(e)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+# ---------------------------------------------------------------------------- phase 3: bare loop
+def bare_loop(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH,
+              steps: int = STEPS, device: str = "cuda", dtype: str = "bf16", flash: bool = True) -> dict:
+    """The model in plain PyTorch: `dtype` working weights, fp32 master weights, fused AdamW,
+    G = global_batch / micro_batch accumulated micro-batches per step."""
+    import torch
+
+    from mist.models import CausalLM
+    from mist.specs.loading import load_model, load_model_dict
+
+    spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    wdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    G = global_batch // micro_batch
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(0)
+    m = CausalLM(spec, None, flash, wdt, dev)
+    with torch.no_grad():
+        for n, q in m.named_parameters():
+            if q.dim() >= 2:
+                q.normal_(0, 0.02)
+            elif "norm" in n:
+                q.fill_(1.0)
+            else:
+                q.zero_()
+    params = list(m.parameters())
+    master = [q.detach().float().clone() for q in params]
+    opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=True)
+    tok = torch.randint(0, spec.vocab_size, (G, micro_batch, seq + 1), device=dev)
+    times, losses = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=dev)
+        for g in range(G):
+            loss = m(tok[g, :, :-1], tok[g, :, 1:]) / G
+            loss.backward()
+            total += loss.detach().float()
+        for mq, q in zip(master, params):
+            mq.grad = q.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for mq, q in zip(master, params):
+                q.copy_(mq)
+                q.grad = None
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(total))
+    steady = times[1:] or times
+    return {"status": "ok", "step_time_s": sum(steady) / len(steady), "median_step_s": statistics.median(steady),
+            "step_times_s": times, "losses": losses, "params": sum(q.numel() for q in params),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,
+            "how": (f"{dtype} model, fp32 master weights, fused AdamW, {G} micro-batches of {micro_batch} "
+                    f"× seq {seq}; step time = mean of steps 2–{steps} (as the runtime's step_time_s)")}
+
+
+# ---------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class Setup:
+    """What the loop trains: the H200 defaults; the test runs the same loop with a tiny CPU setup."""
+
+    model: object = MODEL          # a preset name or a model mapping
+    seq: int = SEQ
+    global_batch: int = GLOBAL_BATCH
+    micro_batch: int = MICRO_BATCH
+    steps: int = STEPS
+    dtype: str = "bf16"
+    gpu: str = "h200"              # the plan's cluster.gpu
+    device: str = "cuda"
+
+
+class Clock:
+    def __init__(self, total_s: float):
+        self.total_s, self.start = total_s, time.perf_counter()
+
+    def left(self) -> float:
+        return self.total_s - (time.perf_counter() - self.start)
+
+
+def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float) -> None:
+    from mist.specs.loading import load_model, load_model_dict
+
+    spec = load_model(su.model) if isinstance(su.model, str) else load_model_dict(su.model, source="model")
+    spawn_kw = {} if su.device == "cuda" else {"start_method": "fork", "threads": 1}
+    shape = dict(model=su.model, seq=su.seq, global_batch=su.global_batch, micro_batch=su.micro_batch,
+                 gpu=su.gpu, dtype=su.dtype)
+    for name, stage in PLANS:
+        limit = min(PLAN_CAP_S, clock.left() - reserve_s)
+        try:
+            plan = make_plan(**shape, **stage(spec.num_layers))
+        except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+            res["plans"].append({"name": name, "status": "error", "error": error_text(e)})
+            continue
+        if limit < MIN_PLAN_S:
+            res["plans"].append({"name": name, "plan": plan.to_dict(), "status": "skipped",
+                                 "error": f"only {max(0.0, limit):.0f} s left in the loop's budget"})
+            save(out, res)
+            log(out, f"plan {name}: skipped")
+            continue
+        res["plans"].append({"name": name, "status": "running", "started": now()})
+        save(out, res)
+        row = run_plan(name, plan, su.steps, limit, su.device, **spawn_kw)
+        res["plans"][-1] = row
+        save(out, res)
+        m = row.get("metrics") or {}
+        log(out, f"plan {name}: {row['status']} in {row['wall_s']:.0f} s"
+            + (f", step {m['step_time_s']:.3f} s, peak {m['stages'][0]['peak_memory_bytes'] / 2**30:.2f} GiB"
+               if m else f": {str(row.get('error', ''))[-300:]}"))
+
+
+def bare_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
+    limit = clock.left()
+    t0 = time.perf_counter()
+    if limit < 10:
+        res["bare_loop"] = {"status": "skipped", "error": f"only {max(0.0, limit):.0f} s left"}
+    else:
+        res["bare_loop"] = {"status": "running", "started": now()}
+        save(out, res)
+        try:
+            res["bare_loop"] = with_time_limit(limit, lambda: bare_loop(su.model, su.seq, su.global_batch,
+                                                                        su.micro_batch, su.steps, su.device, su.dtype))
+        except TimeLimit as e:
+            res["bare_loop"] = {"status": "timeout", "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - recorded
+            res["bare_loop"] = {"status": "error", "error": error_text(e)}
+    b = res["bare_loop"]
+    b["wall_s"] = time.perf_counter() - t0
+    save(out, res)
+    peak = b.get("peak_memory_bytes")
+    log(out, f"bare loop: {b['status']}" + (f", step {b['step_time_s']:.3f} s" if b["status"] == "ok" else
+                                            f": {str(b.get('error', ''))[-300:]}")
+        + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
+
+
+def run_loop(out: Path, su: Setup = Setup(), budget_s: float = TOTAL_BUDGET_S,
+             profile_budget_s: float = PROFILE_BUDGET_S, skip: frozenset = frozenset()) -> dict:
+    """The three phases into out/gpu_loop.json (saved after every step); returns the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock(budget_s)
+    res = {"format": "mist-gpu-loop", "version": 1, "started": now(), "budget_s": budget_s,
+           "setup": asdict(su), "env": environment(), "profile": None, "plans": [], "bare_loop": None}
+    save(out, res)
+    log(out, f"{res['env'].get('device', su.device)} torch {res['env']['torch']}; budget {budget_s:.0f} s")
+    reserve = 0.0 if "bare" in skip else BARE_RESERVE_S
+    if "profile" not in skip:
+        limit = min(profile_budget_s + PROFILE_GRACE_S, clock.left() - reserve - 2 * MIN_PLAN_S)
+        res["profile"] = {"status": "running", "started": now()}
+        save(out, res)
+        log(out, f"profile: --time-budget {profile_budget_s:g} (stopped after {limit:.0f} s)")
+        res["profile"] = run_profile_phase(out, profile_budget_s, limit, su.device)
+        save(out, res)
+        log(out, f"profile: {res['profile']['status']} in {res['profile']['wall_s']:.0f} s")
+    if "plans" not in skip:
+        plans_phase(out, res, su, clock, reserve)
+    if "bare" not in skip:
+        bare_phase(out, res, su, clock)
+    res["finished"] = now()
+    res["total_wall_s"] = budget_s - clock.left()
+    save(out, res)
+    log(out, f"done in {res['total_wall_s']:.0f} s; results in {out / RESULT}")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="Seconds for the whole run.")
+    ap.add_argument("--profile-budget", type=float, default=PROFILE_BUDGET_S)
+    ap.add_argument("--skip", default="", help="Comma-separated phases to skip: profile, plans, bare.")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_loop.py needs a CUDA GPU, and PyTorch sees none on this machine: nothing was run.",
+              file=sys.stderr)
+        return 2
+    if not os.environ.get("OUT"):
+        print("gpu_loop.py writes its results under $OUT: set OUT to a folder.", file=sys.stderr)
+        return 2
+    run_loop(Path(os.environ["OUT"]).resolve(), Setup(), a.budget, a.profile_budget,
+             frozenset(s.strip() for s in a.skip.split(",") if s.strip()))
+    return 0
+
+
+if __name__ == "__main__":  # the runtime spawns its workers: keep the module import-safe
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Predictions next to a fetched `gpu_loop.py` run, computed here (CPU torch), not on the device.
+
+    PYTHONPATH=src python benchmarks/gpu/report_gpu_loop.py FETCHED_OUT
+        [--md benchmarks/results/gpu_loop.md] [--json benchmarks/results/gpu_loop.json]
+        [--profile-md benchmarks/results/h200_gpu_loop_profile_vs_shipped.md] [--shipped h200]
+
+Reads FETCHED_OUT/gpu_loop.json and FETCHED_OUT/h200-profile.json (when the profile phase wrote
+it). Every measured plan is simulated with `simulate_plan` twice: with the shipped profile and
+with the fetched (measured) one. Writes the markdown report (step time, peak memory, the
+runtime's accounted state / saved-activation bytes against the simulator's to the byte, bare
+PyTorch loop vs the plain plan), the raw run with the predictions added (--json), and the GEMM
+grid of the fetched profile against the shipped one (benchmarks/compare_profiles.py).
+Errors are (predicted − measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for p in (ROOT / "src", ROOT / "benchmarks", HERE):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import compare_profiles  # noqa: E402
+from gpu_loop import PLAIN, PROFILE, RESULT, error_text  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+KEYS = ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes")
+
+
+def predict(plan_dict: dict, profile) -> dict:
+    """The simulator's step time and per-stage bytes for a plan, or {"error": …}."""
+    from mist.plan import plan_from_dict
+    from mist.simulate.plan_sim import simulate_plan
+
+    try:
+        sim = simulate_plan(plan_from_dict(plan_dict), profile)
+    except Exception as e:  # noqa: BLE001 - one plan's failure is reported, not fatal
+        return {"error": error_text(e, 500)}
+    return {"step_time_s": sim["iteration_time_s"], "fits": sim["fits"],
+            "stages": [{k: s[k] for k in KEYS} for s in sim["stages"]]}
+
+
+def add_predictions(data: dict, profiles: dict) -> dict:
+    """data with `predicted[label]` on every plan that has metrics."""
+    for row in data.get("plans", []):
+        if row.get("status") == "ok" and row.get("plan"):
+            row["predicted"] = {label: predict(row["plan"], prof) for label, prof in profiles.items()}
+    return data
+
+
+def _err(pred, meas) -> str:
+    return f"{pred / meas - 1:+.1%}" if pred is not None and meas else "–"
+
+
+def micro_batches(setup: dict):
+    try:
+        return setup["global_batch"] // setup["micro_batch"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return "?"
+
+
+def last_line(text) -> str:
+    lines = str(text or "").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _num(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "–"
+
+
+def _pred(row: dict, label: str, stage: int | None, key: str):
+    p = row["predicted"].get(label) or {}
+    if "error" in p:
+        return None
+    return p["step_time_s"] if stage is None else p["stages"][stage][key]
+
+
+def _stage_rows(ok: list[dict]):
+    for r in ok:
+        for i, s in enumerate(r["metrics"]["stages"]):
+            yield r, i, s, f"{r['name']}{f' (stage {i})' if i else ''}"
+
+
+def time_table(ok: list[dict], labels: list[str]) -> list[str]:
+    out = [f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
+           "|---|---|" + "---|---|" * len(labels)]
+    for r in ok:
+        m = r["metrics"]["step_time_s"]
+        preds = [_pred(r, lb, None, "") for lb in labels]
+        out.append(f"| {r['name']} | {m:.3f} | " + " | ".join(f"{_num(p, '.3f')} | {_err(p, m)}" for p in preds) + " |")
+    return out
+
+
+def peak_table(ok: list[dict], labels: list[str]) -> list[str]:
+    out = [f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
+           "|---|---|" + "---|---|" * len(labels)]
+    for r, i, s, name in _stage_rows(ok):
+        m = s["peak_memory_bytes"]
+        preds = [_pred(r, lb, i, KEYS[0]) for lb in labels]
+        out.append(f"| {name} | {m / 2**30:.2f} | "
+                   + " | ".join(f"{'–' if p is None else f'{p / 2**30:.2f}'} | {_err(p, m)}" for p in preds) + " |")
+    return out
+
+
+def bytes_table(ok: list[dict], labels: list[str]) -> list[str]:
+    head = " | ".join(f"predicted, {lb}" for lb in labels)
+    out = [f"| plan | state_bytes measured | {head} | saved_activation_peak_bytes measured | {head} |",
+           "|---|---|" + "---|" * len(labels) + "---|" + "---|" * len(labels)]
+    for r, i, s, name in _stage_rows(ok):
+        cells = []
+        for key in KEYS[1:]:
+            cells.append(f"{s[key]:,}")
+            for lb in labels:
+                p = _pred(r, lb, i, key)
+                cells.append("–" if p is None else f"{p:,} ({p - s[key]:+,})")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(data: dict, labels: list[str], profile_summary: str | None) -> str:
+    env, setup = data.get("env", {}), data.get("setup", {})
+    ok = [r for r in data.get("plans", []) if r.get("status") == "ok"]
+    model = setup.get("model", "?")
+    model = model.get("name", "?") if isinstance(model, dict) else model
+    out = [f"# gpu_loop.py on {env.get('device', '?')} (torch {env.get('torch', '?')}, {data.get('started', '?')})", "",
+           f"{model}, seq {setup.get('seq', '?')}, global batch {setup.get('global_batch', '?')} "
+           f"= micro-batch {setup.get('micro_batch', '?')} × G {micro_batches(setup)}, {setup.get('dtype', '?')}, "
+           "flash attention; "
+           f"{setup.get('steps', '?')} steps per plan, step time = the runtime's mean of steps 2–N. Predictions "
+           "computed afterwards with `simulate_plan` (here, not on the device) with "
+           + " and ".join(f"`{lb}`" for lb in labels) + ". Errors: (predicted − measured) / measured.",
+           "", "## Step time (s)", "", *time_table(ok, labels),
+           "", "## Peak memory (GiB): the runtime's peak vs the simulator's", "", *peak_table(ok, labels),
+           "", "## Accounted bytes (the runtime's tensor accounting vs the simulator, to the byte)", "",
+           "Predicted (predicted − measured) in bytes; `+0` is an exact match.", "", *bytes_table(ok, labels),
+           "", "## Runtime overhead: bare PyTorch loop vs the plain plan", "", overhead_line(data)]
+    bad = [r for r in data.get("plans", []) if r.get("status") != "ok"]
+    failed = [(r["name"], lb, r["predicted"][lb]["error"]) for r in ok for lb in labels
+              if "error" in (r["predicted"].get(lb) or {})]
+    if bad or failed:
+        out += ["", "## Not measured / not predicted", ""]
+        out += [f"- {r.get('name')}: {r.get('status')}: {last_line(r.get('error'))}" for r in bad]
+        out += [f"- {name}: prediction with `{lb}` failed: {e}" for name, lb, e in failed]
+    prof = data.get("profile") or {}
+    out += ["", "## Profile", "",
+            f"`mist profile` on the device: {prof.get('status', 'not run')}"
+            + (f", {prof['wall_s']:.0f} s wall" if isinstance(prof.get("wall_s"), (int, float)) else "")
+            + (f", {prof['profile_seconds']} s measuring" if prof.get("profile_seconds") is not None else "")
+            + (f"; error: {last_line(prof['error'])[-300:]}" if prof.get("error") else "") + "."]
+    if profile_summary:
+        out += ["", profile_summary]
+    return "\n".join(out) + "\n"
+
+
+def overhead_line(data: dict) -> str:
+    bare = data.get("bare_loop") or {}
+    plain = next((r for r in data.get("plans", []) if r.get("name") == PLAIN and r.get("status") == "ok"), None)
+    if bare.get("status") != "ok" or plain is None:
+        return (f"Not available: bare loop {bare.get('status', 'not run')}, plain plan "
+                f"{'measured' if plain else 'not measured'}.")
+    m = plain["metrics"]
+    ts, tb = m["step_time_s"], bare["step_time_s"]
+    line = (f"Plain plan {ts:.3f} s per step vs bare loop {tb:.3f} s (median {bare['median_step_s']:.3f} s): "
+            f"runtime overhead {ts / tb - 1:+.1%}.")
+    pb, ps = bare.get("peak_memory_bytes"), m["stages"][0]["peak_memory_bytes"]
+    if pb:
+        line += f" Peak memory {ps / 2**30:.2f} GiB vs {pb / 2**30:.2f} GiB ({ps / pb - 1:+.1%})."
+    return line + f" Bare loop: {bare.get('how', '')}."
+
+
+def compare_with_shipped(fetched: Path, shipped: str, out_md: Path, min_us: float = 25.0) -> str:
+    """benchmarks/compare_profiles.py of the fetched profile (A) vs the shipped one (B); its summary."""
+    from mist.hardware import load_profile
+
+    a, b = load_profile(str(fetched)), load_profile(shipped)
+    rows, summary = compare_profiles.compare(a, b, min_us)
+    text = compare_profiles.markdown(a, b, rows, summary, min_us)
+    out_md.write_text(text)
+    return f"GEMM grid of the fetched profile vs `{shipped}` ({out_md.name}): " + text.strip().splitlines()[-1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("fetched", help="The folder gpu_loop.py wrote ($OUT, fetched).")
+    ap.add_argument("--md", default=str(RESULTS / "gpu_loop.md"))
+    ap.add_argument("--json", default=str(RESULTS / "gpu_loop.json"))
+    ap.add_argument("--profile-md", default=str(RESULTS / "h200_gpu_loop_profile_vs_shipped.md"))
+    ap.add_argument("--shipped", default="h200")
+    a = ap.parse_args(argv)
+    from mist.hardware import load_profile
+
+    fetched = Path(a.fetched)
+    data = json.loads((fetched / RESULT).read_text())
+    profiles = {f"shipped {a.shipped}": load_profile(a.shipped)}
+    summary = None
+    if (fetched / PROFILE).exists():
+        try:
+            profiles[f"measured {PROFILE}"] = load_profile(str(fetched / PROFILE))
+            summary = compare_with_shipped(fetched / PROFILE, a.shipped, Path(a.profile_md))
+        except Exception as e:  # noqa: BLE001 - the report still covers the shipped profile
+            summary = f"The fetched profile could not be used: {error_text(e, 500)}"
+    add_predictions(data, profiles)
+    text = markdown(data, list(profiles), summary)
+    Path(a.md).write_text(text)
+    Path(a.json).write_text(json.dumps(data, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -163,6 +163,7 @@ class FlatUnit:
         n = self.S if zero >= 2 else (self.Np if micro_batches > 1 else self.L)
         self.acc = SplitBuffer(n, grads, dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
+        self._update = None   # a deferred optimizer step (see `defer_update`)
         # When that buffer is the whole flat gradient and lives on the device, the parameters'
         # .grad are views of it and autograd accumulates every micro-batch in place (one pass,
         # nothing to flatten); it is reduced once, after the step's last micro-batch.
@@ -202,8 +203,20 @@ class FlatUnit:
     def storage_ptr(self) -> int:
         return self.full.untyped_storage().data_ptr()
 
+    def defer_update(self, future) -> None:
+        """The optimizer's host part is still running (`future`): update the weights later."""
+        self._update = future
+
+    def finish_update(self) -> None:
+        """Wait for a deferred optimizer step, then make the new working weights."""
+        if self._update is not None:
+            fut, self._update = self._update, None
+            fut.result()
+            self.update_weights()
+
     def materialize(self, prefetch: bool = False) -> None:
         """Make `full` whole. With CUDA and `prefetch`, the copies run on the copy stream."""
+        self.finish_update()
         if self.materialized:
             return
         self.full.untyped_storage().resize_(self.full_bytes)

@@ -6,6 +6,11 @@ m and v kept in host memory — step on the CPU (a CPU Adam, not a round trip th
 The arithmetic is `torch.optim.AdamW`'s (its fused kernel where PyTorch has one), with decoupled
 weight decay on matrices only (not on norms and biases).
 
+The host part runs on a worker thread and is waited for lazily: a unit whose optimizer states are
+partly on the host gets its new working weights (`FlatUnit.update_weights`) only when the next
+forward first needs it (`FlatUnit.finish_update`), so the CPU Adam of later units overlaps the
+device work of earlier ones, as the simulator's first micro-batch assumes. `flush` finishes all.
+
 Gradient clipping uses the global norm over every rank's gradient shard: each element is counted
 once (parameters replicated across TP ranks only on TP rank 0, KV-head copies only on the first
 rank of their KV group, ZeRO-0 full gradients only over this dp rank's 1/dp slice), summed over
@@ -87,6 +92,7 @@ class ShardedAdamW:
     def __init__(self, units: list[FlatUnit], *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  max_grad_norm: float = 1.0, scaler: LossScaler | None = None, norm_group=None):
         self.units = units
+        self._host = None   # one worker thread for the host parts, in unit order (made on first use)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.max_grad_norm = eps, weight_decay, max_grad_norm
         self.scaler = scaler or LossScaler(False)
@@ -135,8 +141,30 @@ class ShardedAdamW:
             g_dev = g.read(0, d, m.device).to(torch.float32, copy=True).mul_(mult)
             adamw_(m.dev, ea.dev, es.dev, g_dev, decay_ranges=dec_dev, **kw)
             if m.host.numel():
-                # the offloaded fraction of the optimizer states steps on the CPU
+                # the offloaded fraction of the optimizer states steps on the CPU, in the background;
+                # its gradient is copied out now (the buffer is reused by the next step)
                 g_host = g.read(d, u.L, "cpu").to(torch.float32, copy=True).mul_(mult)
-                adamw_(m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw)
-            u.update_weights()
+                u.opt_grad = None
+                u.defer_update(self._host_pool().submit(
+                    adamw_, m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw))
+            else:
+                u.update_weights()
         return StepResult(norm, False)
+
+    def _host_pool(self):
+        if self._host is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mist-host-adam")
+        return self._host
+
+    def flush(self) -> None:
+        """Finish every deferred host step and weight update (before reading or saving states)."""
+        for u in self.units:
+            u.finish_update()
+
+    def close(self) -> None:
+        self.flush()
+        if self._host is not None:
+            self._host.shutdown()
+            self._host = None

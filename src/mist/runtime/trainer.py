@@ -167,6 +167,7 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         from mist.runtime import checkpoint
 
+        self.optimizer.flush()
         path = checkpoint.save(self, self.cfg.checkpoint_dir, step)
         if self.cfg.log and self.groups.rank == 0:
             print(f"checkpoint saved to {path}", flush=True)
@@ -220,6 +221,9 @@ class Trainer:
             if cfg.checkpoint_dir and (step + 1 == end or (cfg.checkpoint_every
                                                           and (step + 1) % cfg.checkpoint_every == 0)):
                 self.save_checkpoint(step + 1)
+        # the last step's deferred host optimizer work (a step's time includes the previous one's,
+        # as in steady state)
+        self.optimizer.close()
         metrics = self.metrics()
         if self.groups.rank == 0 and self.cfg.metrics_path:
             with open(self.cfg.metrics_path, "w") as f:
@@ -292,6 +296,7 @@ class Trainer:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The fp32 master weights as the single-process model's state dict (rank 0; collective)."""
+        self.optimizer.flush()
         g, spec = self.groups, self.plan.model
         tp = self.tp.size
         shapes = {n: p.shape for n, p in full_meta_model(spec, self.plan.training.flash_attention).named_parameters()}

@@ -9,6 +9,7 @@ lower neighbours (at the same efficiency), the filled points listed in the resul
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import platform
 import socket
@@ -91,8 +92,17 @@ def recheck(t: np.ndarray, work: np.ndarray, measure, deadline: float, rounds: i
 
 
 # ---------------------------------------------------------------------------- GEMM
+# A weight is read once per forward (and once per backward) of a model, so it comes from main
+# memory, not from a cache that a loop over the same operands keeps warm: the timed GEMMs cycle
+# through enough copies of w to span this many bytes (more than a last-level cache), at most
+# COLD_COPIES of them. The activation operand stays the same (it was just written by the op before).
+COLD_BYTES = 128 * 2**20
+COLD_COPIES = 256
+
+
 def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
-    """Times of y[m, n] = x[m, k] @ w[n, k]^T (F.linear) over the grid axes^3 (seconds)."""
+    """Times of y[m, n] = x[m, k] @ w[n, k]^T (F.linear) over the grid axes^3 (seconds), with
+    cold weights (see COLD_BYTES)."""
     import torch
     import torch.nn.functional as F
 
@@ -107,16 +117,29 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     def rand(r, c):
         return torch.randn(r, c, generator=g, device=dev.torch_device, dtype=torch.float32).to(dev.dtype)
 
+    pool = []
+
+    def cold_weights(n, k):
+        """Distinct [n, k] weights spanning COLD_BYTES: slices of one shared random buffer (a
+        weight that big on its own is one tensor of its own, kept for the sweep)."""
+        size = n * k
+        if size * dev.element_bytes >= COLD_BYTES:
+            if (n, k) not in ws:
+                ws[(n, k)] = rand(n, k)
+            return [ws[(n, k)]]
+        if not pool:
+            pool.append(rand(1, COLD_BYTES // dev.element_bytes).view(-1))
+        copies = min(COLD_COPIES, pool[0].numel() // size)
+        return [pool[0][c * size:(c + 1) * size].view(n, k) for c in range(copies)]
+
     def point(idx):
         i, j, l = idx
         m, n, k = ms[i], ns[j], ks[l]
         x = xs.get((m, k))
         if x is None:
             x = xs[(m, k)] = rand(m, k)
-        w = ws.get((n, k))
-        if w is None:
-            w = ws[(n, k)] = rand(n, k)
-        return time_op(lambda: F.linear(x, w), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
+        cycle = itertools.cycle(cold_weights(n, k))
+        return time_op(lambda: F.linear(x, next(cycle)), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
 
     with torch.no_grad():
         sweep(order, point, t, deadline, 8, tick)

@@ -71,6 +71,8 @@ def test_profile_written_and_loads(written):
     assert prof.measured and prof.name == "cpu-test"
     assert prof.provenance.startswith("measured by mist profile on ")
     assert prof.fingerprint["device_kind"] == "cpu" and prof.fingerprint["torch"]
+    # one device of a 2-process run: measured with the other device busy, at ⌊cores/2⌋ threads
+    assert prof.fingerprint["busy_neighbours"] == 1 and prof.fingerprint["processes"] == 2
     for k in ("memory_bytes", "peak_flops", "hbm_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
               "bidir_bandwidth", "adam_gpu_s_per_param", "adam_cpu_s_per_param"):
         assert math.isfinite(getattr(prof, k)) and getattr(prof, k) > 0, k

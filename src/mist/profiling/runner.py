@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mist.cpu_workers import threads_per_worker
+from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Budget, Device, warm_up
 
 MiB = 2**20
@@ -151,32 +152,35 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
     time_budget = budget.total_s
     meas: dict = {"settings": st, "device": dev, "processes": processes}
 
-    ticker("host")(0.0, "host overheads")
-    budget.phase_deadline("host")
-    warm_up(dev, min(2.0, 0.02 * time_budget))
-    meas["host"] = compute.measure_host(dev)
-    meas["op_floor_s"] = compute.measure_op_floor(dev)
-    call = meas["host"]["backward_call_s"]
+    # on a CPU the compute tables are measured while the other K − 1 devices of the run are busy
+    busy = Neighbours(processes - 1 if kind == "cpu" else 0, threads_per_worker(processes))
+    ticker("host")(0.0, "host overheads" + (f" ({busy.count} busy neighbour process(es))" if busy.count else ""))
+    with busy:
+        budget.phase_deadline("host")
+        warm_up(dev, min(2.0, 0.02 * time_budget))
+        meas["host"] = compute.measure_host(dev)
+        meas["op_floor_s"] = compute.measure_op_floor(dev)
+        call = meas["host"]["backward_call_s"]
 
-    tick = ticker("gemm")
-    tick(0.0, "GEMM grid")
-    meas["gemm"] = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"),
-                                        lambda f: tick(f, "GEMM grid"))
-    tick = ticker("attention")
-    tick(0.0, "attention")
-    meas["attention"] = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
-                                                  lambda f: tick(f, "attention"))
-    ticker("copies")(0.0, "copies")
-    budget.phase_deadline("copies")
-    meas["copies"] = compute.measure_copies(dev, st.copy_bytes)
-    tick = ticker("memory_ops")
-    tick(0.0, "memory-bound ops")
-    meas["memory_ops"] = compute.measure_memory_ops(dev, st.memory_sizes, call, meas["op_floor_s"],
-                                                    meas["copies"]["copy_Bps"], budget.phase_deadline("memory_ops"),
-                                                    lambda f: tick(f, "memory-bound ops"))
-    ticker("adam")(0.0, "AdamW")
-    budget.phase_deadline("adam")
-    meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params)
+        tick = ticker("gemm")
+        tick(0.0, "GEMM grid")
+        meas["gemm"] = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"),
+                                            lambda f: tick(f, "GEMM grid"))
+        tick = ticker("attention")
+        tick(0.0, "attention")
+        meas["attention"] = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
+                                                      lambda f: tick(f, "attention"))
+        ticker("copies")(0.0, "copies")
+        budget.phase_deadline("copies")
+        meas["copies"] = compute.measure_copies(dev, st.copy_bytes)
+        tick = ticker("memory_ops")
+        tick(0.0, "memory-bound ops")
+        meas["memory_ops"] = compute.measure_memory_ops(dev, st.memory_sizes, call, meas["op_floor_s"],
+                                                        meas["copies"]["copy_Bps"], budget.phase_deadline("memory_ops"),
+                                                        lambda f: tick(f, "memory-bound ops"))
+        ticker("adam")(0.0, "AdamW")
+        budget.phase_deadline("adam")
+        meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params)
     ticker("overlap")(0.0, "compute/copy interference")
     budget.phase_deadline("overlap")
     meas["overlap_local"] = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes,
@@ -216,6 +220,7 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
         elif workers < 2:
             notes.append("one process: collectives and the {C, G2G} pair were not measured")
     meas["fingerprint"] = compute.fingerprint(dev, processes)
+    meas["fingerprint"]["busy_neighbours"] = busy.count
     meas["fingerprint"]["profile_seconds"] = round(budget.elapsed(), 1)
     meas["notes"] = notes
     report(1.0, "done")

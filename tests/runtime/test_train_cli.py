@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mist.cli import main
 from mist.errors import MistInputError
 from mist.runtime import TrainConfig, spawn_local
+from mist.runtime.launch import device_type_for
 from rt_helpers import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,3 +121,18 @@ def test_worker_input_errors_reach_the_caller():
     with pytest.raises(MistInputError) as e:  # the data file is only opened inside the workers
         spawn_local(plan, TrainConfig(steps=1, log=False, data="/nonexistent/tokens.npy"), start_method="fork")
     assert "/nonexistent/tokens.npy" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_which_device_a_plan_runs_on():
+    """A plan tuned on a CPU profile runs on CPU workers, also under torchrun (no --local); a GPU
+    plan runs on the GPUs, or — on a machine without CUDA — only with --local, on CPU workers."""
+    cpu_profile = str(ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
+    assert device_type_for(make_plan("gpt", gpu="cpu"), local=False) == ("cpu", None)
+    assert device_type_for(make_plan("gpt", gpu=cpu_profile), local=False) == ("cpu", None)
+    if torch.cuda.is_available():
+        assert device_type_for(make_plan("gpt", gpu="l4"), local=False) == ("cuda", None)
+        return
+    with pytest.raises(MistInputError, match="no CUDA device"):
+        device_type_for(make_plan("gpt", gpu="l4"), local=False)
+    dev, note = device_type_for(make_plan("gpt", gpu="l4"), local=True)
+    assert dev == "cpu" and "gloo" in note

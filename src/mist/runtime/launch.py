@@ -31,10 +31,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_profile(gpu: str) -> bool:
+    """Whether the plan's `gpu` is a profile that `mist profile --device cpu` measured (a plan
+    tuned for this kind of CPU device runs on CPU workers, with or without --local)."""
+    from mist.hardware import load_profile
+    from mist.simulate.precision import profile_target
+
+    if not gpu.lower().endswith(".json"):
+        return False
+    try:
+        return profile_target(load_profile(gpu)) == "cpu"
+    except MistInputError:
+        return False
+
+
 def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
     """('cuda' or 'cpu', a note to print or None)."""
     gpu = plan.cluster.gpu
-    if gpu.lower() == "cpu":
+    if gpu.lower() == "cpu" or _cpu_profile(gpu):
         return "cpu", None
     if torch.cuda.is_available():
         return "cuda", None

@@ -95,7 +95,8 @@ def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, 
     stages = []
     for ps, ms in zip(pred["stages"], meas["stages"]):
         stages.append({k: {"predicted": ps[k], "measured": ms[k]}
-                       for k in ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes")})
+                       for k in ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes",
+                                 "stable_time_s", "delta_time_s")})
     return {"case": name, "model": model, "tune_args": extra, "plan": res["plan"],
             "plan_summary": plan_summary(res["plan"]), "tuning_time_s": res["tuning_time_s"],
             "predicted_step_s": pred["iteration_time_s"], "measured_step_s": meas["step_time_s"],
@@ -114,9 +115,10 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
            f"written by `mist profile --device cpu --processes {WORKERS}` in {fp.get('profile_seconds', '?')} s. "
            f"Models: benchmarks/models/, seq {SEQ}, global batch {BATCH}, fp32. Step time: mean of steps 2–{steps} "
            "of `mist validate`; errors are (predicted − measured) / measured.", "",
-           "| case | plan (tuned) | predicted step (s) | measured step (s) | error | states pred/meas (MiB) "
-           "| saved activations pred/meas (MiB) | peak pred/meas (MiB) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| case | plan (tuned) | predicted step (s) | measured step (s) | error | T per stage pred/meas (ms) "
+           "| D per stage pred/meas (ms) | states pred/meas (MiB) | saved activations pred/meas (MiB) "
+           "| peak pred/meas (MiB) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         st = " · ".join(f"{_mib(s['state_bytes']['predicted'])}/{_mib(s['state_bytes']['measured'])}"
                         for s in r["stages"])
@@ -124,14 +126,18 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
                         f"{_mib(s['saved_activation_peak_bytes']['measured'])}" for s in r["stages"])
         pk = " · ".join(f"{_mib(s['peak_memory_bytes']['predicted'])}/{_mib(s['peak_memory_bytes']['measured'])}"
                         for s in r["stages"])
+        ms = lambda k: " · ".join(f"{s[k]['predicted'] * 1e3:.0f}/{s[k]['measured'] * 1e3:.0f}"  # noqa: E731
+                                  for s in r["stages"])
         out.append(f"| {r['case']} | {r['plan_summary']} | {r['predicted_step_s']:.3f} | "
-                   f"{r['measured_step_s']:.3f} | {r['step_time_error']:+.1%} | {st} | {sa} | {pk} |")
+                   f"{r['measured_step_s']:.3f} | {r['step_time_error']:+.1%} | {ms('stable_time_s')} | "
+                   f"{ms('delta_time_s')} | {st} | {sa} | {pk} |")
     s = summary(rows)
     out += ["", f"Step time: median |error| {s['median_abs_time_error']:.1%}, max {s['max_abs_time_error']:.1%} "
             f"over {len(rows)} plans. States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
             f"saved activations on {s['activations_exact']}/{s['stage_count']}. The peak column compares the "
             "simulator's peak (with operator temporaries) with the runtime's accounted peak (without them), "
-            "so it is an upper bound, not a byte match."]
+            "so it is an upper bound, not a byte match. T and D per stage: see `mist.runtime.phase_timer` "
+            "(with G = 1, D is 0 by definition)."]
     return "\n".join(out) + "\n"
 
 

@@ -346,12 +346,15 @@ def validate(
         t.add_column(col, justify="right")
     fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
     t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
-    labels = {"peak_memory": "peak memory", "state_memory": "states", "saved_activations": "saved activations"}
+    labels = {"stable_time": ("T, steady micro-batch (ms)", 1e-3), "delta_time": ("D, one-off per iteration (ms)", 1e-3),
+              "peak_memory": ("peak memory (MiB)", MIB), "state_memory": ("states (MiB)", MIB),
+              "saved_activations": ("saved activations (MiB)", MIB)}
     for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
-            mb = ms.get(key)
-            t.add_row(f"stage {i} {labels[name]} (MiB)", f"{ps[key] / MIB:.3f}",
-                      "-" if mb is None else f"{mb / MIB:.3f}", fmt(err[name][i]))
+            label, unit = labels[name]
+            mv = ms.get(key)
+            t.add_row(f"stage {i} {label}", f"{ps[key] / unit:.3f}",
+                      "-" if mv is None else f"{mv / unit:.3f}", fmt(err[name][i]))
     out.print(t)
     d = r.get("drift")
     if d and d.get("drifted"):

@@ -12,8 +12,9 @@ from mist.runtime.config import TrainConfig
 from mist.simulate.plan_sim import simulate_plan
 
 
-# per-stage memory quantities compared: (error name, key in both the prediction and the metrics)
-STAGE_ERRORS = (("peak_memory", "peak_memory_bytes"), ("state_memory", "state_bytes"),
+# per-stage quantities compared: (error name, key in both the prediction and the metrics)
+STAGE_ERRORS = (("stable_time", "stable_time_s"), ("delta_time", "delta_time_s"),
+                ("peak_memory", "peak_memory_bytes"), ("state_memory", "state_bytes"),
                 ("saved_activations", "saved_activation_peak_bytes"))
 
 

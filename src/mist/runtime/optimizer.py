@@ -20,6 +20,7 @@ the whole world. fp16 uses dynamic loss scaling; a non-finite norm skips the ste
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,9 @@ class ShardedAdamW:
         return dev + host.to(device)
 
     @torch.no_grad()
-    def step(self, lr: float, device: torch.device) -> StepResult:
+    def step(self, lr: float, device: torch.device, timer=None) -> StepResult:
+        """One step over every unit; `timer` (a PhaseTimer) times the update itself as "opt" —
+        not the gradient-norm all-reduce, which also waits for the other stages to finish."""
         sq = self._sq_norm(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq, group=self.norm_group)
@@ -133,6 +136,11 @@ class ShardedAdamW:
         self.step_count += 1
         kw = dict(step=self.step_count, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                   weight_decay=self.weight_decay)
+        with (timer.span("opt") if timer is not None else nullcontext()):
+            self._update(mult, kw)
+        return StepResult(norm, False)
+
+    def _update(self, mult: float, kw: dict) -> None:
         for u in self.units:
             m, ea, es, g = u.master, u.exp_avg, u.exp_avg_sq, u.opt_grad
             d = m.dev_len
@@ -149,7 +157,6 @@ class ShardedAdamW:
                     adamw_, m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw))
             else:
                 u.update_weights()
-        return StepResult(norm, False)
 
     def _host_pool(self):
         if self._host is None:

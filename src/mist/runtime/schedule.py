@@ -9,11 +9,13 @@ micro-batch: `Links`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from mist.runtime.handoff import Piece
+from mist.runtime.phase_timer import PhaseTimer
 from mist.runtime.stage import StageRunner
 
 
@@ -21,20 +23,29 @@ class GradAccumSchedule:
     def __init__(self, micro_batches: int):
         self.G = micro_batches
 
-    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0) -> list[torch.Tensor]:
+    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0,
+            timer: PhaseTimer | None = None) -> list[torch.Tensor]:
         """Run one step's micro-batches [(tokens, targets)]; return their (detached) losses.
 
         Each micro-batch loss is a token mean; the step's loss is their mean, so each backward
-        is scaled by 1/G (and by the fp16 loss scale).
+        is scaled by 1/G (and by the fp16 loss scale). `timer` times each forward and backward.
         """
+        span = _spans(timer)
         losses = []
         for g, (tokens, targets) in enumerate(micro_batches):
             runner.start_micro_batch(g, last=g == self.G - 1)
-            loss = runner.forward(tokens, targets)
-            (loss * (loss_scale / self.G)).backward()
-            runner.finish_micro_batch()
+            with span("fwd"):
+                loss = runner.forward(tokens, targets)
+            with span("bwd"):
+                (loss * (loss_scale / self.G)).backward()
+                runner.finish_micro_batch()
             losses.append(loss.detach())
         return losses
+
+
+def _spans(timer):
+    """timer.span, or a do-nothing context when there is no timer."""
+    return timer.span if timer is not None else (lambda kind: nullcontext())
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -133,8 +144,10 @@ class PipelineSchedule:
             pending.append((dist.isend(part, p.rank, tag=self._tag(g, 2)), part))
 
     # ------------------------------------------------------------ the step
-    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0) -> list[torch.Tensor]:
+    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0,
+            timer: PhaseTimer | None = None) -> list[torch.Tensor]:
         G, first, last = self.G, self.i == 0, self.i == self.S - 1
+        span = _spans(timer)
         pending: list = []
         inflight: dict[int, tuple] = {}
         losses: list[torch.Tensor] = []
@@ -142,9 +155,10 @@ class PipelineSchedule:
         def forward(g: int) -> None:
             tokens, targets = micro_batches[g]
             x = tokens if first else self._recv_act(g)
-            before = runner.begin_forward()
-            out = runner.forward(x, targets if last else None)
-            act = runner.saved.memory.activations - before
+            with span("fwd"):
+                before = runner.begin_forward()
+                out = runner.forward(x, targets if last else None)
+                act = runner.saved.memory.activations - before
             if last:
                 losses.append(out.detach())
             else:
@@ -153,12 +167,14 @@ class PipelineSchedule:
 
         def backward(g: int) -> None:
             x, out, act = inflight.pop(g)
-            runner.begin_backward(g, last=g == G - 1)
-            if last:
-                (out * (loss_scale / G)).backward()
-            else:
-                torch.autograd.backward(out, self._recv_grad(out, g))
-            runner.end_backward(act)
+            grad = None if last else self._recv_grad(out, g)
+            with span("bwd"):
+                runner.begin_backward(g, last=g == G - 1)
+                if last:
+                    (out * (loss_scale / G)).backward()
+                else:
+                    torch.autograd.backward(out, grad)
+                runner.end_backward(act)
             if not first:
                 self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, pending)
 

@@ -22,6 +22,7 @@ from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
+from mist.runtime.phase_timer import PhaseTimer, stage_times
 from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
 from mist.runtime.sharding import (full_meta_model, init_stage_params, kv_replicated_rows,
                                    tp_slice)
@@ -139,6 +140,7 @@ class Trainer:
             return any(u.materialized and u.storage_ptr() == ptr for u in self.units)
 
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
+        self.timer = PhaseTimer(self.device)
         self.runner = StageRunner(module, self.units, st.recompute_layers, st.offload.activations,
                                   self.saved, autocast)
         if plan.num_stages > 1:
@@ -185,10 +187,11 @@ class Trainer:
                for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.dp_rank)]
         self._sync()
         t0 = time.perf_counter()
-        losses = self.schedule.run(self.runner, mbs, self.scaler.scale)
+        self.timer.reset()
+        losses = self.schedule.run(self.runner, mbs, self.scaler.scale, timer=self.timer)
         for k, idx in self.tied.items():
             self.units[k].reduce_deferred(idx, g.tied, 1.0 / self.stage.dp)
-        res = self.optimizer.step(lr, self.device)
+        res = self.optimizer.step(lr, self.device, timer=self.timer)
         last = g.stage.index == self.plan.num_stages - 1
         loss = (torch.stack(losses).float().mean() if last
                 else torch.zeros((), dtype=torch.float32, device=self.device))
@@ -200,8 +203,10 @@ class Trainer:
             dist.broadcast(loss, src=g.stages[-1].first_rank)
         self._sync()
         dt = time.perf_counter() - t0
+        spans = self.timer.seconds()
+        T, D = stage_times(spans["fwd"], spans["bwd"], sum(spans["opt"]))
         rec = {"step": step, "loss": float(loss.item()), "lr": lr, "grad_norm": res.grad_norm,
-               "skipped": res.skipped, "time_s": dt}
+               "skipped": res.skipped, "time_s": dt, "stable_time_s": T, "delta_time_s": D}
         self.history.append(rec)
         return rec
 
@@ -240,14 +245,15 @@ class Trainer:
             n += u.acc.host_bytes
         return n
 
-    def stage_maxima(self, values: list[float]) -> list[list[int]]:
-        """Per stage, the largest of each value over the stage's ranks (collective over the world)."""
+    def stage_maxima(self, values: list[float], seconds: list[float] = ()) -> list:
+        """Per stage, the largest of each value over the stage's ranks (collective over the world):
+        [(ints, floats)] for integer `values` (bytes) and float `seconds`."""
         n, k = self.plan.num_stages, len(values)
-        t = torch.zeros(n, k, dtype=torch.float64, device=self.device)
-        t[self.groups.stage.index] = torch.tensor(values, dtype=torch.float64)
+        t = torch.zeros(n, k + len(seconds), dtype=torch.float64, device=self.device)
+        t[self.groups.stage.index] = torch.tensor(list(values) + list(seconds), dtype=torch.float64)
         if self.groups.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [[int(v) for v in row] for row in t.tolist()]
+        return [([int(v) for v in row[:k]], [float(v) for v in row[k:]]) for row in t.tolist()]
 
     def metrics(self) -> dict:
         from mist.hardware import load_profile
@@ -257,6 +263,9 @@ class Trainer:
         times = [r["time_s"] for r in self.history]
         steady = times[1:] if len(times) > 1 else times   # the first step warms up
         step_time = sum(steady) / len(steady)
+        warm = self.history[1:] if len(self.history) > 1 else self.history
+        T = sum(r["stable_time_s"] for r in warm) / len(warm)
+        D = sum(r["delta_time_s"] for r in warm) / len(warm)
         try:
             peak_flops = load_profile(self.plan.cluster.gpu).peak_flops
         except MistInputError:
@@ -270,7 +279,8 @@ class Trainer:
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else self.memory.peak)
         per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes,
-                                       self.memory.persistent, self.memory.activations_peak])
+                                       self.memory.persistent, self.memory.activations_peak],
+                                      [T, D])
         return {
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
@@ -286,10 +296,12 @@ class Trainer:
             # state_bytes, saved_activation_peak_bytes: tensor accounting on every device (the
             # device part of weights, gradients and optimizer states; the most saved-activation
             # bytes kept on the device at once), comparable byte for byte with `mist simulate`
+            # stable_time_s, delta_time_s: the stage's T and D (see `phase_timer`), slowest rank
             "stages": [{"peak_memory_bytes": p, "peak_memory_source": source,
                         "host_state_bytes": h, "activation_bytes_offloaded": a,
-                        "state_bytes": st, "saved_activation_peak_bytes": sa}
-                       for p, h, a, st, sa in per_stage],
+                        "state_bytes": st, "saved_activation_peak_bytes": sa,
+                        "stable_time_s": t, "delta_time_s": d}
+                       for (p, h, a, st, sa), (t, d) in per_stage],
         }
 
     # ------------------------------------------------------------ export

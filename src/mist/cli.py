@@ -356,6 +356,8 @@ def validate(
             t.add_row(f"stage {i} {label}", f"{ps[key] / unit:.3f}",
                       "-" if mv is None else f"{mv / unit:.3f}", fmt(err[name][i]))
     out.print(t)
+    for w in r.get("warnings", []):
+        out.print(f"[yellow]warning:[/] {w}")
     d = r.get("drift")
     if d and d.get("drifted"):
         out.print(f"[yellow]warning:[/] this machine no longer matches the profile: its micro-benchmarks "

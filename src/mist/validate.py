@@ -31,10 +31,20 @@ def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> d
     pairs = list(zip(pred["stages"], metrics.get("stages", [])))
     errors = {"step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
               **{name: [_rel(ps[key], ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS}}
-    out = {"predicted": pred, "measured": metrics, "errors": errors}
+    out = {"predicted": pred, "measured": metrics, "errors": errors, "warnings": mismatch(plan, profile)}
     if drift is not None:
         out["drift"] = drift
     return out
+
+
+def mismatch(plan: Plan, profile) -> list[str]:
+    """Sentences on why the profile may not describe the devices this plan runs on."""
+    fp = getattr(profile, "fingerprint", None) or {}
+    k, world = fp.get("processes"), plan.cluster.world_size
+    if fp.get("device_kind") == "cpu" and k and int(k) != world:
+        return [f"this CPU profile describes one device of a {k}-process run (its thread count, its busy "
+                f"neighbours), but the plan runs {world} processes: expect its times not to apply."]
+    return []
 
 
 def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> dict:

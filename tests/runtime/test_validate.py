@@ -30,3 +30,15 @@ def test_validate_json_reports_signed_relative_errors(tmp_path):
     assert err["step_time"] == pytest.approx((pred["iteration_time_s"] - meas["step_time_s"]) / meas["step_time_s"])
     mb = meas["stages"][0]["peak_memory_bytes"]
     assert err["peak_memory"][0] == pytest.approx((pred["stages"][0]["peak_memory_bytes"] - mb) / mb)
+
+
+def test_a_cpu_profile_of_another_process_count_is_flagged():
+    from mist.hardware import load_profile
+    from mist.validate import mismatch
+
+    prof = load_profile(str(ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"))
+    k = prof.fingerprint["processes"]
+    assert mismatch(make_plan("gpt", dp=k), prof) == []
+    (w,) = mismatch(make_plan("gpt", dp=2 * k), prof)
+    assert f"{k}-process run" in w and f"runs {2 * k} processes" in w
+    assert mismatch(make_plan("gpt", dp=2 * k, gpu="l4"), load_profile("l4")) == []

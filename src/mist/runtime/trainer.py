@@ -250,6 +250,7 @@ class Trainer:
         [(ints, floats)] for integer `values` (bytes) and float `seconds`."""
         n, k = self.plan.num_stages, len(values)
         t = torch.zeros(n, k + len(seconds), dtype=torch.float64, device=self.device)
+        t[:, k:] = -1e300      # times may be negative (a D below noise); other stages' rows must not win
         t[self.groups.stage.index] = torch.tensor(list(values) + list(seconds), dtype=torch.float64)
         if self.groups.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -100,6 +100,21 @@ COLD_BYTES = 128 * 2**20
 COLD_COPIES = 256
 
 
+def cold_weights(n: int, k: int, dev: Device, rand, cache: dict) -> list:
+    """Distinct [n, k] weights spanning COLD_BYTES, to cycle through: slices of one shared random
+    buffer kept in `cache` (a weight that big on its own is one tensor, cached by shape)."""
+    size = n * k
+    if size * dev.element_bytes >= COLD_BYTES:
+        if (n, k) not in cache:
+            cache[(n, k)] = rand(n, k)
+        return [cache[(n, k)]]
+    if "pool" not in cache:
+        cache["pool"] = rand(1, COLD_BYTES // dev.element_bytes).view(-1)
+    pool = cache["pool"]
+    copies = min(COLD_COPIES, pool.numel() // size)
+    return [pool[c * size:(c + 1) * size].view(n, k) for c in range(copies)]
+
+
 def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     """Times of y[m, n] = x[m, k] @ w[n, k]^T (F.linear) over the grid axes^3 (seconds), with
     cold weights (see COLD_BYTES)."""
@@ -117,28 +132,13 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     def rand(r, c):
         return torch.randn(r, c, generator=g, device=dev.torch_device, dtype=torch.float32).to(dev.dtype)
 
-    pool = []
-
-    def cold_weights(n, k):
-        """Distinct [n, k] weights spanning COLD_BYTES: slices of one shared random buffer (a
-        weight that big on its own is one tensor of its own, kept for the sweep)."""
-        size = n * k
-        if size * dev.element_bytes >= COLD_BYTES:
-            if (n, k) not in ws:
-                ws[(n, k)] = rand(n, k)
-            return [ws[(n, k)]]
-        if not pool:
-            pool.append(rand(1, COLD_BYTES // dev.element_bytes).view(-1))
-        copies = min(COLD_COPIES, pool[0].numel() // size)
-        return [pool[0][c * size:(c + 1) * size].view(n, k) for c in range(copies)]
-
     def point(idx):
         i, j, l = idx
         m, n, k = ms[i], ns[j], ks[l]
         x = xs.get((m, k))
         if x is None:
             x = xs[(m, k)] = rand(m, k)
-        cycle = itertools.cycle(cold_weights(n, k))
+        cycle = itertools.cycle(cold_weights(n, k, dev, rand, ws))
         return time_op(lambda: F.linear(x, next(cycle)), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
 
     with torch.no_grad():

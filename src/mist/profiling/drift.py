@@ -17,9 +17,12 @@ profile's thread count (fingerprint torch_threads), as the profile was measured.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from mist.cpu_workers import threads_per_worker
+from mist.profiling.compute import cold_weights
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Device, time_op, warm_up
 
@@ -38,11 +41,8 @@ def check(profile, device: str | None = None, quick: bool = True, processes: int
     threads = torch.get_num_threads()
     if kind == "cpu" and fp.get("torch_threads"):
         torch.set_num_threads(int(fp["torch_threads"]))
-    # a CPU profile measured under busy neighbours is re-measured under the same load
-    busy = Neighbours(int(fp.get("busy_neighbours", 0)) if kind == "cpu" else 0, torch.get_num_threads())
     try:
-        with busy:
-            return _check(profile, dev, quick, processes, threshold, attempts)
+        return _check(profile, dev, quick, processes, threshold, attempts)
     finally:
         torch.set_num_threads(threads)
 
@@ -69,24 +69,33 @@ def _check(profile, dev: Device, quick, processes, threshold, attempts) -> dict:
         checks.append({"what": what, "measured_s": best, "predicted_s": predicted,
                        "ratio": best / predicted if predicted > 0 else float("inf"), "attempts_s": tries})
 
-    warm_up(dev, 0.3 if quick else 1.0)
-    g = torch.Generator(device=dev.torch_device).manual_seed(0)
-    with torch.no_grad():
-        for m, n, k in measured_gemm_points(profile, 3 if quick else 6):
-            x = torch.randn(m, k, generator=g, device=dev.torch_device).to(dev.dtype)
-            w = torch.randn(n, k, generator=g, device=dev.torch_device).to(dev.dtype)
-            add(f"gemm {m}x{n}x{k}", lambda x=x, w=w: time_op(lambda: F.linear(x, w), dev, target_s=0.05 if quick else 0.15),
-                profile.gemm_time(m, n, k))
+    # a CPU profile's compute tables were measured under busy neighbours: re-measure under the
+    # same load (its collectives were not, and are not)
+    busy = Neighbours(int(fp.get("busy_neighbours", 0)) if kind == "cpu" else 0, torch.get_num_threads())
+    with busy:
+        warm_up(dev, 0.3 if quick else 1.0)
+        g = torch.Generator(device=dev.torch_device).manual_seed(0)
+        with torch.no_grad():
+            def rand(r, c):
+                return torch.randn(r, c, generator=g, device=dev.torch_device).to(dev.dtype)
 
-    fits = fp.get("memory_op_fits", {}).get("gelu/fwd")
-    nbytes = int(max(fits["bytes"])) if fits else (256 if kind == "cuda" else 4) * MiB * 2
-    T = nbytes // 2  # GELU forward moves 2T (x in, y out)
-    h = 1024
-    rows = max(1, T // (h * dev.element_bytes))
-    x = torch.randn(rows, h, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
-    add(f"gelu fwd {2 * rows * h * dev.element_bytes / MiB:.1f} MiB",
-        lambda: time_op(lambda: F.gelu(x), dev, target_s=0.05 if quick else 0.15),
-        profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes))
+            cache: dict = {}   # cold weights, as the profile timed them
+            for m, n, k in measured_gemm_points(profile, 3 if quick else 6):
+                x = rand(m, k)
+                ws = itertools.cycle(cold_weights(n, k, dev, rand, cache))
+                add(f"gemm {m}x{n}x{k}",
+                    lambda x=x, ws=ws: time_op(lambda: F.linear(x, next(ws)), dev, target_s=0.05 if quick else 0.15),
+                    profile.gemm_time(m, n, k))
+
+        fits = fp.get("memory_op_fits", {}).get("gelu/fwd")
+        nbytes = int(max(fits["bytes"])) if fits else (256 if kind == "cuda" else 4) * MiB * 2
+        T = nbytes // 2  # GELU forward moves 2T (x in, y out)
+        h = 1024
+        rows = max(1, T // (h * dev.element_bytes))
+        x = torch.randn(rows, h, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
+        add(f"gelu fwd {2 * rows * h * dev.element_bytes / MiB:.1f} MiB",
+            lambda: time_op(lambda: F.gelu(x), dev, target_s=0.05 if quick else 0.15),
+            profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes))
 
     skipped = []
     if processes > 1:

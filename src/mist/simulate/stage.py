@@ -128,6 +128,17 @@ class StageModel:
     def _d2h(self, nbytes):
         return _arr(nbytes) / self.profile.d2h_bandwidth
 
+    def _device_step(self, params):
+        """The optimizer step of `params` device-resident fp32 elements as the runtime runs it
+        (`ShardedAdamW._update`): the gradient copied out to fp32 and scaled (clip, loss scale),
+        the AdamW kernel (the profile's measured rate of the same function), the new master cast
+        into the working weights."""
+        prof, pr, n = self.profile, self.prec, _arr(params)
+        return (prof.memory_op_time("copy", (pr.grad_bytes + 4) * n, False)
+                + prof.memory_op_time("mul", 8 * n, False)
+                + prof.adam_gpu_s_per_param * n
+                + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False))
+
     def _grad_handling(self, grad_bytes, dp, zero, go, G: int):
         """(per micro-batch, once per iteration) memory-bound work of the runtime's gradient path
         for one unit (`FlatUnit`), on the compute stream.
@@ -212,7 +223,7 @@ class StageModel:
 
         # first micro-batch: lazy optimizer step per layer
         p_os = P / os_
-        opt_gpu = prof.adam_gpu_s_per_param * p_os * (1 - oo)
+        opt_gpu = self._device_step(p_os * (1 - oo))
         opt_cpu = prof.adam_cpu_s_per_param * p_os * oo
         upd_in = self._h2d(WEIGHT_B * p_os * oo * (1 - wo))
         regather = np.where((zero >= 1) & (zero <= 2), ag_w, 0.0)
@@ -272,7 +283,7 @@ class StageModel:
             pp["compute"] += f_c + b_c - tpp
             pp["tp"] += tpp
             pp["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-            pp["first"] += (prof.adam_gpu_s_per_param * Pp / os_
+            pp["first"] += (self._device_step(Pp / os_)
                             + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
             pp["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
             pp["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]

@@ -42,7 +42,9 @@ CASES = [
     ("llama pp2 memory limit", "loop-llama", ["--pp", "2", "limit"]),
 ]
 QUICK = ("llama dp2", "gpt pp2", "llama tp2", "gpt dp2 memory limit")
-LIMIT_FRACTION = 0.6   # of the unconstrained plan's predicted peak: forces recompute / offload
+# fractions of the unconstrained plan's predicted peak, tried in turn until a plan fits: the
+# first that fits forces recompute / offload
+LIMIT_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 
 def mist(*args: str, timeout: float = 900) -> str:
@@ -75,19 +77,27 @@ def tune(model: str, profile: str, extra: list[str], plan_path: Path) -> dict:
     return _json(mist(*args))
 
 
-def memory_limit(model: str, profile: str, extra: list[str], tmp: Path) -> float:
-    """GiB: LIMIT_FRACTION of the predicted peak of the best plan without a memory limit."""
-    res = tune(model, profile, extra, tmp / f"{model}-free.json")
-    peak = max(s["peak_memory_bytes"] for s in res["predicted"]["stages"])
-    return LIMIT_FRACTION * peak / 2**30
+def tune_limited(model: str, profile: str, extra: list[str], plan_path: Path) -> tuple[dict, list[str]]:
+    """Tune under the tightest --memory-limit of LIMIT_FRACTIONS × the unlimited plan's peak that
+    still fits; (result, the arguments used)."""
+    free = tune(model, profile, extra, plan_path)
+    peak = max(s["peak_memory_bytes"] for s in free["predicted"]["stages"])
+    for f in LIMIT_FRACTIONS:
+        args = extra + ["--memory-limit", f"{f * peak / 2**30:.4f}"]
+        try:
+            return tune(model, profile, args, plan_path), args
+        except RuntimeError as e:
+            if "No configuration fits" not in str(e):
+                raise
+    raise RuntimeError(f"no plan of {model} fits under {LIMIT_FRACTIONS[-1]:.0%} of its unlimited peak")
 
 
 def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, tmp: Path) -> dict:
     plan_path = tmp / (name.replace(" ", "-") + ".json")
     if "limit" in extra:
-        extra = [a for a in extra if a != "limit"]
-        extra += ["--memory-limit", f"{memory_limit(model, profile, extra, tmp):.4f}"]
-    res = tune(model, profile, extra, plan_path)
+        res, extra = tune_limited(model, profile, [a for a in extra if a != "limit"], plan_path)
+    else:
+        res = tune(model, profile, extra, plan_path)
     t0 = time.perf_counter()
     val = _json(mist("validate", str(plan_path), "--gpu", profile, "--local", "--steps", str(steps),
                      "--no-drift", "--json"))

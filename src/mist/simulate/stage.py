@@ -224,7 +224,10 @@ class StageModel:
         # first micro-batch: lazy optimizer step per layer
         p_os = P / os_
         opt_gpu = self._device_step(p_os * (1 - oo))
-        opt_cpu = prof.adam_cpu_s_per_param * p_os * oo
+        # the host part: on a CPU device the host is the device, so the same passes at the same rates;
+        # on a GPU the host AdamW at its measured rate (its host-memory passes are not profiled)
+        opt_cpu = (self._device_step(p_os * oo) if self.serial
+                   else prof.adam_cpu_s_per_param * p_os * oo)
         upd_in = self._h2d(WEIGHT_B * p_os * oo * (1 - wo))
         regather = np.where((zero >= 1) & (zero <= 2), ag_w, 0.0)
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out

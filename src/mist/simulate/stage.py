@@ -139,7 +139,7 @@ class StageModel:
                 + prof.adam_gpu_s_per_param * n
                 + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False))
 
-    def _grad_handling(self, grad_bytes, dp, zero, go, G: int):
+    def _grad_handling(self, grad_bytes, dp, gs, os_, in_place, G: int):
         """(per micro-batch, once per iteration) memory-bound work of the runtime's gradient path
         for one unit (`FlatUnit`), on the compute stream.
 
@@ -149,14 +149,10 @@ class StageModel:
         Otherwise the unit's gradients are flattened each micro-batch (a fill and a copy), divided
         by dp, and accumulated (G > 1) or stored once reduced (G = 1)."""
         prof, Gr = self.profile, _arr(grad_bytes)
-        dp, zero, go = _arr(dp), _arr(zero), _arr(go)
-        div = np.where(dp > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
-        gs = np.where(zero >= 2, dp, 1.0)
-        os_ = np.where(zero >= 1, dp, 1.0)
+        div = np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
         keep = (prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1
                 else prof.memory_op_time("copy", 2 * Gr / os_, True))
         flatten = prof.memory_op_time("copy", 3 * Gr, True) + div + keep
-        in_place = _in_place_grads(zero, go, G)
         per_mb = np.where(in_place, prof.memory_op_time("add", 3 * Gr, True), flatten)
         per_it = np.where(in_place, prof.memory_op_time("copy", Gr, True) + div, 0.0)
         return per_mb, per_it
@@ -203,7 +199,8 @@ class StageModel:
         # ---- per-layer channel times (standalone), stable micro-batches
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
         cf = g(blk.fwd) - tpf
-        grad_mb, grad_it = self._grad_handling(Gr, dp, zero, go, G)
+        in_place = _in_place_grads(zero, go, G)
+        grad_mb, grad_it = self._grad_handling(Gr, dp, gs, os_, in_place, G)
         cb = g(blk.bwd) - tpb + grad_mb
         crc = g(blk.recompute)
         g2g_f = np.where(sharded_w, ag_w, 0.0)
@@ -276,7 +273,8 @@ class StageModel:
             if tied:
                 pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
                                                            st.cluster_gpus_per_node)
-            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, zero, go * 0, G)
+            # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
+            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G), G)
             f_c, b_c = lt.fwd[pix], lt.bwd[pix] + pp_grad_mb
             pp["last"] += pp_grad_it
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
@@ -327,7 +325,7 @@ class StageModel:
             # the runtime flattens each unit's into one transient buffer (plus a second when they
             # are sharded or offloaded)
             "buffers": (2 * w_max * ((zero >= 3) | (wo > 0))
-                        + g_max * ((~_in_place_grads(zero, go, G)).astype(np.float64)
+                        + g_max * ((~in_place).astype(np.float64)
                                    + ((zero >= 2) | (go > 0)).astype(np.float64))).astype(np.float64),
             "A_f": _kept_saved(A_full, blk.split_numel, blk.split_elt, blk.split_whole, ix, ao),
             "A_c": _kept_saved(A_ck, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, ix, ao),

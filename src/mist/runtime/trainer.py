@@ -262,11 +262,9 @@ class Trainer:
         t = self.plan.training
         tokens = t.global_batch * t.seq_len
         times = [r["time_s"] for r in self.history]
-        steady = times[1:] if len(times) > 1 else times   # the first step warms up
-        step_time = sum(steady) / len(steady)
-        warm = self.history[1:] if len(self.history) > 1 else self.history
-        T = sum(r["stable_time_s"] for r in warm) / len(warm)
-        D = sum(r["delta_time_s"] for r in warm) / len(warm)
+        steady = self.history[1:] if len(self.history) > 1 else self.history   # the first step warms up
+        step_time, T, D = (sum(r[k] for r in steady) / len(steady)
+                           for k in ("time_s", "stable_time_s", "delta_time_s"))
         try:
             peak_flops = load_profile(self.plan.cluster.gpu).peak_flops
         except MistInputError:

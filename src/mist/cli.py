@@ -46,7 +46,8 @@ def estimate(
     seq: int = typer.Option(2048, help="Sequence length."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Micro-batch size."),
     tp: int = typer.Option(1, help="Tensor-parallel degree (one shard is estimated)."),
-    recompute: str = typer.Option("none", help="Activation recomputation: none or full."),
+    recompute: str = typer.Option("none", help="Activation recomputation: none, full (whole blocks) or "
+                                  "attention (the attention core only)."),
     no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -56,8 +57,8 @@ def estimate(
     from mist.specs.loading import load_model
     from mist.specs.training import TrainingSpec
 
-    if recompute not in ("none", "full"):
-        raise MistInputError(f"--recompute must be 'none' or 'full', got {recompute!r}.")
+    if recompute not in ("none", "full", "attention"):
+        raise MistInputError(f"--recompute must be 'none', 'full' or 'attention', got {recompute!r}.")
     TrainingSpec(seq_len=seq, global_batch=micro_batch)
     if micro_batch <= 0:
         raise MistInputError(f"--micro-batch must be positive, got {micro_batch}.")

@@ -2,8 +2,9 @@
 
 A plan says how to train a model on a cluster: the gradient-accumulation count G
 (`micro_batches`) and, per pipeline stage in order, its layers, its device mesh, micro-batch
-size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage) and
-the fraction of each state kept in CPU memory. Stage 0 also holds the embedding and the last
+size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage),
+whether its other blocks recompute their attention core, and the fraction of each state kept in
+CPU memory. Stage 0 also holds the embedding and the last
 stage the final norm, head and loss. This module validates and (de)serializes; nothing else.
 """
 
@@ -44,6 +45,7 @@ class StageStrategy:
     zero: int = 0
     recompute_layers: int = 0
     offload: Offload = field(default_factory=Offload)
+    recompute_attention: bool = False   # the blocks not recomputed whole recompute their attention core
 
     @property
     def gpus(self) -> int:
@@ -91,7 +93,9 @@ class Plan:
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
             lines.append(f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
                          f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
-                         f"recompute {s.recompute_layers}" + (f", offload {off}" if off else ""))
+                         f"recompute {s.recompute_layers}"
+                         + (" + attention of the rest" if s.recompute_attention else "")
+                         + (f", offload {off}" if off else ""))
         return "\n".join(lines)
 
 
@@ -114,6 +118,8 @@ def validate(p: Plan) -> None:
         for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp"):
             _int(f"{where} {f}", getattr(s, f))
         _int(f"{where} recompute_layers", s.recompute_layers, 0)
+        if not isinstance(s.recompute_attention, bool):
+            raise MistInputError(f"{where} recompute_attention must be true or false, got {s.recompute_attention!r}.")
         if s.zero not in (0, 1, 2, 3) or isinstance(s.zero, bool):
             raise MistInputError(f"{where} zero must be 0, 1, 2 or 3, got {s.zero!r}.")
         if s.micro_batch * s.dp * p.micro_batches != B:

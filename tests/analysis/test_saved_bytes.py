@@ -49,7 +49,7 @@ def run_part(spec, part, tp, flash, recompute, b, s):
     x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
     tok = torch.randint(0, spec.vocab_size, (b, s))
     if part == "block":
-        seen = measure_saved(lambda: run_block(m, x, recompute))
+        seen = measure_saved(lambda: run_block(m, x, recompute is True, attention=recompute == "attention"))
     elif part == "pre":
         seen = measure_saved(lambda: m(tok))
     else:
@@ -59,7 +59,8 @@ def run_part(spec, part, tp, flash, recompute, b, s):
 
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("flash,recompute", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("flash,recompute", [(True, False), (False, False), (True, True),
+                                              (False, "attention"), (True, "attention")])
 def test_block_saved_bytes_match_cpu(family, tp, flash, recompute):
     spec = SPECS[family]
     la = analyze_layer(spec, "block", tp=tp, flash=flash, dtype="fp32", target="cpu", recompute=recompute)

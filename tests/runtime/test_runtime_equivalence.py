@@ -26,6 +26,10 @@ CASES = [
     ("gpt", "recompute1-tp2", dict(tp=2, recompute=1)),
     ("llama", "recompute-all", dict(recompute=3)),
     ("falcon", "recompute2-zero1", dict(dp=2, zero=1, recompute=2)),
+    # attention recomputation of the other blocks (non-flash: the materialised scores are dropped)
+    ("llama", "attention-recompute1-tp2-nonflash", dict(tp=2, recompute=1, recompute_attention=True, flash=False)),
+    ("gpt", "attention-recompute-activations0.5-nonflash", dict(dp=2, recompute_attention=True, flash=False,
+                                                                offload=dict(activations=0.5))),
     # G > 1 micro-batches (ZeRO 0/1 reduce once at the last, ZeRO 2 every micro-batch)
     ("gpt", "G4", dict(G=4)),
     ("llama", "G2-zero2", dict(G=2, dp=2, zero=2)),

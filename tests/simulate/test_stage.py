@@ -52,6 +52,25 @@ def test_recompute_trades_time_for_memory(l4_model):
     assert float(b.time_breakdown["recompute_s"][0]) > 0 == float(a.time_breakdown["recompute_s"][0])
 
 
+def test_attention_recompute_sits_between_none_and_full():
+    """Without flash the attention core keeps the b·heads·s² softmax output: recomputing only the
+    core frees most of a block's activations for a fraction of a full recompute's time."""
+    prof = load_profile("l4")
+    plain = StageModel(SPEC, prof, tp=1, flash=False, seq=2048)
+    attn = StageModel(SPEC, prof, tp=1, flash=False, seq=2048, attention_recompute=True)
+    none, full = plain.evaluate(stage(recompute=0)), plain.evaluate(stage(recompute=12))
+    core = attn.evaluate(stage(recompute=0))
+    assert one(full, "peak") < one(core, "peak") < one(none, "peak")
+    assert one(none, "T") < one(core, "T") < one(full, "T")
+    rc = float(core.time_breakdown["recompute_s"][0])
+    assert 0 < rc < float(full.time_breakdown["recompute_s"][0])
+    assert sum(float(v[0]) for v in core.time_breakdown.values()) == pytest.approx(one(core, "T"), rel=1e-9)
+    # blocks recomputed whole are unaffected by the flag: all 12 recomputed = the same stage
+    both = attn.evaluate(stage(recompute=12))
+    assert one(both, "T") == pytest.approx(one(full, "T"), rel=1e-12)
+    assert one(both, "peak") == pytest.approx(one(full, "peak"), rel=1e-12)
+
+
 @pytest.mark.parametrize("knob", ["wo", "go", "oo", "ao"])
 def test_offload_frees_memory_and_never_speeds_up(l4_model, knob):
     a = l4_model.evaluate(stage())

@@ -73,3 +73,28 @@ def test_nothing_fits_exits_2_with_memory_reason(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "GiB" in err and "least memory" in err
+
+
+def test_attention_recompute_is_searched_without_flash_and_resimulates():
+    """The knob reaches the plan and `simulate` costs it the same way (a space that forces it on)."""
+    from dataclasses import replace
+
+    from mist.tune.intra import StageTables
+    from mist.tune.search import tune
+    from mist.tune.space import get_space
+
+    spec, prof = get_preset("gpt3-1.3b"), load_profile("l4")
+    full = get_space("full")
+    args = (spec, prof, 2048)
+    rest = (full, 1, 8, 1, 2, 2, 32, False)
+    assert StageTables(*args, True, *rest).attention_choices() == (False,)
+    assert StageTables(*args, False, *rest).attention_choices() == (False, True)
+    forced = replace(full, name="forced", attention_recompute=(True,), seed_space=None)
+    training = TrainingSpec(seq_len=2048, global_batch=32, flash_attention=False)
+    r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
+    assert r.plan is not None
+    assert all(s.recompute_attention for s in r.plan.stages)
+    assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+    plain = tune(spec, ClusterSpec("l4", 1, 2), training, prof, replace(forced, attention_recompute=(False,)))
+    assert not any(s.recompute_attention for s in plain.plan.stages)
+    assert plain.iteration_time_s != r.iteration_time_s

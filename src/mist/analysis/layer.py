@@ -46,7 +46,7 @@ class LayerAnalysis:
     flash: bool
     dtype: str
     target: str
-    recompute: bool
+    recompute: bool | str
     records: list[OpRecord]
     params: int                        # parameters of this shard
     saved_bytes: sympy.Expr            # activations kept for backward (unique storages)
@@ -145,14 +145,17 @@ def _retarget(records: list[OpRecord], target: str) -> None:
 
 
 def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool = True,
-                  dtype: str = "bf16", target: str = "cuda", recompute: bool = False) -> LayerAnalysis:
-    """Trace and analyse one layer (cached per argument tuple)."""
+                  dtype: str = "bf16", target: str = "cuda", recompute: bool | str = False) -> LayerAnalysis:
+    """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
+    block checkpointed whole) or "attention" (only its attention core, `run_block(attention=True)`)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
+    if recompute not in (False, True, "attention"):
+        raise ValueError(f"recompute must be False, True or 'attention', got {recompute!r}")
     spec.check_tp(tp)
-    rc = recompute and part == "block"
+    rc = ("attention" if recompute == "attention" else bool(recompute)) if part == "block" else False
     la = _analyze(spec, part, tp, flash, dtype, target, rc, False)
     if la.unit_batch is None:
         la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True)
@@ -201,7 +204,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
 
     def forward(m, inputs):
         if part == "block":
-            return run_block(m, inputs[0], recompute)
+            return run_block(m, inputs[0], recompute is True, attention=recompute == "attention")
         if part == "post":
             return m(inputs[0], inputs[1])
         return m(inputs[0])
@@ -212,7 +215,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
     def build_and_hook(trace):
         m = build()
         if recompute:
-            label_recompute(trace, m)
+            label_recompute(trace, m if recompute is True else m.attn.core)
         return m
 
     trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)

@@ -3,6 +3,11 @@
 flash=True : `scaled_dot_product_attention` (fused kernel: keeps q, k, v, output and log-sum-exp).
 flash=False: the scores b·heads·s² are materialised (QKᵀ, mask, softmax, ·V), as in the
              non-flash runs of the paper.
+
+The core (q, k, v → context) is its own module, `AttentionCore`. With `recompute_core` set, it runs
+under reentrant checkpointing: only q, k and v are kept for backward and the core is re-run at the
+start of its backward (attention recomputation, Korthikanti et al. 2022's "selective"
+recomputation: without flash it drops the b·heads·s² softmax output for one more QKᵀ and softmax).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mist.models.collectives import TPGroup
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
@@ -50,6 +56,8 @@ class Attention(nn.Module):
                                         tp, spec.bias, dtype, device)
         self.dense = RowParallelLinear(spec.hidden_size, spec.hidden_size, tp, spec.bias,
                                        dtype, device, reduce=reduce)
+        self.core = AttentionCore(flash)
+        self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -62,12 +70,25 @@ class Attention(nn.Module):
         if self.spec.rotary_dim:
             cos, sin = rotary_cos_sin(s, self.spec.rotary_dim, x.device, x.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.flash:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != hq)
+        if self.recompute_core and torch.is_grad_enabled():
+            o = checkpoint(self.core, q, k, v, use_reentrant=True, preserve_rng_state=False)
         else:
-            o = self._materialised(q, k, v)
+            o = self.core(q, k, v)
         o = o.transpose(1, 2).reshape(b, s, hq * d)
         return self.dense(o)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q·kᵀ/√d, causal)·v over [b, heads, s, d] (k, v may have fewer heads: GQA)."""
+
+    def __init__(self, flash: bool):
+        super().__init__()
+        self.flash = flash
+
+    def forward(self, q, k, v):
+        if self.flash:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self._materialised(q, k, v)
 
     def _materialised(self, q, k, v):
         hq, hk = q.shape[1], k.shape[1]

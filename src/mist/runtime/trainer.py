@@ -141,8 +141,8 @@ class Trainer:
 
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.timer = PhaseTimer(self.device)
-        self.runner = StageRunner(module, self.units, st.recompute_layers, st.offload.activations,
-                                  self.saved, autocast)
+        self.runner = StageRunner(module, self.units, st.recompute_layers, st.recompute_attention,
+                                  st.offload.activations, self.saved, autocast)
         if plan.num_stages > 1:
             nxt = groups.stages[lay.index + 1] if not last else None
             links = Links(tuple(groups.incoming(-1)), tuple(groups.outgoing(-1)),

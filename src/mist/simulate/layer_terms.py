@@ -23,9 +23,11 @@ class LayerTerms:
     fwd: np.ndarray          # forward compute + TP comm
     bwd: np.ndarray          # backward compute + TP comm (no recomputation)
     recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
+    recompute_attn: np.ndarray  # re-run of the attention core inside `bwd` (attention recompute; else 0)
+    bwd_plain: np.ndarray    # backward of a block without any recomputation (= bwd unless attention)
     tp_comm_fwd: np.ndarray
     tp_comm_bwd: np.ndarray
-    saved: np.ndarray        # saved activations, not checkpointed
+    saved: np.ndarray        # saved activations, not checkpointed (attention recompute: core's q, k, v only)
     saved_ckpt: np.ndarray   # saved activations, checkpointed (the input only)
     fwd_peak: np.ndarray     # transient live bytes in forward (excluding the input)
     bwd_peak: np.ndarray     # live bytes in backward (incl. its own saved activations)
@@ -68,23 +70,33 @@ class _ByIdentity:
 
 
 def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b,
-                dtype: str = "bf16", target: str = "cuda") -> LayerTerms:
+                dtype: str = "bf16", target: str = "cuda", attention: bool = False) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
-    with the layer traced in `dtype` on the `target` device kind."""
+    with the layer traced in `dtype` on the `target` device kind. `attention`: the blocks that are
+    not checkpointed whole recompute their attention core (`run_block(attention=True)`); their
+    backward then includes the core's re-run."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
-    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()), dtype, target)
+    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()), dtype, target,
+                        bool(attention) and part == "block")
 
 
 @lru_cache(maxsize=512)
-def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target) -> LayerTerms:
+def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
     kw = dict(tp=tp, flash=flash, dtype=dtype, target=target)
-    la = analyze_layer(spec, part, **kw)
+    la = analyze_layer(spec, part, recompute="attention" if attention else False, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)
+    rc_attn = np.zeros_like(b)
+    bw_plain = bw.total
+    if attention:
+        bw_plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s).total
+        ra = phase_time(profile, links, la, "recompute", b, s)
+        bw = type(bw)(bw.compute + ra.compute, bw.comm + ra.comm)
+        rc_attn = ra.total
     if part == "block":
         ck = analyze_layer(spec, part, recompute=True, **kw)
         rc = phase_time(profile, links, ck, "recompute", b, s)
@@ -94,7 +106,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target) -> LayerTer
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
-        params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute,
+        params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute, recompute_attn=rc_attn, bwd_plain=bw_plain,
         tp_comm_fwd=f.comm, tp_comm_bwd=bw.comm,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),

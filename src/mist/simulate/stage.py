@@ -92,8 +92,10 @@ class StageModel:
     `evaluate` = compose(components).
     """
 
-    def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None):
+    def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None,
+                 attention_recompute: bool = False):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
+        self.attention_recompute = attention_recompute  # blocks not checkpointed whole recompute their attention core
         self.prec = precision or default_precision(profile, "bf16")
         # On a CPU device the runtime has no side streams: copies, collectives and the CPU Adam
         # step run in the rank's own thread, one after another (and on the same cores)
@@ -104,7 +106,7 @@ class StageModel:
     def _terms(self, part, b):
         ub, inv = np.unique(b, return_inverse=True)
         lt = layer_terms(self.spec, self.profile, part, self.tp, self.flash, self.seq, ub,
-                         self.prec.trace_dtype, self.prec.target)
+                         self.prec.trace_dtype, self.prec.target, self.attention_recompute)
         return lt, inv.reshape(np.shape(b))
 
     def _coll(self, op, nbytes, dp, st: StageInput):
@@ -213,9 +215,12 @@ class StageModel:
             act = A_ck if ck else A_full
             return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
 
+        crc_attn = g(blk.recompute_attn)   # in `cb`: the attention core's re-run (attention recompute)
+        cb_ck = g(blk.bwd_plain) - tpb + grad_mb + crc   # a block recomputed whole: plain backward + re-run
+
         def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
             act = A_ck if ck else A_full
-            comp = cb + (crc if ck else 0.0) + extra_c
+            comp = (cb_ck if ck else cb) + extra_c
             return self._overlap(comp, g2g_b + extra_g2g, self._h2d(c2g_b_w + act * ao), g2c_b + extra_g2c) + tpb
 
         # first micro-batch: lazy optimizer step per layer
@@ -245,8 +250,9 @@ class StageModel:
         comp["edge_b"] = edge * np.maximum(g2g_b, g2c_b)
         comp["edge_first"] = edge * np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
         comp["edge_last"] = edge * np.maximum(g2g_b + final_red, g2c_b + grads_out)
-        comp["layer_compute"] = cf + cb
+        comp["layer_compute"] = cf + cb - crc_attn
         comp["layer_recompute"] = crc
+        comp["layer_recompute_no"] = crc_attn
         comp["layer_tp"] = tpf + tpb
         comp["layer_flops"] = g(blk.flops_fwd) + g(blk.flops_bwd)
         comp["channels_layer"] = {
@@ -379,7 +385,7 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
         T = T_stable + 0.0 * X
     D = X + Y
     compute = L * comp["layer_compute"] + pp["compute"]
-    recompute = c * comp["layer_recompute"]
+    recompute = c * comp["layer_recompute"] + n_no * comp["layer_recompute_no"]
     tp = L * comp["layer_tp"] + pp["tp"]
     p2pb = np.broadcast_to(p2p, T.shape)
     breakdown = {"compute_s": compute + 0 * T, "recompute_s": recompute + 0 * T, "tp_comm_s": tp + 0 * T,

@@ -254,3 +254,5 @@ def warm(spec: ModelSpec, tps, flash: bool, dtype: str = "bf16", target: str = "
         for part in PARTS:
             analyze_layer(spec, part, tp, flash, dtype, target)
         analyze_layer(spec, "block", tp, flash, dtype, target, recompute=True)
+        if not flash:  # the tuner searches attention recomputation only without flash attention
+            analyze_layer(spec, "block", tp, flash, dtype, target, recompute="attention")

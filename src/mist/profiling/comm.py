@@ -52,6 +52,10 @@ def _script(rank, world, init_file, cfg, q):  # pragma: no cover - subprocess
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(int(cfg["threads"]))
     cuda = cfg["device"] == "cuda"
+    if not cuda:
+        from mist.cpu_workers import keep_heap_pages
+
+        keep_heap_pages()   # as `mist train` runs its CPU ranks
     if cuda:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)

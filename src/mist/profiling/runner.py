@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mist.cpu_workers import threads_per_worker
+from mist.cpu_workers import keep_heap_pages, threads_per_worker
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Budget, Device, warm_up
 
@@ -78,7 +78,7 @@ def settings_for(kind: str, time_budget: float) -> Settings:
             overlap_target_s=0.1)
     return Settings(
         gemm_axes=[64, 128, 256, 512, 1024, 2048],
-        attention={"b": [1, 2], "heads": [2, 4], "s": [128, 256, 512, 1024], "d": [32, 64]},
+        attention={"b": [1, 2, 4], "heads": [2, 4, 8], "s": [128, 256, 512, 1024], "d": [32, 64]},
         memory_sizes=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB], copy_bytes=256 * MiB,
         adam_params=4 * 2**20, adam_host_params=4 * 2**20,
         coll_sizes=[64 * 1024, 512 * 1024, 4 * MiB, 16 * MiB], coll_target_s=0.05,
@@ -135,8 +135,9 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
         return tick
 
     threads = torch.get_num_threads()
-    if kind == "cpu":   # one device of a K-process CPU run: ⌊cores / K⌋ threads
+    if kind == "cpu":   # one device of a K-process CPU run: ⌊cores / K⌋ threads, its heap settings
         torch.set_num_threads(threads_per_worker(processes))
+        keep_heap_pages()
     try:
         return _measure(kind, dev, st, budget, processes, report, ticker, name)
     finally:

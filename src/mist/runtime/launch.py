@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mist.cpu_workers import keep_heap_pages
 from mist.errors import MistInputError
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
@@ -96,6 +97,7 @@ def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q, thre
     try:
         if device_type == "cpu":
             torch.set_num_threads(threads)
+            keep_heap_pages()
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         res = run_rank(plan, cfg, rank, world, device, f"tcp://127.0.0.1:{port}", want_state)
         q.put(("ok", rank, res))
@@ -203,6 +205,7 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
         device = torch.device("cuda", local_rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        keep_heap_pages()
         device = torch.device("cpu")
     res = run_rank(plan, cfg, rank, world, device, "env://")
     sys.stdout.flush()

@@ -42,7 +42,7 @@ class SearchSpace:
     b_values: tuple | None = None       # None: any micro-batch B/(G·dp) up to b_max
     b_max: int = 64
     layer_slack: int | None = None      # None: any split; k: round(L/S) ± k
-    frontier_points: int = 8            # Pareto samples kept per (stage, layers)
+    frontier_points: int = 24           # Pareto samples kept per (stage, layers)
     # weight/gradient offload move their bytes over PCIe every micro-batch: "if_needed" opens
     # them only when no plan fits without them; "always" searches them from the start
     wg_policy: str = "if_needed"

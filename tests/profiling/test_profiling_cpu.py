@@ -98,11 +98,13 @@ def test_estimate_uses_the_profiles_links(written, spec, tmp_path):
     r = estimate(spec, load_profile(path), SEQ, 2, tp=2)
     assert r["gpu"] == "cpu-test"
     assert 0 < r["model"]["fwd_bwd_ms"] < math.inf and r["layer"]["fwd_comm_ms"] > 0
+    assert json.loads(path.read_text())["links"]["sync_s"] >= 0   # measured, whatever this machine gives
 
-    def slower(d):  # every TP collective 10x slower: alpha x 10, bus bandwidth / 10
+    def slower(d):  # every TP collective 10x slower: alpha and sync x 10, bus bandwidth / 10
         for table in d["links"]["fits"].values():
             for n in table:
                 table[n] = [table[n][0] * 10.0, table[n][1] / 10.0]
+        d["links"]["sync_s"] *= 10.0
     r2 = estimate(spec, load_profile(_variant(path, tmp_path, slower)), SEQ, 2, tp=2)
     assert r2["layer"]["fwd_comm_ms"] == pytest.approx(10 * r["layer"]["fwd_comm_ms"], rel=1e-6)
     assert r2["layer"]["fwd_compute_ms"] == pytest.approx(r["layer"]["fwd_compute_ms"], rel=1e-12)

@@ -1,12 +1,15 @@
 """Intra-node collective time: ring alpha-beta per (collective, group size), in bus-bandwidth form.
 
-    t = alpha_n + f(op, n) · bytes / busbw_n
+    t = alpha_n + sync + f(op, n) · bytes / busbw_n
     f = 2(n−1)/n for all-reduce, (n−1)/n for all-gather and reduce-scatter (bytes = full buffer),
         1 for point-to-point.
 
 Fitted per GPU from the measured collectives of the shared data (`fit_links.py`), or from
 datasheet link figures (labelled) for GPUs without measurements. Tensor-parallel groups live
 inside a node, so this covers the TP collectives; cross-node models belong to the simulator.
+`sync` (0 unless measured, `mist profile`): what a blocking collective issued right after compute
+costs beyond back-to-back calls — the ranks arrive at different moments and a blocked process
+must wake up (on this project's 2-core machine about 2 ms a call with gloo).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class LinkModel:
     provenance: str
     # per op: {group size: [alpha_s, busbw_Bps]}
     fits: dict
+    sync_s: float = 0.0
 
     def time(self, op: str, nbytes, n):
         """Seconds for collective `op` of `nbytes` (full buffer) over `n` GPUs of one node."""
@@ -51,11 +55,14 @@ class LinkModel:
             key = min(sizes, key=lambda k: (abs(np.log2(k) - np.log2(size)), k))
             alpha, busbw = table[str(key)]
             sel = nn == size
-            out[sel] = alpha + ring_factor(op, size) * nb[sel] / busbw
+            out[sel] = alpha + self.sync_s + ring_factor(op, size) * nb[sel] / busbw
         return out
 
     def to_json(self) -> dict:
-        return {"gpu": self.gpu, "provenance": self.provenance, "fits": self.fits}
+        out = {"gpu": self.gpu, "provenance": self.provenance, "fits": self.fits}
+        if self.sync_s:
+            out["sync_s"] = self.sync_s
+        return out
 
 
 def load_links(gpu: str) -> LinkModel | None:

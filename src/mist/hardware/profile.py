@@ -96,7 +96,8 @@ class GpuProfile:
             return load_links(self.name)
         return self._cached("links", lambda: LinkModel(str(self.links.get("gpu", self.name)),
                                                        str(self.links.get("provenance", "")),
-                                                       self.links["fits"]))
+                                                       self.links["fits"],
+                                                       float(self.links.get("sync_s", 0.0))))
 
     def dp_link_model(self):
         """DP / cross-node / p2p model (`dp_links.DpLinks`): built from the own `links` and
@@ -228,6 +229,9 @@ def _sections(d: dict) -> dict:
                 alpha, busbw = (float(x) for x in ab)
                 if int(n) < 2 or not (alpha >= 0 and busbw > 0):
                     raise ValueError(f"section 'links': bad fit {op}/{n}: {ab}")
+        sync = out["links"].get("sync_s", 0.0)
+        if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not sync >= 0:
+            raise ValueError(f"section 'links': sync_s must be a number >= 0, got {sync!r}")
         links = LinkModel(str(d.get("name", "")), "", fits)
     if out["dp_links"] is not None:
         dp_links_from_parts(str(d.get("name", "")), links, out["dp_links"])

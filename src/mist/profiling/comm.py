@@ -30,6 +30,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 # ---------------------------------------------------------------------------- worker side
+SYNC_BURST_S = 0.05   # compute before each timed collective of the synchronization cost
+SYNC_REPS = 20
+
 def _worker(rank: int, world: int, init_file: str, cfg: dict, q) -> None:  # pragma: no cover - subprocess
     try:
         result = _script(rank, world, init_file, cfg, q)
@@ -163,6 +166,38 @@ def _script(rank, world, init_file, cfg, q):  # pragma: no cover - subprocess
         result["p2p"].append([buf.numel() * esize, rtt / 2])
     step += 1
     progress(step / steps, "send/recv")
+
+    # ---- synchronization: a collective issued right after compute waits for the last rank to
+    # arrive (and for a blocked process to wake up); its mean extra over back-to-back calls
+    if cfg.get("sync", True) and bcast(time.time() < deadline):
+        xs = torch.randn(256, 512, device=dev).to(dtype)
+        ws = torch.randn(512, 512, device=dev).to(dtype)
+        tiny = torch.zeros(world, dtype=dtype, device=dev)
+
+        def burst(n):
+            with torch.no_grad():
+                for _ in range(n):
+                    F.linear(xs, ws)
+            sync()
+
+        t0 = time.perf_counter()
+        burst(2)
+        n_burst = int(bcast(np.clip(SYNC_BURST_S / max((time.perf_counter() - t0) / 2, 1e-7), 1, 100000)))
+        back_to_back = measure(lambda: dist.all_reduce(tiny), set(range(world)), target)
+        waits = []
+        for i in range(SYNC_REPS + 2):
+            dist.barrier()
+            burst(n_burst)
+            t1 = time.perf_counter()
+            dist.all_reduce(tiny)
+            sync()
+            if i >= 2:
+                waits.append(time.perf_counter() - t1)
+        mean = torch.tensor([float(np.mean(waits))], dtype=torch.float64 if not cuda else torch.float32, device=dev)
+        dist.all_reduce(mean)
+        result["sync_s"] = max(0.0, float(mean.item()) / world - back_to_back)
+        result["sync_how"] = (f"all_reduce of {world} elements after a {SYNC_BURST_S * 1e3:.0f} ms GEMM burst in every "
+                              f"process, mean over {SYNC_REPS} calls and the processes, less its back-to-back time")
 
     # ---- {C, G2G}: GEMM loop vs all-gather loop in another thread of each process
     inter = cfg.get("interference")

@@ -354,6 +354,9 @@ def _link_sections(meas: dict, name: str, known: str | None, where: str):
                                              "alpha-busbw fit" + ("; larger groups use the largest measured group's fit"
                                                                   if sizes else "")),
                  "fits": fits, "median_rel_error": errors}
+        if comm.get("sync_s") is not None:
+            links["sync_s"] = float(comm["sync_s"])
+            links["provenance"] += f"; sync_s: {comm['sync_how']}"
         p2p = fit_p2p(comm["p2p"])
         p2p["provenance"] = f"measured by mist profile: {comm['backend']} send/recv ping-pong between 2 processes"
         largest = str(max(int(n) for n in fits.get("all_gather", {str(comm["world"]): 0})))

@@ -27,6 +27,14 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, int(workers)))
 
 
+def setup_cpu_worker(threads: int) -> None:
+    """Make this process one CPU device: `threads` intra-op threads and the heap kept."""
+    import torch
+
+    torch.set_num_threads(int(threads))
+    keep_heap_pages()
+
+
 def keep_heap_pages() -> bool:
     """Serve large allocations from the heap and keep freed pages mapped (glibc `mallopt`);
     False, changing nothing, where the C library has no `mallopt` (not glibc)."""

@@ -27,12 +27,11 @@ import numpy as np
 from mist.profiling.overlap import concurrent
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-# ---------------------------------------------------------------------------- worker side
 SYNC_BURST_S = 0.05   # compute before each timed collective of the synchronization cost
 SYNC_REPS = 20
 
+
+# ---------------------------------------------------------------------------- worker side
 def _worker(rank: int, world: int, init_file: str, cfg: dict, q) -> None:  # pragma: no cover - subprocess
     try:
         result = _script(rank, world, init_file, cfg, q)
@@ -53,12 +52,13 @@ def _script(rank, world, init_file, cfg, q):  # pragma: no cover - subprocess
     from mist.profiling.overlap import factors_from_finish
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(int(cfg["threads"]))
     cuda = cfg["device"] == "cuda"
-    if not cuda:
-        from mist.cpu_workers import keep_heap_pages
+    if cuda:
+        torch.set_num_threads(int(cfg["threads"]))
+    else:
+        from mist.cpu_workers import setup_cpu_worker
 
-        keep_heap_pages()   # as `mist train` runs its CPU ranks
+        setup_cpu_worker(int(cfg["threads"]))   # as `mist train` runs its CPU ranks
     if cuda:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mist.cpu_workers import keep_heap_pages, threads_per_worker
+from mist.cpu_workers import setup_cpu_worker, threads_per_worker
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Budget, Device, warm_up
 
@@ -136,8 +136,7 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
 
     threads = torch.get_num_threads()
     if kind == "cpu":   # one device of a K-process CPU run: ⌊cores / K⌋ threads, its heap settings
-        torch.set_num_threads(threads_per_worker(processes))
-        keep_heap_pages()
+        setup_cpu_worker(threads_per_worker(processes))
     try:
         return _measure(kind, dev, st, budget, processes, report, ticker, name)
     finally:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mist.cpu_workers import keep_heap_pages
+from mist.cpu_workers import setup_cpu_worker, threads_per_worker
 from mist.errors import MistInputError
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
@@ -96,8 +96,7 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
 def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q, threads):
     try:
         if device_type == "cpu":
-            torch.set_num_threads(threads)
-            keep_heap_pages()
+            setup_cpu_worker(threads)
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         res = run_rank(plan, cfg, rank, world, device, f"tcp://127.0.0.1:{port}", want_state)
         q.put(("ok", rank, res))
@@ -128,7 +127,7 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
                              f"{torch.cuda.device_count()}.")
     method = start_method or "spawn"
     if threads is None:
-        threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // world)
+        threads = 1 if method == "fork" else threads_per_worker(world)
     ctx = mp.get_context(method)
     q = ctx.Queue()
     port = free_port()
@@ -185,7 +184,7 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
         if dev == "cpu":
             # this parent has run no parallel torch code, so forked workers may use threads
             res = spawn_local(plan, cfg, device_type=dev, start_method="fork",
-                              threads=max(1, (os.cpu_count() or 1) // world))
+                              threads=threads_per_worker(world))
         else:
             res = spawn_local(plan, cfg, device_type=dev)
         return res["metrics"] if res else None
@@ -204,8 +203,7 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
                                  f"{torch.cuda.device_count()} GPU(s).")
         device = torch.device("cuda", local_rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        keep_heap_pages()
+        setup_cpu_worker(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         device = torch.device("cpu")
     res = run_rank(plan, cfg, rank, world, device, "env://")
     sys.stdout.flush()

@@ -42,10 +42,11 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
              recompute: str = "none", flash: bool = True, dtype: str | None = None) -> dict:
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
-    ckpt = recompute in ("full", "attention")
+    mode = {"none": False, "full": True, "attention": "attention"}[recompute]
+    ckpt = bool(mode)   # the block's trace has a recompute phase
     pr = default_precision(profile, dtype)
     kw = dict(tp=tp, flash=flash, dtype=pr.trace_dtype, target=pr.target)
-    blk = analyze_layer(spec, "block", recompute="attention" if recompute == "attention" else ckpt, **kw)
+    blk = analyze_layer(spec, "block", recompute=mode, **kw)
     pre = analyze_layer(spec, "pre", **kw)
     post = analyze_layer(spec, "post", **kw)
     b, s, L = micro_batch, seq, spec.num_layers

@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from mist.analysis import analyze_layer
-from mist.simulate.layer_cost import phase_time
+from mist.simulate.layer_cost import PhaseTime, phase_time
 
 
 @dataclass
@@ -95,7 +95,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) 
     if attention:
         bw_plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s).total
         ra = phase_time(profile, links, la, "recompute", b, s)
-        bw = type(bw)(bw.compute + ra.compute, bw.comm + ra.comm)
+        bw = PhaseTime(bw.compute + ra.compute, bw.comm + ra.comm)
         rc_attn = ra.total
     if part == "block":
         ck = analyze_layer(spec, part, recompute=True, **kw)

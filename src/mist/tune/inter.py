@@ -10,8 +10,11 @@ never worse), so a cell (i, a) need only keep its non-dominated partial solution
 exact. Two exact reductions keep the cells small: P (Q) is clipped at the largest first (last)
 extra any later stage could have, beyond which more hiding capacity is worthless; and partial
 solutions whose lower bound (objective so far plus the least Σ T the remaining stages can add)
-is not below the incumbent are dropped. `max_states` caps a cell as a safety valve; `exact`
-reports whether it ever bound. Tests hold the program against brute force.
+is not below the incumbent are dropped. `max_states` caps a cell as a safety valve; when it binds,
+the program runs again with `wide_states` below the split found (usually far fewer partial
+solutions survive that bound), which keeps a larger search space from returning a worse plan than
+a smaller one (the tuning-time study, benchmarks/results/tuning_time.md); `exact` reports whether
+the cap still bound. Tests hold the program against brute force.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _min_remaining(options, L, lmin, lmax):
 
 
 def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
-               max_states: int = 64, bound: float = np.inf) -> Split | None:
+               max_states: int = 64, bound: float = np.inf, wide_states: int = 512) -> Split | None:
     """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers).
 
     Returns the best split, or None when no split is feasible (or none is below `bound`)."""
@@ -95,12 +98,17 @@ def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
         ycap[i] = max([ycap[i + 1]] + ys)
     if bound == np.inf:  # a quick incumbent: the same program keeping one state per cell
         quick = _run(options, L, G, lmin, lmax, 1, np.inf, rem, xcap, ycap)
-        if quick is not None:
-            bound = quick.objective * (1 + 1e-9) + 1e-12
-            best = _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap)
-            return best if best is not None else quick
-        return None
-    return _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap)
+        if quick is None:
+            return None
+        bound = quick.objective * (1 + 1e-9) + 1e-12
+        best = _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) or quick
+    else:
+        best = _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap)
+    if best is not None and not best.exact and wide_states > max_states:
+        wider = _run(options, L, G, lmin, lmax, wide_states, best.objective, rem, xcap, ycap)
+        if wider is not None and wider.objective < best.objective:
+            best = wider
+    return best
 
 
 def _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) -> Split | None:

@@ -5,10 +5,6 @@ Pruning: a (S, G) pair is skipped when a lower bound — every block at its fast
 spread perfectly over S stages, for G + S − 1 micro-batch slots — is not below the best plan
 found so far. The search first uses strategies without weight/gradient offload (they add PCIe
 traffic every micro-batch); only when nothing fits does it open those knobs as well.
-When the inter-stage program's cap on partial solutions binds (its split is not proven optimal over
-the frontiers), the pair is solved again with a cap of `WIDE_STATES`, below the split found: this
-keeps a larger space from returning a worse plan than a smaller one (measured on the tuning-time
-study, benchmarks/results/tuning_time.md).
 """
 
 from __future__ import annotations
@@ -28,9 +24,6 @@ from mist.tune.inter import best_split
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult, public_prediction
 from mist.tune.space import SearchSpace, get_space
-
-
-WIDE_STATES = 512   # the inter-stage program's cap on partial solutions per cell when 64 bound
 
 
 def _divisors(n: int) -> list[int]:
@@ -132,12 +125,6 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
                     options.append(row)
                 evaluated += tables.evaluated
                 split = best_split(options, L, G, lmin=lo, lmax=hi, bound=best.objective)
-                if split is not None and not split.exact:
-                    # the program's cap on partial solutions bound: solve again with a larger cap,
-                    # below the split just found (usually far fewer survive that bound)
-                    wider = best_split(options, L, G, lmin=lo, lmax=hi, max_states=WIDE_STATES,
-                                       bound=min(split.objective, best.objective))
-                    split = wider if wider is not None and wider.objective < split.objective else split
                 if split is not None and split.objective < best.objective:
                     strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
                     best = _Best(split.objective, build_plan(model, cluster, training, S, nodes, gpn, G,

@@ -106,12 +106,16 @@ def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, 
     for ps, ms in zip(pred["stages"], meas["stages"]):
         stages.append({k: {"predicted": ps[k], "measured": ms[k]}
                        for k in ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes",
-                                 "stable_time_s", "delta_time_s")})
+                                 "stable_time_s", "delta_time_s") + HOST_KEYS})
     return {"case": name, "model": model, "tune_args": extra, "plan": res["plan"],
             "plan_summary": plan_summary(res["plan"]), "tuning_time_s": res["tuning_time_s"],
             "predicted_step_s": pred["iteration_time_s"], "measured_step_s": meas["step_time_s"],
             "measured_step_times_s": meas["step_times_s"], "step_time_error": err["step_time"],
             "stages": stages, "validate_wall_s": time.perf_counter() - t0}
+
+
+# host memory of the offloaded parts, accounted by the runtime tensor by tensor like the device states
+HOST_KEYS = ("host_state_bytes", "host_activation_peak_bytes", "host_optimizer_grad_bytes")
 
 
 def _mib(x: float) -> str:

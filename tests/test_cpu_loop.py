@@ -4,8 +4,8 @@ pipeline, tensor parallel, and a memory limit that forces offloading), `mist val
 plan (benchmarks/cpu_loop.py, its quick case set).
 
 Memory is checked where the runtime accounts it tensor by tensor: device-resident states and the
-saved activations kept on the device (also when a fraction of them is offloaded) must match the
-prediction to the byte. Step
+saved activations kept on the device (also when a fraction of them is offloaded), and the host bytes
+of what is offloaded, must match the prediction to the byte. Step
 time: the target is |error| ≤ 25 % (shared, noisy 2-core machine); the median must meet it and no
 plan may be off by more than 35 %.
 """
@@ -46,8 +46,11 @@ def test_states_and_saved_activations_match_the_runtime(loop):
     data, _ = loop
     for c in data["cases"]:
         for s in c["stages"]:
-            for k in ("state_bytes", "saved_activation_peak_bytes"):
+            for k in ("state_bytes", "saved_activation_peak_bytes") + cpu_loop.HOST_KEYS:
                 assert s[k]["predicted"] == s[k]["measured"], (c["case"], k)
+    # the memory-limited case offloads: its host bytes are not trivially zero
+    assert any(s["host_state_bytes"]["measured"] > 0 and s["host_activation_peak_bytes"]["measured"] > 0
+               for c in data["cases"] for s in c["stages"])
 
 
 def test_step_time_within_the_target(loop):

@@ -30,6 +30,8 @@ SeqOpt = Annotated[int, typer.Option(help="Sequence length.")]
 BatchOpt = Annotated[int, typer.Option("--global-batch", help="Global batch (sequences).")]
 NoFlashOpt = Annotated[bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+HostMemOpt = Annotated[Optional[float], typer.Option(
+    "--host-memory", help="Host RAM per node in GiB, for offloading (default: the GPU kind's typical node).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).")]
 
@@ -79,6 +81,7 @@ def simulate(
     plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     timeline: str = typer.Option(None, "--timeline", help="Draw one iteration's lanes to this PNG."),
+    host_memory: HostMemOpt = None,
 ):
     """Predict a whole plan: iteration time, throughput, MFU, per-stage T/D and memory."""
     from mist.hardware import load_profile
@@ -86,6 +89,8 @@ def simulate(
     from mist.simulate.plan_sim import simulate_plan
 
     p = load_plan(plan)
+    if host_memory is not None:
+        p = replace(p, cluster=replace(p.cluster, host_memory_gib=host_memory))
     profile = load_profile(p.cluster.gpu)
     res = simulate_plan(p, profile, with_events=bool(timeline))
     if timeline:
@@ -99,14 +104,14 @@ def simulate(
     _print_simulation(p, res)
 
 
-def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None):
+def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None):
     from mist.hardware import load_profile
     from mist.simulate.precision import profile_dtype
     from mist.specs.loading import load_model
     from mist.specs.training import ClusterSpec, TrainingSpec
 
     spec = load_model(model)
-    cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node)
+    cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
     profile = load_profile(gpu)
     dt = dtype or profile_dtype(profile)
     training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash,
@@ -161,6 +166,7 @@ def tune(
     tp: Optional[str] = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
     memory_limit: Optional[float] = typer.Option(
         None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."),
+    host_memory: HostMemOpt = None,
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
@@ -173,7 +179,8 @@ def tune(
     limits = {"pp_values": _int_list("--pp", pp), "tp_values": _int_list("--tp", tp)}
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype)
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
+                                              host_memory)
     if memory_limit is not None:
         if not 0 < memory_limit * GIB <= profile.memory_bytes:
             raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GIB:.2f}] GiB "
@@ -210,12 +217,14 @@ def compare(
     time_budget: float = typer.Option(None, "--time-budget", help="Budget per search space (seconds)."),
     no_flash: NoFlashOpt = False,
     dtype: DtypeOpt = None,
+    host_memory: HostMemOpt = None,
     as_json: JsonOpt = False,
 ):
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
     from mist.tune.compare import compare_spaces
 
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype)
+    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
+                                              host_memory)
     rows = compare_spaces(spec, cluster, training, profile, time_budget)
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -238,7 +247,7 @@ def _print_simulation(p, r: dict) -> None:
     out.print(f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
               f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}")
     t = Table(title="stages (times in ms per micro-batch; D once per iteration)")
-    for col in ("stage", "T", "D", "compute", "recomp", "TP", "exposed", "p2p", "peak GiB", "fits"):
+    for col in ("stage", "T", "D", "compute", "recomp", "TP", "exposed", "p2p", "peak GiB", "host GiB", "fits"):
         t.add_column(col, justify="right")
 
     def ms(x):
@@ -247,8 +256,14 @@ def _print_simulation(p, r: dict) -> None:
         tb = s["time_breakdown"]
         t.add_row(str(i), ms(s["stable_time_s"]), ms(s["delta_time_s"]), ms(tb["compute_s"]),
                   ms(tb["recompute_s"]), ms(tb["tp_comm_s"]), ms(max(tb["exposed_transfers_s"], 0.0)),
-                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GIB:.2f}", "yes" if s["fits"] else "[red]no[/]")
+                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GIB:.2f}", f"{s['host_peak_bytes'] / GIB:.2f}",
+                  "yes" if s["fits"] else "[red]no[/]")
     out.print(t)
+    h = r["host_memory"]
+    if any(h["per_node_bytes"]):
+        cap = h["capacity_per_node_bytes"]
+        out.print(f"host memory per node: {max(h['per_node_bytes']) / GIB:.1f} GiB at most"
+                  + (f" of {cap / GIB:.1f} GiB" if cap else "") + f" ({h['source']})")
     for msg in r["memory_problems"]:
         out.print(f"[red]does not fit:[/] {msg}")
 

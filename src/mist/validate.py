@@ -15,7 +15,9 @@ from mist.simulate.plan_sim import simulate_plan
 # per-stage quantities compared: (error name, key in both the prediction and the metrics)
 STAGE_ERRORS = (("stable_time", "stable_time_s"), ("delta_time", "delta_time_s"),
                 ("peak_memory", "peak_memory_bytes"), ("state_memory", "state_bytes"),
-                ("saved_activations", "saved_activation_peak_bytes"))
+                ("saved_activations", "saved_activation_peak_bytes"),
+                ("host_states", "host_state_bytes"), ("host_activations", "host_activation_peak_bytes"),
+                ("host_optimizer_grads", "host_optimizer_grad_bytes"))
 
 
 def _rel(pred, meas):

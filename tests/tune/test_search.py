@@ -72,7 +72,7 @@ def test_nothing_fits_exits_2_with_memory_reason(capsys):
         main(["tune", "--model", "llama-70b", "--gpu", "l4", "--gpus-per-node", "1", "--global-batch", "4"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "GiB" in err and "least memory" in err
+    assert "GiB" in err and "needs at least" in err
 
 
 def test_attention_recompute_is_searched_without_flash_and_resimulates():

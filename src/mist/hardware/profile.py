@@ -62,6 +62,7 @@ class GpuProfile:
     links: dict | None = None  # intra-node collectives, LinkModel JSON {"gpu", "provenance", "fits"}
     dp_links: dict | None = None  # DP / cross-node / p2p parts of DpLinks (the dp_links.json entry form)
     interference: dict | None = None  # InterferenceModel JSON {"provenance", "channels", "factors"}
+    host_memory_per_gpu: float | None = None  # bytes of host RAM per GPU of the profiled machine
 
     # ------------------------------------------------------------------ predictors
     # Scalars in give a numpy float64 out (a Python float subclass); arrays give arrays.
@@ -175,6 +176,8 @@ class GpuProfile:
         for key in _SECTIONS:
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.host_memory_per_gpu is not None:
+            d["host_memory_per_gpu"] = float(self.host_memory_per_gpu)
         return d
 
     @classmethod
@@ -195,6 +198,7 @@ class GpuProfile:
             sources=dict(d.get("sources", {})),
             fingerprint=dict(d.get("fingerprint", {})),
             notes=list(d.get("notes", [])),
+            host_memory_per_gpu=(float(d["host_memory_per_gpu"]) if d.get("host_memory_per_gpu") else None),
             **_sections(d),
             **scalars,
         )

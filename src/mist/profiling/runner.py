@@ -331,7 +331,22 @@ def assemble(meas: dict, name: str):
         fingerprint=fp,
         notes=notes,
         links=links, dp_links=dp_links, interference=interference,
+        host_memory_per_gpu=_host_ram_per_gpu() if kind == "cuda" else None,
     )
+
+
+def _host_ram_per_gpu() -> float | None:
+    """This machine's RAM over its visible GPUs: the host-memory share of one GPU (on a CPU profile
+    the host is the device, and its RAM is the profile's capacity already)."""
+    import os
+
+    import torch
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return ram / max(1, torch.cuda.device_count())
 
 
 def _link_sections(meas: dict, name: str, known: str | None, where: str):

@@ -39,7 +39,9 @@ class SavedTensorManager:
         self.cuda = self.device.type == "cuda"
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._seen: set[int] = set()
-        self.offloaded_bytes = 0
+        self.offloaded_bytes = 0      # every tail moved to the host so far (cumulative)
+        self.host_bytes = 0           # tails in host memory now (until their backward unpacks them)
+        self.host_peak = 0
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -80,12 +82,16 @@ class SavedTensorManager:
         else:
             tail.copy_(tail_dev)
         self._count(head.numel() * head.element_size(), None)
-        self.offloaded_bytes += tail.numel() * tail.element_size()
+        nbytes = tail.numel() * tail.element_size()
+        self.offloaded_bytes += nbytes
+        self.host_bytes += nbytes
+        self.host_peak = max(self.host_peak, self.host_bytes)
         return _Offloaded(t.shape, t.dtype, t.device, head, tail, event)
 
     def unpack(self, packed):
         if not isinstance(packed, _Offloaded):
             return packed
+        self.host_bytes -= packed.tail.numel() * packed.tail.element_size()
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
         out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype,

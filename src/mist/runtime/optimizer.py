@@ -99,6 +99,7 @@ class ShardedAdamW:
         self.scaler = scaler or LossScaler(False)
         self.norm_group = norm_group
         self.step_count = 0
+        self.host_grad_peak = 0   # bytes of the fp32 gradient copies the CPU AdamW steps with
 
     def _sq_norm(self, device: torch.device) -> torch.Tensor:
         dev = torch.zeros((), dtype=torch.float64, device=device)
@@ -141,6 +142,7 @@ class ShardedAdamW:
         return StepResult(norm, False)
 
     def _update(self, mult: float, kw: dict) -> None:
+        host_grads = 0
         for u in self.units:
             m, ea, es, g = u.master, u.exp_avg, u.exp_avg_sq, u.opt_grad
             d = m.dev_len
@@ -152,11 +154,14 @@ class ShardedAdamW:
                 # the offloaded fraction of the optimizer states steps on the CPU, in the background;
                 # its gradient is copied out now (the buffer is reused by the next step)
                 g_host = g.read(d, u.L, "cpu").to(torch.float32, copy=True).mul_(mult)
+                host_grads += g_host.numel() * g_host.element_size()
                 u.opt_grad = None
                 u.defer_update(self._host_pool().submit(
                     adamw_, m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw))
             else:
                 u.update_weights()
+        # the copies live until each unit's deferred step ran: all of them at once, at most
+        self.host_grad_peak = max(self.host_grad_peak, host_grads)
 
     def _host_pool(self):
         if self._host is None:

@@ -278,7 +278,8 @@ class Trainer:
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else self.memory.peak)
         per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes,
-                                       self.memory.persistent, self.memory.activations_peak],
+                                       self.memory.persistent, self.memory.activations_peak,
+                                       self.saved.host_peak, self.optimizer.host_grad_peak],
                                       [T, D])
         return {
             "step_time_s": step_time,
@@ -295,12 +296,15 @@ class Trainer:
             # state_bytes, saved_activation_peak_bytes: tensor accounting on every device (the
             # device part of weights, gradients and optimizer states; the most saved-activation
             # bytes kept on the device at once), comparable byte for byte with `mist simulate`
-            # stable_time_s, delta_time_s: the stage's T and D (see `phase_timer`), slowest rank
+            # stable_time_s, delta_time_s: the stage's T and D (see `phase_timer`), slowest rank;
+            # host_*: host memory of the offloaded state tails, the most offloaded activation
+            # bytes held at once, the CPU AdamW's fp32 gradient copies (`mist simulate`'s host_memory)
             "stages": [{"peak_memory_bytes": p, "peak_memory_source": source,
                         "host_state_bytes": h, "activation_bytes_offloaded": a,
                         "state_bytes": st, "saved_activation_peak_bytes": sa,
+                        "host_activation_peak_bytes": hp, "host_optimizer_grad_bytes": hg,
                         "stable_time_s": t, "delta_time_s": d}
-                       for (p, h, a, st, sa), (t, d) in per_stage],
+                       for (p, h, a, st, sa, hp, hg), (t, d) in per_stage],
         }
 
     # ------------------------------------------------------------ export

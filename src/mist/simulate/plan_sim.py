@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
@@ -28,6 +29,19 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
             G=plan.micro_batches, nodes=s.nodes, gpus_per_node=s.gpus_per_node,
             cluster_gpus_per_node=plan.cluster.gpus_per_node))
     return out
+
+
+def host_check(plan: Plan, profile, per_gpu_bytes: list[float]) -> dict:
+    """Host memory per node (every GPU's offloaded bytes, `StageResult.host`) against the node's RAM."""
+    cap, source = node_host_memory(plan.cluster, profile)
+    per_node = node_usage([s.gpus for s in plan.stages], per_gpu_bytes, plan.cluster.gpus_per_node)
+    over = [(j, b) for j, b in enumerate(per_node) if cap is not None and b > cap]
+    problems = [f"node {j} needs {b / 2**30:.2f} GiB of host memory for offloaded states and "
+                f"activations, {(b - cap) / 2**30:.2f} GiB over its {cap / 2**30:.1f} GiB ({source})"
+                for j, b in over]
+    return {"per_node_bytes": [int(round(b)) for b in per_node],
+            "capacity_per_node_bytes": None if cap is None else int(cap), "source": source,
+            "fits": not over, "problems": problems}
 
 
 def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
@@ -73,10 +87,15 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
             "state_bytes": int(round(sum(float(r.memory_breakdown[k][0])
                                          for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")))),
             "saved_activation_peak_bytes": int(round(float(r.saved_peak[0]))),
+            # host memory per GPU of the stage (the runtime's metrics carry the same three terms)
+            **{f"host_{k}": int(round(float(v[0]))) for k, v in r.host.items()},
             "time_breakdown": {k: float(v[0]) for k, v in r.time_breakdown.items()},
             "delta_breakdown": {k: float(v[0]) for k, v in r.delta_breakdown.items()},
             "fits": bool(ok),
         })
+    host = host_check(plan, profile, [st["host_peak_bytes"] for st in stages])
+    fits &= host["fits"]
+    problems += host["problems"]
     out = {
         "iteration_time_s": it,
         "throughput_samples_per_s": t.global_batch / it,
@@ -85,6 +104,7 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
         "fits": bool(fits),
         "memory_problems": problems,
         "capacity_bytes": int(capacity),
+        "host_memory": {k: v for k, v in host.items() if k != "problems"},
         "gpu": profile.name,
         "profile": profile.provenance,
         "stages": stages,

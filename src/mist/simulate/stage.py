@@ -30,7 +30,7 @@ import numpy as np
 from mist.hardware.interference import overlap_time
 from mist.simulate.layer_terms import layer_terms
 from mist.simulate.precision import Precision, default_precision
-from mist.simulate.states import unit_states
+from mist.simulate.states import unit_host_states, unit_states
 
 
 @dataclass
@@ -75,6 +75,10 @@ class StageResult:
     saved_per_microbatch: np.ndarray = None  # activations one in-flight micro-batch keeps
     saved_peak: np.ndarray = None   # saved activations on the device at most: every in-flight
     #                                 micro-batch's and the current one's, with the head's (last stage)
+    host: dict = None               # host-memory bytes per GPU: state_bytes (offloaded tails),
+    #                                 optimizer_grad_bytes (the CPU AdamW's fp32 gradient copies),
+    #                                 activation_peak_bytes (offloaded saved activations of every
+    #                                 micro-batch in flight), peak_bytes (their sum: an upper bound)
 
 
 def _arr(x):
@@ -306,6 +310,7 @@ class StageModel:
 
         # ---- memory components (device-resident states in the runtime's flat-buffer layout)
         layer_w, layer_g, layer_o = unit_states(P, dp, zero, wo, go, oo, G, pr)
+        host_w, host_g, host_o, host_og = unit_host_states(P, dp, zero, wo, go, oo, G, pr)
         pp_w, pp_g, pp_o = z.copy(), z.copy(), z.copy()
         w_max, g_max = W, Gr
         for part, Pp in pp_params.items():
@@ -341,6 +346,11 @@ class StageModel:
             "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
             "p2p_buf": (2 * x_in) if st.num_stages > 1 else z,
             "post_saved": post_saved,
+            # host memory (the embedding / head keep everything on the device): offloaded state
+            # tails per block, the CPU AdamW's fp32 gradient copy per block, offloaded activations
+            "host_states": host_w + host_g + host_o, "host_opt_grads": host_og,
+            "H_f": _offloaded_saved(blk.split_numel, blk.split_elt, ix, ao),
+            "H_c": _offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, ix, ao),
             "opt_offloadable": pr.opt_bytes * P / os_,   # optimizer bytes per layer that oo = 1 would move to the host
         }
         return comp
@@ -361,6 +371,14 @@ def _kept_saved(full, numel, elt, whole, ix, ao):
     n, e = numel[:, ix], elt[:, ix]          # [tensors, *candidates]
     kept = (e * (n - np.round(n * ao))).sum(axis=0) + whole[ix]
     return np.where(ao > 0, kept, full)
+
+
+def _offloaded_saved(numel, elt, ix, ao):
+    """Saved-activation bytes of a block in host memory: the last round(n·ao) elements of every
+    tensor that `_kept_saved` splits."""
+    ao = _arr(ao)
+    n, e = numel[:, ix], elt[:, ix]
+    return np.where(ao > 0, (e * np.round(n * ao)).sum(axis=0), 0.0)
 
 
 def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
@@ -400,7 +418,8 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
                        fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
                        memory_breakdown=mem["breakdown"], flops_per_microbatch=flops + 0 * T,
                        fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
-                       saved_per_microbatch=mem["saved_per_microbatch"], saved_peak=mem["saved_peak"])
+                       saved_per_microbatch=mem["saved_per_microbatch"], saved_peak=mem["saved_peak"],
+                       host=mem["host"])
 
 
 def _memory(m: dict, L, c, in_flight) -> dict:
@@ -432,6 +451,11 @@ def _memory(m: dict, L, c, in_flight) -> dict:
     breakdown = {"weights_bytes": weights + 0 * peak, "grads_bytes": grads + 0 * peak,
                  "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
                  "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
-    return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown,
+    host_act = (L - c) * m["H_f"] + c * m["H_c"]
+    host = {"state_bytes": L * m["host_states"] + 0 * peak,
+            "optimizer_grad_bytes": L * m["host_opt_grads"] + 0 * peak,
+            "activation_peak_bytes": (in_flight + 1) * host_act + 0 * peak}
+    host["peak_bytes"] = sum(host.values())
+    return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown, "host": host,
             "saved_per_microbatch": saved_mb + 0 * peak,
             "saved_peak": (in_flight + 1) * saved_mb + m["post_saved"] + 0 * peak}

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
+MASTER_BYTES = 4   # fp32: the master weights, and the gradient copy the CPU AdamW steps with
+
 
 def _device_part(n, ratio):
     return n - np.round(n * ratio)
 
 
-def unit_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
-    """(weight, gradient, optimizer) device bytes of a unit of `params` parameters."""
+def _unit_sizes(params: float, dp, zero, G: int) -> tuple:
+    """Elements of a unit's (weight, gradient, optimizer) buffers on this rank (see above)."""
     dp = np.asarray(dp, dtype=np.float64)
     zero = np.asarray(zero, dtype=np.float64)
     S = np.ceil(params / dp)
@@ -30,6 +32,25 @@ def unit_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
     n_w = np.where(zero >= 3, S, Np)
     n_g = np.where((zero >= 2) | ((zero == 1) & (G == 1)), S, Np)
     n_o = np.where(zero >= 1, S, Np)
+    return n_w, n_g, n_o
+
+
+def unit_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
+    """(weight, gradient, optimizer) device bytes of a unit of `params` parameters."""
+    n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
     return (prec.weight_bytes * _device_part(n_w, wo),
             prec.grad_bytes * _device_part(n_g, go),
             prec.opt_bytes * _device_part(n_o, oo))
+
+
+def unit_host_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
+    """(weight, gradient, optimizer) host bytes of the same unit: the offloaded tails, round(n·r)
+    elements of each buffer (`SplitBuffer.host`), plus the fp32 copy of the gradient that the host
+    part of the optimizer steps with (`ShardedAdamW._update`: one per unit, alive until that
+    unit's deferred CPU step has run) as a fourth value."""
+    n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
+    o_host = np.round(n_o * np.asarray(oo, dtype=np.float64))
+    return (prec.weight_bytes * np.round(n_w * np.asarray(wo, dtype=np.float64)),
+            prec.grad_bytes * np.round(n_g * np.asarray(go, dtype=np.float64)),
+            prec.opt_bytes * o_host,
+            MASTER_BYTES * o_host)

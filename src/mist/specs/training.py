@@ -23,19 +23,27 @@ class ClusterSpec:
     gpu: str
     nodes: int = 1
     gpus_per_node: int = 1
+    host_memory_gib: float | None = None   # RAM per node (None: the GPU kind's typical node)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, str) or not self.gpu:
             raise MistInputError("Cluster field gpu must be a non-empty GPU name or profile path.")
         _positive_int("Cluster field nodes", self.nodes)
         _positive_int("Cluster field gpus_per_node", self.gpus_per_node)
+        h = self.host_memory_gib
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0
+                              or h == float("inf")):
+            raise MistInputError(f"Cluster field host_memory_gib must be a positive number of GiB, got {h!r}.")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["host_memory_gib"] is None:   # plans without it read as before
+            del d["host_memory_gib"]
+        return d
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mist.errors import MistInputError
+from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
 from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan, stage_inputs
@@ -145,6 +146,7 @@ class _Evaluator:
         self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
         self.exact, self.model_ref = exact, model_ref
         self.capacity = float(profile.memory_bytes)
+        self.host_cap = node_host_memory(cluster, profile)[0]   # per node (None: not checked)
         self.count = 0
         self.min_need = math.inf
         self._stage: dict = {}
@@ -184,12 +186,14 @@ class _Evaluator:
                         r = self._stage_model(s.tp).evaluate(st)
                         rows[i] = self._stage[(i, S, G, s)] = (
                             float(r.T[0]), float(r.fwd[0]), float(r.first_extra[0]),
-                            float(r.last_extra[0]), float(r.peak[0]))
-            T, F, X, Y, P = (np.array(col) for col in zip(*rows))
+                            float(r.last_extra[0]), float(r.peak[0]), float(r.host["peak_bytes"][0]))
+            T, F, X, Y, P, H = (np.array(col) for col in zip(*rows))
             it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
             needs = tuple(float(p) * (1 + ALLOCATOR_MARGIN) for p in P)
-            c = _Cost(it, all(n <= self.capacity for n in needs), tuple(float(t) for t in T), needs,
-                      self.capacity)
+            host_ok = self.host_cap is None or max(
+                node_usage([s.gpus for s in stages], list(H), self.cluster.gpus_per_node)) <= self.host_cap
+            c = _Cost(it, host_ok and all(n <= self.capacity for n in needs), tuple(float(t) for t in T),
+                      needs, self.capacity)
         self._plans[key] = c
         self.count += 1
         self.min_need = min(self.min_need, max(c.needs))
@@ -227,6 +231,9 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     if ev.count == 0:
         reason = (f"No {space} candidate exists for {model.name or 'the model'} on "
                   f"{cluster.world_size} GPUs with global batch {training.global_batch}: {none_reason}.")
+    elif ev.min_need <= ev.capacity:
+        reason = (f"No {space} plan fits: those that fit the GPUs need more host memory for their "
+                  f"offloaded states and activations than a node has ({node_host_memory(cluster, profile)[1]}).")
     else:
         reason = (f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
                   f"{ev.min_need / GiB:.2f} GiB on its fullest GPU (peak + {ALLOCATOR_MARGIN:.0%} "

@@ -28,6 +28,7 @@ class Options:
     Y: np.ndarray
     strategies: list = field(default_factory=list)   # dicts: tp, dp, b, zero, wo, go, oo, ao, recompute, attn
     min_peak: float = float("inf")                     # least memory any strategy reached
+    min_host: float = float("inf")                     # least host memory of those that fit the GPU
 
 
 def _expand(x):
@@ -62,10 +63,12 @@ class StageTables:
 
     def __init__(self, spec, profile, seq: int, flash: bool, space: SearchSpace, S: int, G: int,
                  nodes: int, gpn: int, cluster_gpn: int, global_batch: int, with_wg: bool,
-                 precision=None):
+                 precision=None, host_cap: float | None = None):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
         self.S, self.G, self.nodes, self.gpn, self.cluster_gpn = S, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
+        # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it
+        self.host_cap = host_cap
         self._models: dict = {}
         self._comps: dict = {}
         self.evaluated = 0
@@ -142,7 +145,7 @@ class StageTables:
         else:
             cs = np.arange(layers + 1)
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
-        min_peak = np.inf
+        min_peak = min_host = np.inf
         cap = self.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
         for (tp, dp, b), attn in itertools.product(self.tp_choices(tp_fixed), self.attention_choices()):
             grid, comp = self.components(tp, dp, b, first, last, attn)
@@ -151,6 +154,10 @@ class StageTables:
             peak = r.peak
             min_peak = min(min_peak, float(peak.min()))
             ok = peak <= cap
+            if self.host_cap is not None and ok.any():
+                host = r.host["peak_bytes"]
+                min_host = min(min_host, float(host[ok].min()))
+                ok &= host <= self.host_cap
             if not ok.any():
                 continue
             si, ci = np.nonzero(ok)
@@ -160,7 +167,7 @@ class StageTables:
             Ys.append(r.last_extra[si, ci])
             metas.append((tp, dp, b, attn, grid, si, cs[ci]))
         if not Ts:
-            return Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [], min_peak)
+            return Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [], min_peak, min_host)
         T, F, X, Y = (np.concatenate(v) for v in (Ts, Fs, Xs, Ys))
         keep = sample_frontier(pareto_2d(T, X + Y), sp.frontier_points)
         # map kept indices back to strategies
@@ -175,7 +182,7 @@ class StageTables:
                                "wo": float(grid["wo"][s]), "go": float(grid["go"][s]),
                                "oo": float(grid["oo"][s]), "ao": float(grid["ao"][s]),
                                "recompute": int(cc[q]), "attn": bool(attn)})
-        return Options(T[keep], F[keep], X[keep], Y[keep], strategies, min_peak)
+        return Options(T[keep], F[keep], X[keep], Y[keep], strategies, min_peak, min_host)
 
     def min_layer_time(self) -> float:
         """A lower bound on a block's steady time on any stage (for pruning)."""

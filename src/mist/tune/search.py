@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mist.hardware.host_memory import node_host_memory
 from mist.plan import Offload, Plan, StageStrategy
-from mist.simulate.plan_sim import simulate_plan
+from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
 from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
@@ -68,8 +69,10 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     L, B = model.num_layers, training.global_batch
     best = _Best()
     evaluated = 0
-    min_peak = np.inf
+    min_peak = min_host = np.inf
     budget_hit = False
+    node_host, host_source = node_host_memory(cluster, profile)
+    host_cap = None if node_host is None else node_host / cluster.gpus_per_node
     if sp.seed_space:
         # a quick search of a sub-space first: its plan is a plan of this space too, and its
         # time is an incumbent that prunes most of the larger search (under this space's limits
@@ -98,7 +101,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
             for tp_fixed in tps:
                 tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, S, G,
                                      nodes, gpn, cluster.gpus_per_node, B, with_wg,
-                                     precision_for(training, profile))
+                                     precision_for(training, profile), host_cap)
                 if not tables.tp_choices(tp_fixed):
                     continue
                 lb_layer = tables.min_layer_time()
@@ -119,7 +122,9 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
                     row = {}
                     for l in range(lo, hi + 1):
                         opt = tables.options(i, l, tp_fixed)
-                        min_peak = min(min_peak, opt.min_peak)
+                        if l >= -(-L // S):   # some stage of every split holds this many blocks
+                            min_peak = min(min_peak, opt.min_peak)
+                            min_host = min(min_host, opt.min_host)
                         if len(opt.T):
                             row[l] = opt
                     options.append(row)
@@ -136,16 +141,32 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
             break
     elapsed = time.perf_counter() - t0
     if best.plan is None:
-        reason = (f"No configuration fits: the least memory any stage reached is "
-                  f"{min_peak / 2**30:.1f} GiB against the {profile.memory_bytes / 2**30:.1f} GiB of a "
-                  f"{profile.name} (with the allocator margin)." if np.isfinite(min_peak) else
-                  "No configuration of this space applies to this model and cluster.")
+        reason = _infeasible(min_peak, min_host, profile, host_cap, host_source, L)
         if budget_hit:
             reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
         return TuneResult(sp.name, None, None, elapsed, evaluated, reason)
     plan = best.plan
     predicted = public_prediction(simulate_plan(plan, profile))
     return TuneResult(sp.name, plan, predicted, elapsed, evaluated, None)
+
+
+def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
+    """Why nothing fits. min_peak / min_host: the least GPU memory, and the least host memory where
+    it fits the GPU, of any stage holding the most blocks of its split (a bound on every split)."""
+    gib, need = 2**30, min_peak * (1 + ALLOCATOR_MARGIN)
+    if not np.isfinite(min_peak):
+        return "No configuration of this space applies to this model and cluster."
+    if need > profile.memory_bytes:
+        return (f"No configuration fits: in every split the stage with the most blocks needs at least "
+                f"{need / gib:.1f} GiB per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
+                f"{profile.memory_bytes / gib:.1f} GiB of a {profile.name}.")
+    if np.isfinite(min_host) and min_host > host_cap:
+        return (f"No configuration fits the host memory: where the stage with the most blocks fits the GPUs, "
+                f"its offloaded states and activations need at least {min_host / gib:.1f} GiB of host memory "
+                f"per GPU, against {host_cap / gib:.1f} GiB ({host_source}).")
+    host = "" if host_cap is None else f" and {host_cap / gib:.1f} GiB of host memory per GPU"
+    return (f"No configuration fits: single stages fit the {profile.memory_bytes / gib:.1f} GiB of a "
+            f"{profile.name}{host}, but no split of the {L} blocks fits every stage at once.")
 
 
 def build_plan(model, cluster, training, S, nodes, gpn, G, layers, strategies) -> Plan:

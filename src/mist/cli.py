@@ -364,11 +364,16 @@ def validate(
     t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
     labels = {"stable_time": ("T, steady micro-batch (ms)", 1e-3), "delta_time": ("D, one-off per iteration (ms)", 1e-3),
               "peak_memory": ("peak memory (MiB)", MIB), "state_memory": ("states (MiB)", MIB),
-              "saved_activations": ("saved activations (MiB)", MIB)}
+              "saved_activations": ("saved activations (MiB)", MIB),
+              "host_states": ("host: offloaded states (MiB)", MIB),
+              "host_activations": ("host: offloaded activations (MiB)", MIB),
+              "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MIB)}
     for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
             label, unit = labels[name]
             mv = ms.get(key)
+            if name.startswith("host") and not ps[key] and not mv:
+                continue   # nothing offloaded of this kind
             t.add_row(f"stage {i} {label}", f"{ps[key] / unit:.3f}",
                       "-" if mv is None else f"{mv / unit:.3f}", fmt(err[name][i]))
     out.print(t)

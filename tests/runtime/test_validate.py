@@ -42,3 +42,19 @@ def test_a_cpu_profile_of_another_process_count_is_flagged():
     (w,) = mismatch(make_plan("gpt", dp=2 * k), prof)
     assert f"{k}-process run" in w and f"runs {2 * k} processes" in w
     assert mismatch(make_plan("gpt", dp=2 * k, gpu="l4"), load_profile("l4")) == []
+
+
+def test_validate_table_shows_host_memory_of_offloading(tmp_path):
+    plan = make_plan("gpt", dp=2, zero=1, G=2, offload=dict(optimizer=0.5, activations=0.5))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "COLUMNS": "200"}
+    prof = ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"
+    r = subprocess.run([sys.executable, "-m", "mist", "validate", str(path), "--gpu", str(prof), "--local",
+                        "--steps", "2", "--no-drift"], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 4}
+    for label in ("host: offloaded states (MiB)", "host: offloaded activations (MiB)",
+                  "host: CPU Adam gradients (MiB)"):
+        assert rows[f"stage 0 {label}"].rstrip(" │").endswith("+0.0%"), rows.get(f"stage 0 {label}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mist.cpu_workers import setup_cpu_worker, threads_per_worker
 from mist.errors import MistInputError
+from mist.runtime.preflight import check_node_memory
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
 
@@ -181,6 +182,7 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
         dev, note = device_type_for(plan, local=True)
         if note:
             print(note, flush=True)
+        check_node_memory(plan, range(world), dev)
         if dev == "cpu":
             # this parent has run no parallel torch code, so forked workers may use threads
             res = spawn_local(plan, cfg, device_type=dev, start_method="fork",
@@ -197,13 +199,16 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
         raise MistInputError(f"The plan needs {world} processes ({plan.cluster.nodes}×"
                              f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env_world}.")
     dev, _ = device_type_for(plan, local=False)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    node = rank // local_world
+    check_node_memory(plan, range(node * local_world, min(world, (node + 1) * local_world)), dev)
     if dev == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
                                  f"{torch.cuda.device_count()} GPU(s).")
         device = torch.device("cuda", local_rank)
     else:
-        setup_cpu_worker(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        setup_cpu_worker(threads_per_worker(local_world))
         device = torch.device("cpu")
     res = run_rank(plan, cfg, rank, world, device, "env://")
     sys.stdout.flush()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from mist.analysis import analyze_layer
-from mist.simulate.layer_cost import phase_time
+from mist.simulate.layer_cost import phase_time, stream_of
 from mist.simulate.precision import default_precision
 from mist.specs.model import ModelSpec
 
@@ -58,8 +58,10 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
     def tot(name, ph):
         return _f(t[name][ph].total) if ph in t[name] else 0.0
 
-    blk_iter = tot("block", "fwd") + tot("block", "bwd") + tot("block", "recompute")
-    fwd_bwd = (tot("pre", "fwd") + tot("pre", "bwd") + L * blk_iter
+    def blocks(ph):   # L blocks back to back (see `stream_of`)
+        return _f(stream_of(L, t["block"][ph])) if ph in t["block"] else 0.0
+
+    fwd_bwd = (tot("pre", "fwd") + tot("pre", "bwd") + blocks("fwd") + blocks("bwd") + blocks("recompute")
                + tot("post", "fwd") + tot("post", "bwd"))
     params = pre.params + L * blk.params + post.params
     peak_act, where = activation_peak(pre, blk, post, L, b, s)
@@ -69,9 +71,9 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
                 for ph in ("fwd", "bwd"))
     time_breakdown = {
         "embedding_ms": (tot("pre", "fwd") + tot("pre", "bwd")) * MS,
-        "blocks_fwd_ms": L * tot("block", "fwd") * MS,
-        "blocks_bwd_ms": L * tot("block", "bwd") * MS,
-        "blocks_recompute_ms": L * tot("block", "recompute") * MS,
+        "blocks_fwd_ms": blocks("fwd") * MS,
+        "blocks_bwd_ms": blocks("bwd") * MS,
+        "blocks_recompute_ms": blocks("recompute") * MS,
         "head_loss_ms": (tot("post", "fwd") + tot("post", "bwd")) * MS,
     }
     return {

@@ -1,6 +1,15 @@
 """Time of one traced layer on a GPU profile: each operator timed by the profile, issued in
 trace order through the host (`stream_time`), TP collectives added on the critical path.
 
+Layers run back to back: nothing synchronizes the host with the GPU between them, so where one
+layer keeps the GPU busy the host already issues the next, and where the host lags the GPU drains
+the earlier layers' queue. A layer alone takes S = `stream_time` of its kernels; n identical layers
+in one stream take (n − 1)·max(H, K) + S, with H its kernels' summed host overhead and K their
+summed times (the latest kernel issue that starts the critical chain falls in the first layer when
+K ≥ H, in the last when H > K; see `mist.hardware.host`). `lead` = S − max(H, K) is the part of a
+layer alone that a stream of layers pays once (down to minus one op's host overhead when host-bound:
+a kernel starts as soon as it is issued, before the host's own time for it has passed).
+
 Vectorized over (b, s) arrays: the analysis evaluates every operator's parameters at all
 candidate shapes at once; there is no Python loop per candidate.
 """
@@ -18,8 +27,9 @@ from mist.hardware.collectives import LinkModel
 
 @dataclass
 class PhaseTime:
-    compute: np.ndarray   # seconds of kernels incl. host issue limits
+    compute: np.ndarray   # seconds of kernels incl. host issue limits, the layer alone (S)
     comm: np.ndarray      # seconds of TP collectives (serial, not overlapped)
+    lead: np.ndarray = 0.0  # S − max(H, K): paid once by a stream of such layers, not per layer
 
     @property
     def total(self) -> np.ndarray:
@@ -49,8 +59,17 @@ def phase_time(profile, links: LinkModel | None, la: LayerAnalysis, phase: str, 
             if links is None:
                 raise ValueError(f"no collective model for GPU {profile.name}")
             comm = comm + links.time(op["op"], op["bytes"], op["group"])
+    lead = np.zeros(b.shape)
     if kernels:
-        compute = np.asarray(profile.stream_time(np.stack(kernels, axis=-1), backward))
+        k = np.stack(kernels, axis=-1)
+        compute = np.asarray(profile.stream_time(k, backward))
+        host = profile.host.per_op(backward) * k.shape[-1]
+        lead = compute - np.maximum(host, k.sum(axis=-1))
     else:
         compute = np.zeros(b.shape)
-    return PhaseTime(np.broadcast_to(compute, b.shape), comm)
+    return PhaseTime(np.broadcast_to(compute, b.shape), comm, np.broadcast_to(lead, b.shape))
+
+
+def stream_of(n, phase: PhaseTime):
+    """Seconds of `n` ≥ 1 identical layers' phase run back to back (TP collectives included)."""
+    return n * (phase.total - phase.lead) + phase.lead

@@ -7,19 +7,21 @@ activations with and without checkpointing, transient peaks and the output size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
 from mist.analysis import analyze_layer
-from mist.simulate.layer_cost import PhaseTime, phase_time
+from mist.simulate.layer_cost import phase_time
 
 
 @dataclass
 class LayerTerms:
     """Arrays over the micro-batch axis (seconds, bytes); params are per TP shard."""
     params: int
+    # times per layer in a stream of layers (`layer_cost.stream_of`): each phase's `lead_*` is
+    # paid once per stream on top (a layer alone takes time + lead)
     fwd: np.ndarray          # forward compute + TP comm
     bwd: np.ndarray          # backward compute + TP comm (no recomputation)
     recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
@@ -44,6 +46,9 @@ class LayerTerms:
     split_numel_ckpt: np.ndarray = None
     split_elt_ckpt: np.ndarray = None
     split_whole_ckpt: np.ndarray = None
+    lead_fwd: np.ndarray = 0.0
+    lead_bwd: np.ndarray = 0.0       # of `bwd` (with the attention core's re-run when it has one)
+    lead_bwd_ckpt: np.ndarray = 0.0  # of a checkpointed block's backward stream: re-run + plain backward
 
 
 def _split(la, b, s):
@@ -90,24 +95,32 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) 
     la = analyze_layer(spec, part, recompute="attention" if attention else False, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)
+    # per block in a stream of blocks; the embedding and the head are one layer each: their full time
+    per = (lambda ph: ph.total - ph.lead) if part == "block" else (lambda ph: ph.total)  # noqa: E731
     rc_attn = np.zeros_like(b)
-    bw_plain = bw.total
+    bwd, lead_bwd, tp_bwd = per(bw), bw.lead, bw.comm
+    plain = bw
     if attention:
-        bw_plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s).total
+        plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
-        bw = PhaseTime(bw.compute + ra.compute, bw.comm + ra.comm)
-        rc_attn = ra.total
+        rc_attn = per(ra)
+        bwd, lead_bwd, tp_bwd = bwd + rc_attn, np.maximum(bw.lead, ra.lead), bw.comm + ra.comm
     if part == "block":
         ck = analyze_layer(spec, part, recompute=True, **kw)
         rc = phase_time(profile, links, ck, "recompute", b, s)
-        recompute, saved_ck, bwd_ck, fwd_ck = rc.total, ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
+        recompute, saved_ck, bwd_ck, fwd_ck = per(rc), ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
+        lead_ck = np.maximum(rc.lead, plain.lead)
     else:
         ck = la
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
+        lead_ck = plain.lead
+    if part != "block":
+        f = replace(f, lead=np.zeros_like(b))
+        lead_bwd = lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
-        params=la.params, fwd=f.total, bwd=bw.total, recompute=recompute, recompute_attn=rc_attn, bwd_plain=bw_plain,
-        tp_comm_fwd=f.comm, tp_comm_bwd=bw.comm,
+        params=la.params, fwd=per(f), bwd=bwd, recompute=recompute, recompute_attn=rc_attn, bwd_plain=per(plain),
+        tp_comm_fwd=f.comm, tp_comm_bwd=tp_bwd, lead_fwd=f.lead, lead_bwd=lead_bwd, lead_bwd_ckpt=lead_ck,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),
         flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s),

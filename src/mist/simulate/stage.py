@@ -254,6 +254,9 @@ class StageModel:
         comp["edge_b"] = edge * np.maximum(g2g_b, g2c_b)
         comp["edge_first"] = edge * np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
         comp["edge_last"] = edge * np.maximum(g2g_b + final_red, g2c_b + grads_out)
+        # once per micro-batch and phase: what a stream of blocks pays on top of its per-block times
+        comp["lead_f"] = g(blk.lead_fwd)
+        comp["lead_b_no"], comp["lead_b_ck"] = g(blk.lead_bwd), g(blk.lead_bwd_ckpt)
         comp["layer_compute"] = cf + cb - crc_attn
         comp["layer_recompute"] = crc
         comp["layer_recompute_no"] = crc_attn
@@ -387,10 +390,12 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
     L, c = _arr(L), _arr(c)
     n_ck, n_no = c, L - c
     pp = comp["pp"]
-    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"]
-    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"]
-    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"]
-    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"]
+    lead_f = np.where(L > 0, comp["lead_f"], 0.0)
+    lead_b = np.maximum(np.where(n_no > 0, comp["lead_b_no"], 0.0), np.where(n_ck > 0, comp["lead_b_ck"], 0.0))
+    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"] + lead_f
+    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"] + lead_b
+    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"] + lead_f
+    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"] + lead_b
     p2p = comp["p2p"]
     T_stable = stable_f + stable_b + comp["edge_f"] + comp["edge_b"] + pp["stable"] + p2p
     X = np.maximum(first_f + comp["edge_first"] + pp["first"] - (stable_f + comp["edge_f"]), 0.0)
@@ -402,7 +407,7 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
     else:
         T = T_stable + 0.0 * X
     D = X + Y
-    compute = L * comp["layer_compute"] + pp["compute"]
+    compute = L * comp["layer_compute"] + pp["compute"] + lead_f + lead_b
     recompute = c * comp["layer_recompute"] + n_no * comp["layer_recompute_no"]
     tp = L * comp["layer_tp"] + pp["tp"]
     p2pb = np.broadcast_to(p2p, T.shape)

@@ -254,9 +254,13 @@ class StageModel:
         comp["edge_b"] = edge * np.maximum(g2g_b, g2c_b)
         comp["edge_first"] = edge * np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
         comp["edge_last"] = edge * np.maximum(g2g_b + final_red, g2c_b + grads_out)
-        # once per micro-batch and phase: what a stream of blocks pays on top of its per-block times
-        comp["lead_f"] = g(blk.lead_fwd)
-        comp["lead_b_no"], comp["lead_b_ck"] = g(blk.lead_bwd), g(blk.lead_bwd_ckpt)
+        # once per micro-batch and phase, what a stream of blocks pays on top of its per-block times
+        # (`layer_cost.stream_of`); backward: the larger of the plain and the checkpointed blocks'
+        lead_f = g(blk.lead_fwd)
+        lead_b = np.maximum(g(blk.lead_bwd), g(blk.lead_bwd_ckpt))
+        comp["edge_f"], comp["edge_first"] = comp["edge_f"] + lead_f, comp["edge_first"] + lead_f
+        comp["edge_b"], comp["edge_last"] = comp["edge_b"] + lead_b, comp["edge_last"] + lead_b
+        comp["lead"] = lead_f + lead_b
         comp["layer_compute"] = cf + cb - crc_attn
         comp["layer_recompute"] = crc
         comp["layer_recompute_no"] = crc_attn
@@ -390,12 +394,10 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
     L, c = _arr(L), _arr(c)
     n_ck, n_no = c, L - c
     pp = comp["pp"]
-    lead_f = np.where(L > 0, comp["lead_f"], 0.0)
-    lead_b = np.maximum(np.where(n_no > 0, comp["lead_b_no"], 0.0), np.where(n_ck > 0, comp["lead_b_ck"], 0.0))
-    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"] + lead_f
-    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"] + lead_b
-    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"] + lead_f
-    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"] + lead_b
+    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"]
+    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"]
+    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"]
+    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"]
     p2p = comp["p2p"]
     T_stable = stable_f + stable_b + comp["edge_f"] + comp["edge_b"] + pp["stable"] + p2p
     X = np.maximum(first_f + comp["edge_first"] + pp["first"] - (stable_f + comp["edge_f"]), 0.0)
@@ -407,7 +409,7 @@ def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
     else:
         T = T_stable + 0.0 * X
     D = X + Y
-    compute = L * comp["layer_compute"] + pp["compute"] + lead_f + lead_b
+    compute = L * comp["layer_compute"] + pp["compute"] + comp["lead"]
     recompute = c * comp["layer_recompute"] + n_no * comp["layer_recompute_no"]
     tp = L * comp["layer_tp"] + pp["tp"]
     p2pb = np.broadcast_to(p2p, T.shape)
@@ -456,11 +458,10 @@ def _memory(m: dict, L, c, in_flight) -> dict:
     breakdown = {"weights_bytes": weights + 0 * peak, "grads_bytes": grads + 0 * peak,
                  "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
                  "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
-    host_act = (L - c) * m["H_f"] + c * m["H_c"]
-    host = {"state_bytes": L * m["host_states"] + 0 * peak,
-            "optimizer_grad_bytes": L * m["host_opt_grads"] + 0 * peak,
-            "activation_peak_bytes": (in_flight + 1) * host_act + 0 * peak}
-    host["peak_bytes"] = sum(host.values())
+    # (broadcast only as far as their own terms: the tuner reads peak_bytes where the GPU fits)
+    host = {"state_bytes": L * m["host_states"], "optimizer_grad_bytes": L * m["host_opt_grads"],
+            "activation_peak_bytes": (in_flight + 1) * ((L - c) * m["H_f"] + c * m["H_c"])}
+    host["peak_bytes"] = host["state_bytes"] + host["optimizer_grad_bytes"] + host["activation_peak_bytes"]
     return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown, "host": host,
             "saved_per_microbatch": saved_mb + 0 * peak,
             "saved_peak": (in_flight + 1) * saved_mb + m["post_saved"] + 0 * peak}

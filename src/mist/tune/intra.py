@@ -155,7 +155,7 @@ class StageTables:
             min_peak = min(min_peak, float(peak.min()))
             ok = peak <= cap
             if self.host_cap is not None and ok.any():
-                host = r.host["peak_bytes"]
+                host = np.broadcast_to(r.host["peak_bytes"], ok.shape)
                 min_host = min(min_host, float(host[ok].min()))
                 ok &= host <= self.host_cap
             if not ok.any():

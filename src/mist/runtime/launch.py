@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from mist.cpu_workers import setup_cpu_worker, threads_per_worker
 from mist.errors import MistInputError
-from mist.runtime.preflight import check_node_memory
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
+from mist.runtime.preflight import check_node_memory
 
 
 def free_port() -> int:

@@ -16,12 +16,11 @@ is never wrong. Activations come on top and are not counted here.
 from __future__ import annotations
 
 from mist.errors import MistInputError
+from mist.hardware.host_memory import GIB
 from mist.plan import Plan
 from mist.simulate.precision import Precision
 from mist.simulate.states import unit_host_states, unit_states
 from mist.specs.training import DTYPES
-
-GIB = 2**30
 
 
 def _stage_bytes(plan: Plan, i: int, host_only: bool) -> float:

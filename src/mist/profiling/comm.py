@@ -55,14 +55,12 @@ def _script(rank, world, init_file, cfg, q):  # pragma: no cover - subprocess
     cuda = cfg["device"] == "cuda"
     if cuda:
         torch.set_num_threads(int(cfg["threads"]))
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
     else:
         from mist.cpu_workers import setup_cpu_worker
 
         setup_cpu_worker(int(cfg["threads"]))   # as `mist train` runs its CPU ranks
-    if cuda:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-    else:
         dev = torch.device("cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg["dtype"]]
     esize = torch.tensor([], dtype=dtype).element_size()

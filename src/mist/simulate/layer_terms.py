@@ -7,7 +7,7 @@ activations with and without checkpointing, transient peaks and the output size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -95,17 +95,20 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) 
     la = analyze_layer(spec, part, recompute="attention" if attention else False, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)
-    # per block in a stream of blocks; the embedding and the head are one layer each: their full time
-    per = (lambda ph: ph.total - ph.lead) if part == "block" else (lambda ph: ph.total)  # noqa: E731
+    # blocks run as a stream: each costs total − lead and the stream pays one lead per phase
+    # (`layer_cost.stream_of`); the embedding and the head are one layer each: their full time
+    block = part == "block"
+    lead = (lambda ph: ph.lead) if block else (lambda ph: np.zeros_like(b))  # noqa: E731
+    per = lambda ph: ph.total - lead(ph)  # noqa: E731
     rc_attn = np.zeros_like(b)
-    bwd, lead_bwd, tp_bwd = per(bw), bw.lead, bw.comm
+    bwd, lead_bwd, tp_bwd = per(bw), lead(bw), bw.comm
     plain = bw
-    if attention:
+    if attention:   # only ever for blocks
         plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
         rc_attn = per(ra)
         bwd, lead_bwd, tp_bwd = bwd + rc_attn, np.maximum(bw.lead, ra.lead), bw.comm + ra.comm
-    if part == "block":
+    if block:
         ck = analyze_layer(spec, part, recompute=True, **kw)
         rc = phase_time(profile, links, ck, "recompute", b, s)
         recompute, saved_ck, bwd_ck, fwd_ck = per(rc), ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
@@ -113,14 +116,11 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) 
     else:
         ck = la
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
-        lead_ck = plain.lead
-    if part != "block":
-        f = replace(f, lead=np.zeros_like(b))
-        lead_bwd = lead_ck = np.zeros_like(b)
+        lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
         params=la.params, fwd=per(f), bwd=bwd, recompute=recompute, recompute_attn=rc_attn, bwd_plain=per(plain),
-        tp_comm_fwd=f.comm, tp_comm_bwd=tp_bwd, lead_fwd=f.lead, lead_bwd=lead_bwd, lead_bwd_ckpt=lead_ck,
+        tp_comm_fwd=f.comm, tp_comm_bwd=tp_bwd, lead_fwd=lead(f), lead_bwd=lead_bwd, lead_bwd_ckpt=lead_ck,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),
         flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s),

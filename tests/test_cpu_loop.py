@@ -48,9 +48,8 @@ def test_states_and_saved_activations_match_the_runtime(loop):
         for s in c["stages"]:
             for k in ("state_bytes", "saved_activation_peak_bytes") + cpu_loop.HOST_KEYS:
                 assert s[k]["predicted"] == s[k]["measured"], (c["case"], k)
-    # the memory-limited case offloads: its host bytes are not trivially zero
-    assert any(s["host_state_bytes"]["measured"] > 0 and s["host_activation_peak_bytes"]["measured"] > 0
-               for c in data["cases"] for s in c["stages"])
+    # (whether a tuned plan offloads at all depends on the profile measured in the run; plans that
+    # offload every kind on purpose are checked to the byte in tests/runtime/test_host_memory_runtime.py)
 
 
 def test_step_time_within_the_target(loop):

@@ -1,13 +1,17 @@
-"""CPU worker set-up: ⌊cores / K⌋ threads, and freed memory kept in the heap so that the large
-temporaries of every training step stop being page-faulted in afresh (measured with the kernel's
-own minor-fault counter, in fresh processes)."""
+"""Worker set-up: ⌊cores / K⌋ threads (CPU devices, and GPU ranks for their host AdamW, also under
+torchrun's OMP_NUM_THREADS=1), and freed memory kept in the heap so that the large temporaries of
+every training step stop being page-faulted in afresh (measured with the kernel's own minor-fault
+counter, in fresh processes)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from mist.cpu_workers import threads_per_worker
+import pytest
+
+from mist.cpu_workers import HOST_THREADS_ENV, host_cores, threads_per_worker
+from mist.errors import MistInputError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -38,10 +42,32 @@ def faults(mode: str) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-def test_threads_per_worker():
-    cores = os.cpu_count() or 1
+def test_threads_per_worker(monkeypatch):
+    monkeypatch.delenv(HOST_THREADS_ENV, raising=False)
+    cores = host_cores()
+    assert cores == len(os.sched_getaffinity(0))
     assert threads_per_worker(1) == cores
     assert threads_per_worker(cores * 2) == 1
+
+
+def test_host_threads_override(monkeypatch):
+    monkeypatch.setenv(HOST_THREADS_ENV, "3")
+    assert threads_per_worker(1) == threads_per_worker(64) == 3
+    for bad in ("0", "-2", "four", ""):
+        monkeypatch.setenv(HOST_THREADS_ENV, bad)
+        with pytest.raises(MistInputError, match=HOST_THREADS_ENV):
+            threads_per_worker(2)
+
+
+def test_gpu_rank_threads_beat_torchruns_default():
+    """torchrun exports OMP_NUM_THREADS=1 to every process of a multi-process node; a GPU rank
+    still gets its share of the cores for the host AdamW."""
+    code = ("import torch; from mist.cpu_workers import setup_gpu_rank; "
+            "print(torch.get_num_threads()); setup_gpu_rank(2); print(torch.get_num_threads())")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True, timeout=120).stdout.split()
+    assert out == ["1", "2"]
 
 
 def test_kept_heap_pages_stop_the_page_faults_of_repeated_temporaries():

@@ -1,7 +1,15 @@
-"""How a CPU worker process is set up. A CPU "cluster" of K worker processes on one machine is K
-devices of ⌊cores / K⌋ intra-op threads each. `mist train` runs its CPU ranks so and
+"""How a worker process uses the host CPU. A CPU "cluster" of K worker processes on one machine is
+K devices of ⌊cores / K⌋ intra-op threads each. `mist train` runs its CPU ranks so and
 `mist profile --device cpu --processes K` measures one such device, so that the profile describes
 the ranks that will run the plan.
+
+GPU ranks use the host CPU too: the offloaded fraction of the optimizer steps there (CPU AdamW).
+The K ranks of a node share its cores, so each GPU rank also gets ⌊cores / K⌋ threads
+(`setup_gpu_rank`), and `mist profile --device cuda` measures the host AdamW with that many
+threads while the node's other K − 1 ranks step at the same time. Left alone, a GPU rank would run
+with whatever the launcher chose: torchrun sets OMP_NUM_THREADS=1 when it starts several processes
+per node (one thread: a host step several times slower than profiled), and processes started
+without it each take every core (K-fold oversubscription). `MIST_HOST_THREADS` overrides the share.
 
 Both also keep freed memory in the process heap (`keep_heap_pages`). By default glibc serves
 allocations of 32 MiB and more (a moving threshold) with fresh mmap'ed pages and returns them on
@@ -18,13 +26,44 @@ import ctypes
 import ctypes.util
 import os
 
+from mist.errors import MistInputError
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _TRIM_THRESHOLD = 1 << 30   # return heap memory to the OS only past 1 GiB free at its top
 
 
+HOST_THREADS_ENV = "MIST_HOST_THREADS"
+
+
+def host_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, as taskset or a cgroup cpuset leave it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def threads_per_worker(workers: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, int(workers)))
+    """A worker's share of the cores when `workers` processes run on this machine at once; or
+    MIST_HOST_THREADS when set (a positive integer, else MistInputError)."""
+    fixed = os.environ.get(HOST_THREADS_ENV)
+    if fixed is not None:
+        try:
+            n = int(fixed)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise MistInputError(f"{HOST_THREADS_ENV} must be a positive integer, got {fixed!r}.")
+        return n
+    return max(1, host_cores() // max(1, int(workers)))
+
+
+def setup_gpu_rank(threads: int) -> None:
+    """A GPU rank's intra-op threads for its host work (the CPU part of the optimizer step)."""
+    import torch
+
+    torch.set_num_threads(int(threads))
 
 
 def setup_cpu_worker(threads: int) -> None:

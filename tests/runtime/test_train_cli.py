@@ -136,3 +136,9 @@ def test_which_device_a_plan_runs_on():
         device_type_for(make_plan("gpt", gpu="l4"), local=False)
     dev, note = device_type_for(make_plan("gpt", gpu="l4"), local=True)
     assert dev == "cpu" and "gloo" in note
+
+
+def test_bad_host_threads(tmp_path, capsys, monkeypatch):
+    err = _fail(["train", str(_plan_file(tmp_path)), "--local"], capsys, monkeypatch,
+                {"MIST_HOST_THREADS": "many"})
+    assert "MIST_HOST_THREADS must be a positive integer" in err

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from mist.cpu_workers import threads_per_worker
+from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Device, time_op, wall_of
 
 MiB = 2**20
@@ -454,29 +456,51 @@ def measure_copies(dev: Device, nbytes: int) -> dict:
             "copy_Bps": 2 * nbytes / t, "bytes": nbytes, "kind": "host memcpy (CPU: no device link)"}
 
 
-def measure_adam(dev: Device, params: int, host_params: int) -> dict:
-    """Seconds per parameter of one fp32 AdamW step of the runtime's own optimizer
-    (`mist.runtime.optimizer.adamw_`, as `mist train` steps a flat shard): on the device and on
-    the host CPU (the offloaded fraction)."""
+def _adam_rate(dev: Device, device, n: int) -> float:
+    """Seconds per parameter of `mist.runtime.optimizer.adamw_` over n fp32 parameters on `device`."""
     import torch
 
     from mist.runtime.optimizer import adamw_
 
-    def rate(device, n):
-        p, m, v = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
-        g = torch.full_like(p, 1e-3)
-        step = lambda: adamw_(p, m, v, g, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,  # noqa: E731
-                              weight_decay=0.1, decay_ranges=[(0, n)])
-        d = Device("cuda" if device.type == "cuda" else "cpu", "fp32", dev.index)
-        return time_op(step, d, target_s=0.1, min_reps=3, max_reps=20) / n
+    p, m, v = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
+    g = torch.full_like(p, 1e-3)
+    step = lambda: adamw_(p, m, v, g, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,  # noqa: E731
+                          weight_decay=0.1, decay_ranges=[(0, n)])
+    d = Device("cuda" if device.type == "cuda" else "cpu", "fp32", dev.index)
+    return time_op(step, d, target_s=0.1, min_reps=3, max_reps=20) / n
 
-    out = {}
+
+def measure_host_adam(params: int, ranks: int) -> dict:
+    """The host AdamW rate one of `ranks` GPU ranks of a node gets under `mist train`: with its
+    share of the cores (`threads_per_worker`) while the other ranks step their own host AdamW at
+    the same time (busy neighbours), as they all do during their first micro-batch, sharing the
+    cores and the memory channels."""
+    import torch
+
+    ranks = max(1, int(ranks))
+    threads, before = threads_per_worker(ranks), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Neighbours(ranks - 1, threads, work="adam", size=params):
+            s = _adam_rate(Device("cpu", "fp32"), torch.device("cpu"), params)
+    finally:
+        torch.set_num_threads(before)
+    return {"host_s_per_param": s, "host_threads": threads, "host_ranks": ranks}
+
+
+def measure_adam(dev: Device, params: int, host_params: int, host_ranks: int = 1) -> dict:
+    """Seconds per parameter of one fp32 AdamW step of the runtime's own optimizer
+    (`mist.runtime.optimizer.adamw_`, as `mist train` steps a flat shard): on the device and on
+    the host CPU (the offloaded fraction; on a GPU machine as one of its `host_ranks` ranks,
+    `measure_host_adam`)."""
+    import torch
+
     if dev.kind == "cuda":
-        out["device_s_per_param"] = rate(dev.torch_device, params)
-        out["host_s_per_param"] = rate(torch.device("cpu"), host_params)
-    else:
-        out["device_s_per_param"] = out["host_s_per_param"] = rate(torch.device("cpu"), host_params)
-    return out
+        return {"device_s_per_param": _adam_rate(dev, dev.torch_device, params),
+                **measure_host_adam(host_params, host_ranks)}
+    s = _adam_rate(dev, torch.device("cpu"), host_params)
+    return {"device_s_per_param": s, "host_s_per_param": s, "host_threads": torch.get_num_threads(),
+            "host_ranks": 1}
 
 
 # ---------------------------------------------------------------------------- capacity, fingerprint

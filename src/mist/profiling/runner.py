@@ -180,7 +180,9 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
                                                         lambda f: tick(f, "memory-bound ops"))
         ticker("adam")(0.0, "AdamW")
         budget.phase_deadline("adam")
-        meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params)
+        # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
+        host_ranks = max(1, torch.cuda.device_count()) if kind == "cuda" else 1
+        meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params, host_ranks)
     ticker("overlap")(0.0, "compute/copy interference")
     budget.phase_deadline("overlap")
     meas["overlap_local"] = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes,
@@ -320,7 +322,8 @@ def assemble(meas: dict, name: str):
             "host_link": (f"measured: {cp['kind']}, {cp['bytes'] / MiB:.0f} MiB"
                           + ("" if kind == "cuda" else " (no device link on a CPU: labelled stand-in)")),
             "adam": ("measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the GPU and on "
-                     "the host" if kind == "cuda"
+                     f"the host with {adam['host_threads']} thread(s), as one of {adam['host_ranks']} GPU ranks "
+                     "stepping on the host at once" if kind == "cuda"
                      else "measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the CPU (device = host)"),
             "gemm": gemm.source, "attention": attention.source,
             "memory_ops": "measured by mist profile (see memory_ops.sources)", "host": host_model.source,

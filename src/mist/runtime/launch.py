@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mist.cpu_workers import setup_cpu_worker, threads_per_worker
+from mist.cpu_workers import setup_cpu_worker, setup_gpu_rank, threads_per_worker
 from mist.errors import MistInputError
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
@@ -96,8 +96,7 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
 
 def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q, threads):
     try:
-        if device_type == "cpu":
-            setup_cpu_worker(threads)
+        (setup_cpu_worker if device_type == "cpu" else setup_gpu_rank)(threads)
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         res = run_rank(plan, cfg, rank, world, device, f"tcp://127.0.0.1:{port}", want_state)
         q.put(("ok", rank, res))
@@ -113,9 +112,9 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
 
     `start_method` "spawn" (default: clean interpreters) or "fork" (about a second faster per
     run when the parent already imported torch.distributed, as the tests do). `threads`: intra-op
-    threads per CPU worker; by default one for forked workers, because a forked child must not
-    start OpenMP threads when its parent already ran parallel torch code (GNU libgomp is not
-    fork-safe), and the cores divided among the workers otherwise.
+    threads per worker (a GPU rank's are for its host AdamW); by default one for forked workers,
+    because a forked child must not start OpenMP threads when its parent already ran parallel
+    torch code (GNU libgomp is not fork-safe), and the cores divided among the workers otherwise.
     """
     import torch.multiprocessing as mp
 
@@ -207,6 +206,7 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
             raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
                                  f"{torch.cuda.device_count()} GPU(s).")
         device = torch.device("cuda", local_rank)
+        setup_gpu_rank(threads_per_worker(local_world))   # not torchrun's OMP_NUM_THREADS=1
     else:
         setup_cpu_worker(threads_per_worker(local_world))
         device = torch.device("cpu")

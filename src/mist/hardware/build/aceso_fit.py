@@ -272,7 +272,8 @@ def build(
             f"{sheet['peak_flops'] / 1e12:.0f} TFLOP/s",
             "hbm_bandwidth": f"datasheet: {sheet.get('sheet', sheet['label'])} {sheet['hbm'] / 1e9:.0f} GB/s",
             "host_link": link["source"],
-            "adam": "scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); H200 host CPU AdamW (CPU, host unknown)",
+            "adam": ("scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); H200 host CPU AdamW "
+                     "(CPU, host unknown: 16 threads of one process, foreach)"),
             "gemm": gemm.source,
             "attention": attention.source,
             "memory_ops": "fitted: op-profile memory-bound rows (see memory_ops.sources)",

@@ -401,11 +401,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except Exception as e:  # usage errors (click-style) carry their own exit code and message
-        if hasattr(e, "exit_code") and hasattr(e, "show"):
+    except Exception as e:  # usage errors (click-style): one sentence too, and exit code 2
+        if not (hasattr(e, "exit_code") and hasattr(e, "format_message")):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":   # bare `mist` / `mist CMD`: the help is the answer
             e.show()
             sys.exit(e.exit_code)
-        raise
+        print(f"error: {usage_sentence(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def usage_sentence(e) -> str:
+    """A click-style usage error as one line that ends with where the help is."""
+    msg = " ".join(e.format_message().split()).rstrip(".")
+    ctx = getattr(e, "ctx", None)
+    cmd = "mist" + (f" {ctx.info_name}" if ctx is not None and ctx.parent is not None else "")
+    return f"{msg} (see '{cmd} --help')."
 
 
 if __name__ == "__main__":

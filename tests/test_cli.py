@@ -94,3 +94,44 @@ def test_console_entry_point_exit_code():
     p = subprocess.run([sys.executable, "-m", "mist", "estimate", "--model", "nope"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "Unknown model" in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["tune", "--nodes", "abc"], "Invalid value for '--nodes'"),
+    (["estimate", "--bogus"], "No such option: --bogus"),
+    (["nocmd"], "No such command 'nocmd'"),
+    (["simulate"], "Missing argument"),
+])
+def test_usage_errors_are_one_sentence_exit_2(args, needle, capsys):
+    code, _, err = run(args, capsys)
+    assert code == 2 and needle in err and "--help" in err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["tune", "-o", "/proc/mist-plan.json"], "--output /proc/mist-plan.json cannot be written"),
+    (["tune", "-o", "{tmp}"], "--output must end with .json, .yaml, .yml"),
+    (["tune", "-o", "{tmp}/no/such/plan.json"], "does not exist"),
+    (["tune", "--time-budget", "nan"], "--time-budget must be a positive number"),
+    (["compare", "--time-budget", "-1"], "--time-budget must be a positive number"),
+    (["tune", "--dtype", ""], "param_dtype must be one of"),
+    (["tune", "--global-batch", "99999999999999999999"], "global_batch must be at most"),
+])
+def test_output_and_budget_checked_before_the_search(args, needle, tmp_path, capsys):
+    code, _, err = run([a.format(tmp=tmp_path) for a in args], capsys)
+    assert code == 2 and needle in err, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []          # nothing written or left behind
+
+
+def test_timeline_path_checked_before_simulating(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    main(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--global-batch", "8", "-o", str(plan), "--json"])
+    capsys.readouterr()
+    for path, needle in ((tmp_path / "t.jpgx", "must end with .png, .svg, .pdf"),
+                         (tmp_path / "no" / "t.png", "does not exist"), ("", "needs a file path")):
+        code, _, err = run(["simulate", str(plan), "--timeline", str(path)], capsys)
+        assert code == 2 and needle in err, err
+    svg = tmp_path / "t.svg"
+    main(["simulate", str(plan), "--timeline", str(svg)])
+    assert svg.read_text().lstrip().startswith("<?xml")

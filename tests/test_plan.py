@@ -68,6 +68,19 @@ def test_good_plan_roundtrips(tmp_path):
     ({"stages__0__pipeline": 3}, "unknown field"),
     ({"model": "nope-7b"}, "Unknown model"),
     ({"training__seq_len": 16384}, "learned positions"),
+    ({"training__flash_attention": "no"}, "flash_attention must be true or false"),
+    ({"training__flash_attention": None}, "flash_attention must be true or false"),
+    ({"training__global_batch": 2**40}, "global_batch must be at most"),
+    ({"stages__0__zero": 1.0}, "zero must be 0, 1, 2 or 3"),
+    ({"stages__0__offload": 0}, "offload must map"),
+    ({"stages__0__offload": None}, "offload must map"),
+    ({"extra": 1}, "unknown field(s) extra"),
+    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16,
+                "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304, "colour": 1}},
+     "The model of plan has unknown field(s) colour"),
+    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2**33, "num_heads": 16,
+                "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}},
+     "at most 1,048,576"),
 ])
 def test_each_violation_has_its_message(changes, needle):
     with pytest.raises(MistInputError) as e:
@@ -95,3 +108,33 @@ def test_bad_files(tmp_path):
     f.write_text(json.dumps([1, 2]))
     with pytest.raises(MistInputError, match="mapping"):
         load_plan(f)
+
+
+def test_placement_follows_the_runtime_layout():
+    """Stages take consecutive ranks; on 2 nodes of 2 GPUs a 1×2 stage at ranks 1–2 would
+    straddle both nodes, and a stage over 2 nodes must own them whole."""
+    base = mutate(cluster={"gpu": "l4", "nodes": 2, "gpus_per_node": 2}, micro_batches=16,
+                  training={"seq_len": 2048, "global_batch": 32})
+
+    def stage(layers, n, g, tp=1):
+        return {"layers": layers, "nodes": n, "gpus_per_node": g, "micro_batch": 2 // (g * n // tp),
+                "dp": g * n // tp, "tp": tp}
+    ok = dict(base, stages=[stage(8, 1, 2), stage(8, 1, 1), stage(8, 1, 1)])
+    assert plan_from_dict(ok).num_stages == 3
+    straddle = dict(base, stages=[stage(8, 1, 1), stage(8, 1, 2, tp=2), stage(8, 1, 1)])
+    with pytest.raises(MistInputError, match="ranks 1–2.*straddle two nodes"):
+        plan_from_dict(straddle)
+    split = dict(base, stages=[stage(12, 1, 2), stage(12, 2, 1)])
+    with pytest.raises(MistInputError, match="must own whole nodes"):
+        plan_from_dict(split)
+
+
+def test_unreadable_files(tmp_path):
+    f = tmp_path / "bin.json"
+    f.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(MistInputError, match="is not UTF-8 text"):
+        load_plan(f)
+    with pytest.raises(MistInputError, match="is a directory, not a file"):
+        load_plan(tmp_path)
+    with pytest.raises(MistInputError, match="needs a file path"):
+        load_plan("")

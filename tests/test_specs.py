@@ -206,6 +206,10 @@ def test_file_must_hold_a_mapping(tmp_path):
     (dict(family="llama", rotary_fraction=0.3), "odd number of rotary"),
     (dict(family="bert"), "(?i)unknown model family"),
     (dict(norm_eps=0.0), "norm_eps"),
+    (dict(norm_eps=float("inf")), "norm_eps must be a positive finite number"),
+    (dict(hidden_size=2**33, num_heads=2**13), "hidden_size must be at most 1,048,576"),
+    (dict(vocab_size=2**63), "vocab_size must be at most 16,777,216"),
+    (dict(num_layers=10**9), "num_layers must be at most 4,096"),
 ])
 def test_invalid_models_one_sentence(tmp_path, change, match):
     raises_one_sentence(ModelSpec, **{**BASE, **change}, match=match)
@@ -315,6 +319,8 @@ def test_hf_errors():
     raises_one_sentence(load_model_dict, {**cfg, "num_key_value_heads": 5}, "cfg.json",
                         match="cfg.json.*not divisible by num_kv_heads")
     raises_one_sentence(load_model_dict, {**cfg, "head_dim": 64}, "cfg.json", match="head_dim")
+    raises_one_sentence(load_model_dict, {**cfg, "head_dim": "128"}, "cfg.json",
+                        match="field head_dim must be an integer, got '128'")
     raises_one_sentence(load_model_dict, {**cfg, "tie_word_embeddings": "no"}, "cfg.json",
                         match="tie_word_embeddings")
     raises_one_sentence(load_model_dict, {**cfg, "hidden_size": "4096"}, "cfg.json",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from typing import Annotated, Optional
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mist.errors import MistInputError
+from mist.userfiles import check_output_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Mist: find and run the fastest distributed-training configuration that fits.")
@@ -92,8 +94,12 @@ def simulate(
     if host_memory is not None:
         p = replace(p, cluster=replace(p.cluster, host_memory_gib=host_memory))
     profile = load_profile(p.cluster.gpu)
-    res = simulate_plan(p, profile, with_events=bool(timeline))
-    if timeline:
+    if timeline is not None:
+        from mist.viz.timeline import IMAGE_SUFFIXES
+
+        check_output_file(timeline, "--timeline", IMAGE_SUFFIXES)
+    res = simulate_plan(p, profile, with_events=timeline is not None)
+    if timeline is not None:
         from mist.viz.timeline import draw_timeline
 
         draw_timeline(res, timeline)
@@ -113,13 +119,18 @@ def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
     profile = load_profile(gpu)
-    dt = dtype or profile_dtype(profile)
+    dt = profile_dtype(profile) if dtype is None else dtype
     training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash,
                             param_dtype=dt, compute_dtype=dt)
     if spec.family == "gpt" and seq > spec.max_position_embeddings:
         raise MistInputError(
             f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
     return spec, cluster, training, profile
+
+
+def _check_budget(time_budget: float | None) -> None:
+    if time_budget is not None and not 0 < time_budget < math.inf:
+        raise MistInputError(f"--time-budget must be a positive number of seconds, got {time_budget}.")
 
 
 def _int_list(option: str, text: str | None) -> tuple | None:
@@ -174,8 +185,9 @@ def tune(
 
     if space not in ALL_SPACES:
         raise MistInputError(f"Unknown search space {space!r}; choose one of {', '.join(ALL_SPACES)}.")
-    if time_budget is not None and time_budget <= 0:
-        raise MistInputError(f"--time-budget must be positive, got {time_budget}.")
+    _check_budget(time_budget)
+    if output is not None:
+        check_output_file(output, "--output", (".json", ".yaml", ".yml"))
     limits = {"pp_values": _int_list("--pp", pp), "tp_values": _int_list("--tp", tp)}
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
@@ -223,6 +235,7 @@ def compare(
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
     from mist.tune.compare import compare_spaces
 
+    _check_budget(time_budget)
     spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
                                               host_memory)
     rows = compare_spaces(spec, cluster, training, profile, time_budget)

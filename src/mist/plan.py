@@ -19,8 +19,10 @@ import yaml
 from mist.errors import MistInputError
 from mist.specs.model import ModelSpec
 from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.userfiles import read_user_text
 
 OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
+PLAN_FIELDS = ("model", "cluster", "training", "micro_batches", "stages")
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def validate(p: Plan) -> None:
         _int(f"{where} recompute_layers", s.recompute_layers, 0)
         if not isinstance(s.recompute_attention, bool):
             raise MistInputError(f"{where} recompute_attention must be true or false, got {s.recompute_attention!r}.")
-        if s.zero not in (0, 1, 2, 3) or isinstance(s.zero, bool):
+        if isinstance(s.zero, bool) or not isinstance(s.zero, int) or s.zero not in (0, 1, 2, 3):
             raise MistInputError(f"{where} zero must be 0, 1, 2 or 3, got {s.zero!r}.")
         if s.micro_batch * s.dp * p.micro_batches != B:
             raise MistInputError(
@@ -160,6 +162,24 @@ def validate(p: Plan) -> None:
     gpus = sum(s.gpus for s in p.stages)
     if gpus != p.cluster.world_size:
         raise MistInputError(f"The stages use {gpus} GPUs but the cluster has {p.cluster.world_size}.")
+    _check_placement(p)
+
+
+def _check_placement(p: Plan) -> None:
+    """Stages take consecutive ranks, gpus_per_node of them per node (the runtime's layout): a
+    stage on one node must not straddle two, and a stage on several nodes must own whole ones."""
+    K, first = p.cluster.gpus_per_node, 0
+    for i, s in enumerate(p.stages):
+        last = first + s.gpus - 1
+        if s.nodes == 1 and first // K != last // K:
+            raise MistInputError(
+                f"Stage {i}: its {s.gpus} GPUs (ranks {first}–{last}, stages take consecutive ranks) "
+                f"straddle two nodes of {K} GPUs, but its mesh is 1×{s.gpus_per_node}.")
+        if s.nodes > 1 and (s.gpus_per_node != K or first % K):
+            raise MistInputError(
+                f"Stage {i}: a mesh over {s.nodes} nodes must own whole nodes ({K} GPUs each, starting "
+                f"at a node's first rank), but it is {s.nodes}×{s.gpus_per_node} from rank {first}.")
+        first = last + 1
 
 
 # ------------------------------------------------------------- loading
@@ -184,7 +204,10 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
 
     if not isinstance(d, dict):
         raise MistInputError(f"{source} must hold a mapping at the top level.")
-    for k in ("model", "cluster", "training", "micro_batches", "stages"):
+    unknown = sorted(set(d) - set(PLAN_FIELDS), key=str)
+    if unknown:
+        raise MistInputError(f"{source} has unknown field(s) {', '.join(map(str, unknown))}.")
+    for k in PLAN_FIELDS:
         if k not in d:
             raise MistInputError(f"{source} is missing field {k!r}.")
     ref = None
@@ -192,7 +215,8 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         ref = d["model"]
         model = load_model(ref)
     elif isinstance(d["model"], dict):
-        model = load_model_dict(d["model"], source=f"{source} model")
+        model = load_model_dict(d["model"], source=f"{source} model",
+                                label=f"The model of {source[:1].lower() + source[1:]}")
     else:
         raise MistInputError(f"{source} field 'model' must be a preset name, a path or a model mapping.")
     cluster = _sub(d, "cluster", ClusterSpec, source)
@@ -205,7 +229,7 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         if not isinstance(sd, dict):
             raise MistInputError(f"{where} must be a mapping.")
         sd = dict(sd)
-        off = sd.pop("offload", {}) or {}
+        off = sd.pop("offload", {})
         if not isinstance(off, dict) or set(off) - set(OFFLOAD_KINDS):
             raise MistInputError(f"{where} offload must map {', '.join(OFFLOAD_KINDS)} to ratios.")
         unknown = sorted(set(sd) - set(StageStrategy.__dataclass_fields__))
@@ -220,10 +244,8 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
+    text = read_user_text(path, "Plan file")
     path = Path(path)
-    if not path.is_file():
-        raise MistInputError(f"Plan file {path} does not exist.")
-    text = path.read_text()
     try:
         d = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:

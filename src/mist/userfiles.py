@@ -15,9 +15,13 @@ from mist.errors import MistInputError
 
 def read_user_text(path: str | Path, what: str) -> str:
     """The UTF-8 text of a file the user gave as `what` ("Plan file", "GPU profile file", ...)."""
+    if path is None or not str(path).strip():
+        raise MistInputError(f"{what} needs a file path, got an empty one.")
     path = Path(path)
-    if not str(path).strip() or not path.is_file():
-        raise MistInputError(f"{what} {str(path)!r} does not exist" + (" (it is a directory)." if path.is_dir() else "."))
+    if path.is_dir():
+        raise MistInputError(f"{what} {path} is a directory, not a file.")
+    if not path.is_file():
+        raise MistInputError(f"{what} {path} does not exist.")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

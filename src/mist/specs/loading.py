@@ -74,16 +74,16 @@ def load_model(arg: str) -> ModelSpec:
     return load_model_dict(data, str(path), default_name=_name_from_path(path))
 
 
-def load_model_dict(d: dict, source: str = "<dict>", default_name: str | None = None) -> ModelSpec:
-    """Build a ModelSpec from a parsed model file or Hugging Face config; `source` names it in errors."""
+def load_model_dict(d: dict, source: str = "<dict>", default_name: str | None = None,
+                    label: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed model file or Hugging Face config; `source` names it in
+    errors ("Model file SOURCE ..."), or `label` in full (e.g. "The model of plan file X")."""
+    label = label or f"Model file {source}"
     if not isinstance(d, dict):
-        raise MistInputError(
-            f"Model file {source} must hold a mapping of field names to values, "
-            f"not {type(d).__name__}."
-        )
+        raise MistInputError(f"{label} must hold a mapping of field names to values, not {type(d).__name__}.")
     if "family" not in d and ("model_type" in d or "architectures" in d):
         return _from_hf(d, source, default_name)
-    return _from_fields(d, source, default_name)
+    return _from_fields(d, label, default_name)
 
 
 # ----------------------------------------------------------------------------- file reading
@@ -132,7 +132,7 @@ def _parse_json(text: str, path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise MistInputError(
-            f"Model file {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})."
+            f"Model file {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno})."
         ) from None
 
 
@@ -156,32 +156,32 @@ def _name_from_path(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------ ModelSpec-style file
-def _from_fields(d: dict, source: str, default_name: str | None) -> ModelSpec:
+def _from_fields(d: dict, label: str, default_name: str | None) -> ModelSpec:
     allowed = REQUIRED_FIELDS + OPTIONAL_FIELDS
     unknown = [str(k) for k in d if k not in allowed]
     if unknown:
         close = [m for k in unknown for m in difflib.get_close_matches(k, allowed, n=1)]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise MistInputError(
-            f"Model file {source} has unknown field(s) {', '.join(unknown)}{hint}; "
+            f"{label} has unknown field(s) {', '.join(unknown)}{hint}; "
             f"allowed fields are {', '.join(allowed)}."
         )
     missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
     if missing:
-        raise MistInputError(f"Model file {source} is missing field(s) {', '.join(missing)}.")
+        raise MistInputError(f"{label} is missing field(s) {', '.join(missing)}.")
     kw = {k: v for k, v in d.items() if v is not None}
     for k, v in kw.items():
-        _check_type(k, v, source)
+        _check_type(k, v, label)
     kw["family"] = kw["family"].strip().lower()
     for k in _FLOAT_FIELDS:
         if k in kw:
             kw[k] = float(kw[k])
     if "name" not in kw and default_name:
         kw["name"] = default_name
-    return _build(kw, source)
+    return _build(kw, label)
 
 
-def _check_type(k: str, v: Any, source: str) -> None:
+def _check_type(k: str, v: Any, label: str) -> None:
     if k in _INT_FIELDS:
         ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
     elif k in _BOOL_FIELDS:
@@ -191,15 +191,15 @@ def _check_type(k: str, v: Any, source: str) -> None:
     else:  # _STR_FIELDS
         ok, want = isinstance(v, str) and bool(v.strip()), "a non-empty string"
     if not ok:
-        raise MistInputError(f"Model file {source}: field {k} must be {want}, got {v!r}.")
+        raise MistInputError(f"{label}: field {k} must be {want}, got {v!r}.")
 
 
-def _build(kw: dict, source: str) -> ModelSpec:
+def _build(kw: dict, label: str) -> ModelSpec:
     try:
         return ModelSpec(**kw)
     except MistInputError as e:
         msg = str(e)
-        raise MistInputError(f"Model file {source}: {msg[:1].lower() + msg[1:]}") from None
+        raise MistInputError(f"{label}: {msg[:1].lower() + msg[1:]}") from None
 
 
 # ------------------------------------------------------------------------ Hugging Face configs
@@ -276,11 +276,13 @@ def _from_hf(d: dict, source: str, default_name: str | None) -> ModelSpec:
     kw = {"llama": _hf_llama, "mistral": _hf_llama, "falcon": _hf_falcon,
           "gpt2": _hf_gpt2, "gpt_neox": _hf_gpt_neox}[mt](c)
     kw["name"] = name
-    return _build(kw, source)
+    return _build(kw, f"Model file {source}")
 
 
 def _check_head_dim(c: _Cfg, h: Any, a: Any) -> None:
     hd = c.get("head_dim")
+    if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int)):
+        raise MistInputError(f"Hugging Face config {c.source}: field head_dim must be an integer, got {hd!r}.")
     if hd is not None and isinstance(h, int) and isinstance(a, int) and a and hd * a != h:
         raise MistInputError(
             f"Hugging Face config {c.source} sets head_dim {hd}, but mist needs "

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from mist.errors import MistInputError
 
 FAMILIES = ("gpt", "llama", "falcon")
+
+# The largest value each integer field may take: sanity bounds far above any trained model's
+# (Llama 3 405B: 126 layers, hidden 16,384, vocabulary 128,256), below what would overflow a
+# tensor's size or the search's arrays.
+LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "num_heads": 1 << 16, "num_kv_heads": 1 << 16,
+          "ffn_hidden_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -41,13 +48,14 @@ class ModelSpec:
             raise MistInputError(
                 f"Unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}."
             )
-        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                  "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+        for f, most in LIMITS.items():
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise MistInputError(f"Model field {f} must be an integer, got {v!r}.")
             if v <= 0:
                 raise MistInputError(f"Model field {f} must be positive, got {v}.")
+            if v > most:
+                raise MistInputError(f"Model field {f} must be at most {most:,} (Mist's limit), got {v:,}.")
         if self.hidden_size % self.num_heads:
             raise MistInputError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}."
@@ -65,8 +73,9 @@ class ModelSpec:
                 f"rotary_fraction {self.rotary_fraction} of head_dim {self.head_dim} "
                 "gives an odd number of rotary dimensions."
             )
-        if not self.norm_eps > 0:
-            raise MistInputError(f"norm_eps must be positive, got {self.norm_eps}.")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise MistInputError(f"norm_eps must be a positive finite number, got {self.norm_eps}.")
 
     def check_tp(self, tp: int) -> None:
         """Raise if the model cannot be split `tp` ways (heads, KV heads, FFN, vocabulary)."""

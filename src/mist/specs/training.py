@@ -9,11 +9,17 @@ from mist.errors import MistInputError
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _positive_int(what: str, v) -> None:
+MAX_SEQ_LEN = 1 << 24          # tokens per sequence
+MAX_GLOBAL_BATCH = 2**31 - 1    # sequences per optimizer step
+
+
+def _positive_int(what: str, v, most: int | None = None) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise MistInputError(f"{what} must be an integer, got {v!r}.")
     if v <= 0:
         raise MistInputError(f"{what} must be positive, got {v}.")
+    if most is not None and v > most:
+        raise MistInputError(f"{what} must be at most {most:,}, got {v:,}.")
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,10 @@ class TrainingSpec:
     flash_attention: bool = True
 
     def __post_init__(self) -> None:
-        _positive_int("Training field seq_len", self.seq_len)
-        _positive_int("Training field global_batch", self.global_batch)
+        _positive_int("Training field seq_len", self.seq_len, MAX_SEQ_LEN)
+        _positive_int("Training field global_batch", self.global_batch, MAX_GLOBAL_BATCH)
+        if not isinstance(self.flash_attention, bool):
+            raise MistInputError(f"Training field flash_attention must be true or false, got {self.flash_attention!r}.")
         for f in ("param_dtype", "compute_dtype"):
             if getattr(self, f) not in DTYPES:
                 raise MistInputError(

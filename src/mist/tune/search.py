@@ -9,6 +9,8 @@ traffic every micro-batch); only when nothing fits does it open those knobs as w
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, replace
 
@@ -28,7 +30,9 @@ from mist.tune.space import SearchSpace, get_space
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order (trial division up to √n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def stage_meshes(cluster: ClusterSpec, L: int) -> list[tuple[int, int, int]]:

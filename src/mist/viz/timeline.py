@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")   # what `--timeline` may write (matplotlib's formats)
 LANES = ("compute", "collectives", "swap-in", "swap-out")
 CHANNEL_OF = {"collectives": "G2G", "swap-in": "C2G", "swap-out": "G2C"}
 # forward, backward, first micro-batch's one-off (optimizer step), last one's (final reduction)

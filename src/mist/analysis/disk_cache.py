@@ -2,7 +2,7 @@
 
 Entries are keyed by the analysis arguments and by a fingerprint of the code that produced them
 (the model and analysis sources, and the torch version): editing a model block or the tracer
-invalidates every entry. Location: $MIST_CACHE_DIR, else ~/.cache/mist. MIST_CACHE_DIR=off
+invalidates every entry. Location: $MIST_CACHE_DIR, else (unset or empty) ~/.cache/mist. MIST_CACHE_DIR=off
 disables it. A corrupt or unreadable entry is ignored and recomputed.
 """
 
@@ -29,7 +29,7 @@ def _fingerprint() -> str:
 
 
 def _dir() -> Path | None:
-    d = os.environ.get("MIST_CACHE_DIR", str(Path.home() / ".cache" / "mist"))
+    d = os.environ.get("MIST_CACHE_DIR", "").strip() or str(Path.home() / ".cache" / "mist")
     if d.lower() == "off":
         return None
     return Path(d) / "analysis" / _fingerprint()

@@ -103,6 +103,117 @@ def test_bad_profile_paths_raise_input_errors(tmp_path):
         load_profile(str(bad))
 
 
+def _one_sentence(msg: str) -> None:
+    assert "\n" not in msg and msg.endswith(".") and "Traceback" not in msg
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b"[]", "must hold a JSON object at the top level, got a list"),
+    (b"null", "must hold a JSON object at the top level, got null"),
+    (b"3", "must hold a JSON object at the top level, got a number"),
+    (b'{"format": "mist-gpu-profile", "name": "\xe9"}', "is not UTF-8 text"),
+    (b"{", "is not valid JSON"),
+])
+def test_profile_file_that_is_not_a_json_object(tmp_path, raw, fragment):
+    path = tmp_path / "p.json"
+    path.write_bytes(raw)
+    with pytest.raises(MistInputError, match=fragment) as exc:
+        load_profile(str(path))
+    _one_sentence(str(exc.value))
+
+
+def _set(*keys, value=None, delete=False):
+    def edit(d):
+        for k in keys[:-1]:
+            d = d[k]
+        if delete:
+            del d[keys[-1]]
+        else:
+            d[keys[-1]] = value
+    return edit
+
+
+BAD_PROFILES = [
+    (_set("memory_bytes", value=-1), "memory_bytes must be a positive finite number, got -1"),
+    (_set("memory_bytes", value=0), "memory_bytes must be a positive finite number, got 0"),
+    (_set("peak_flops", value=0), "peak_flops must be a positive finite number, got 0"),
+    (_set("peak_flops", value=-3e14), "peak_flops must be a positive finite number"),
+    (_set("hbm_bandwidth", value=0), "hbm_bandwidth must be a positive finite number"),
+    (_set("h2d_bandwidth", value=0), "h2d_bandwidth must be a positive finite number"),
+    (_set("d2h_bandwidth", value=-1), "d2h_bandwidth must be a positive finite number"),
+    (_set("bidir_bandwidth", value=0), "bidir_bandwidth must be a positive finite number"),
+    (_set("adam_cpu_s_per_param", value=-1e-9), "adam_cpu_s_per_param must be a finite number >= 0"),
+    (_set("adam_gpu_s_per_param", value=-1e-9), "adam_gpu_s_per_param must be a finite number >= 0"),
+    (_set("host_memory_per_gpu", value=0), "host_memory_per_gpu must be a positive finite number"),
+    (_set("host_memory_per_gpu", value=-5.0), "host_memory_per_gpu must be a positive finite number"),
+    (_set("peak_flops", value=float("nan")), "peak_flops must be a positive finite number, got nan"),
+    (_set("hbm_bandwidth", value=float("inf")), "hbm_bandwidth must be a positive finite number, got inf"),
+    (_set("peak_flops", value="1e15"), "peak_flops must be a positive finite number"),
+    (_set("measured", value="no"), "measured must be true or false"),
+    (_set("name", value=None), "name must be a non-empty string, got null"),
+    (_set("name", value=7), "name must be a non-empty string"),
+    (_set("name", value=" "), "name must be a non-empty string"),
+    (_set("memory_bytes", delete=True), "is missing field 'memory_bytes'"),
+    (_set("gemm", delete=True), "is missing field 'gemm'"),
+    (_set("gemm", value=None), "section 'gemm' must be a JSON object, got null"),
+    (_set("attention", value="x"), "section 'attention' must be a JSON object, got a string"),
+    (_set("memory_ops", value={}), "section 'memory_ops' is missing field 'floor_s'"),
+    (_set("host", "bwd_op_s", delete=True), "section 'host' is missing field 'bwd_op_s'"),
+    (_set("host", "fwd_op_s", value=float("inf")), "section 'host': fwd_op_s must be a finite number >= 0"),
+    (_set("gemm", "m_axis", value=None), "section 'gemm': m_axis must be a list"),
+    (_set("gemm", "floor_s", value=-1), "section 'gemm': floor_s must be a finite number >= 0"),
+    (_set("gemm", "times_s", value=[[1.0]]), "section 'gemm' is malformed"),
+    (_set("attention", "fwd_s", value="x"), "section 'attention' is malformed"),
+    (_set("memory_ops", "bandwidth", value=None), "section 'memory_ops': bandwidth must be a JSON object"),
+    (_set("memory_ops", "bandwidth", "elementwise", "fwd", value=0),
+     "section 'memory_ops': bandwidth elementwise.fwd must be a positive finite number"),
+    (_set("links", value=3), "section 'links' must be a JSON object"),
+    (_set("dp_links", value={"internode": {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}}),
+     "section 'dp_links': internode.alpha_s must be a finite number >= 0"),
+    (_set("interference", value={"factors": {"X+Y": [1, 2]}}), "section 'interference': factors has an unknown"),
+    (_set("interference", value={"factors": 3}), "section 'interference': factors must be a JSON object"),
+    (_set("version", value=99), "newer than this Mist"),
+    (_set("notes", value="abc"), "notes must be a JSON list"),
+]
+
+
+@pytest.mark.parametrize("edit, fragment", BAD_PROFILES, ids=[f for _, f in BAD_PROFILES])
+def test_malformed_profile_fields_are_one_sentence(tmp_path, edit, fragment):
+    d = load_profile("l4").to_dict()
+    edit(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(MistInputError) as exc:
+        load_profile(str(path))
+    msg = str(exc.value)
+    assert msg.startswith(f"GPU profile file {path}") and fragment in msg, msg
+    _one_sentence(msg)
+
+
+def test_malformed_profile_through_the_cli(tmp_path, capsys):
+    from mist.cli import main
+
+    d = load_profile("l4").to_dict()
+    d["peak_flops"] = 0
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--model", "gpt3-1.3b", "--gpu", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "peak_flops must be a positive" in err[0]
+
+
+def test_valid_optional_fields_still_load(tmp_path):
+    d = load_profile("l4").to_dict()
+    d["host_memory_per_gpu"] = 64.0 * 2**30
+    d["adam_gpu_s_per_param"] = 0.0
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(d))
+    p = load_profile(str(path))
+    assert p.host_memory_per_gpu == 64.0 * 2**30 and p.adam_time(10) == 0.0
+
+
 # ---------------------------------------------------------------------------- GEMM
 @needs_data
 def test_h200_gemm_reproduces_measured_points(h200):

@@ -4,27 +4,44 @@ registered in `mist.cli` with `app.command("profile")(profile_command)`."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
 from rich.console import Console
 
 from mist.errors import MistInputError
+from mist.userfiles import check_output_file
 
 
-def check_arguments(device: str, processes: int, time_budget: float) -> None:
-    """MistInputError (one sentence) for arguments `mist profile` cannot run with."""
+def check_arguments(device: str, processes: int, time_budget: float, output: str | None = None,
+                    name: str | None = None) -> None:
+    """MistInputError (one sentence) for arguments `mist profile` cannot run with; checked before any
+    measuring, so that a run of minutes cannot fail at its end (e.g. on an unwritable --output)."""
     if device not in ("cpu", "cuda"):
         raise MistInputError(f"--device must be 'cpu' or 'cuda', got {device!r}.")
     if processes < 1:
         raise MistInputError(f"--processes must be at least 1, got {processes}.")
-    if not time_budget > 0:
-        raise MistInputError(f"--time-budget must be positive, got {time_budget}.")
+    if not (math.isfinite(time_budget) and time_budget > 0):
+        raise MistInputError(f"--time-budget must be a positive finite number of seconds, got {time_budget}.")
+    if name is not None and not name.strip():
+        raise MistInputError("--name must not be empty (leave it out for the default name).")
+    if name is not None and any(not ch.isprintable() for ch in name):
+        raise MistInputError(f"--name must be printable text without control characters, got {name!r}.")
+    if device == "cpu":
+        from mist.cpu_workers import host_cores
+
+        cores = host_cores()
+        if processes > cores:
+            raise MistInputError(f"--processes {processes} is more than the {cores} CPU core(s) this process may "
+                                 "use on --device cpu (each process needs at least one core).")
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise MistInputError("--device cuda was asked for, but PyTorch sees no CUDA device on this machine.")
+    if output is not None:
+        check_output_file(output, "--output", suffixes=(".json",))
 
 
 def profile_command(
@@ -37,7 +54,7 @@ def profile_command(
 ) -> None:
     """Measure this machine's device (GEMMs, attention, memory-bound ops, host overheads, copies,
     AdamW, collectives, overlap) and write a profile usable as --gpu PROFILE.json."""
-    check_arguments(device, processes, time_budget)
+    check_arguments(device, processes, time_budget, output, name)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mist.profiling import run_profile, write_profile

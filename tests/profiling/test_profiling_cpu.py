@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mist.cpu_workers import host_cores
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.hardware.dp_links import collective_time as shipped_collective_time
@@ -195,13 +196,23 @@ def test_bad_sections_are_user_errors(written, tmp_path):
 
     def bad_links(d):
         d["links"]["fits"]["all_reduce"]["2"] = [0.0, -1.0]
-    with pytest.raises(MistInputError, match="not a valid profile"):
+    with pytest.raises(MistInputError, match="section 'links': bad fit all_reduce/2"):
         load_profile(_variant(path, tmp_path, bad_links))
 
     def bad_dp(d):
         d["dp_links"]["internode"] = {"alpha_s": "fast"}
-    with pytest.raises(MistInputError, match="not a valid profile"):
+    with pytest.raises(MistInputError, match="section 'dp_links': internode.alpha_s must be a finite number >= 0, got 'fast'"):
         load_profile(_variant(path, tmp_path, bad_dp, "b.json"))
+
+    def nan_dp(d):
+        d["dp_links"]["internode"] = {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}
+    with pytest.raises(MistInputError, match="internode.alpha_s must be a finite number"):
+        load_profile(_variant(path, tmp_path, nan_dp, "c.json"))
+
+    def bad_sync(d):
+        d["links"]["sync_s"] = float("inf")
+    with pytest.raises(MistInputError, match="sync_s must be a finite number"):
+        load_profile(_variant(path, tmp_path, bad_sync, "d.json"))
 
 
 def test_cli_argument_errors():
@@ -215,9 +226,61 @@ def test_cli_argument_errors():
         check_arguments("tpu", 2, 10)
     with pytest.raises(MistInputError, match="time-budget"):
         check_arguments("cpu", 2, 0)
+    for budget in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(MistInputError, match="--time-budget must be a positive finite number"):
+            check_arguments("cpu", 1, budget)
+    with pytest.raises(MistInputError, match="CPU core"):
+        check_arguments("cpu", host_cores() + 1, 10)
+    for blank in ("", "   "):
+        with pytest.raises(MistInputError, match="--name must not be empty"):
+            check_arguments("cpu", 1, 10, name=blank)
     if not torch.cuda.is_available():
         with pytest.raises(MistInputError, match="CUDA"):
             check_arguments("cuda", 2, 10)
+
+
+@pytest.mark.parametrize("output, fragment", [
+    ("/proc/x.json", "cannot be written"),
+    ("/nonexistent/d/x.json", "does not exist"),
+    ("/tmp", "must end with .json"),
+    ("DIR.json", "is a directory"),
+])
+def test_cli_rejects_bad_arguments_before_measuring(tmp_path, capsys, monkeypatch, output, fragment):
+    """Exit code 2 and one sentence, before any measuring (run_profile must not be reached)."""
+    import mist.profiling as profiling
+    from mist.cli import main
+
+    monkeypatch.setattr(profiling, "run_profile", lambda *a, **k: pytest.fail("measured despite bad arguments"))
+    if output == "DIR.json":
+        output = str(tmp_path / "DIR.json")
+        Path(output).mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--device", "cpu", "--processes", "1", "--time-budget", "3", "-o", output])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --output") and fragment in err[0], err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--processes", "64"], "more than the"),
+    (["--name", ""], "--name must not be empty"),
+    (["--time-budget", "nan"], "--time-budget must be a positive finite number"),
+    (["--time-budget", "inf"], "--time-budget must be a positive finite number"),
+])
+def test_cli_argument_errors_exit_2(tmp_path, capsys, monkeypatch, args, fragment):
+    import mist.profiling as profiling
+    from mist.cli import main
+
+    monkeypatch.setattr(profiling, "run_profile", lambda *a, **k: pytest.fail("measured despite bad arguments"))
+    if args[:2] == ["--processes", "64"]:
+        monkeypatch.setattr("mist.cpu_workers.host_cores", lambda: 2)
+    base = ["profile", "--device", "cpu", "--processes", "1", "--time-budget", "3", "-o", str(tmp_path / "p.json")]
+    with pytest.raises(SystemExit) as exc:
+        main(base + args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_profile_command_writes_a_loadable_profile(tmp_path):

@@ -22,20 +22,8 @@ from mist.hardware.attention import AttentionTable
 from mist.hardware.gemm import GemmTable
 from mist.hardware.host import HostOverhead, stream_time
 from mist.hardware.memory_ops import MemoryOpModel
+from mist.hardware.profile_checks import FORMAT, SCALARS as _SCALARS, SECTIONS as _SECTIONS, VERSION, profile_fields
 
-FORMAT = "mist-gpu-profile"
-VERSION = 1
-
-_SCALARS = (
-    "memory_bytes",
-    "peak_flops",
-    "hbm_bandwidth",
-    "h2d_bandwidth",
-    "d2h_bandwidth",
-    "bidir_bandwidth",
-    "adam_gpu_s_per_param",
-    "adam_cpu_s_per_param",
-)
 
 
 @dataclass(eq=False)
@@ -181,67 +169,17 @@ class GpuProfile:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GpuProfile":
-        if d.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} document")
-        if int(d.get("version", 0)) > VERSION:
-            raise ValueError(f"profile version {d.get('version')} is newer than this Mist ({VERSION})")
-        scalars = {k: (int(d[k]) if k == "memory_bytes" else float(d[k])) for k in _SCALARS}
-        return cls(
-            name=str(d["name"]),
-            provenance=str(d["provenance"]),
-            measured=bool(d["measured"]),
-            gemm=GemmTable.from_dict(d["gemm"]),
-            attention=AttentionTable.from_dict(d["attention"]),
-            memory_ops=MemoryOpModel.from_dict(d["memory_ops"]),
-            host=HostOverhead.from_dict(d["host"]),
-            sources=dict(d.get("sources", {})),
-            fingerprint=dict(d.get("fingerprint", {})),
-            notes=list(d.get("notes", [])),
-            host_memory_per_gpu=(float(d["host_memory_per_gpu"]) if d.get("host_memory_per_gpu") else None),
-            **_sections(d),
-            **scalars,
-        )
+    def from_dict(cls, d: dict, source: str = "GPU profile") -> "GpuProfile":
+        """A profile from its JSON document, checked (`profile_checks.profile_fields`):
+        MistInputError, one sentence starting with `source` (e.g. "GPU profile file X"), for
+        anything missing, malformed or out of range."""
+        return cls(**profile_fields(d, source))
 
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(self.to_dict()))
         return path
-
-
-_SECTIONS = ("links", "dp_links", "interference")
-
-
-def _sections(d: dict) -> dict:
-    """The optional own-model sections of a profile document, checked (ValueError when malformed)."""
-    from mist.hardware.collectives import LinkModel
-    from mist.hardware.dp_links import dp_links_from_parts
-    from mist.hardware.interference import InterferenceModel
-
-    out = {k: d.get(k) for k in _SECTIONS}
-    for k, v in out.items():
-        if v is not None and not isinstance(v, dict):
-            raise ValueError(f"section '{k}' must be an object")
-    links = None
-    if out["links"] is not None:
-        fits = out["links"].get("fits")
-        if not isinstance(fits, dict) or not fits:
-            raise ValueError("section 'links' needs 'fits': {op: {group size: [alpha_s, busbw_Bps]}}")
-        for op, table in fits.items():
-            for n, ab in dict(table).items():
-                alpha, busbw = (float(x) for x in ab)
-                if int(n) < 2 or not (alpha >= 0 and busbw > 0):
-                    raise ValueError(f"section 'links': bad fit {op}/{n}: {ab}")
-        sync = out["links"].get("sync_s", 0.0)
-        if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not sync >= 0:
-            raise ValueError(f"section 'links': sync_s must be a number >= 0, got {sync!r}")
-        links = LinkModel(str(d.get("name", "")), "", fits)
-    if out["dp_links"] is not None:
-        dp_links_from_parts(str(d.get("name", "")), links, out["dp_links"])
-    if out["interference"] is not None:
-        InterferenceModel.from_json(out["interference"])
-    return out
 
 
 def _tflops(flops: float) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mist.errors import MistInputError
 from mist.hardware.profile import GpuProfile
+from mist.userfiles import read_user_text
 
 #: Alternative spellings -> built-in profile name (after lower-casing, '_'/' ' -> '-', 'nvidia-' dropped).
 ALIASES = {
@@ -50,17 +51,30 @@ def _normalize(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def _load_builtin(name: str) -> GpuProfile:
-    text = (_profiles_dir() / f"{name}.json").read_text()
-    return GpuProfile.from_dict(json.loads(text))
+    text = (_profiles_dir() / f"{name}.json").read_text(encoding="utf-8")
+    return GpuProfile.from_dict(json.loads(text), source=f"Built-in GPU profile {name}")
 
 
 def _load_path(path: Path) -> GpuProfile:
-    if not path.is_file():
-        raise MistInputError(f"GPU profile file '{path}' does not exist.")
+    """A profile JSON file the user named; every problem with it is one sentence (MistInputError)."""
+    what = "GPU profile file"
+    text = read_user_text(path, what)
     try:
-        return GpuProfile.from_dict(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
-        raise MistInputError(f"GPU profile file '{path}' is not a valid profile ({exc}).") from exc
+        d = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or a number too long to convert
+        reason = " ".join(str(exc).split()).rstrip(".")
+        raise MistInputError(f"{what} {path} is not valid JSON ({reason}).") from None
+    except RecursionError:
+        raise MistInputError(f"{what} {path} is not valid JSON (it is nested too deeply).") from None
+    try:
+        return GpuProfile.from_dict(d, source=f"{what} {path}")
+    except MistInputError:
+        raise
+    except KeyError as exc:  # safety net: from_dict checks the fields it reads
+        raise MistInputError(f"{what} {path} is missing field {exc.args[0]!r}.") from None
+    except (ValueError, TypeError) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        raise MistInputError(f"{what} {path} is not a valid profile ({reason}).") from None
 
 
 def load_profile(name_or_path) -> GpuProfile:

@@ -51,12 +51,25 @@ def test_threads_per_worker(monkeypatch):
 
 
 def test_host_threads_override(monkeypatch):
-    monkeypatch.setenv(HOST_THREADS_ENV, "3")
-    assert threads_per_worker(1) == threads_per_worker(64) == 3
-    for bad in ("0", "-2", "four", ""):
+    cores = host_cores()
+    for n in {1, cores}:
+        monkeypatch.setenv(HOST_THREADS_ENV, str(n))
+        assert threads_per_worker(1) == threads_per_worker(64) == n
+    for bad in ("0", "-2", "four", "", "1e3", "²"):
         monkeypatch.setenv(HOST_THREADS_ENV, bad)
-        with pytest.raises(MistInputError, match=HOST_THREADS_ENV):
+        with pytest.raises(MistInputError, match=f"{HOST_THREADS_ENV} must be a positive integer"):
             threads_per_worker(2)
+
+
+def test_host_threads_above_the_cores_are_refused(monkeypatch):
+    """More threads than cores only oversubscribes them (100000 failed to start threads at all)."""
+    cores = host_cores()
+    for many in (cores + 1, 100000):
+        monkeypatch.setenv(HOST_THREADS_ENV, str(many))
+        with pytest.raises(MistInputError) as e:
+            threads_per_worker(2)
+        assert str(e.value) == (f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this "
+                                f"process may use, got {many}.")
 
 
 def test_gpu_rank_threads_beat_torchruns_default():

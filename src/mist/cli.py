@@ -350,7 +350,7 @@ def train(
 @app.command()
 def validate(
     plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
-    steps: int = typer.Option(3, "--steps", help="Training steps to measure (the first is warm-up)."),
+    steps: int = typer.Option(3, "--steps", help="Training steps to run, at least 2 (the first is warm-up, not measured)."),
     gpu: str = typer.Option(None, "--gpu", help="Profile to predict with (default: the plan's GPU)."),
     local: bool = typer.Option(False, "--local", help="Start the worker processes here instead of under torchrun."),
     drift: bool = typer.Option(True, "--drift/--no-drift", help="Re-measure a few of the profile's own micro-benchmarks."),

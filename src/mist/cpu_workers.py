@@ -46,15 +46,18 @@ def host_cores() -> int:
 
 def threads_per_worker(workers: int) -> int:
     """A worker's share of the cores when `workers` processes run on this machine at once; or
-    MIST_HOST_THREADS when set (a positive integer, else MistInputError)."""
+    MIST_HOST_THREADS when set (an integer in [1, host_cores()], else MistInputError: more threads
+    than cores only oversubscribes them, and absurd counts fail to start threads at all)."""
     fixed = os.environ.get(HOST_THREADS_ENV)
     if fixed is not None:
-        try:
-            n = int(fixed)
-        except ValueError:
-            n = 0
+        text = fixed.strip()
+        n = int(text) if text.isascii() and text.isdigit() else 0
         if n < 1:
             raise MistInputError(f"{HOST_THREADS_ENV} must be a positive integer, got {fixed!r}.")
+        cores = host_cores()
+        if n > cores:
+            raise MistInputError(f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this "
+                                 f"process may use, got {n}.")
         return n
     return max(1, host_cores() // max(1, int(workers)))
 

@@ -7,10 +7,12 @@ micro-benchmarks tells whether the machine has drifted (> 10 %) since the profil
 
 from __future__ import annotations
 
+from mist.errors import MistInputError
 from mist.plan import Plan
 from mist.runtime.config import TrainConfig
 from mist.simulate.plan_sim import simulate_plan
 
+MIN_STEPS = 2   # the first step warms up (allocations, caches); the measurement is of the later ones
 
 # per-stage quantities compared: (error name, key in both the prediction and the metrics)
 STAGE_ERRORS = (("stable_time", "stable_time_s"), ("delta_time", "delta_time_s"),
@@ -53,6 +55,9 @@ def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_dri
     from mist.plan import load_plan
     from mist.runtime.launch import train_command
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < MIN_STEPS:
+        raise MistInputError(f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
+                             f"is warm-up and only the later ones are measured, got {steps!r}.")
     plan = load_plan(plan_path)
     drift = None
     fp = getattr(profile, "fingerprint", None) or {}

@@ -80,3 +80,34 @@ def test_resume_empty_dir(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", str(path), "--local", "--steps", "4", "--resume"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp", "__1_0.distcp", "missing __1_0.distcp"])
+def test_damaged_checkpoint(tmp_path, damaged):
+    """A damaged file of the latest checkpoint: one sentence and exit 2, whether the parent finds it
+    (reading the shared values) or the workers do (reading their shards), and none of DCP's logged
+    tracebacks on stderr."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = make_plan("gpt", dp=2)
+    ck = tmp_path / "ck"
+    run_plan(plan, steps=4, checkpoint_dir=str(ck), stop_after=2)
+    step = ck / "step_00000002"
+    if damaged.startswith("missing "):
+        (step / damaged.split()[1]).unlink()
+    else:
+        (step / damaged).write_bytes(b"garbage\n")
+    path = tmp_path / "p.json"
+    plan.save(path)
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "mist", "train", str(path), "--local", "--steps", "4",
+                        "--checkpoint-dir", str(ck), "--resume"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: The checkpoint in {step} cannot be read (") and "damaged or incomplete" in err

@@ -85,7 +85,7 @@ def test_global_batch_split_is_layout_independent():
 
 def test_token_files(tmp_path):
     txt = tmp_path / "a.txt"
-    txt.write_bytes(bytes(range(256)) * 3)
+    txt.write_bytes(bytes(range(256)) * 3)          # byte-level: any bytes are tokens
     assert byte_tokens(b"\x00\x7f\xff", 128).tolist() == [0, 127, 127]
     d = TokenFileData(txt, 300, 16, 4)
     b = d.global_batch(0)
@@ -101,6 +101,14 @@ def test_token_files(tmp_path):
         make_data(str(txt), 300, 1000, 2, 0)
     with pytest.raises(MistInputError, match="does not exist"):
         make_data(str(tmp_path / "missing.txt"), 64, 8, 2, 0)
+
+
+def test_synthetic_data_takes_every_seed():
+    """Seeds up to 2**63 - 1 (what --seed allows) seed the generators; small seeds are unchanged."""
+    top = SyntheticData(128, 8, 2, 2**63 - 1).global_batch(5)
+    assert top.shape == (2, 9) and 0 <= int(top.min()) and int(top.max()) < 128
+    g = torch.Generator().manual_seed(3 * 1_000_003 + 1)
+    assert int(SyntheticData(128, 8, 2, 3).global_batch(0)[0, 0]) == int(torch.randint(128, (2,), generator=g)[0])
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.3, 1.0])

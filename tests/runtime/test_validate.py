@@ -58,3 +58,17 @@ def test_validate_table_shows_host_memory_of_offloading(tmp_path):
     for label in ("host: offloaded states (MiB)", "host: offloaded activations (MiB)",
                   "host: CPU Adam gradients (MiB)"):
         assert rows[f"stage 0 {label}"].rstrip(" │").endswith("+0.0%"), rows.get(f"stage 0 {label}")
+
+
+@pytest.mark.parametrize("steps", ["1", "0"])
+def test_validate_needs_a_step_after_the_warm_up(tmp_path, capsys, steps):
+    from mist.cli import main
+
+    path = tmp_path / "plan.json"
+    make_plan("gpt", gpu="l4").save(path)
+    with pytest.raises(SystemExit) as e:
+        main(["validate", str(path), "--local", "--no-drift", "--steps", steps])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert err == (f"error: mist validate needs --steps of at least 2, because the first step is warm-up "
+                   f"and only the later ones are measured, got {steps}.")

@@ -13,8 +13,10 @@ A directory counts as a checkpoint once DCP wrote its ``.metadata`` (the last fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -69,17 +71,47 @@ def meta_template() -> dict[str, torch.Tensor]:
     }
 
 
-def read_meta(path: str | Path) -> dict[str, torch.Tensor]:
-    """The shared values of a checkpoint, read by one process (no process group needed)."""
-    import torch.distributed.checkpoint as dcp
+def _failure(e: BaseException) -> str:
+    """A short name of why DCP could not read a checkpoint (the first rank's own exception, not the
+    multi-line report of a CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            e = inner[0]
+    return type(e).__name__
 
-    sd = meta_template()
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP logs the tracebacks of the fallbacks it tries on the root logger (and warns that it
+    assumes a single process); a failure becomes our one sentence instead."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)    # "assuming ... a single process": meant
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _unreadable(path, e: BaseException) -> MistInputError:
+    return MistInputError(f"The checkpoint in {path} cannot be read ({_failure(e)}); it is damaged or "
+                          "incomplete, so resume from an intact one or train without --resume.")
+
+
+def read_meta(path: str | Path) -> dict[str, torch.Tensor]:
+    """The shared values of a checkpoint, read by one process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sd = meta_template()
+    try:
+        with _quiet():
             dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign directory: one sentence
-        raise MistInputError(f"Checkpoint {path} cannot be read ({type(e).__name__}).") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged or foreign directory
+        raise _unreadable(path, e) from None
     return sd
 
 
@@ -136,16 +168,17 @@ def save(trainer, root: str | Path, step: int) -> Path:
 def load(trainer, path: str | Path) -> int:
     """Collective: restore this rank's shards and the shared state; the step to continue from."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     sd = meta_template()
     for u in trainer.units:
         for what, buf in _buffers(u):
             sd[_unit_key(trainer, u, what)] = torch.empty(buf.length, dtype=torch.float32)
     try:
-        dcp.load(sd, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001
-        raise MistInputError(f"Checkpoint {path} does not hold this rank's state "
-                             f"({type(e).__name__}); resume it with the plan it was trained with.") from None
+        with _quiet():
+            dcp.load(sd, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged shard (the plan matched)
+        raise _unreadable(path, e) from None
     for u in trainer.units:
         for what, buf in _buffers(u):
             buf.copy_(sd[_unit_key(trainer, u, what)].to(buf.device))

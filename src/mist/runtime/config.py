@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from mist.errors import MistInputError
+
+MAX_SEED = 2**63 - 1   # seeds are stored as int64 (checkpoints) and fed to torch.Generator
 
 
 @dataclass(frozen=True)
@@ -30,14 +33,27 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise MistInputError(f"--steps must be a positive integer, got {self.steps!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise MistInputError(f"--seed must be an integer in [0, 2**63 - 1], got {self.seed!r}.")
+        # NaN fails every comparison and inf passes the one-sided ones: require finite numbers first
+        for name, v in (("--lr", self.lr), ("--min-lr-ratio", self.min_lr_ratio),
+                        ("--weight-decay", self.weight_decay), ("--beta1", self.beta1),
+                        ("--beta2", self.beta2), ("--eps", self.eps), ("--clip", self.max_grad_norm)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise MistInputError(f"{name} must be a finite number, got {v!r}.")
         if not self.lr > 0:
             raise MistInputError(f"--lr must be positive, got {self.lr}.")
         if not 0 <= self.min_lr_ratio <= 1:
             raise MistInputError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}.")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise MistInputError(f"--warmup must not be negative, got {self.warmup_steps}.")
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or not self.eps > 0:
-            raise MistInputError("--weight-decay and --clip must not be negative and --eps must be positive.")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool)
+                                              or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            raise MistInputError(f"--warmup must be a non-negative integer, got {self.warmup_steps!r}.")
+        if self.weight_decay < 0:
+            raise MistInputError(f"--weight-decay must not be negative, got {self.weight_decay}.")
+        if self.max_grad_norm < 0:
+            raise MistInputError(f"--clip must not be negative (0 disables clipping), got {self.max_grad_norm}.")
+        if not self.eps > 0:
+            raise MistInputError(f"--eps must be positive, got {self.eps}.")
         for name, b in (("--beta1", self.beta1), ("--beta2", self.beta2)):
             if not 0 <= b < 1:
                 raise MistInputError(f"{name} must lie in [0, 1), got {b}.")
@@ -45,6 +61,9 @@ class TrainConfig:
         for name, v in (("--checkpoint-every", self.checkpoint_every), ("--stop-after", self.stop_after)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise MistInputError(f"{name} must be a positive integer, got {v!r}.")
+        if self.stop_after is not None and self.stop_after > self.steps:
+            raise MistInputError(f"--stop-after {self.stop_after} exceeds --steps {self.steps}; a run "
+                                 "cannot stop after more steps than the whole schedule has.")
         if (self.resume or self.checkpoint_every is not None) and not self.checkpoint_dir:
             raise MistInputError("--resume and --checkpoint-every need --checkpoint-dir.")
 

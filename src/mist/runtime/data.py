@@ -15,6 +15,8 @@ import torch
 
 from mist.errors import MistInputError
 
+_SEED_MOD = 2**64   # torch.Generator seeds are 64-bit (the same values as before for small seeds)
+
 
 class SyntheticData:
     """Seeded sequences from a random Markov chain (learnable, so the loss falls).
@@ -25,11 +27,11 @@ class SyntheticData:
 
     def __init__(self, vocab: int, seq_len: int, global_batch: int, seed: int, noise: float = 0.25):
         self.vocab, self.seq_len, self.B, self.seed, self.noise = vocab, seq_len, global_batch, seed, noise
-        g = torch.Generator().manual_seed(seed * 7919 + 17)
+        g = torch.Generator().manual_seed((seed * 7919 + 17) % _SEED_MOD)
         self.next_token = torch.randperm(vocab, generator=g)
 
     def global_batch(self, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step + 1) % _SEED_MOD)
         B, s = self.B, self.seq_len
         x = torch.empty(B, s + 1, dtype=torch.long)
         x[:, 0] = torch.randint(self.vocab, (B,), generator=g)
@@ -46,6 +48,25 @@ def byte_tokens(data: bytes, vocab: int) -> np.ndarray:
     return ids % vocab if vocab < 256 else ids
 
 
+def _load_npy(path: Path, vocab: int) -> np.ndarray:
+    """The 1-D integer token ids of a .npy file, all in [0, vocab), memory-mapped."""
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        why = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__
+        raise MistInputError(f"Data file {path} is not a readable .npy array ({why}).") from None
+    if not isinstance(tokens, np.ndarray):           # an .npz archive under a .npy name
+        getattr(tokens, "close", lambda: None)()
+        raise MistInputError(f"Data file {path} is an .npz archive, not a .npy array of token ids.")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise MistInputError(f"Data file {path} must hold a 1-D array of integer token ids, not an array "
+                             f"of shape {tuple(tokens.shape)} and dtype {tokens.dtype}.")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise MistInputError(f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}) "
+                             f"(they range over [{int(tokens.min())}, {int(tokens.max())}]).")
+    return tokens
+
+
 class TokenFileData:
     """Windows of seq_len + 1 tokens from a text file (byte-level) or a .npy of token ids.
 
@@ -54,20 +75,20 @@ class TokenFileData:
 
     def __init__(self, path: str | Path, vocab: int, seq_len: int, global_batch: int):
         path = Path(path)
-        if not path.is_file():
+        if path.is_dir():
+            raise MistInputError(f"Data file {path} is a directory, not a file.")
+        if not path.exists():
             raise MistInputError(f"Data file {path} does not exist.")
-        if path.suffix == ".npy":
-            try:
-                tokens = np.load(path, mmap_mode="r")
-            except ValueError as e:
-                raise MistInputError(f"Data file {path} is not a readable .npy array ({e}).") from None
-            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-                raise MistInputError(f"Data file {path} must hold a 1-D array of integer token ids.")
-            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-                raise MistInputError(
-                    f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}).")
+        if not path.is_file():
+            raise MistInputError(f"Data file {path} is not a regular file.")
+        if path.suffix.lower() == ".npy":
+            tokens = _load_npy(path, vocab)
         else:
-            tokens = byte_tokens(path.read_bytes(), vocab)
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise MistInputError(f"Data file {path} cannot be read: {e.strerror or type(e).__name__}.") from None
+            tokens = byte_tokens(data, vocab)
         if tokens.size < seq_len + 1:
             raise MistInputError(
                 f"Data file {path} holds {tokens.size} tokens, fewer than one sequence of {seq_len + 1}.")
@@ -83,6 +104,8 @@ class TokenFileData:
 
 
 def make_data(source: str, vocab: int, seq_len: int, global_batch: int, seed: int):
+    if source is None or not str(source).strip():
+        raise MistInputError("--data needs 'synthetic' or a file path, got an empty one.")
     if source == "synthetic":
         return SyntheticData(vocab, seq_len, global_batch, seed)
     return TokenFileData(source, vocab, seq_len, global_batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import re
 import socket
 import sys
 import traceback
@@ -167,6 +168,55 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     return result
 
 
+def _env_int(name: str, default: int | None, minimum: int) -> int:
+    """An integer that torchrun (or the user) put in the environment variable `name`."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise MistInputError(f"The environment variable {name} must be an integer, got {raw!r}.")
+    value = int(text)
+    if value < minimum:
+        raise MistInputError(f"The environment variable {name} must be at least {minimum}, got {value}.")
+    return value
+
+
+def torchrun_env() -> tuple[int, int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them, checked."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise MistInputError("mist train runs under torchrun (RANK and WORLD_SIZE are not set); "
+                             "use --local to start the worker processes here.")
+    world = _env_int("WORLD_SIZE", None, 1)
+    rank = _env_int("RANK", None, 0)
+    local_rank = _env_int("LOCAL_RANK", 0, 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, 1)
+    if rank >= world:
+        raise MistInputError(f"The environment variable RANK must be below WORLD_SIZE {world}, got {rank}.")
+    if local_world > world:
+        raise MistInputError(f"The environment variable LOCAL_WORLD_SIZE must not exceed WORLD_SIZE {world}, "
+                             f"got {local_world}.")
+    if "LOCAL_WORLD_SIZE" in os.environ and local_rank >= local_world:
+        raise MistInputError(f"The environment variable LOCAL_RANK must be below LOCAL_WORLD_SIZE "
+                             f"{local_world}, got {local_rank}.")
+    return rank, world, local_rank, local_world
+
+
+def check_outputs(cfg: TrainConfig, writes_metrics: bool) -> None:
+    """Before any training: the metrics file can be written (by the process that writes it) and
+    the checkpoint folder exists or can be made (every rank writes its shards there; mkdir with
+    exist_ok, so ranks racing to make it is harmless)."""
+    from mist.userfiles import check_output_dir, check_output_file
+
+    if writes_metrics and cfg.metrics_path is not None:
+        check_output_file(cfg.metrics_path, "--metrics")
+    if cfg.checkpoint_dir is not None:
+        if cfg.resume:
+            from mist.runtime.checkpoint import latest_checkpoint
+            latest_checkpoint(cfg.checkpoint_dir)     # no checkpoint there: say so, and make no folder
+        check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+
+
 def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     """`mist train`: under torchrun (env) or with local workers; prints progress on rank 0."""
     from mist.plan import load_plan
@@ -176,39 +226,38 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     plan = load_plan(plan_path)
     world = plan.cluster.world_size
     t = plan.training
+    env = None if local else torchrun_env()
+    if env is not None and env[1] != world:
+        raise MistInputError(f"The plan needs {world} processes ({plan.cluster.nodes}×"
+                             f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env[1]}.")
     make_data(cfg.data, plan.model.vocab_size, t.seq_len, t.global_batch, cfg.seed)  # checks the data
     if local:
         dev, note = device_type_for(plan, local=True)
+        threads = threads_per_worker(world)
         if note:
             print(note, flush=True)
         check_node_memory(plan, range(world), dev)
+        check_outputs(cfg, writes_metrics=True)
         if dev == "cpu":
             # this parent has run no parallel torch code, so forked workers may use threads
-            res = spawn_local(plan, cfg, device_type=dev, start_method="fork",
-                              threads=threads_per_worker(world))
+            res = spawn_local(plan, cfg, device_type=dev, start_method="fork", threads=threads)
         else:
             res = spawn_local(plan, cfg, device_type=dev)
         return res["metrics"] if res else None
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise MistInputError("mist train runs under torchrun (RANK and WORLD_SIZE are not set); "
-                             "use --local to start the worker processes here.")
-    rank, env_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if env_world != world:
-        raise MistInputError(f"The plan needs {world} processes ({plan.cluster.nodes}×"
-                             f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env_world}.")
+    rank, _, local_rank, local_world = env
     dev, _ = device_type_for(plan, local=False)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     node = rank // local_world
     check_node_memory(plan, range(node * local_world, min(world, (node + 1) * local_world)), dev)
+    threads = threads_per_worker(local_world)
+    if dev == "cuda" and local_rank >= torch.cuda.device_count():
+        raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
+                             f"{torch.cuda.device_count()} GPU(s).")
+    check_outputs(cfg, writes_metrics=rank == 0)     # only rank 0 writes the metrics
     if dev == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
-                                 f"{torch.cuda.device_count()} GPU(s).")
         device = torch.device("cuda", local_rank)
-        setup_gpu_rank(threads_per_worker(local_world))   # not torchrun's OMP_NUM_THREADS=1
+        setup_gpu_rank(threads)   # not torchrun's OMP_NUM_THREADS=1
     else:
-        setup_cpu_worker(threads_per_worker(local_world))
+        setup_cpu_worker(threads)
         device = torch.device("cpu")
     res = run_rank(plan, cfg, rank, world, device, "env://")
     sys.stdout.flush()

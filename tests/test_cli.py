@@ -60,7 +60,8 @@ def test_human_table(capsys):
     (["--model", "no-such-model"], "Unknown model"),
     (["--gpu", "z9000"], "Unknown GPU"),
     (["--seq", "-5"], "positive"),
-    (["--micro-batch", "0"], "positive"),
+    (["--micro-batch", "0"], "--micro-batch must be between 1 and"),
+    (["--micro-batch", "99999999999"], "--micro-batch must be between 1 and"),
     (["--recompute", "half"], "--recompute"),
     (["--model", "gpt3-1.3b", "--tp", "3"], "does not divide"),
 ])
@@ -135,3 +136,8 @@ def test_timeline_path_checked_before_simulating(tmp_path, capsys):
     svg = tmp_path / "t.svg"
     main(["simulate", str(plan), "--timeline", str(svg)])
     assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_tiny_memory_limit_is_not_shown_as_zero(capsys):
+    code, _, err = run(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--memory-limit", "1e-6"], capsys)
+    assert code == 2 and "against the 9.99e-07 GiB of a l4" in err and "0.0 GiB" not in err

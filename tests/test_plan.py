@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -138,3 +139,57 @@ def test_unreadable_files(tmp_path):
         load_plan(tmp_path)
     with pytest.raises(MistInputError, match="needs a file path"):
         load_plan("")
+
+
+def test_yaml_plans(tmp_path):
+    """YAML plans: any-case extension, exponent-only numbers, keys that are not strings, repeats."""
+    import yaml
+
+    d = mutate(model={"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16,
+                      "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304,
+                      "tie_embeddings": False, "norm_eps": 1e-5})
+    text = yaml.safe_dump(d, sort_keys=False).replace("1.0e-05", "1e-5")
+    assert "norm_eps: 1e-5" in text
+    f = tmp_path / "PLAN.YAML"
+    f.write_text(text)
+    assert load_plan(f).model.norm_eps == 1e-5
+    f.write_text(text.replace("  zero: 1\n", "  zero: 1\n  1: x\n  zz: y\n", 1))
+    with pytest.raises(MistInputError, match="unknown field.*1, zz"):
+        load_plan(f)
+    f.write_text(text.replace("micro_batches: 8\n", "micro_batches: 8\nmicro_batches: 4\n"))
+    with pytest.raises(MistInputError, match="key 'micro_batches' appears twice"):
+        load_plan(f)
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps(GOOD)[:-1] + ', "micro_batches": 4}')
+    with pytest.raises(MistInputError, match="not valid JSON \\(key 'micro_batches' appears twice\\)"):
+        load_plan(j)
+
+
+def test_files_that_are_not_regular(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(MistInputError, match="is not a regular file"):
+        load_plan(fifo)
+    with pytest.raises(MistInputError, match="is not a regular file"):
+        load_plan("/dev/zero")
+
+
+def test_relative_paths_are_read_from_the_plans_folder(tmp_path, monkeypatch):
+    from mist.hardware.registry import _profiles_dir
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "l4.json").write_text((_profiles_dir() / "l4.json").read_text())
+    (folder / "m.json").write_text(json.dumps(
+        {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16, "num_kv_heads": 16,
+         "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}))
+    d = mutate(model="m.json", cluster={"gpu": "l4.json", "nodes": 1, "gpus_per_node": 4})
+    (folder / "plan.json").write_text(json.dumps(d))
+    monkeypatch.chdir(tmp_path)            # not the plan's folder
+    p = load_plan(folder / "plan.json")
+    assert p.cluster.gpu == str(folder / "l4.json") and p.model.num_layers == 24
+    out = tmp_path / "elsewhere" / "plan2.json"
+    out.parent.mkdir()
+    p.save_beside(out)
+    assert json.loads(out.read_text())["cluster"]["gpu"] == os.path.join("..", "job", "l4.json")
+    assert load_plan(out).cluster.gpu == str(out.parent / ".." / "job" / "l4.json")

@@ -319,6 +319,10 @@ def test_hf_errors():
     raises_one_sentence(load_model_dict, {**cfg, "num_key_value_heads": 5}, "cfg.json",
                         match="cfg.json.*not divisible by num_kv_heads")
     raises_one_sentence(load_model_dict, {**cfg, "head_dim": 64}, "cfg.json", match="head_dim")
+    no_type = {k: v for k, v in cfg.items() if k != "model_type"}
+    for archs in ([{"a": 1}], [["LlamaForCausalLM"]], 3):
+        raises_one_sentence(load_model_dict, {**no_type, "architectures": archs}, "cfg.json",
+                            match="no supported model_type or architectures")
     raises_one_sentence(load_model_dict, {**cfg, "head_dim": "128"}, "cfg.json",
                         match="field head_dim must be an integer, got '128'")
     raises_one_sentence(load_model_dict, {**cfg, "tie_word_embeddings": "no"}, "cfg.json",

@@ -59,13 +59,13 @@ def estimate(
     from mist.hardware import load_profile
     from mist.simulate.estimate import estimate as run_estimate
     from mist.specs.loading import load_model
-    from mist.specs.training import TrainingSpec
+    from mist.specs.training import MAX_GLOBAL_BATCH, TrainingSpec
 
     if recompute not in ("none", "full", "attention"):
         raise MistInputError(f"--recompute must be 'none', 'full' or 'attention', got {recompute!r}.")
+    if not 0 < micro_batch <= MAX_GLOBAL_BATCH:
+        raise MistInputError(f"--micro-batch must be between 1 and {MAX_GLOBAL_BATCH:,}, got {micro_batch:,}.")
     TrainingSpec(seq_len=seq, global_batch=micro_batch)
-    if micro_batch <= 0:
-        raise MistInputError(f"--micro-batch must be positive, got {micro_batch}.")
     spec = load_model(model)
     if spec.family == "gpt" and seq > spec.max_position_embeddings:
         raise MistInputError(
@@ -207,7 +207,7 @@ def tune(
     if res.plan is None:
         raise MistInputError(res.infeasible_reason or "No plan fits.")
     if output:
-        res.plan.save(output)
+        res.plan.save_beside(output)
     if as_json:
         d = res.to_json()
         d.pop("infeasible_reason", None)

@@ -11,15 +11,17 @@ stage the final norm, head and loss. This module validates and (de)serializes; n
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 from mist.errors import MistInputError
 from mist.specs.model import ModelSpec
+from mist.specs.presets import PRESETS
 from mist.specs.training import ClusterSpec, TrainingSpec
-from mist.userfiles import read_user_text
+from mist.userfiles import YAML_SUFFIXES, parse_json, parse_yaml, read_user_text
 
 OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
 PLAN_FIELDS = ("model", "cluster", "training", "micro_batches", "stages")
@@ -83,8 +85,17 @@ class Plan:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         d = self.to_dict()
-        text = yaml.safe_dump(d, sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(d, indent=1)
+        text = yaml.safe_dump(d, sort_keys=False) if path.suffix.lower() in YAML_SUFFIXES else json.dumps(d, indent=1)
         path.write_text(text + ("" if text.endswith("\n") else "\n"))
+
+    def save_beside(self, path: str | Path) -> None:
+        """Save, writing a profile file named by `cluster.gpu` relative to the plan's folder (as
+        `load_plan` reads it), so that the plan works from any folder and moves with its profile."""
+        gpu = self.cluster.gpu
+        if gpu.lower().endswith(".json") and Path(gpu).expanduser().is_file():
+            rel = os.path.relpath(Path(gpu).expanduser().resolve(), Path(path).resolve().parent)
+            return replace(self, cluster=replace(self.cluster, gpu=rel)).save(path)
+        return self.save(path)
 
     def summary(self) -> str:
         m, c, t = self.model, self.cluster, self.training
@@ -183,16 +194,20 @@ def _check_placement(p: Plan) -> None:
 
 
 # ------------------------------------------------------------- loading
+def _names(keys) -> str:
+    """Keys for a message, sorted as text (a YAML file may give keys that are not strings)."""
+    return ", ".join(sorted(map(str, keys)))
+
+
 def _sub(d: dict, key: str, cls, where: str):
     if key not in d:
         raise MistInputError(f"{where} is missing field {key!r}.")
     v = d[key]
     if not isinstance(v, dict):
         raise MistInputError(f"{where} field {key!r} must be a mapping.")
-    allowed = set(cls.__dataclass_fields__)
-    unknown = sorted(set(v) - allowed)
+    unknown = set(v) - set(cls.__dataclass_fields__)
     if unknown:
-        raise MistInputError(f"{where} field {key!r} has unknown key(s) {', '.join(unknown)}.")
+        raise MistInputError(f"{where} field {key!r} has unknown key(s) {_names(unknown)}.")
     try:
         return cls(**v)
     except TypeError as e:
@@ -204,9 +219,9 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
 
     if not isinstance(d, dict):
         raise MistInputError(f"{source} must hold a mapping at the top level.")
-    unknown = sorted(set(d) - set(PLAN_FIELDS), key=str)
+    unknown = set(d) - set(PLAN_FIELDS)
     if unknown:
-        raise MistInputError(f"{source} has unknown field(s) {', '.join(map(str, unknown))}.")
+        raise MistInputError(f"{source} has unknown field(s) {_names(unknown)}.")
     for k in PLAN_FIELDS:
         if k not in d:
             raise MistInputError(f"{source} is missing field {k!r}.")
@@ -232,9 +247,9 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         off = sd.pop("offload", {})
         if not isinstance(off, dict) or set(off) - set(OFFLOAD_KINDS):
             raise MistInputError(f"{where} offload must map {', '.join(OFFLOAD_KINDS)} to ratios.")
-        unknown = sorted(set(sd) - set(StageStrategy.__dataclass_fields__))
+        unknown = set(sd) - set(StageStrategy.__dataclass_fields__)
         if unknown:
-            raise MistInputError(f"{where} has unknown field(s) {', '.join(unknown)}.")
+            raise MistInputError(f"{where} has unknown field(s) {_names(unknown)}.")
         missing = [k for k in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp") if k not in sd]
         if missing:
             raise MistInputError(f"{where} is missing field(s) {', '.join(missing)}.")
@@ -244,10 +259,27 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
+    """A plan file (JSON, or YAML by its extension). Relative model and profile paths in it are
+    taken from the plan's folder when the file is there (else from the current folder)."""
     text = read_user_text(path, "Plan file")
     path = Path(path)
-    try:
-        d = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise MistInputError(f"Plan file {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'} ({str(e).splitlines()[0]}).") from None
+    d = parse_yaml(text, path, "Plan file") if path.suffix.lower() in YAML_SUFFIXES else parse_json(text, path, "Plan file")
+    if isinstance(d, dict):
+        d = _beside(d, path.parent)
     return plan_from_dict(d, source=f"Plan file {path}")
+
+
+def _beside(d: dict, folder: Path) -> dict:
+    """`d` with its relative model-file and profile paths resolved against `folder` where they exist."""
+    def near(ref):
+        if not isinstance(ref, str) or not ref.strip() or Path(ref).expanduser().is_absolute():
+            return ref
+        there = folder / ref
+        return str(there) if there.exists() else ref
+    d = dict(d)
+    if isinstance(d.get("model"), str) and d["model"].strip().lower() not in PRESETS:
+        d["model"] = near(d["model"])
+    if isinstance(d.get("cluster"), dict) and str(d["cluster"].get("gpu", "")).lower().endswith(".json"):
+        d["cluster"] = dict(d["cluster"], gpu=near(d["cluster"]["gpu"]))
+    return d
+

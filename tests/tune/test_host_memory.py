@@ -42,7 +42,7 @@ def test_nodes_hold_consecutive_ranks():
     assert node_usage([4], [3.0], 2) == [6.0, 6.0]
 
 
-@pytest.mark.parametrize("bad", [-1, 0, True, "lots", float("inf")])
+@pytest.mark.parametrize("bad", [-1, 0, True, "lots", float("inf"), float("nan"), 1e308])
 def test_cluster_rejects_a_bad_host_memory(bad):
     with pytest.raises(MistInputError, match="host_memory_gib"):
         ClusterSpec("l4", 1, 2, host_memory_gib=bad)

@@ -2,8 +2,9 @@
 
 Entries are keyed by the analysis arguments and by a fingerprint of the code that produced them
 (the model and analysis sources, and the torch version): editing a model block or the tracer
-invalidates every entry. Location: $MIST_CACHE_DIR, else (unset or empty) ~/.cache/mist. MIST_CACHE_DIR=off
-disables it. A corrupt or unreadable entry is ignored and recomputed.
+invalidates every entry. Location: $MIST_CACHE_DIR, else (unset or empty) ~/.cache/mist, and no
+cache without a home folder. MIST_CACHE_DIR=off disables it. A corrupt or unreadable entry is
+ignored and recomputed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def _fingerprint() -> str:
 
 
 def _dir() -> Path | None:
-    d = os.environ.get("MIST_CACHE_DIR", "").strip() or str(Path.home() / ".cache" / "mist")
+    d = os.environ.get("MIST_CACHE_DIR", "").strip()
+    if not d:
+        try:
+            d = str(Path.home() / ".cache" / "mist")
+        except RuntimeError:     # no home folder (HOME unset and no passwd entry): no cache
+            return None
     if d.lower() == "off":
         return None
     return Path(d) / "analysis" / _fingerprint()

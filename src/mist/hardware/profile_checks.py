@@ -49,6 +49,9 @@ def profile_fields(d: dict, source: str = "GPU profile") -> dict:
     host_memory = d.get("host_memory_per_gpu")
     if host_memory is not None:
         _check_number(source, "host_memory_per_gpu", host_memory, positive=True)
+        if host_memory > 2**50:
+            raise MistInputError(f"{source}: host_memory_per_gpu must be at most 2**50 bytes (1 PiB), "
+                                 f"got {_show(host_memory)}.")
         host_memory = float(host_memory)
     for k, kind in (("sources", dict), ("fingerprint", dict), ("notes", list)):
         if not isinstance(d.get(k, kind()), kind):

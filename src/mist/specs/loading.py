@@ -18,15 +18,14 @@ Every problem with the input raises `MistInputError` with one sentence for the u
 from __future__ import annotations
 
 import difflib
-import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from mist.errors import MistInputError
 from mist.specs.model import FAMILIES, ModelSpec
 from mist.specs.presets import PRESETS
+from mist.userfiles import parse_document, read_user_text
 
 REQUIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                    "ffn_hidden_size", "vocab_size", "tie_embeddings")
@@ -64,6 +63,8 @@ def load_model(arg: str) -> ModelSpec:
             path = path / "config.json"
         else:
             raise MistInputError(f"Model folder {text} holds no config.json.")
+    if path.exists() and not path.is_file():
+        raise MistInputError(f"Model file {path} is not a regular file.")
     if not path.is_file():
         close = difflib.get_close_matches(text.lower(), list(PRESETS), n=3, cutoff=0.6)
         hint = f" (close presets: {', '.join(close)})" if close else ""
@@ -87,66 +88,8 @@ def load_model_dict(d: dict, source: str = "<dict>", default_name: str | None = 
 
 
 # ----------------------------------------------------------------------------- file reading
-class _YamlLoader:  # built lazily so importing this module does not need PyYAML
-    cls = None
-
-    @classmethod
-    def get(cls):
-        if cls.cls is None:
-            import yaml
-
-            class Loader(yaml.SafeLoader):
-                pass
-
-            # YAML 1.1 (PyYAML) reads `1e-5` as a string because it lacks a dot; users write
-            # norm_eps that way, so also resolve exponent-only numbers as floats.
-            Loader.add_implicit_resolver(
-                "tag:yaml.org,2002:float",
-                re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-                list("-+0123456789."),
-            )
-            cls.cls = Loader
-        return cls.cls
-
-
 def _read_mapping(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or type(e).__name__
-        raise MistInputError(f"Cannot read model file {path}: {reason}.") from None
-    suffix = path.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        return _parse_yaml(text, path)
-    if suffix == ".json":
-        return _parse_json(text, path)
-    # Unknown extension: JSON first (stricter), then YAML.
-    try:
-        return json.loads(text)
-    except ValueError:
-        return _parse_yaml(text, path)
-
-
-def _parse_json(text: str, path: Path) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise MistInputError(
-            f"Model file {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno})."
-        ) from None
-
-
-def _parse_yaml(text: str, path: Path) -> Any:
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_YamlLoader.get())  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None)
-        what = f" ({problem}{where})" if problem else (f" ({where.strip()})" if where else "")
-        raise MistInputError(f"Model file {path} is not valid YAML{what}.") from None
+    return parse_document(read_user_text(path, "Model file"), path, "Model file")
 
 
 def _name_from_path(path: Path) -> str:
@@ -217,7 +160,7 @@ def _hf_type(d: dict, source: str) -> str:
     if isinstance(archs, str):
         archs = [archs]
     for a in archs if isinstance(archs, list) else []:
-        if a in _HF_ARCHITECTURES:
+        if isinstance(a, str) and a in _HF_ARCHITECTURES:
             return _HF_ARCHITECTURES[a]
     raise MistInputError(
         f"Hugging Face config {source} has no supported model_type or architectures entry "

@@ -11,6 +11,7 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 MAX_SEQ_LEN = 1 << 24          # tokens per sequence
 MAX_GLOBAL_BATCH = 2**31 - 1    # sequences per optimizer step
+MAX_HOST_MEMORY_GIB = 1 << 20   # RAM per node: 1 PiB
 
 
 def _positive_int(what: str, v, most: int | None = None) -> None:
@@ -37,9 +38,10 @@ class ClusterSpec:
         _positive_int("Cluster field nodes", self.nodes)
         _positive_int("Cluster field gpus_per_node", self.gpus_per_node)
         h = self.host_memory_gib
-        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0
-                              or h == float("inf")):
-            raise MistInputError(f"Cluster field host_memory_gib must be a positive number of GiB, got {h!r}.")
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
+                              or not 0 < h <= MAX_HOST_MEMORY_GIB):
+            raise MistInputError(f"Cluster field host_memory_gib must be a positive number of GiB, at most "
+                                 f"{MAX_HOST_MEMORY_GIB:,} per node, got {h!r}.")
 
     @property
     def world_size(self) -> int:

@@ -154,22 +154,28 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     return TuneResult(sp.name, plan, predicted, elapsed, evaluated, None)
 
 
+def _gib(n: float) -> str:
+    """Bytes as GiB for a message, with three significant digits below 10 GiB (1e-9 GiB is not 0.0)."""
+    g = n / 2**30
+    return f"{g:.1f} GiB" if g >= 10 else f"{g:.3g} GiB"
+
+
 def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
     """Why nothing fits. min_peak / min_host: the least GPU memory, and the least host memory where
     it fits the GPU, of any stage holding the most blocks of its split (a bound on every split)."""
-    gib, need = 2**30, min_peak * (1 + ALLOCATOR_MARGIN)
+    need = min_peak * (1 + ALLOCATOR_MARGIN)
     if not np.isfinite(min_peak):
         return "No configuration of this space applies to this model and cluster."
     if need > profile.memory_bytes:
         return (f"No configuration fits: in every split the stage with the most blocks needs at least "
-                f"{need / gib:.1f} GiB per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
-                f"{profile.memory_bytes / gib:.1f} GiB of a {profile.name}.")
+                f"{_gib(need)} per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
+                f"{_gib(profile.memory_bytes)} of a {profile.name}.")
     if np.isfinite(min_host) and min_host > host_cap:
         return (f"No configuration fits the host memory: where the stage with the most blocks fits the GPUs, "
-                f"its offloaded states and activations need at least {min_host / gib:.1f} GiB of host memory "
-                f"per GPU, against {host_cap / gib:.1f} GiB ({host_source}).")
-    host = "" if host_cap is None else f" and {host_cap / gib:.1f} GiB of host memory per GPU"
-    return (f"No configuration fits: single stages fit the {profile.memory_bytes / gib:.1f} GiB of a "
+                f"its offloaded states and activations need at least {_gib(min_host)} of host memory "
+                f"per GPU, against {_gib(host_cap)} ({host_source}).")
+    host = "" if host_cap is None else f" and {_gib(host_cap)} of host memory per GPU"
+    return (f"No configuration fits: single stages fit the {_gib(profile.memory_bytes)} of a "
             f"{profile.name}{host}, but no split of the {L} blocks fits every stage at once.")
 
 

@@ -89,4 +89,6 @@ def test_kept_heap_pages_stop_the_page_faults_of_repeated_temporaries():
     assert ok == "True"                      # glibc: mallopt took both settings
     pages = 5 * (96 * 2**20) // 4096         # what fresh mappings fault in over 5 steps
     assert default > pages // 2, default     # glibc's default maps them afresh every step
-    assert kept < pages // 50, kept          # kept in the heap: (almost) no faults
+    # kept in the heap: no faults, or (depending on where the interpreter's own small allocations
+    # landed) the heap grows once past the 64 MiB temporary — never the every-step re-faulting
+    assert kept <= (64 * 2**20) // 4096, kept

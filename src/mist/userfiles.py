@@ -1,4 +1,5 @@
-"""Files the user names: read them, or check before any work that an output can be written.
+"""Files the user names: read them (UTF-8; JSON or YAML documents, a repeated key an error), or
+check before any work that an output can be written.
 
 A command that searches, trains or measures for minutes must not fail at the end because its
 output path was a directory or lay in a folder that does not exist; these checks run first and
@@ -45,6 +46,8 @@ def check_output_file(path: str | Path, what: str, suffixes: tuple[str, ...] = (
         raise MistInputError(f"{what} must end with {', '.join(suffixes)}, got {str(path)!r}.")
     if p.is_dir():
         raise MistInputError(f"{what} {path} is a directory, not a file.")
+    if p.exists() and not p.is_file():       # a FIFO or a device: opening it could block
+        raise MistInputError(f"{what} {path} is not a regular file.")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise MistInputError(f"{what} {path}: the folder {parent} does not exist.")

@@ -16,8 +16,8 @@ from pathlib import Path
 from mist.errors import MistInputError
 
 
-def read_user_text(path: str | Path, what: str) -> str:
-    """The UTF-8 text of a file the user gave as `what` ("Plan file", "GPU profile file", ...)."""
+def check_input_file(path: str | Path, what: str) -> Path:
+    """`path` as a Path, checked to name an existing regular file (`what`: "Plan file", ...)."""
     if path is None or not str(path).strip():
         raise MistInputError(f"{what} needs a file path, got an empty one.")
     path = Path(path)
@@ -27,6 +27,12 @@ def read_user_text(path: str | Path, what: str) -> str:
         raise MistInputError(f"{what} {path} does not exist.")
     if not path.is_file():
         raise MistInputError(f"{what} {path} is not a regular file.")
+    return path
+
+
+def read_user_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a file the user gave as `what` ("Plan file", "GPU profile file", ...)."""
+    path = check_input_file(path, what)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

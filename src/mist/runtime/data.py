@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mist.errors import MistInputError
+from mist.userfiles import check_input_file
 
 _SEED_MOD = 2**64   # torch.Generator seeds are 64-bit (the same values as before for small seeds)
 
@@ -74,13 +75,7 @@ class TokenFileData:
     """
 
     def __init__(self, path: str | Path, vocab: int, seq_len: int, global_batch: int):
-        path = Path(path)
-        if path.is_dir():
-            raise MistInputError(f"Data file {path} is a directory, not a file.")
-        if not path.exists():
-            raise MistInputError(f"Data file {path} does not exist.")
-        if not path.is_file():
-            raise MistInputError(f"Data file {path} is not a regular file.")
+        path = check_input_file(path, "Data file")
         if path.suffix.lower() == ".npy":
             tokens = _load_npy(path, vocab)
         else:

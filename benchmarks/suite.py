@@ -5,6 +5,13 @@ Aceso-style spaces, each searched with the same simulator. Writes a Markdown tab
 and a plot of speedups; rows are appended as cases finish, so a partial run keeps its results.
 
     PYTHONPATH=src python benchmarks/suite.py [--only l4|a100|h200] [--budget SEC] [--out DIR]
+                                              [--grad-dtype fp32]
+
+Every case trains in bf16 (parameters and compute; the L4 and A100 profiles were measured in fp16,
+whose tensor-core rates equal bf16's on those GPUs). Each space keeps gradients as its system does:
+Mist, DeepSpeed and Aceso in the parameter dtype, Megatron-LM in fp32 (it forces fp32 gradient
+accumulation and reduction with bf16). `--grad-dtype fp32` gives every space fp32 gradients, the
+like-for-like comparison with Megatron-LM's numerics (written to suite-fp32grads.*).
 """
 
 from __future__ import annotations
@@ -50,12 +57,13 @@ def all_cases(only=None):
         yield from gen()
 
 
-def run_case(c, budget):
+def run_case(c, budget, grad_dtype=None):
     """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
     n = c["n"]
     warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"])
     cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
-    training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"])
+    training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"],
+                            param_dtype="bf16", compute_dtype="bf16", grad_dtype=grad_dtype)
     return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, SPACES)
 
 
@@ -94,6 +102,14 @@ def markdown(rows) -> str:
     return txt
 
 
+def preamble(grad_dtype) -> str:
+    grads = ("fp32 gradients in every space" if grad_dtype else
+             "gradients in bf16 for Mist, DeepSpeed and Aceso, in fp32 for Megatron-LM (as it runs bf16)")
+    return (f"# Benchmark suite (`benchmarks/suite.py{' --grad-dtype fp32' if grad_dtype else ''}`)\n\n"
+            f"bf16 parameters and compute; {grads}. Speedup = the baseline's best predicted iteration "
+            "time / Mist's full space's, under the same cost model.\n\n")
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -121,10 +137,13 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", choices=["l4", "a100", "h200"])
     ap.add_argument("--budget", type=float, default=60.0, help="time budget per space and case (s)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--grad-dtype", choices=["fp32"], help="fp32 gradients in every space (default: each system's own)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "suite" if not a.only else "suite-" + "-".join(a.only)
+    if a.grad_dtype:
+        tag += "-fp32grads"
     jpath = out / f"{tag}.json"
     rows = json.loads(jpath.read_text()) if jpath.exists() else []
     done = {(r["model"], r["gpu"], r["nodes"] * r["gpus_per_node"], r["flash_attention"]) for r in rows}
@@ -132,11 +151,11 @@ def main(argv=None):
         if (c["model"], c["gpu"], c["n"], c["flash"]) in done:
             continue
         t = time.perf_counter()
-        r = run_case(c, a.budget)
+        r = run_case(c, a.budget, a.grad_dtype)
         r["wall_s"] = time.perf_counter() - t
         rows.append(r)
         jpath.write_text(json.dumps(rows, indent=1))
-        (out / f"{tag}.md").write_text(markdown(rows))
+        (out / f"{tag}.md").write_text(preamble(a.grad_dtype) + markdown(rows))
         plot(rows, out / f"{tag}.png")
         full = next(s for s in r["spaces"] if s["space"] == "full")
         print(f"{c['model']:16s} {c['n']:3d}×{c['gpu']:15s} flash={c['flash']!s:5s} "

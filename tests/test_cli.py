@@ -116,6 +116,8 @@ def test_usage_errors_are_one_sentence_exit_2(args, needle, capsys):
     (["tune", "--time-budget", "nan"], "--time-budget must be a positive number"),
     (["compare", "--time-budget", "-1"], "--time-budget must be a positive number"),
     (["tune", "--dtype", ""], "param_dtype must be one of"),
+    (["tune", "--grad-dtype", "bf16"], "--grad-dtype must be fp32 or the parameter dtype (fp16)"),
+    (["compare", "--dtype", "bf16", "--grad-dtype", "fp8"], "--grad-dtype must be fp32 or the parameter dtype (bf16)"),
     (["tune", "--global-batch", "99999999999999999999"], "global_batch must be at most"),
 ])
 def test_output_and_budget_checked_before_the_search(args, needle, tmp_path, capsys):

@@ -49,6 +49,16 @@ def test_good_plan_roundtrips(tmp_path):
     assert "stage 1: 11 layers" in p.summary()
 
 
+def test_gradient_dtype_roundtrips_and_is_omitted_when_default(tmp_path):
+    assert "grad_dtype" not in plan_from_dict(GOOD).to_dict()["training"]   # older plans read as before
+    p = plan_from_dict(mutate(training__grad_dtype="fp32"))
+    assert p.training.grad_dtype == "fp32" and p.training.grad_bytes == 4
+    f = tmp_path / "p.json"
+    p.save(f)
+    assert load_plan(f).training.grad_dtype == "fp32"
+    assert plan_from_dict(mutate(training__grad_dtype="bf16")).training.grad_bytes == 2
+
+
 @pytest.mark.parametrize("changes,needle", [
     ({"stages__0__micro_batch": 3}, "not the global batch"),
     ({"stages__1__tp": 1}, "does not equal"),
@@ -70,6 +80,8 @@ def test_good_plan_roundtrips(tmp_path):
     ({"model": "nope-7b"}, "Unknown model"),
     ({"training__seq_len": 16384}, "learned positions"),
     ({"training__flash_attention": "no"}, "flash_attention must be true or false"),
+    ({"training__grad_dtype": "fp16"}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
+    ({"training__grad_dtype": 4}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
     ({"training__flash_attention": None}, "flash_attention must be true or false"),
     ({"training__global_batch": 2**40}, "global_batch must be at most"),
     ({"stages__0__zero": 1.0}, "zero must be 0, 1, 2 or 3"),

@@ -36,6 +36,9 @@ HostMemOpt = Annotated[Optional[float], typer.Option(
     "--host-memory", help="Host RAM per node in GiB, for offloading (default: the GPU kind's typical node).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).")]
+GradDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--grad-dtype", help="Accumulate and reduce gradients in fp32 (as Megatron-LM does with bf16), or in the "
+                         "parameter dtype (default).")]
 
 
 @app.callback()
@@ -110,7 +113,8 @@ def simulate(
     _print_simulation(p, res)
 
 
-def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None):
+def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None,
+           grad_dtype=None):
     from mist.hardware import load_profile
     from mist.simulate.precision import profile_dtype
     from mist.specs.loading import load_model
@@ -122,6 +126,10 @@ def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=
     dt = profile_dtype(profile) if dtype is None else dtype
     training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash,
                             param_dtype=dt, compute_dtype=dt)
+    if grad_dtype is not None:
+        if grad_dtype not in (dt, "fp32"):
+            raise MistInputError(f"--grad-dtype must be fp32 or the parameter dtype ({dt}), got {grad_dtype!r}.")
+        training = replace(training, grad_dtype=grad_dtype)
     if spec.family == "gpt" and seq > spec.max_position_embeddings:
         raise MistInputError(
             f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
@@ -173,6 +181,7 @@ def tune(
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
     no_flash: NoFlashOpt = False,
     dtype: DtypeOpt = None,
+    grad_dtype: GradDtypeOpt = None,
     pp: Optional[str] = typer.Option(None, "--pp", help="Allowed pipeline depths, e.g. 2 or 1,2 (default: any)."),
     tp: Optional[str] = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
     memory_limit: Optional[float] = typer.Option(
@@ -192,7 +201,7 @@ def tune(
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
     spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
-                                              host_memory)
+                                              host_memory, grad_dtype)
     if memory_limit is not None:
         if not 0 < memory_limit * GIB <= profile.memory_bytes:
             raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GIB:.2f}] GiB "
@@ -229,6 +238,7 @@ def compare(
     time_budget: float = typer.Option(None, "--time-budget", help="Budget per search space (seconds)."),
     no_flash: NoFlashOpt = False,
     dtype: DtypeOpt = None,
+    grad_dtype: GradDtypeOpt = None,
     host_memory: HostMemOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -237,7 +247,7 @@ def compare(
 
     _check_budget(time_budget)
     spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
-                                              host_memory)
+                                              host_memory, grad_dtype)
     rows = compare_spaces(spec, cluster, training, profile, time_budget)
     if as_json:
         print(json.dumps(rows, indent=1))

@@ -79,6 +79,30 @@ def test_offload_frees_memory_and_never_speeds_up(l4_model, knob):
     assert one(b, "T") + one(b, "D") >= one(a, "T") + one(a, "D") - 1e-12
 
 
+def test_fp32_gradients_cost_memory_and_time(l4_model):
+    """fp32 gradients with 16-bit weights: twice the gradient bytes, reduced in fp32, flattened and
+    added every micro-batch (autograd cannot accumulate into another dtype in place)."""
+    from mist.simulate.precision import Precision
+
+    wide = StageModel(SPEC, load_profile("l4"), tp=1, flash=True, seq=2048,
+                      precision=Precision(weight_bytes=2, grad_bytes=4))
+    for kw in ({}, dict(zero=0), dict(zero=2)):
+        a, b = l4_model.evaluate(stage(**kw)), wide.evaluate(stage(**kw))
+        ma, mb = a.memory_breakdown, b.memory_breakdown
+        assert one_of(mb, "grads_bytes") == pytest.approx(2 * one_of(ma, "grads_bytes"), rel=1e-12)
+        assert one_of(mb, "weights_bytes") == one_of(ma, "weights_bytes")
+        assert one(b, "peak") > one(a, "peak")
+        assert one(b, "T") > one(a, "T")
+        if kw.get("zero", 1) <= 1:           # the one reduction after the last micro-batch moves fp32
+            assert one(b, "last_extra") > one(a, "last_extra")
+        # (the optimizer step reads an fp32 gradient in place: no conversion copy)
+        assert one(b, "first_extra") < one(a, "first_extra")
+
+
+def one_of(breakdown, key):
+    return float(np.asarray(breakdown[key])[0])
+
+
 def test_optimizer_offload_cost_is_one_off(l4_model):
     a = l4_model.evaluate(stage(oo=0.0))
     b = l4_model.evaluate(stage(oo=1.0))

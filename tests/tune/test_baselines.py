@@ -143,6 +143,30 @@ def test_megatron_result_rules(results):
     assert s0.recompute_layers in (0, s0.layers)
 
 
+def test_megatron_accumulates_bf16_gradients_in_fp32(results, prof):
+    """Megatron-LM with bf16 parameters keeps fp32 gradients: 2 + 4 + 12/dp bytes per parameter."""
+    p = results["megatron"].plan
+    assert p.training.param_dtype == "bf16" and p.training.grad_dtype == "fp32"
+    st = simulate_plan(p, prof)["stages"][0]
+    mem, s = st["memory_breakdown"], p.stages[0]
+    assert s.zero <= 1 and p.micro_batches > 1           # the whole gradient buffer is kept
+    assert mem["grads_bytes"] == 2 * mem["weights_bytes"]
+    shards = s.dp if s.zero == 1 else 1
+    assert mem["optimizer_bytes"] == pytest.approx(6 * mem["weights_bytes"] / shards, rel=1e-9)
+    # the same plan with gradients in the parameter dtype holds 2 bytes less per parameter
+    same = plan_from_dict({**p.to_dict(), "training": {**p.to_dict()["training"], "grad_dtype": None}})
+    mem16 = simulate_plan(same, prof)["stages"][0]["memory_breakdown"]
+    assert mem16["grads_bytes"] == mem["weights_bytes"]
+    assert mem16["optimizer_bytes"] == mem["optimizer_bytes"]
+
+
+def test_megatron_keeps_fp16_gradients_in_fp16(small, prof):
+    model, cluster, training = small
+    fp16 = TrainingSpec(seq_len=training.seq_len, global_batch=training.global_batch, param_dtype="fp16",
+                        compute_dtype="fp16", flash_attention=training.flash_attention)
+    assert tune_megatron(model, cluster, fp16, prof).plan.training.grad_dtype is None
+
+
 # ------------------------------------------------------------------ DeepSpeed
 def test_deepspeed_space_rules(results):
     model, cluster, training = case("gpt3-2.7b", 4, True)

@@ -20,7 +20,9 @@ block, the head) is one `FlatUnit`:
   shard accumulator; for ZeRO 0/1 accumulated locally over the micro-batches and all-reduced
   (ZeRO 0) or reduce-scattered (ZeRO 1) once at the last one. Gradients are averaged over dp
   (divided by dp before the SUM). The accumulator's last ``grads`` fraction lives on the host and is
-  accumulated there.
+  accumulated there. The gradient buffers and collectives use the gradient dtype: the working dtype,
+  or fp32 with 16-bit weights (each micro-batch's 16-bit gradients are added into the fp32 buffer,
+  and the dp reduction runs on fp32, as Megatron-LM does for bf16).
 
 On CUDA a unit's host→device copies (and its ZeRO-3 all-gather) for the *next* unit run on a side
 copy stream, ordered by an event the compute stream waits on; everything else is synchronous
@@ -97,10 +99,12 @@ class FlatUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list]], infos: list[dict], *,
                  dtype: torch.dtype, device: torch.device, comms: Comms, zero: int,
                  weights: float, grads: float, optimizer: float, micro_batches: int,
-                 memory: MemoryAccount, copy_stream=None):
+                 memory: MemoryAccount, copy_stream=None, grad_dtype: torch.dtype | None = None):
         """`params`: (full name, fp32 parameter with the initial values, owners [(module, attr)]);
-        `infos`: per parameter {decay, norm_skip (local element range), kv_range}."""
+        `infos`: per parameter {decay, norm_skip (local element range), kv_range}; `grad_dtype`: the
+        gradient buffers' dtype (None: the working `dtype`)."""
         self.name, self.dtype, self.device = name, dtype, torch.device(device)
+        self.grad_dtype = grad_dtype or dtype
         self.comms, self.zero, self.G = comms, zero, micro_batches
         self.memory = memory
         self.copy_stream = copy_stream
@@ -161,13 +165,15 @@ class FlatUnit:
         # accumulate (G > 1); with one micro-batch the reduced gradient's L elements (allocated once
         # here rather than every step, and the same bytes `mist.simulate.states` predicts)
         n = self.S if zero >= 2 else (self.Np if micro_batches > 1 else self.L)
-        self.acc = SplitBuffer(n, grads, dtype, self.device)
+        self.acc = SplitBuffer(n, grads, self.grad_dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
         self._update = None   # a deferred optimizer step (see `defer_update`)
-        # When that buffer is the whole flat gradient and lives on the device, the parameters'
-        # .grad are views of it and autograd accumulates every micro-batch in place (one pass,
-        # nothing to flatten); it is reduced once, after the step's last micro-batch.
-        self.grad_views = self.acc.dev_len == self.Np
+        # When that buffer is the whole flat gradient, lives on the device and is in the working
+        # dtype, the parameters' .grad are views of it and autograd accumulates every micro-batch in
+        # place (one pass, nothing to flatten); it is reduced once, after the step's last
+        # micro-batch. (Autograd needs .grad in the parameters' dtype: an fp32 buffer for 16-bit
+        # weights is filled by flattening every micro-batch.)
+        self.grad_views = self.acc.dev_len == self.Np and self.grad_dtype == dtype
 
         # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
         decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
@@ -199,6 +205,11 @@ class FlatUnit:
     @property
     def full_bytes(self) -> int:
         return self.Np * self.full.element_size()
+
+    @property
+    def grad_full_bytes(self) -> int:
+        """Bytes of the whole flat gradient (Np elements of the gradient dtype)."""
+        return self.Np * self.acc.dev.element_size()
 
     def storage_ptr(self) -> int:
         return self.full.untyped_storage().data_ptr()
@@ -297,34 +308,43 @@ class FlatUnit:
         every member then holds the full gradient of those rows, and the usual reduction over its
         own dp group (divide by dp, sum or reduce-scatter, ZeRO as configured) leaves it unchanged
         (exactly so for power-of-two dp; the two copies may otherwise differ in the last bit).
+
+        The parameters' .grad summed the micro-batches in their own dtype; unless they are views of
+        the gradient buffer, they are flattened into the gradient dtype first, and the tied copies
+        are summed there.
         """
+        flat = None if self.grad_views else self._flat_grad()
         for i in tied:
-            p = self.params[i]
-            if p.grad is None:
-                p.grad = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
-            elif not p.grad.is_contiguous():
-                p.grad = p.grad.contiguous()
+            info = self.infos[i]
+            if flat is None:
+                g = self.params[i].grad     # a view of the gradient buffer (set at micro-batch 0)
+            else:
+                g = flat[info.offset:info.offset + info.numel].view(info.shape)
             if scale != 1.0:
-                p.grad.mul_(scale)
+                g.mul_(scale)
             for lo, hi, group in segments:
-                dist.all_reduce(p.grad[lo:hi], group=group)
+                dist.all_reduce(g[lo:hi], group=group)
         self.micro_batch, self.last = 0, True
-        self.reduce_grads()
+        self.reduce_grads(flat)
 
     def _flat_grad(self) -> torch.Tensor:
-        flat = torch.zeros(self.Np, dtype=self.dtype, device=self.device)
+        """The parameters' .grad as one flat gradient in the gradient dtype (counted as transient
+        memory until `reduce_grads` is done with it); the .grad are dropped."""
+        flat = torch.zeros(self.Np, dtype=self.grad_dtype, device=self.device)
         for p, info in zip(self.params, self.infos):
             if p.grad is not None:
                 flat[info.offset:info.offset + info.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
+        self.memory.add_transient(self.grad_full_bytes)
         return flat
 
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, flat: torch.Tensor | None = None) -> None:
+        """Reduce this micro-batch's gradients (`flat`: already flattened by `_flat_grad`)."""
         if self.grad_views:
             self._reduce_in_place()
             return
-        flat = self._flat_grad()
-        self.memory.add_transient(self.full_bytes)
+        if flat is None:
+            flat = self._flat_grad()
         c = self.comms
         if c.kv_group is not None:
             for a, b in self.kv_ranges:
@@ -360,7 +380,7 @@ class FlatUnit:
                 # in the gradient buffer's first L elements
                 self.acc.write(0, red)
                 self.opt_grad = self.acc
-        self.memory.add_transient(-self.full_bytes)
+        self.memory.add_transient(-self.grad_full_bytes)
 
     def _reduce_in_place(self) -> None:
         """The gradients already sum every micro-batch in the buffer: reduce them after the last."""
@@ -383,7 +403,7 @@ class FlatUnit:
         c = self.comms
         if c.dp_group is None:
             return flat
-        out = torch.empty(self.S, dtype=self.dtype, device=self.device)
+        out = torch.empty(self.S, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(out, flat, group=c.dp_group)
         return out
 

@@ -14,7 +14,9 @@ device work of earlier ones, as the simulator's first micro-batch assumes. `flus
 Gradient clipping uses the global norm over every rank's gradient shard: each element is counted
 once (parameters replicated across TP ranks only on TP rank 0, KV-head copies only on the first
 rank of their KV group, ZeRO-0 full gradients only over this dp rank's 1/dp slice), summed over
-the whole world. fp16 uses dynamic loss scaling; a non-finite norm skips the step.
+the whole world. fp16 uses dynamic loss scaling; a non-finite norm skips the step. The gradient
+buffers are in the gradient dtype (16-bit, or fp32); the update reads them as fp32 (an fp32 buffer
+on the device without a copy).
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) 
     span = max(total - warmup, 1)
     t = min(max(step - warmup, 0) / span, 1.0)
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _aliases(t: torch.Tensor, buf) -> bool:
+    """Whether `t` shares storage with a part of the SplitBuffer `buf`."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(x.numel() and x.untyped_storage().data_ptr() == ptr for x in (buf.dev, buf.host))
 
 
 class LossScaler:
@@ -148,12 +156,17 @@ class ShardedAdamW:
             d = m.dev_len
             dec_dev = [(a, min(b, d)) for a, b in u.decay_ranges if a < d]
             dec_host = [(max(a, d) - d, b - d) for a, b in u.decay_ranges if b > d]
-            g_dev = g.read(0, d, m.device).to(torch.float32, copy=True).mul_(mult)
+            # (an fp32 gradient buffer is scaled in place: nothing reads it again before the next
+            # step overwrites it)
+            g_dev = g.read(0, d, m.device, torch.float32).mul_(mult)
             adamw_(m.dev, ea.dev, es.dev, g_dev, decay_ranges=dec_dev, **kw)
             if m.host.numel():
                 # the offloaded fraction of the optimizer states steps on the CPU, in the background;
                 # its gradient is copied out now (the buffer is reused by the next step)
-                g_host = g.read(d, u.L, "cpu").to(torch.float32, copy=True).mul_(mult)
+                g_host = g.read(d, u.L, "cpu", torch.float32)
+                if _aliases(g_host, g):
+                    g_host = g_host.clone()
+                g_host.mul_(mult)
                 host_grads += g_host.numel() * g_host.element_size()
                 u.opt_grad = None
                 u.defer_update(self._host_pool().submit(

@@ -27,7 +27,7 @@ def _stage_bytes(plan: Plan, i: int, host_only: bool) -> float:
     """Lower bound on the state bytes one rank of stage i keeps in host RAM."""
     s, m, S = plan.stages[i], plan.model, plan.num_stages
     pb = DTYPES[plan.training.param_dtype]
-    prec = Precision(weight_bytes=pb, grad_bytes=pb)
+    prec = Precision(weight_bytes=pb, grad_bytes=plan.training.grad_bytes)
     G, o = plan.micro_batches, s.offload
     units = [(m.block_params() / s.tp, o.weights, o.grads, o.optimizer)] * s.layers
     if i == 0:

@@ -51,6 +51,13 @@ def working_dtypes(plan: Plan):
     return wd, cd, cd == torch.float16
 
 
+def grad_dtype(plan: Plan) -> torch.dtype:
+    """The dtype gradients are accumulated and reduced in: the parameters' unless the plan asks
+    for fp32 (16-bit gradients of each micro-batch added into fp32 buffers)."""
+    t = plan.training
+    return DTYPES[t.grad_dtype or t.param_dtype]
+
+
 def _param_info(name: str, p: torch.Tensor, spec, tp: int, tp_rank: int) -> dict:
     info = {"decay": p.dim() >= 2, "norm_skip": None, "kv_range": None}
     if tp == 1:
@@ -80,6 +87,7 @@ class Trainer:
             raise MistInputError(f"Sequence length {t.seq_len} exceeds the model's "
                                  f"{spec.max_position_embeddings} learned positions.")
         self.dtype, autocast, fp16 = working_dtypes(plan)
+        self.grad_dtype = grad_dtype(plan)
         self.scaler = LossScaler(fp16)
         first, last = lay.index == 0, lay.index == plan.num_stages - 1
         self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group)
@@ -128,7 +136,7 @@ class Trainer:
                 module.full_name(prefix), plist, infos, dtype=self.dtype, device=self.device,
                 comms=comms, zero=st.zero, weights=off.weights, grads=off.grads,
                 optimizer=off.optimizer, micro_batches=plan.micro_batches, memory=self.memory,
-                copy_stream=copy_stream))
+                copy_stream=copy_stream, grad_dtype=self.grad_dtype))
         if spec.tie_embeddings and first and last:
             self.units[0].keep_until_backward = True
         for k in self.tied:

@@ -1,7 +1,7 @@
 """Bytes per parameter and the traced dtype/device of a run: what the plan's dtypes mean in memory.
 
-The runtime keeps, per parameter: the working weights and the gradient buffers in the parameter
-dtype, and fp32 master weights plus the two AdamW moments (12 bytes) for the optimizer — also when
+The runtime keeps, per parameter: the working weights in the parameter dtype, the gradient
+buffers in the gradient dtype (the parameter dtype unless the plan asks for fp32), and fp32 master weights plus the two AdamW moments (12 bytes) for the optimizer — also when
 the parameters are fp32 (the master copy is then a plain second copy). Activations are traced in
 the compute dtype on the device kind the profile measured ("cpu" profiles written by `mist profile
 --device cpu`, every other profile a CUDA GPU), since the saved set of attention differs by device.
@@ -24,6 +24,11 @@ class Precision:
     trace_dtype: str = "bf16"
     target: str = "cuda"
 
+    @property
+    def grads_in_param_dtype(self) -> bool:
+        """Gradients kept in the parameters' own dtype (autograd can accumulate into them in place)."""
+        return self.grad_bytes == self.weight_bytes
+
 
 def profile_target(profile) -> str:
     """'cpu' for a profile measured on a CPU, else 'cuda'."""
@@ -41,7 +46,7 @@ def profile_dtype(profile) -> str:
 def precision_for(training, profile) -> Precision:
     """The precision of `training` (a TrainingSpec) on the device of `profile`."""
     pb = DTYPES[training.param_dtype]
-    return Precision(weight_bytes=pb, grad_bytes=pb, trace_dtype=training.compute_dtype,
+    return Precision(weight_bytes=pb, grad_bytes=training.grad_bytes, trace_dtype=training.compute_dtype,
                      target=profile_target(profile))
 
 

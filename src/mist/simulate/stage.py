@@ -136,11 +136,12 @@ class StageModel:
 
     def _device_step(self, params):
         """The optimizer step of `params` device-resident fp32 elements as the runtime runs it
-        (`ShardedAdamW._update`): the gradient copied out to fp32 and scaled (clip, loss scale),
-        the AdamW kernel (the profile's measured rate of the same function), the new master cast
-        into the working weights."""
+        (`ShardedAdamW._update`): the gradient copied out to fp32 (an fp32 gradient is read in
+        place) and scaled (clip, loss scale), the AdamW kernel (the profile's measured rate of the
+        same function), the new master cast into the working weights."""
         prof, pr, n = self.profile, self.prec, _arr(params)
-        return (prof.memory_op_time("copy", (pr.grad_bytes + 4) * n, False)
+        to_fp32 = prof.memory_op_time("copy", (pr.grad_bytes + 4) * n, False) if pr.grad_bytes != 4 else 0.0
+        return (to_fp32
                 + prof.memory_op_time("mul", 8 * n, False)
                 + prof.adam_gpu_s_per_param * n
                 + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False))
@@ -150,7 +151,7 @@ class StageModel:
         for one unit (`FlatUnit`), on the compute stream.
 
         In place — the gradient buffer is the whole flat gradient on the device (ZeRO 0, or ZeRO 1
-        with G > 1, no gradient offload): the parameters' .grad are views of it, so autograd adds
+        with G > 1, no gradient offload) in the parameters' dtype: the parameters' .grad are views of it, so autograd adds
         each micro-batch in place; once per iteration it is zeroed and divided by dp.
         Otherwise the unit's gradients are flattened each micro-batch (a fill and a copy), divided
         by dp, and accumulated (G > 1) or stored once reduced (G = 1)."""
@@ -205,7 +206,7 @@ class StageModel:
         # ---- per-layer channel times (standalone), stable micro-batches
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
         cf = g(blk.fwd) - tpf
-        in_place = _in_place_grads(zero, go, G)
+        in_place = _in_place_grads(zero, go, G, pr)
         grad_mb, grad_it = self._grad_handling(Gr, dp, gs, os_, in_place, G)
         cb = g(blk.bwd) - tpb + grad_mb
         crc = g(blk.recompute)
@@ -291,7 +292,7 @@ class StageModel:
                 pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
                                                            st.cluster_gpus_per_node)
             # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
-            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G), G)
+            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G, pr), G)
             f_c, b_c = lt.fwd[pix], lt.bwd[pix] + pp_grad_mb
             pp["last"] += pp_grad_it
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
@@ -363,10 +364,11 @@ class StageModel:
         return comp
 
 
-def _in_place_grads(zero, go, G: int):
-    """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
+def _in_place_grads(zero, go, G: int, prec):
+    """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`): never
+    when they are kept in another dtype than the parameters' (autograd writes the parameters')."""
     zero, go = _arr(zero), _arr(go)
-    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1)))
+    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1))) & prec.grads_in_param_dtype
 
 
 def _kept_saved(full, numel, elt, whole, ix, ao):

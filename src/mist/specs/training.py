@@ -56,13 +56,17 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """Sequence length, global batch, parameter/compute dtype and attention kernel choice."""
+    """Sequence length, global batch, parameter/compute dtype, attention kernel choice, and the
+    dtype gradients are accumulated and reduced in (`grad_dtype`: None means the parameter dtype;
+    "fp32" accumulates the micro-batches' 16-bit gradients into an fp32 buffer and reduces that,
+    as Megatron-LM does for bf16)."""
 
     seq_len: int
     global_batch: int = 1
     param_dtype: str = "bf16"
     compute_dtype: str = "bf16"
     flash_attention: bool = True
+    grad_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("Training field seq_len", self.seq_len, MAX_SEQ_LEN)
@@ -74,6 +78,9 @@ class TrainingSpec:
                 raise MistInputError(
                     f"Training field {f} must be one of {', '.join(DTYPES)}, got {getattr(self, f)!r}."
                 )
+        if self.grad_dtype not in (None, self.param_dtype, "fp32"):
+            raise MistInputError(f"Training field grad_dtype must be the parameter dtype ({self.param_dtype}) "
+                                 f"or fp32, got {self.grad_dtype!r}.")
 
     @property
     def compute_bytes(self) -> int:
@@ -83,5 +90,12 @@ class TrainingSpec:
     def param_bytes(self) -> int:
         return DTYPES[self.param_dtype]
 
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPES[self.grad_dtype or self.param_dtype]
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["grad_dtype"] is None:   # plans without it read as before
+            del d["grad_dtype"]
+        return d

@@ -18,7 +18,10 @@ Rules shared by all three (reference/mist-system.md §13.4, the brief of this mo
 Megatron-LM (core_r0.4.0): power-of-two (dp, tp, pp), dp·tp·pp = world size; Megatron's own rule
   for the layer split — pp must divide the layer count, every stage gets L/pp layers (core_r0.4.0
   asserts it; uneven first/last stages came later); micro-batch ∈ {1, 2, 4, 8}; full recompute of
-  every layer on or off; the distributed optimizer (ZeRO-1) whenever dp > 1; no offload.
+  every layer on or off; the distributed optimizer (ZeRO-1) whenever dp > 1; no offload. With bf16
+  parameters Megatron accumulates and reduces gradients in fp32 (`arguments.py` sets
+  accumulate_allreduce_grads_in_fp32 for bf16; its distributed-optimizer guide gives 6 + 12/dp
+  bytes per parameter for "bf16 param, fp32 grads"), so its plans carry grad_dtype fp32 then.
 DeepSpeed (0.12 + Megatron-DeepSpeed): pp ∈ powers of two, tp ∈ powers of two within a node
   (tp = 1 is plain DeepSpeed, tp > 1 Megatron-DeepSpeed), dp the rest; layers split as
   DeepSpeed's `partition_uniform` does (as even as possible, the first L mod S stages take one
@@ -264,9 +267,16 @@ def _megatron_candidates(model, cluster, training, micro_batches=None, recompute
                     yield B // (b * dp), (s,) * S
 
 
+def megatron_training(training: TrainingSpec) -> TrainingSpec:
+    """The training as Megatron-LM runs it: fp32 gradients with bf16 parameters (see above)."""
+    return replace(training, grad_dtype="fp32") if training.param_dtype == "bf16" else training
+
+
 def tune_megatron(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
                   time_budget: float | None = None) -> TuneResult:
     """Megatron-LM's space: power-of-two (dp, tp, pp), uniform split, all-or-nothing recompute."""
+    training = megatron_training(training)
+
     def search(ev, t0, budget):
         return _best_of(ev, _megatron_candidates(model, cluster, training), t0 + budget)
     return _run("megatron", search, model, cluster, training, profile, time_budget,
@@ -278,6 +288,8 @@ def tune_megatron_paper(model: ModelSpec, cluster: ClusterSpec, training: Traini
                         time_budget: float | None = None) -> TuneResult:
     """Megatron-LM as the Mist paper tuned it (reference/mist-system.md §13.4): full
     recomputation always on, micro-batch 1/2/4, distributed optimizer; otherwise as above."""
+    training = megatron_training(training)
+
     def search(ev, t0, budget):
         return _best_of(ev, _megatron_candidates(model, cluster, training, (1, 2, 4), ("full",)), t0 + budget)
     return _run("megatron-paper", search, model, cluster, training, profile, time_budget,

@@ -1,7 +1,8 @@
 """fp32 gradient accumulation with 16-bit parameters (`TrainingSpec.grad_dtype = "fp32"`).
 
-Each micro-batch's bf16/fp16 gradients are added into an fp32 buffer and the data-parallel
-reduction runs on fp32 (as Megatron-LM does for bf16): checked on one `FlatUnit` over two gloo
+Each micro-batch's bf16/fp16 gradients are added into an fp32 buffer (by per-parameter hooks
+where it is the whole gradient on the device, else flattened) and the data-parallel reduction
+runs on fp32 (as Megatron-LM does for bf16): checked on one `FlatUnit` over two gloo
 ranks (the accumulator holds the exact fp32 sum of the bf16 gradients), through `mist train`
 against the fp32 single-process reference (DP and PP with tied embeddings), and byte for byte
 against the simulator's device-resident states.
@@ -66,7 +67,7 @@ def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
         u.finish_micro_batch()
     og = u.opt_grad
     assert og is u.acc and mem.transient == 0
-    return {"dtype": str(og.dtype), "grad_views": u.grad_views, "L": u.L,
+    return {"dtype": str(og.dtype), "grad_views": u.grad_views, "in_place": u.in_place, "L": u.L,
             "values": og.read(0, u.L, "cpu", torch.float32).clone().numpy(),
             "acc_device_bytes": u.acc.device_bytes, "acc_dev_len": u.acc.dev_len,
             "persistent": persistent, "peak_over_persistent": mem.peak - persistent}
@@ -129,11 +130,14 @@ def test_fp32_accumulator_holds_the_exact_sum_of_the_bf16_gradients(unit_results
         fp32, bf16 = (unit_results[rank][(zero, grads, d)] for d in ("torch.float32", "torch.bfloat16"))
         lo = rank * S if zero >= 1 else 0
         ref = want[lo:lo + fp32["L"]]
-        # fp32: an fp32 buffer (flattened every micro-batch, never .grad views), exactly the sum
+        # fp32: an fp32 buffer (never .grad views), exactly the sum; where it is the whole flat
+        # gradient on the device, each .grad is added into it by a hook (nothing flattened),
+        # otherwise the flat gradient is counted with its own bytes: Np fp32 elements
+        in_place = zero <= 1 and grads == 0.0
         assert fp32["dtype"] == "torch.float32" and not fp32["grad_views"]
+        assert fp32["in_place"] == in_place
         assert np.array_equal(fp32["values"].astype(np.float64), ref), (zero, grads, rank)
-        # the flat gradient is counted with its own bytes: Np fp32 elements while it is reduced
-        assert fp32["peak_over_persistent"] == NP * 4
+        assert fp32["peak_over_persistent"] == (0 if in_place else NP * 4)
         # bf16 (grad_dtype = the parameter dtype): the old behaviour — a bf16 buffer, the .grad
         # views of it where it is the whole flat gradient on the device, rounded sums
         assert bf16["dtype"] == "torch.bfloat16"

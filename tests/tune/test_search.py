@@ -2,6 +2,7 @@
 than a baseline's best (their spaces are inside ours), the paper space keeps its limits."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -38,6 +39,15 @@ def test_full_space_never_slower_than_a_baseline(results, baseline):
     ours, theirs = results["full"].iteration_time_s, results[baseline].iteration_time_s
     assert theirs is not None
     assert ours <= theirs * (1 + 1e-9)
+
+
+def test_same_gradient_dtype_megatron_lies_inside_the_full_space(case):
+    """With fp32 gradients for everyone the Megatron plans are literally in the full space."""
+    model, cluster, training, prof = case
+    t32 = replace(training, grad_dtype="fp32")
+    full, meg = (run_space(sp, model, cluster, t32, prof) for sp in ("full", "megatron"))
+    assert full.plan.training.grad_dtype == meg.plan.training.grad_dtype == "fp32"
+    assert full.iteration_time_s <= meg.iteration_time_s * (1 + 1e-9)
 
 
 def test_paper_space_limits(results):

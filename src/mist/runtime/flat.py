@@ -168,12 +168,14 @@ class FlatUnit:
         self.acc = SplitBuffer(n, grads, self.grad_dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
         self._update = None   # a deferred optimizer step (see `defer_update`)
-        # When that buffer is the whole flat gradient, lives on the device and is in the working
-        # dtype, the parameters' .grad are views of it and autograd accumulates every micro-batch in
-        # place (one pass, nothing to flatten); it is reduced once, after the step's last
-        # micro-batch. (Autograd needs .grad in the parameters' dtype: an fp32 buffer for 16-bit
-        # weights is filled by flattening every micro-batch.)
-        self.grad_views = self.acc.dev_len == self.Np and self.grad_dtype == dtype
+        # When that buffer is the whole flat gradient and lives on the device, every micro-batch is
+        # accumulated into it in place and it is reduced once, after the step's last micro-batch:
+        # in the working dtype the parameters' .grad are views of it (autograd adds into them);
+        # in fp32 with 16-bit weights (autograd needs .grad in the parameters' dtype) each
+        # parameter's hook adds its .grad into the buffer and drops it, as Megatron-LM's
+        # main_grad hooks do.
+        self.in_place = self.acc.dev_len == self.Np
+        self.grad_views = self.in_place and self.grad_dtype == dtype
 
         # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
         decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
@@ -193,8 +195,9 @@ class FlatUnit:
         # micro-batches and are reduced once after it (`reduce_deferred`), after the tied copies
         # on the first and last stage were summed
         self.defer_reduce = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        for p, info in zip(self.params, self.infos):
+            p.register_post_accumulate_grad_hook(
+                lambda p, info=info: self._on_grad(p, info))
 
         mem = self.master.device_bytes * 3
         mem += self.full.numel() * self.full.element_size() if self.persistent else self.store.device_bytes
@@ -277,12 +280,19 @@ class FlatUnit:
     def start_micro_batch(self, index: int, last: bool) -> None:
         self.micro_batch, self.last = index, last
         self._pending = len(self.params)
-        if self.grad_views and index == 0:
+        if self.in_place and index == 0:
             self.acc.dev.zero_()
-            for p, info in zip(self.params, self.infos):
-                p.grad = self.acc.dev[info.offset:info.offset + info.numel].view(info.shape)
+            if self.grad_views:
+                for p, info in zip(self.params, self.infos):
+                    p.grad = self._acc_view(info)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _acc_view(self, info: ParamInfo) -> torch.Tensor:
+        return self.acc.dev[info.offset:info.offset + info.numel].view(info.shape)
+
+    def _on_grad(self, p: torch.Tensor, info: ParamInfo) -> None:
+        if self.in_place and not self.grad_views:     # fp32 buffer: add this gradient, drop it
+            self._acc_view(info).add_(p.grad)
+            p.grad = None
         if self.defer_reduce:
             return
         self._pending -= 1
@@ -309,17 +319,14 @@ class FlatUnit:
         own dp group (divide by dp, sum or reduce-scatter, ZeRO as configured) leaves it unchanged
         (exactly so for power-of-two dp; the two copies may otherwise differ in the last bit).
 
-        The parameters' .grad summed the micro-batches in their own dtype; unless they are views of
-        the gradient buffer, they are flattened into the gradient dtype first, and the tied copies
-        are summed there.
+        With in-place accumulation the micro-batches already sum in the gradient buffer; otherwise
+        the parameters' .grad summed them in their own dtype, and they are flattened into the
+        gradient dtype first. The tied copies are summed there.
         """
-        flat = None if self.grad_views else self._flat_grad()
+        flat = None if self.in_place else self._flat_grad()
         for i in tied:
             info = self.infos[i]
-            if flat is None:
-                g = self.params[i].grad     # a view of the gradient buffer (set at micro-batch 0)
-            else:
-                g = flat[info.offset:info.offset + info.numel].view(info.shape)
+            g = self._acc_view(info) if flat is None else flat[info.offset:info.offset + info.numel].view(info.shape)
             if scale != 1.0:
                 g.mul_(scale)
             for lo, hi, group in segments:
@@ -340,7 +347,7 @@ class FlatUnit:
 
     def reduce_grads(self, flat: torch.Tensor | None = None) -> None:
         """Reduce this micro-batch's gradients (`flat`: already flattened by `_flat_grad`)."""
-        if self.grad_views:
+        if self.in_place:
             self._reduce_in_place()
             return
         if flat is None:

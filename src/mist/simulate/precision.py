@@ -24,11 +24,6 @@ class Precision:
     trace_dtype: str = "bf16"
     target: str = "cuda"
 
-    @property
-    def grads_in_param_dtype(self) -> bool:
-        """Gradients kept in the parameters' own dtype (autograd can accumulate into them in place)."""
-        return self.grad_bytes == self.weight_bytes
-
 
 def profile_target(profile) -> str:
     """'cpu' for a profile measured on a CPU, else 'cuda'."""

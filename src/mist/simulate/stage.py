@@ -151,16 +151,20 @@ class StageModel:
         for one unit (`FlatUnit`), on the compute stream.
 
         In place — the gradient buffer is the whole flat gradient on the device (ZeRO 0, or ZeRO 1
-        with G > 1, no gradient offload) in the parameters' dtype: the parameters' .grad are views of it, so autograd adds
-        each micro-batch in place; once per iteration it is zeroed and divided by dp.
-        Otherwise the unit's gradients are flattened each micro-batch (a fill and a copy), divided
-        by dp, and accumulated (G > 1) or stored once reduced (G = 1)."""
+        with G > 1, no gradient offload): each micro-batch's gradient is added into it (autograd
+        adds into .grad views of it; an fp32 buffer for 16-bit weights gets each .grad added by a
+        hook: the same passes, reading the .grad in the weights' dtype); once per iteration it is
+        zeroed and divided by dp.
+        Otherwise the unit's gradients are flattened each micro-batch (a fill, and a copy from the
+        parameters' .grad, which are in the weights' dtype), divided by dp, and accumulated (G > 1)
+        or stored once reduced (G = 1)."""
         prof, Gr = self.profile, _arr(grad_bytes)
+        Gw = Gr * self.prec.weight_bytes / self.prec.grad_bytes    # the same gradients as .grad
         div = np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
         keep = (prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1
                 else prof.memory_op_time("copy", 2 * Gr / os_, True))
-        flatten = prof.memory_op_time("copy", 3 * Gr, True) + div + keep
-        per_mb = np.where(in_place, prof.memory_op_time("add", 3 * Gr, True), flatten)
+        flatten = prof.memory_op_time("copy", 2 * Gr + Gw, True) + div + keep
+        per_mb = np.where(in_place, prof.memory_op_time("add", 2 * Gr + Gw, True), flatten)
         per_it = np.where(in_place, prof.memory_op_time("copy", Gr, True) + div, 0.0)
         return per_mb, per_it
 
@@ -206,7 +210,7 @@ class StageModel:
         # ---- per-layer channel times (standalone), stable micro-batches
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
         cf = g(blk.fwd) - tpf
-        in_place = _in_place_grads(zero, go, G, pr)
+        in_place = _in_place_grads(zero, go, G)
         grad_mb, grad_it = self._grad_handling(Gr, dp, gs, os_, in_place, G)
         cb = g(blk.bwd) - tpb + grad_mb
         crc = g(blk.recompute)
@@ -292,7 +296,7 @@ class StageModel:
                 pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
                                                            st.cluster_gpus_per_node)
             # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
-            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G, pr), G)
+            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G), G)
             f_c, b_c = lt.fwd[pix], lt.bwd[pix] + pp_grad_mb
             pp["last"] += pp_grad_it
             tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
@@ -364,11 +368,10 @@ class StageModel:
         return comp
 
 
-def _in_place_grads(zero, go, G: int, prec):
-    """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`): never
-    when they are kept in another dtype than the parameters' (autograd writes the parameters')."""
+def _in_place_grads(zero, go, G: int):
+    """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
     zero, go = _arr(zero), _arr(go)
-    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1))) & prec.grads_in_param_dtype
+    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1)))
 
 
 def _kept_saved(full, numel, elt, whole, ix, ao):

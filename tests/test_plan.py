@@ -56,6 +56,8 @@ def test_gradient_dtype_roundtrips_and_is_omitted_when_default(tmp_path):
     f = tmp_path / "p.json"
     p.save(f)
     assert load_plan(f).training.grad_dtype == "fp32"
+    assert "bf16 with fp32 gradients" in p.summary()
+    assert "gradients" not in plan_from_dict(GOOD).summary()
     assert plan_from_dict(mutate(training__grad_dtype="bf16")).training.grad_bytes == 2
 
 

@@ -101,7 +101,8 @@ class Plan:
         m, c, t = self.model, self.cluster, self.training
         lines = [f"{m.name}: {m.num_layers} layers on {c.nodes}×{c.gpus_per_node} {c.gpu}, "
                  f"seq {t.seq_len}, global batch {t.global_batch}, G = {self.micro_batches} micro-batches, "
-                 f"{'flash' if t.flash_attention else 'non-flash'} attention"]
+                 f"{'flash' if t.flash_attention else 'non-flash'} attention, {t.param_dtype}"
+                 + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
             lines.append(f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "

@@ -12,6 +12,7 @@ from mist.simulate.plan_sim import simulate_plan
 from mist.specs.presets import get_preset
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.baselines import even_split, stage_mesh, tune_aceso, tune_deepspeed, tune_megatron
+from mist.tune.compare import short_summary
 from mist.tune.result import TuneResult
 
 TUNERS = {"megatron": tune_megatron, "deepspeed": tune_deepspeed, "aceso": tune_aceso}
@@ -147,6 +148,7 @@ def test_megatron_accumulates_bf16_gradients_in_fp32(results, prof):
     """Megatron-LM with bf16 parameters keeps fp32 gradients: 2 + 4 + 12/dp bytes per parameter."""
     p = results["megatron"].plan
     assert p.training.param_dtype == "bf16" and p.training.grad_dtype == "fp32"
+    assert short_summary(p).startswith(f"G {p.micro_batches}, fp32 grads, ")   # what `mist compare` shows
     st = simulate_plan(p, prof)["stages"][0]
     mem, s = st["memory_breakdown"], p.stages[0]
     assert s.zero <= 1 and p.micro_batches > 1           # the whole gradient buffer is kept

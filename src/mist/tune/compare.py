@@ -6,8 +6,9 @@ from mist.tune.run import ALL_SPACES, run_space
 
 
 def short_summary(plan) -> str:
-    st = plan.stages
-    parts = [f"G {plan.micro_batches}, {len(st)} stage(s)"]
+    st, t = plan.stages, plan.training
+    grads = f", {t.grad_dtype} grads" if t.grad_dtype not in (None, t.param_dtype) else ""
+    parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s)"]
     for s in st:
         off = "/".join(f"{v:g}" for v in s.offload.as_tuple())
         rc = f"rc{s.recompute_layers}" + ("+attn" if s.recompute_attention else "")

@@ -61,7 +61,19 @@ def test_gradient_dtype_roundtrips_and_is_omitted_when_default(tmp_path):
     assert plan_from_dict(mutate(training__grad_dtype="bf16")).training.grad_bytes == 2
 
 
+def test_selective_recomputation_roundtrips_and_reads_in_the_summary(tmp_path):
+    p = plan_from_dict(mutate(stages__1__recompute_activation=True))
+    assert p.stages[1].recompute_activation and not p.stages[0].recompute_activation
+    f = tmp_path / "p.yaml"
+    p.save(f)
+    assert load_plan(f).stages[1].recompute_activation
+    assert "recompute 0 + MLP activation of the rest" in p.summary()
+    both = plan_from_dict(mutate(stages__1__recompute_activation=True, stages__1__recompute_attention=True))
+    assert "recompute 0 + attention and MLP activation of the rest" in both.summary()
+
+
 @pytest.mark.parametrize("changes,needle", [
+    ({"stages__0__recompute_activation": "yes"}, "Stage 0 recompute_activation must be true or false"),
     ({"stages__0__micro_batch": 3}, "not the global batch"),
     ({"stages__1__tp": 1}, "does not equal"),
     ({"stages__0__layers": 12}, "hold 23 layers"),

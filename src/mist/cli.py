@@ -22,6 +22,8 @@ out = Console()
 
 GIB = 1 << 30
 MIB = 1 << 20
+# whole blocks, or the parts of each block `mist.models.checkpointing.SELECTIVE` re-runs
+RECOMPUTE_CHOICES = ("none", "full", "attention", "activation", "attention+activation")
 
 # options shared by the commands that describe a training job
 ModelOpt = Annotated[str, typer.Option(help="Preset name, model file (JSON/YAML) or HF config.json.")]
@@ -53,8 +55,9 @@ def estimate(
     seq: int = typer.Option(2048, help="Sequence length."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Micro-batch size."),
     tp: int = typer.Option(1, help="Tensor-parallel degree (one shard is estimated)."),
-    recompute: str = typer.Option("none", help="Activation recomputation: none, full (whole blocks) or "
-                                  "attention (the attention core only)."),
+    recompute: str = typer.Option("none", help="Activation recomputation: none, full (whole blocks), "
+                                  "attention (the attention core only), activation (the MLP activation "
+                                  "only) or attention+activation."),
     no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -64,8 +67,8 @@ def estimate(
     from mist.specs.loading import load_model
     from mist.specs.training import MAX_GLOBAL_BATCH, TrainingSpec
 
-    if recompute not in ("none", "full", "attention"):
-        raise MistInputError(f"--recompute must be 'none', 'full' or 'attention', got {recompute!r}.")
+    if recompute not in RECOMPUTE_CHOICES:
+        raise MistInputError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}.")
     if not 0 < micro_batch <= MAX_GLOBAL_BATCH:
         raise MistInputError(f"--micro-batch must be between 1 and {MAX_GLOBAL_BATCH:,}, got {micro_batch:,}.")
     TrainingSpec(seq_len=seq, global_batch=micro_batch)

@@ -3,7 +3,7 @@
 A plan says how to train a model on a cluster: the gradient-accumulation count G
 (`micro_batches`) and, per pipeline stage in order, its layers, its device mesh, micro-batch
 size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage),
-whether its other blocks recompute their attention core, and the fraction of each state kept in
+whether its other blocks recompute their attention core and their MLP activation, and the fraction of each state kept in
 CPU memory. Stage 0 also holds the embedding and the last
 stage the final norm, head and loss. This module validates and (de)serializes; nothing else.
 """
@@ -50,6 +50,7 @@ class StageStrategy:
     recompute_layers: int = 0
     offload: Offload = field(default_factory=Offload)
     recompute_attention: bool = False   # the blocks not recomputed whole recompute their attention core
+    recompute_activation: bool = False  # ... and their MLP activation (fc2 re-runs it in backward)
 
     @property
     def gpus(self) -> int:
@@ -108,9 +109,14 @@ class Plan:
             lines.append(f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
                          f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
                          f"recompute {s.recompute_layers}"
-                         + (" + attention of the rest" if s.recompute_attention else "")
+                         + _selective_text(s)
                          + (f", offload {off}" if off else ""))
         return "\n".join(lines)
+
+
+def _selective_text(s: StageStrategy) -> str:
+    parts = [n for n, on in (("attention", s.recompute_attention), ("MLP activation", s.recompute_activation)) if on]
+    return f" + {' and '.join(parts)} of the rest" if parts else ""
 
 
 # ------------------------------------------------------------------ checks
@@ -132,8 +138,9 @@ def validate(p: Plan) -> None:
         for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp"):
             _int(f"{where} {f}", getattr(s, f))
         _int(f"{where} recompute_layers", s.recompute_layers, 0)
-        if not isinstance(s.recompute_attention, bool):
-            raise MistInputError(f"{where} recompute_attention must be true or false, got {s.recompute_attention!r}.")
+        for f in ("recompute_attention", "recompute_activation"):
+            if not isinstance(getattr(s, f), bool):
+                raise MistInputError(f"{where} {f} must be true or false, got {getattr(s, f)!r}.")
         if isinstance(s.zero, bool) or not isinstance(s.zero, int) or s.zero not in (0, 1, 2, 3):
             raise MistInputError(f"{where} zero must be 0, 1, 2 or 3, got {s.zero!r}.")
         if s.micro_batch * s.dp * p.micro_batches != B:

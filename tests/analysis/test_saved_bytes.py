@@ -49,7 +49,9 @@ def run_part(spec, part, tp, flash, recompute, b, s):
     x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
     tok = torch.randint(0, spec.vocab_size, (b, s))
     if part == "block":
-        seen = measure_saved(lambda: run_block(m, x, recompute is True, attention=recompute == "attention"))
+        sel = recompute.split("+") if isinstance(recompute, str) else ()
+        seen = measure_saved(lambda: run_block(m, x, recompute is True, attention="attention" in sel,
+                                               activation="activation" in sel))
     elif part == "pre":
         seen = measure_saved(lambda: m(tok))
     else:
@@ -60,7 +62,8 @@ def run_part(spec, part, tp, flash, recompute, b, s):
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("flash,recompute", [(True, False), (False, False), (True, True),
-                                              (False, "attention"), (True, "attention")])
+                                              (False, "attention"), (True, "attention"),
+                                              (True, "activation"), (False, "attention+activation")])
 def test_block_saved_bytes_match_cpu(family, tp, flash, recompute):
     spec = SPECS[family]
     la = analyze_layer(spec, "block", tp=tp, flash=flash, dtype="fp32", target="cpu", recompute=recompute)
@@ -106,3 +109,22 @@ def test_gpu_flash_block_matches_korthikanti_without_dropout():
         extra = float(la_nf.saved(b, s)) - float(la.saved(b, s))
         expect = 2 * b * 16 * s * s + s * s - 4 * b * 16 * s + (2 * s * b * h if b == 1 else 0)
         assert extra == pytest.approx(expect, rel=0.001), b
+
+
+@pytest.mark.parametrize("name,dropped", [("gpt3-1.3b", "gelu"), ("llama-7b", "swiglu")])
+def test_activation_recompute_drops_the_activation_outputs(name, dropped):
+    """GELU: the block no longer keeps gelu(y) (f wide, fc2's input). SwiGLU: it keeps fc1's
+    [gate | up] (2f) instead of gate, silu(gate), up and the product (4f): 2f fewer. Elements of
+    2 bytes per token; the rest of the block is unchanged."""
+    from mist.specs.presets import get_preset
+
+    spec = get_preset(name)
+    plain = analyze_layer(spec, "block", tp=2, flash=True, dtype="bf16", target="cuda")
+    act = analyze_layer(spec, "block", tp=2, flash=True, dtype="bf16", target="cuda", recompute="activation")
+    f = spec.ffn_hidden_size // 2
+    per_token = 2 * (f if dropped == "gelu" else 2 * f)
+    for b, s in ((1, 2048), (4, 4096)):
+        assert float(plain.saved(b, s)) - float(act.saved(b, s)) == per_token * b * s
+    # the re-run is the activation's forward, in backward: one elementwise op (three for SwiGLU)
+    rerun = [r.op for r in act.records if r.phase == "recompute"]
+    assert rerun == (["gelu"] if dropped == "gelu" else ["split", "silu", "mul"])

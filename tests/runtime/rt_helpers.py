@@ -42,12 +42,13 @@ RTOL, ATOL = 1e-4, 1e-5
 
 def make_plan(family: str, *, dp=1, tp=1, zero=0, G=1, b=2, recompute=0, offload=None,
               flash=True, param_dtype="fp32", compute_dtype=None, gpu="cpu",
-              recompute_attention=False, grad_dtype=None) -> Plan:
+              recompute_attention=False, recompute_activation=False, grad_dtype=None) -> Plan:
     spec = SPECS[family]
     gpus = dp * tp
     stage = StageStrategy(layers=spec.num_layers, nodes=1, gpus_per_node=gpus, micro_batch=b,
                           dp=dp, tp=tp, zero=zero, recompute_layers=recompute,
-                          offload=Offload(**(offload or {})), recompute_attention=recompute_attention)
+                          offload=Offload(**(offload or {})), recompute_attention=recompute_attention,
+                          recompute_activation=recompute_activation)
     return Plan(model=spec, cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=gpus),
                 training=TrainingSpec(seq_len=SEQ, global_batch=b * dp * G, param_dtype=param_dtype,
                                       compute_dtype=compute_dtype or param_dtype, flash_attention=flash,

@@ -30,6 +30,12 @@ CASES = [
     ("llama", "attention-recompute1-tp2-nonflash", dict(tp=2, recompute=1, recompute_attention=True, flash=False)),
     ("gpt", "attention-recompute-activations0.5-nonflash", dict(dp=2, recompute_attention=True, flash=False,
                                                                 offload=dict(activations=0.5))),
+    # MLP activation recomputation of the other blocks (fc2 re-runs it in backward)
+    ("gpt", "activation-recompute1-dp2", dict(dp=2, recompute=1, recompute_activation=True)),
+    ("llama", "activation-recompute-tp2-activations0.5", dict(tp=2, recompute_activation=True,
+                                                              offload=dict(activations=0.5))),
+    ("falcon", "attention+activation-recompute-tp2-nonflash", dict(tp=2, recompute_attention=True,
+                                                                   recompute_activation=True, flash=False)),
     # G > 1 micro-batches (ZeRO 0/1 reduce once at the last, ZeRO 2 every micro-batch)
     ("gpt", "G4", dict(G=4)),
     ("llama", "G2-zero2", dict(G=2, dp=2, zero=2)),

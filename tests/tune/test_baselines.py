@@ -97,10 +97,10 @@ def test_fast_costing_matches_simulate_plan(prof):
         if len(plans) < 40 or len(stages) > 1:
             plans.append((G, stages))
     G, start = bl._aceso_start(model, cluster, training, 2, stage_mesh(cluster, 2), 2)
-    for moved in bl._aceso_moves(start, 0, 4, [1, 2]):
-        plans.append((G, moved))
-    assert any(len({s.tp for s in st}) > 1 for _, st in plans)
-    for G, stages in plans[::3]:
+    moves = [(G, moved) for moved in bl._aceso_moves(start, 0, 4, [1, 2], flash=False)]
+    assert any(len({s.tp for s in st}) > 1 for _, st in moves)
+    assert any(st[0].recompute_activation for _, st in moves) and any(st[0].recompute_attention for _, st in moves)
+    for G, stages in plans[::3] + moves:
         c = ev.cost(G, stages)
         sim = simulate_plan(ev.plan(G, stages), prof)
         assert c.time == pytest.approx(sim["iteration_time_s"], rel=1e-9)

@@ -97,9 +97,13 @@ def test_attention_recompute_is_searched_without_flash_and_resimulates():
     full = get_space("full")
     args = (spec, prof, 2048)
     rest = (full, 1, 8, 1, 2, 2, 32, False)
-    assert StageTables(*args, True, *rest).attention_choices() == (False,)
-    assert StageTables(*args, False, *rest).attention_choices() == (False, True)
-    forced = replace(full, name="forced", attention_recompute=(True,), seed_space=None)
+    assert StageTables(*args, True, *rest).selective_choices() == [(False, False), (False, True)]
+    assert StageTables(*args, False, *rest).selective_choices() == [(False, False), (False, True),
+                                                                    (True, False), (True, True)]
+    paper = StageTables(*args, False, get_space("mist-paper"), *rest[1:]).selective_choices()
+    assert paper == [(False, False)]
+    forced = replace(full, name="forced", attention_recompute=(True,), activation_recompute=(False,),
+                     seed_space=None)
     training = TrainingSpec(seq_len=2048, global_batch=32, flash_attention=False)
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert r.plan is not None
@@ -108,3 +112,30 @@ def test_attention_recompute_is_searched_without_flash_and_resimulates():
     plain = tune(spec, ClusterSpec("l4", 1, 2), training, prof, replace(forced, attention_recompute=(False,)))
     assert not any(s.recompute_attention for s in plain.plan.stages)
     assert plain.iteration_time_s != r.iteration_time_s
+
+
+def test_activation_recompute_is_searched_and_resimulates():
+    """Forced on, every stage of the plan re-runs its MLP activation, `simulate` reproduces the
+    tuner's time, and where memory is tight (GPT-7B on 8 L4) the full space uses it and is faster
+    than the same space without it."""
+    from dataclasses import replace
+
+    from mist.tune.search import tune
+    from mist.tune.space import get_space
+
+    spec, prof = get_preset("gpt3-1.3b"), load_profile("l4")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    forced = replace(get_space("full"), name="forced", activation_recompute=(True,), seed_space=None)
+    r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
+    assert all(s.recompute_activation for s in r.plan.stages)
+    assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+
+    spec = get_preset("gpt3-7b")
+    training = TrainingSpec(seq_len=2048, global_batch=128)
+    cluster = ClusterSpec("l4", 1, 8)
+    full = tune(spec, cluster, training, prof, "full")
+    without = tune(spec, cluster, training, prof, replace(get_space("full"), name="no-act",
+                                                           activation_recompute=(False,)))
+    assert any(s.recompute_activation for s in full.plan.stages)
+    assert full.iteration_time_s < without.iteration_time_s
+    assert simulate_plan(full.plan, prof)["iteration_time_s"] == full.predicted["iteration_time_s"]

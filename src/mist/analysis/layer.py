@@ -20,7 +20,7 @@ from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, S, OpRecord
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
-from mist.models.checkpointing import run_block
+from mist.models.checkpointing import run_block, selective_modes
 from mist.models.collectives import TPGroup
 from mist.models.embedding import Embedding
 from mist.models.head import Head
@@ -147,15 +147,17 @@ def _retarget(records: list[OpRecord], target: str) -> None:
 def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool = True,
                   dtype: str = "bf16", target: str = "cuda", recompute: bool | str = False) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
-    block checkpointed whole) or "attention" (only its attention core, `run_block(attention=True)`)."""
+    block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
+    "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
-    if recompute not in (False, True, "attention"):
-        raise ValueError(f"recompute must be False, True or 'attention', got {recompute!r}")
+    if not isinstance(recompute, (bool, str)):
+        raise ValueError(f"recompute must be False, True or a selective part, got {recompute!r}")
+    parts = selective_modes(recompute)
     spec.check_tp(tp)
-    rc = ("attention" if recompute == "attention" else bool(recompute)) if part == "block" else False
+    rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
     la = _analyze(spec, part, tp, flash, dtype, target, rc, False)
     if la.unit_batch is None:
         la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True)
@@ -204,7 +206,9 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
 
     def forward(m, inputs):
         if part == "block":
-            return run_block(m, inputs[0], recompute is True, attention=recompute == "attention")
+            sel = selective_modes(recompute)
+            return run_block(m, inputs[0], recompute is True, attention="attention" in sel,
+                             activation="activation" in sel)
         if part == "post":
             return m(inputs[0], inputs[1])
         return m(inputs[0])
@@ -214,8 +218,10 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
 
     def build_and_hook(trace):
         m = build()
-        if recompute:
-            label_recompute(trace, m if recompute is True else m.attn.core)
+        if recompute is True:
+            label_recompute(trace, m)
+        for sel in selective_modes(recompute):
+            label_recompute(trace, m.attn.core if sel == "attention" else m.mlp.act)
         return m
 
     trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)
@@ -254,5 +260,7 @@ def warm(spec: ModelSpec, tps, flash: bool, dtype: str = "bf16", target: str = "
         for part in PARTS:
             analyze_layer(spec, part, tp, flash, dtype, target)
         analyze_layer(spec, "block", tp, flash, dtype, target, recompute=True)
+        analyze_layer(spec, "block", tp, flash, dtype, target, recompute="activation")
         if not flash:  # the tuner searches attention recomputation only without flash attention
             analyze_layer(spec, "block", tp, flash, dtype, target, recompute="attention")
+            analyze_layer(spec, "block", tp, flash, dtype, target, recompute="attention+activation")

@@ -3,19 +3,74 @@
 Whole blocks: reentrant checkpointing keeps only the block input (saved through
 `save_for_backward`, so the saved-tensor hooks of `mist.analysis` and of the memory checks see it)
 and re-runs the forward at the start of the block's backward.
-Attention only (`attention=True`, for blocks that are not checkpointed whole): the block keeps its
-activations except those of the attention core, which keeps q, k and v and is re-run at the start
-of its own backward (`mist.models.attention`).
+The blocks that are not checkpointed whole may recompute parts of themselves (`SELECTIVE`):
+  attention  — the block keeps its activations except those of the attention core, which keeps
+               q, k and v and is re-run at the start of its own backward (`mist.models.attention`);
+  activation — the MLP keeps fc1's output but not the activation's: fc2 re-runs the activation in
+               its backward (`act_linear`; Korthikanti et al. 2022 recompute the cheap elementwise
+               ops for the same reason: they hold memory out of proportion to their time).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+SELECTIVE = ("attention", "activation")
 
-def run_block(block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False) -> torch.Tensor:
+
+class _ActLinear(torch.autograd.Function):
+    """act(x) Wᵀ keeping x (not act(x)) for backward. Backward re-runs act for the weight gradient
+    and frees it before the input gradient, which `act.grad` takes from x alone (the kernels
+    autograd would run), so no more is live at once than in the plain MLP's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, act):
+        ctx.act = act
+        ctx.save_for_backward(x, weight)
+        return F.linear(act(x), weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gw = gx = None
+        if ctx.needs_input_grad[1]:
+            with torch.enable_grad():   # the re-run, as `mist.analysis` labels it (no graph: x is detached)
+                a = ctx.act(x.detach())
+            gw = g.reshape(-1, g.shape[-1]).t().matmul(a.reshape(-1, a.shape[-1]))
+            del a
+        if ctx.needs_input_grad[0]:   # under autocast the fp32 weight ran in g's dtype
+            gx = ctx.act.grad(x, g.matmul(weight.to(g.dtype)))
+        return gx, gw, None
+
+
+def act_linear(x: torch.Tensor, weight: torch.Tensor, act) -> torch.Tensor:
+    """F.linear(act(x), weight), with act(x) recomputed in backward instead of kept. `act` is a
+    module with `grad(x, grad_out)`, the input gradient of act at x (`mist.models.mlp.Activation`)."""
+    return _ActLinear.apply(x, weight, act)
+
+
+def selective_modes(recompute) -> tuple[str, ...]:
+    """The SELECTIVE parts named by an analysis `recompute` value ("attention+activation" etc.)."""
+    if not isinstance(recompute, str):
+        return ()
+    parts = tuple(p for p in recompute.split("+") if p)
+    if not parts or any(p not in SELECTIVE for p in parts):
+        raise ValueError(f"unknown selective recomputation {recompute!r}; parts are {', '.join(SELECTIVE)}")
+    return tuple(p for p in SELECTIVE if p in parts)
+
+
+def selective_name(attention: bool, activation: bool):
+    """The analysis `recompute` value of the blocks not checkpointed whole (False: none)."""
+    name = "+".join(p for p, on in zip(SELECTIVE, (attention, activation)) if on)
+    return name or False
+
+
+def run_block(block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False,
+              activation: bool = False) -> torch.Tensor:
     block.attn.recompute_core = attention and not recompute
+    block.mlp.recompute_act = activation and not recompute
     if not recompute:
         return block(x)
     return checkpoint(block, x, use_reentrant=True, preserve_rng_state=False)

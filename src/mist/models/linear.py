@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mist.models.checkpointing import act_linear
 from mist.models.collectives import TPGroup, copy_to_tp, reduce_from_tp
 
 
@@ -40,7 +41,8 @@ class RowParallelLinear(nn.Module):
     """y = x Wᵀ with W split by input columns; partial outputs are all-reduced in forward.
 
     `reduce=False` leaves the partial sum to the caller (Falcon sums attention and MLP partials
-    and reduces once). The bias is added after the reduction, once.
+    and reduces once). The bias is added after the reduction, once. `act`: the input is the
+    pre-activation and `act` is applied here and re-run in backward instead of kept.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool,
@@ -52,8 +54,8 @@ class RowParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, act=None) -> torch.Tensor:
+        y = F.linear(x, self.weight) if act is None else act_linear(x, self.weight, act)
         if self.reduce:
             y = reduce_from_tp(y, self.tp)
             if self.bias is not None:

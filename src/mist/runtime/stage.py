@@ -5,8 +5,9 @@ rank's TP shard. Every one of them is a `FlatUnit`. `StageRunner.forward` runs t
 before a unit runs its weights are materialised (and the next unit's prefetched), after it they
 are released again unless the unit is persistent; a hook on the unit's output re-materialises
 them when backward reaches it (and prefetches the unit before). The last `recompute_layers`
-blocks run under reentrant checkpointing (`run_block`), the others, with `recompute_attention`,
-checkpoint their attention core; activation offloading applies to the
+blocks run under reentrant checkpointing (`run_block`), the others, with `recompute_attention`
+and `recompute_activation`, re-run their attention core and their MLP activation in backward;
+activation offloading applies to the
 tensors saved by the decoder blocks. Gradient reduction happens in the units' own hooks.
 A schedule object (`schedule.py`) decides the order of forwards and backwards.
 """
@@ -68,12 +69,12 @@ class StageModule(nn.Module):
 
 class StageRunner:
     def __init__(self, module: StageModule, units: list[FlatUnit], recompute_layers: int,
-                 recompute_attention: bool,
+                 recompute_attention: bool, recompute_activation: bool,
                  activation_ratio: float, saved: SavedTensorManager, autocast_dtype=None,
                  keep_last_for_backward: bool = True):
         self.module, self.units = module, units
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
-        self.recompute_attention = recompute_attention
+        self.selective = dict(attention=recompute_attention, activation=recompute_activation)
         self.saved = saved
         self.autocast_dtype = autocast_dtype
         self.keep_last = keep_last_for_backward
@@ -156,7 +157,7 @@ class StageRunner:
             n = len(m.blocks)
             for j, blk in enumerate(m.blocks):
                 recompute = j >= n - self.recompute_layers
-                x = self._run(i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, self.recompute_attention),
+                x = self._run(i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective),
                               self.activation_ratio)
                 i += 1
             if m.head is not None:

@@ -150,6 +150,7 @@ class Trainer:
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.timer = PhaseTimer(self.device)
         self.runner = StageRunner(module, self.units, st.recompute_layers, st.recompute_attention,
+                                  st.recompute_activation,
                                   st.offload.activations, self.saved, autocast)
         if plan.num_stages > 1:
             nxt = groups.stages[lay.index + 1] if not last else None

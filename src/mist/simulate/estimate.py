@@ -1,7 +1,8 @@
 """`mist estimate`: one micro-batch of a whole model on one GPU (a TP shard when tp > 1).
 
 Time: embedding + all blocks + head and loss, forward and backward (and the recomputed forward
-of checkpointed blocks, or of their attention cores with `recompute="attention"`). Memory: weights and gradients in `dtype` (default: the dtype the profile
+of checkpointed blocks, or of the parts named by `recompute="attention"`, `"activation"` or
+`"attention+activation"`). Memory: weights and gradients in `dtype` (default: the dtype the profile
 was measured in, bf16 for GPUs), fp32 master weights and Adam moments (12 bytes per parameter) plus the activation peak of the micro-batch, found by
 walking the layers forward and back with the traced live bytes of each.
 """
@@ -42,7 +43,7 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
              recompute: str = "none", flash: bool = True, dtype: str | None = None) -> dict:
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
-    mode = {"none": False, "full": True, "attention": "attention"}[recompute]
+    mode = {"none": False, "full": True}.get(recompute, recompute)   # else selective parts
     ckpt = bool(mode)   # the block's trace has a recompute phase
     pr = default_precision(profile, dtype)
     kw = dict(tp=tp, flash=flash, dtype=pr.trace_dtype, target=pr.target)

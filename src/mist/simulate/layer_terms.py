@@ -25,11 +25,11 @@ class LayerTerms:
     fwd: np.ndarray          # forward compute + TP comm
     bwd: np.ndarray          # backward compute + TP comm (no recomputation)
     recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
-    recompute_attn: np.ndarray  # re-run of the attention core inside `bwd` (attention recompute; else 0)
-    bwd_plain: np.ndarray    # backward of a block without any recomputation (= bwd unless attention)
+    recompute_attn: np.ndarray  # re-run of the selectively recomputed parts inside `bwd` (else 0)
+    bwd_plain: np.ndarray    # backward of a block without any recomputation (= bwd unless selective)
     tp_comm_fwd: np.ndarray
     tp_comm_bwd: np.ndarray
-    saved: np.ndarray        # saved activations, not checkpointed (attention recompute: core's q, k, v only)
+    saved: np.ndarray        # saved activations, not checkpointed (less what the selective parts re-run)
     saved_ckpt: np.ndarray   # saved activations, checkpointed (the input only)
     fwd_peak: np.ndarray     # transient live bytes in forward (excluding the input)
     bwd_peak: np.ndarray     # live bytes in backward (incl. its own saved activations)
@@ -47,7 +47,7 @@ class LayerTerms:
     split_elt_ckpt: np.ndarray = None
     split_whole_ckpt: np.ndarray = None
     lead_fwd: np.ndarray = 0.0
-    lead_bwd: np.ndarray = 0.0       # of `bwd` (with the attention core's re-run when it has one)
+    lead_bwd: np.ndarray = 0.0       # of `bwd` (with the selective re-runs when it has them)
     lead_bwd_ckpt: np.ndarray = 0.0  # of a checkpointed block's backward stream: re-run + plain backward
 
 
@@ -75,24 +75,24 @@ class _ByIdentity:
 
 
 def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b,
-                dtype: str = "bf16", target: str = "cuda", attention: bool = False) -> LayerTerms:
+                dtype: str = "bf16", target: str = "cuda", selective: str | bool = False) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
-    with the layer traced in `dtype` on the `target` device kind. `attention`: the blocks that are
-    not checkpointed whole recompute their attention core (`run_block(attention=True)`); their
-    backward then includes the core's re-run."""
+    with the layer traced in `dtype` on the `target` device kind. `selective`: what the blocks
+    that are not checkpointed whole re-run in backward ("attention", "activation", both joined by
+    "+"; `mist.models.checkpointing.selective_name`); their backward then includes the re-runs."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
     return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()), dtype, target,
-                        bool(attention) and part == "block")
+                        selective if part == "block" else False)
 
 
 @lru_cache(maxsize=512)
-def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) -> LayerTerms:
+def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
     kw = dict(tp=tp, flash=flash, dtype=dtype, target=target)
-    la = analyze_layer(spec, part, recompute="attention" if attention else False, **kw)
+    la = analyze_layer(spec, part, recompute=selective or False, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)
     # blocks run as a stream: each costs total − lead and the stream pays one lead per phase
@@ -103,7 +103,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, attention) 
     rc_attn = np.zeros_like(b)
     bwd, lead_bwd, tp_bwd = per(bw), lead(bw), bw.comm
     plain = bw
-    if attention:   # only ever for blocks
+    if selective:   # only ever for blocks
         plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
         rc_attn = per(ra)

@@ -50,7 +50,8 @@ def simulate_plan(plan: Plan, profile, with_events: bool = False) -> dict:
     prec = precision_for(t, profile)
     for st, s in zip(stage_inputs(plan), plan.stages):
         model = StageModel(plan.model, profile, s.tp, t.flash_attention, t.seq_len, prec,
-                           attention_recompute=s.recompute_attention)
+                           attention_recompute=s.recompute_attention,
+                           activation_recompute=s.recompute_activation)
         results.append(model.evaluate(st))
     T = np.array([float(r.T[0]) for r in results])
     F = np.array([float(r.fwd[0]) for r in results])

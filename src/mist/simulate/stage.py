@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist.hardware.interference import overlap_time
+from mist.models.checkpointing import selective_name
 from mist.simulate.layer_terms import layer_terms
 from mist.simulate.precision import Precision, default_precision
 from mist.simulate.states import unit_host_states, unit_states
@@ -97,9 +98,12 @@ class StageModel:
     """
 
     def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None,
-                 attention_recompute: bool = False):
+                 attention_recompute: bool = False, activation_recompute: bool = False):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
-        self.attention_recompute = attention_recompute  # blocks not checkpointed whole recompute their attention core
+        # what the blocks not checkpointed whole re-run in backward: their attention core, their
+        # MLP activation (`mist.models.checkpointing`)
+        self.attention_recompute, self.activation_recompute = attention_recompute, activation_recompute
+        self.selective = selective_name(attention_recompute, activation_recompute)
         self.prec = precision or default_precision(profile, "bf16")
         # On a CPU device the runtime has no side streams: copies, collectives and the CPU Adam
         # step run in the rank's own thread, one after another (and on the same cores)
@@ -110,7 +114,7 @@ class StageModel:
     def _terms(self, part, b):
         ub, inv = np.unique(b, return_inverse=True)
         lt = layer_terms(self.spec, self.profile, part, self.tp, self.flash, self.seq, ub,
-                         self.prec.trace_dtype, self.prec.target, self.attention_recompute)
+                         self.prec.trace_dtype, self.prec.target, self.selective)
         return lt, inv.reshape(np.shape(b))
 
     def _coll(self, op, nbytes, dp, st: StageInput):
@@ -224,7 +228,7 @@ class StageModel:
             act = A_ck if ck else A_full
             return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
 
-        crc_attn = g(blk.recompute_attn)   # in `cb`: the attention core's re-run (attention recompute)
+        crc_attn = g(blk.recompute_attn)   # in `cb`: the selective re-runs (attention core, activation)
         cb_ck = g(blk.bwd_plain) - tpb + grad_mb + crc   # a block recomputed whole: plain backward + re-run
 
         def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):

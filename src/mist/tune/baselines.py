@@ -34,7 +34,9 @@ Aceso (EuroSys'24): iterative bottleneck alleviation per (S, b) configuration, S
   dp > 1) and repeatedly takes the bottleneck stage — the one furthest over memory if the plan
   does not fit, else the one with the largest steady (stable) micro-batch time — and tries: move
   its boundary layer to a neighbour (which recomputes it or not), change its recomputed blocks by
-  ±1 or ±2, toggle its recompute (none ↔ all), halve or double its tp (dp the other way, its
+  ±1 or ±2, toggle its recompute (none ↔ all), toggle the recomputation of single operators of
+  its other blocks (Aceso's recomputation is per operator: the MLP activation, and without flash
+  attention the attention core), halve or double its tp (dp the other way, its
   micro-batch rescaled so b·dp stays B/G). The best move is taken; a move that does not beat the
   best plan so far is a "hop", and the walk ends after 7 hops in a row without improvement, when
   no unvisited move is left, or at the time budget (200 s, or `time_budget`, shared among the
@@ -160,12 +162,14 @@ class _Evaluator:
         return Plan(model=self.model, cluster=self.cluster, training=self.training,
                     micro_batches=G, stages=tuple(stages), model_ref=self.model_ref)
 
-    def _stage_model(self, tp: int) -> StageModel:
-        m = self._models.get(tp)
+    def _stage_model(self, s: StageStrategy) -> StageModel:
+        key = (s.tp, s.recompute_attention, s.recompute_activation)
+        m = self._models.get(key)
         if m is None:
             t = self.training
-            m = self._models[tp] = StageModel(self.model, self.profile, tp, t.flash_attention, t.seq_len,
-                                                    precision_for(t, self.profile))
+            m = self._models[key] = StageModel(self.model, self.profile, s.tp, t.flash_attention, t.seq_len,
+                                               precision_for(t, self.profile), s.recompute_attention,
+                                               s.recompute_activation)
         return m
 
     def cost(self, G: int, stages: tuple) -> _Cost:
@@ -186,7 +190,7 @@ class _Evaluator:
                 inputs = stage_inputs(self.plan(G, stages))   # validates the plan
                 for i, (st, s) in enumerate(zip(inputs, stages)):
                     if rows[i] is None:
-                        r = self._stage_model(s.tp).evaluate(st)
+                        r = self._stage_model(s).evaluate(st)
                         rows[i] = self._stage[(i, S, G, s)] = (
                             float(r.T[0]), float(r.fwd[0]), float(r.first_extra[0]),
                             float(r.last_extra[0]), float(r.peak[0]), float(r.host["peak_bytes"][0]))
@@ -347,7 +351,7 @@ def _aceso_start(model, cluster, training, S, mesh, b):
     return B // (b * dp), stages
 
 
-def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int]) -> list[tuple]:
+def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int], flash: bool) -> list[tuple]:
     """Neighbours of a plan that change its bottleneck stage i (samples = b·dp per stage)."""
     S, s = len(stages), stages[i]
     out = []
@@ -370,6 +374,10 @@ def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int]) -> lis
         if 0 <= r <= s.layers:
             put({i: replace(s, recompute_layers=r)})
     put({i: replace(s, recompute_layers=0 if s.recompute_layers else s.layers)})
+    # Aceso recomputes single operators: the MLP activation, and without flash the attention core
+    put({i: replace(s, recompute_activation=not s.recompute_activation)})
+    if not flash:
+        put({i: replace(s, recompute_attention=not s.recompute_attention)})
     for tp in (s.tp * 2, s.tp // 2):
         if tp in tp_opts:
             dp = s.gpus // tp
@@ -379,6 +387,7 @@ def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int]) -> lis
 
 
 def _aceso_walk(ev: _Evaluator, G: int, start: tuple, deadline: float, tp_opts: list[int]):
+    flash = ev.training.flash_attention
     samples = start[0].micro_batch * start[0].dp
     cur, cur_c = start, ev.cost(G, start)
     best, best_c = cur, cur_c
@@ -389,7 +398,7 @@ def _aceso_walk(ev: _Evaluator, G: int, start: tuple, deadline: float, tp_opts: 
             i = max(range(len(cur)), key=lambda k: cur_c.stage_times[k])
         else:
             i = max(range(len(cur)), key=lambda k: cur_c.needs[k])
-        moves = [m for m in _aceso_moves(cur, i, samples, tp_opts) if m not in visited]
+        moves = [m for m in _aceso_moves(cur, i, samples, tp_opts, flash) if m not in visited]
         if not moves:
             break
         scored = [(ev.cost(G, m).objective, k) for k, m in enumerate(moves)]

@@ -26,7 +26,7 @@ class Options:
     F: np.ndarray
     X: np.ndarray
     Y: np.ndarray
-    strategies: list = field(default_factory=list)   # dicts: tp, dp, b, zero, wo, go, oo, ao, recompute, attn
+    strategies: list = field(default_factory=list)   # dicts: tp, dp, b, zero, wo, go, oo, ao, recompute, attn, act
     min_peak: float = float("inf")                     # least memory any strategy reached
     min_host: float = float("inf")                     # least host memory of those that fit the GPU
 
@@ -73,16 +73,17 @@ class StageTables:
         self._comps: dict = {}
         self.evaluated = 0
 
-    def model(self, tp: int, attn: bool = False) -> StageModel:
-        if (tp, attn) not in self._models:
-            self._models[tp, attn] = StageModel(self.spec, self.profile, tp, self.flash, self.seq, self.precision,
-                                                attention_recompute=attn)
-        return self._models[tp, attn]
+    def model(self, tp: int, sel: tuple = (False, False)) -> StageModel:
+        if (tp, sel) not in self._models:
+            self._models[tp, sel] = StageModel(self.spec, self.profile, tp, self.flash, self.seq, self.precision,
+                                               attention_recompute=sel[0], activation_recompute=sel[1])
+        return self._models[tp, sel]
 
-    def attention_choices(self) -> tuple:
-        """Attention recomputation on/off: with flash attention the core keeps little (q, k, v,
-        output), so only the plain blocks are searched there."""
-        return (False,) if self.flash else tuple(self.space.attention_recompute)
+    def selective_choices(self) -> list[tuple[bool, bool]]:
+        """(attention, activation) recomputation of the blocks not checkpointed whole. Attention
+        only without flash attention: with it the core keeps little (q, k, v, output)."""
+        attn = (False,) if self.flash else tuple(self.space.attention_recompute)
+        return list(itertools.product(attn, self.space.activation_recompute))
 
     def tp_choices(self, tp_fixed: int | None = None) -> list[tuple[int, int, int]]:
         """(tp, dp, b) triples allowed for a stage of this mesh."""
@@ -119,8 +120,8 @@ class StageTables:
         arr = np.array(rows, dtype=np.float64)
         return {"zero": arr[:, 0], "wo": arr[:, 1], "go": arr[:, 2], "oo": arr[:, 3], "ao": arr[:, 4]}
 
-    def components(self, tp: int, dp: int, b: int, first: bool, last: bool, attn: bool = False):
-        key = (tp, dp, b, first, last, attn)
+    def components(self, tp: int, dp: int, b: int, first: bool, last: bool, sel: tuple = (False, False)):
+        key = (tp, dp, b, first, last, sel)
         if key not in self._comps:
             grid = self.strategy_grid(dp)
             n = len(grid["zero"])
@@ -129,7 +130,7 @@ class StageTables:
                             zero=grid["zero"], wo=grid["wo"], go=grid["go"], oo=grid["oo"], ao=grid["ao"],
                             G=self.G, nodes=self.nodes, gpus_per_node=self.gpn,
                             cluster_gpus_per_node=self.cluster_gpn)
-            comp = self.model(tp, attn).components(st)
+            comp = self.model(tp, sel).components(st)
             self._comps[key] = (grid, _expand(comp))
         return self._comps[key]
 
@@ -147,8 +148,8 @@ class StageTables:
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
         min_peak = min_host = np.inf
         cap = self.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
-        for (tp, dp, b), attn in itertools.product(self.tp_choices(tp_fixed), self.attention_choices()):
-            grid, comp = self.components(tp, dp, b, first, last, attn)
+        for (tp, dp, b), sel in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
+            grid, comp = self.components(tp, dp, b, first, last, sel)
             r = compose(comp, layers, cs[None, :], in_flight, self.G)
             self.evaluated += r.T.size
             peak = r.peak
@@ -165,7 +166,7 @@ class StageTables:
             Fs.append(r.fwd[si, ci])
             Xs.append(r.first_extra[si, ci])
             Ys.append(r.last_extra[si, ci])
-            metas.append((tp, dp, b, attn, grid, si, cs[ci]))
+            metas.append((tp, dp, b, sel, grid, si, cs[ci]))
         if not Ts:
             return Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [], min_peak, min_host)
         T, F, X, Y = (np.concatenate(v) for v in (Ts, Fs, Xs, Ys))
@@ -175,13 +176,13 @@ class StageTables:
         strategies = []
         for k in keep:
             j = int(np.searchsorted(bounds, k, side="right") - 1)
-            tp, dp, b, attn, grid, si, cc = metas[j]
+            tp, dp, b, sel, grid, si, cc = metas[j]
             q = k - bounds[j]
             s = int(si[q])
             strategies.append({"tp": tp, "dp": dp, "b": b, "zero": int(grid["zero"][s]),
                                "wo": float(grid["wo"][s]), "go": float(grid["go"][s]),
                                "oo": float(grid["oo"][s]), "ao": float(grid["ao"][s]),
-                               "recompute": int(cc[q]), "attn": bool(attn)})
+                               "recompute": int(cc[q]), "attn": bool(sel[0]), "act": bool(sel[1])})
         return Options(T[keep], F[keep], X[keep], Y[keep], strategies, min_peak, min_host)
 
     def min_layer_time(self) -> float:

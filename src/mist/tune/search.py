@@ -186,6 +186,6 @@ def build_plan(model, cluster, training, S, nodes, gpn, G, layers, strategies) -
             layers=int(l), nodes=nodes, gpus_per_node=gpn, micro_batch=int(st["b"]), dp=int(st["dp"]),
             tp=int(st["tp"]), zero=int(st["zero"]), recompute_layers=int(st["recompute"]),
             offload=Offload(weights=st["wo"], grads=st["go"], optimizer=st["oo"], activations=st["ao"]),
-            recompute_attention=bool(st.get("attn", False))))
+            recompute_attention=bool(st.get("attn", False)), recompute_activation=bool(st.get("act", False))))
     return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(stages),
                 model_ref=preset_ref(model))

@@ -3,15 +3,16 @@ reads it, and the baseline spaces (megatron, deepspeed, aceso) are searched by `
 
 full        per stage: tensor parallel degree (a power of two within a node, dividing the
             heads), data parallel = the rest of the stage's GPUs, micro-batch = B / (G·dp),
-            ZeRO 0–3, any number of recomputed blocks, attention recomputation of the others
-            (searched without flash attention, where it drops the s² scores), offload ratios of weights, gradients,
+            ZeRO 0–3, any number of recomputed blocks, selective recomputation of the others
+            (their MLP activation; their attention core, searched without flash attention,
+            where it drops the s² scores), offload ratios of weights, gradients,
             optimizer states and activations in eighths; globally: pipeline depth (any
             divisor of the GPU count that gives whole-node or in-node stage meshes), any
             layer split, G any divisor of the global batch.
 mist-paper  the original's limits (reference/mist-system.md §2): G a power of two, micro-batch
             1, 2 or 4, one TP degree for all stages, ZeRO ≥ 1 (optimizer states always
             sharded), layers within round(L/S) ± 2, its ratio grids, weight offload only with
-            gradient offload, no attention recomputation.
+            gradient offload, no selective recomputation.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SearchSpace:
     zero_levels: tuple = (0, 1, 2, 3)
     recompute: str = "any"              # "any" | "none" | "all_or_nothing"
     attention_recompute: tuple = (False, True)   # searched only without flash attention
+    activation_recompute: tuple = (False, True)  # the MLP activation re-run in backward
     wo: tuple = EIGHTHS
     go: tuple = EIGHTHS
     oo: tuple = EIGHTHS
@@ -53,7 +55,7 @@ SPACES = {
     "full": SearchSpace("full", seed_space="mist-paper"),
     "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), wo=PAPER_WG, go=PAPER_WG,
                               oo=PAPER_OA, ao=PAPER_OA, g_policy="pow2", b_values=(1, 2, 4), layer_slack=2,
-                              attention_recompute=(False,)),
+                              attention_recompute=(False,), activation_recompute=(False,)),
 }
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
 

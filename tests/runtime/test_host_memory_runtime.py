@@ -50,3 +50,24 @@ def test_host_bytes_match_the_prediction(name):
         assert p["host_peak_bytes"] == sum(p[k] for k in KEYS)
     assert all(p["host_state_bytes"] > 0 and p["host_activation_peak_bytes"] > 0 for p in pred)
     assert pred[0]["host_optimizer_grad_bytes"] > 0
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_selective_recomputation_saved_bytes_match_the_prediction(flash):
+    """Blocks re-running their MLP activation (and, without flash, their attention core) next to
+    a recomputed block, with half the saved activations offloaded: the saved bytes left on the
+    device and the offloaded ones equal the prediction to the byte."""
+    from dataclasses import replace
+
+    st = replace(_stage(3, 2, 2, zero=1, recompute=1, activations=0.5), recompute_activation=True,
+                 recompute_attention=not flash)
+    plan = _plan([st], G=2, gpus=2)
+    plan = replace(plan, training=replace(plan.training, flash_attention=flash))
+    pred = simulate_plan(plan, load_profile(str(CPU_PROFILE)))["stages"][0]
+    plain = simulate_plan(replace(plan, stages=(replace(st, recompute_activation=False,
+                                                        recompute_attention=False),)),
+                          load_profile(str(CPU_PROFILE)))["stages"][0]
+    meas = run_plan(plan, steps=2)["metrics"]["stages"][0]
+    for k in ("saved_activation_peak_bytes", "host_activation_peak_bytes", "state_bytes"):
+        assert pred[k] == meas[k], k
+    assert pred["saved_activation_peak_bytes"] < plain["saved_activation_peak_bytes"]

@@ -25,7 +25,7 @@ class LayerTerms:
     fwd: np.ndarray          # forward compute + TP comm
     bwd: np.ndarray          # backward compute + TP comm (no recomputation)
     recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
-    recompute_attn: np.ndarray  # re-run of the selectively recomputed parts inside `bwd` (else 0)
+    recompute_selective: np.ndarray  # re-run of the selectively recomputed parts inside `bwd` (else 0)
     bwd_plain: np.ndarray    # backward of a block without any recomputation (= bwd unless selective)
     tp_comm_fwd: np.ndarray
     tp_comm_bwd: np.ndarray
@@ -100,14 +100,14 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective) 
     block = part == "block"
     lead = (lambda ph: ph.lead) if block else (lambda ph: np.zeros_like(b))  # noqa: E731
     per = lambda ph: ph.total - lead(ph)  # noqa: E731
-    rc_attn = np.zeros_like(b)
+    rc_sel = np.zeros_like(b)
     bwd, lead_bwd, tp_bwd = per(bw), lead(bw), bw.comm
     plain = bw
     if selective:   # only ever for blocks
         plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
-        rc_attn = per(ra)
-        bwd, lead_bwd, tp_bwd = bwd + rc_attn, np.maximum(bw.lead, ra.lead), bw.comm + ra.comm
+        rc_sel = per(ra)
+        bwd, lead_bwd, tp_bwd = bwd + rc_sel, np.maximum(bw.lead, ra.lead), bw.comm + ra.comm
     if block:
         ck = analyze_layer(spec, part, recompute=True, **kw)
         rc = phase_time(profile, links, ck, "recompute", b, s)
@@ -119,7 +119,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective) 
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
-        params=la.params, fwd=per(f), bwd=bwd, recompute=recompute, recompute_attn=rc_attn, bwd_plain=per(plain),
+        params=la.params, fwd=per(f), bwd=bwd, recompute=recompute, recompute_selective=rc_sel, bwd_plain=per(plain),
         tp_comm_fwd=f.comm, tp_comm_bwd=tp_bwd, lead_fwd=lead(f), lead_bwd=lead_bwd, lead_bwd_ckpt=lead_ck,
         saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),

@@ -228,7 +228,7 @@ class StageModel:
             act = A_ck if ck else A_full
             return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
 
-        crc_attn = g(blk.recompute_attn)   # in `cb`: the selective re-runs (attention core, activation)
+        crc_sel = g(blk.recompute_selective)   # in `cb`: the selective re-runs (attention core, activation)
         cb_ck = g(blk.bwd_plain) - tpb + grad_mb + crc   # a block recomputed whole: plain backward + re-run
 
         def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
@@ -270,9 +270,9 @@ class StageModel:
         comp["edge_f"], comp["edge_first"] = comp["edge_f"] + lead_f, comp["edge_first"] + lead_f
         comp["edge_b"], comp["edge_last"] = comp["edge_b"] + lead_b, comp["edge_last"] + lead_b
         comp["lead"] = lead_f + lead_b
-        comp["layer_compute"] = cf + cb - crc_attn
+        comp["layer_compute"] = cf + cb - crc_sel
         comp["layer_recompute"] = crc
-        comp["layer_recompute_no"] = crc_attn
+        comp["layer_recompute_no"] = crc_sel
         comp["layer_tp"] = tpf + tpb
         comp["layer_flops"] = g(blk.flops_fwd) + g(blk.flops_bwd)
         comp["channels_layer"] = {

@@ -11,7 +11,8 @@ def short_summary(plan) -> str:
     parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s)"]
     for s in st:
         off = "/".join(f"{v:g}" for v in s.offload.as_tuple())
-        rc = f"rc{s.recompute_layers}" + ("+attn" if s.recompute_attention else "") + ("+act" if s.recompute_activation else "")
+        rc = (f"rc{s.recompute_layers}" + ("+attn" if s.recompute_attention else "")
+              + ("+act" if s.recompute_activation else ""))
         parts.append(f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp} z{s.zero} {rc}"
                      + (f" off {off}" if any(s.offload.as_tuple()) else "") + "]")
     return " ".join(parts)

@@ -1,5 +1,6 @@
 """Tuning time as the search space grows one family of knobs at a time (the paper's study on
-GPT-22B over 4×8 GPUs): base → +ZeRO-2/3 → +checkpointing → +optimizer offload →
+GPT-22B over 4×8 GPUs): base → +ZeRO-2/3 → +checkpointing → +selective recomputation (the
+MLP activation; with flash attention the attention core is not searched) → +optimizer offload →
 +activation offload → +gradient offload → +weight offload. Prints a Markdown table.
 
     PYTHONPATH=src python benchmarks/tuning_time.py [--model gpt3-22b] [--gpu l4] [--nodes 4]
@@ -24,14 +25,16 @@ NONE = (0.0,)
 
 def steps():
     base = replace(SPACES["full"], name="base", seed_space=None, zero_levels=(0, 1), recompute="all_or_nothing",
-                   wo=NONE, go=NONE, oo=NONE, ao=NONE)
+                   attention_recompute=(False,), activation_recompute=(False,), wo=NONE, go=NONE, oo=NONE, ao=NONE)
     s1 = replace(base, name="+ZeRO-2/3", zero_levels=(0, 1, 2, 3))
     s2 = replace(s1, name="+checkpointing", recompute="any")
-    s3 = replace(s2, name="+optimizer offload", oo=EIGHTHS)
+    s2b = replace(s2, name="+selective recomputation", attention_recompute=SPACES["full"].attention_recompute,
+                 activation_recompute=SPACES["full"].activation_recompute)
+    s3 = replace(s2b, name="+optimizer offload", oo=EIGHTHS)
     s4 = replace(s3, name="+activation offload", ao=EIGHTHS)
     s5 = replace(s4, name="+gradient offload", go=EIGHTHS, wg_policy="always")
     s6 = replace(s5, name="+weight offload", wo=EIGHTHS)
-    return [base, s1, s2, s3, s4, s5, s6]
+    return [base, s1, s2, s2b, s3, s4, s5, s6]
 
 
 def main(argv=None):

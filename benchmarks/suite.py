@@ -5,13 +5,15 @@ Aceso-style spaces, each searched with the same simulator. Writes a Markdown tab
 and a plot of speedups; rows are appended as cases finish, so a partial run keeps its results.
 
     PYTHONPATH=src python benchmarks/suite.py [--only l4|a100|h200] [--budget SEC] [--out DIR]
-                                              [--grad-dtype fp32]
+                                              [--grad-dtype fp32] [--dtype bf16|fp16]
 
 Every case trains in bf16 (parameters and compute; the L4 and A100 profiles were measured in fp16,
 whose tensor-core rates equal bf16's on those GPUs). Each space keeps gradients as its system does:
 Mist, DeepSpeed and Aceso in the parameter dtype, Megatron-LM in fp32 (it forces fp32 gradient
 accumulation and reduction with bf16). `--grad-dtype fp32` gives every space fp32 gradients, the
-like-for-like comparison with Megatron-LM's numerics (written to suite-fp32grads.*).
+like-for-like comparison with Megatron-LM's numerics (written to suite-fp32grads.*). `--dtype fp16`
+trains in fp16 instead, as the paper's runs did (constant loss scale): Megatron-LM then keeps fp16
+gradients like every other space (written to suite-…-fp16.*).
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ def all_cases(only=None):
         yield from gen()
 
 
-def run_case(c, budget, grad_dtype=None):
+def run_case(c, budget, grad_dtype=None, dtype="bf16"):
     """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
     n = c["n"]
     warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"])
     cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
     training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"],
-                            param_dtype="bf16", compute_dtype="bf16", grad_dtype=grad_dtype)
+                            param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype)
     return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, SPACES)
 
 
@@ -102,11 +104,15 @@ def markdown(rows) -> str:
     return txt
 
 
-def preamble(grad_dtype) -> str:
-    grads = ("fp32 gradients in every space" if grad_dtype else
-             "gradients in bf16 for Mist, DeepSpeed and Aceso, in fp32 for Megatron-LM (as it runs bf16)")
-    return (f"# Benchmark suite (`benchmarks/suite.py{' --grad-dtype fp32' if grad_dtype else ''}`)\n\n"
-            f"bf16 parameters and compute; {grads}. Speedup = the baseline's best predicted iteration "
+def preamble(grad_dtype, dtype="bf16", args="") -> str:
+    if grad_dtype:
+        grads = "fp32 gradients in every space"
+    elif dtype == "bf16":
+        grads = "gradients in bf16 for Mist, DeepSpeed and Aceso, in fp32 for Megatron-LM (as it runs bf16)"
+    else:
+        grads = f"gradients in {dtype} in every space"
+    return (f"# Benchmark suite (`benchmarks/suite.py{args}`)\n\n"
+            f"{dtype} parameters and compute; {grads}. Speedup = the baseline's best predicted iteration "
             "time / Mist's full space's, under the same cost model.\n\n")
 
 
@@ -138,12 +144,17 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=60.0, help="time budget per space and case (s)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--grad-dtype", choices=["fp32"], help="fp32 gradients in every space (default: each system's own)")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="parameter and compute dtype")
     a = ap.parse_args(argv)
+    args = "".join(f" {k} {v}" for k, v in (("--only", " ".join(a.only or [])), ("--grad-dtype", a.grad_dtype),
+                                              ("--dtype", "" if a.dtype == "bf16" else a.dtype)) if v)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "suite" if not a.only else "suite-" + "-".join(a.only)
     if a.grad_dtype:
         tag += "-fp32grads"
+    if a.dtype != "bf16":
+        tag += "-" + a.dtype
     jpath = out / f"{tag}.json"
     rows = json.loads(jpath.read_text()) if jpath.exists() else []
     done = {(r["model"], r["gpu"], r["nodes"] * r["gpus_per_node"], r["flash_attention"]) for r in rows}
@@ -151,11 +162,11 @@ def main(argv=None):
         if (c["model"], c["gpu"], c["n"], c["flash"]) in done:
             continue
         t = time.perf_counter()
-        r = run_case(c, a.budget, a.grad_dtype)
+        r = run_case(c, a.budget, a.grad_dtype, a.dtype)
         r["wall_s"] = time.perf_counter() - t
         rows.append(r)
         jpath.write_text(json.dumps(rows, indent=1))
-        (out / f"{tag}.md").write_text(preamble(a.grad_dtype) + markdown(rows))
+        (out / f"{tag}.md").write_text(preamble(a.grad_dtype, a.dtype, args) + markdown(rows))
         plot(rows, out / f"{tag}.png")
         full = next(s for s in r["spaces"] if s["space"] == "full")
         print(f"{c['model']:16s} {c['n']:3d}×{c['gpu']:15s} flash={c['flash']!s:5s} "

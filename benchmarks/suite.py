@@ -62,7 +62,7 @@ def all_cases(only=None):
 def run_case(c, budget, grad_dtype=None, dtype="bf16"):
     """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
     n = c["n"]
-    warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"])
+    warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
     cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
     training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"],
                             param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype)

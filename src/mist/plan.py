@@ -3,9 +3,9 @@
 A plan says how to train a model on a cluster: the gradient-accumulation count G
 (`micro_batches`) and, per pipeline stage in order, its layers, its device mesh, micro-batch
 size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage),
-whether its other blocks recompute their attention core and their MLP activation, and the fraction of each state kept in
-CPU memory. Stage 0 also holds the embedding and the last
-stage the final norm, head and loss. This module validates and (de)serializes; nothing else.
+whether its other blocks recompute their attention core and their MLP activation, and the
+fraction of each state kept in CPU memory. Stage 0 also holds the embedding and the last stage
+the final norm, head and loss. This module validates and (de)serializes; nothing else.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ SELECTIVE = ("attention", "activation")
 class _ActLinear(torch.autograd.Function):
     """act(x) Wᵀ keeping x (not act(x)) for backward. Backward re-runs act for the weight gradient
     and frees it before the input gradient, which `act.grad` takes from x alone (the kernels
-    autograd would run), so no more is live at once than in the plain MLP's backward."""
+    autograd would run): bit for bit the plain MLP's gradients, with one more tensor live at the
+    backward's peak than in the plain MLP, the weight gradient (2·h·f/t bytes in 16 bits), which
+    autograd can only take when the function returns."""
 
     @staticmethod
     def forward(ctx, x, weight, act):
@@ -38,10 +40,11 @@ class _ActLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with torch.enable_grad():   # the re-run, as `mist.analysis` labels it (no graph: x is detached)
                 a = ctx.act(x.detach())
-            gw = g.reshape(-1, g.shape[-1]).t().matmul(a.reshape(-1, a.shape[-1]))
+            # under autocast the linear ran in g's dtype (its inputs cast to it, as here)
+            gw = g.reshape(-1, g.shape[-1]).t().matmul(a.reshape(-1, a.shape[-1]).to(g.dtype))
             del a
-        if ctx.needs_input_grad[0]:   # under autocast the fp32 weight ran in g's dtype
-            gx = ctx.act.grad(x, g.matmul(weight.to(g.dtype)))
+        if ctx.needs_input_grad[0]:
+            gx = ctx.act.grad(x, g.matmul(weight.to(g.dtype)).to(x.dtype))
         return gx, gw, None
 
 

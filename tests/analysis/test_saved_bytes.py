@@ -6,7 +6,7 @@ import torch
 
 from mist.analysis import analyze_layer
 from mist.models import DecoderBlock, Embedding, Head, TPGroup, init_weights
-from mist.models.checkpointing import run_block
+from mist.models.checkpointing import run_block_as
 from mist.specs.model import ModelSpec
 
 SPECS = {
@@ -49,9 +49,7 @@ def run_part(spec, part, tp, flash, recompute, b, s):
     x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
     tok = torch.randint(0, spec.vocab_size, (b, s))
     if part == "block":
-        sel = recompute.split("+") if isinstance(recompute, str) else ()
-        seen = measure_saved(lambda: run_block(m, x, recompute is True, attention="attention" in sel,
-                                               activation="activation" in sel))
+        seen = measure_saved(lambda: run_block_as(m, x, recompute))
     elif part == "pre":
         seen = measure_saved(lambda: m(tok))
     else:

@@ -20,7 +20,7 @@ from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, S, OpRecord
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
-from mist.models.checkpointing import run_block, selective_modes
+from mist.models.checkpointing import run_block_as, selective_modes
 from mist.models.collectives import TPGroup
 from mist.models.embedding import Embedding
 from mist.models.head import Head
@@ -206,9 +206,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
 
     def forward(m, inputs):
         if part == "block":
-            sel = selective_modes(recompute)
-            return run_block(m, inputs[0], recompute is True, attention="attention" in sel,
-                             activation="activation" in sel)
+            return run_block_as(m, inputs[0], recompute)
         if part == "post":
             return m(inputs[0], inputs[1])
         return m(inputs[0])

@@ -70,6 +70,12 @@ def selective_name(attention: bool, activation: bool):
     return name or False
 
 
+def run_block_as(block: torch.nn.Module, x: torch.Tensor, recompute) -> torch.Tensor:
+    """`run_block` by an analysis `recompute` value: False, True or the selective parts."""
+    sel = selective_modes(recompute)
+    return run_block(block, x, recompute is True, attention="attention" in sel, activation="activation" in sel)
+
+
 def run_block(block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False,
               activation: bool = False) -> torch.Tensor:
     block.attn.recompute_core = attention and not recompute

@@ -102,7 +102,6 @@ class StageModel:
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
         # what the blocks not checkpointed whole re-run in backward: their attention core, their
         # MLP activation (`mist.models.checkpointing`)
-        self.attention_recompute, self.activation_recompute = attention_recompute, activation_recompute
         self.selective = selective_name(attention_recompute, activation_recompute)
         self.prec = precision or default_precision(profile, "bf16")
         # On a CPU device the runtime has no side streams: copies, collectives and the CPU Adam

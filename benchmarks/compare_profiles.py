@@ -1,5 +1,5 @@
 """GEMM grid of one profile against another: at every measured (not filled-in) grid node of
-profile A, A's time next to B's prediction for the same shape, with the ratio. Used for issue 6's
+profile A, A's time next to B's prediction for the same shape, with the ratio. Used for the
 check that `mist profile --device cuda` on an H200 agrees with the shipped h200 profile.
 
     PYTHONPATH=src python benchmarks/compare_profiles.py A B [--min-us 25] [--out FILE.md]

@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "models"
 SEQ, BATCH, WORKERS = 256, 8, 2
 
+# the step-time target: |error| of the median plan, and of the worst (a busy machine moves them;
+# reported here, not asserted by the tests)
+TIME_TARGET_MEDIAN, TIME_TARGET_MAX = 0.25, 0.35
+
 # host memory of the offloaded parts, accounted by the runtime tensor by tensor like the device states
 HOST_KEYS = ("host_state_bytes", "host_activation_peak_bytes", "host_optimizer_grad_bytes")
 
@@ -148,7 +152,9 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
                    f"{ms('delta_time_s')} | {st} | {sa} | {ho} | {pk} |")
     s = summary(rows)
     out += ["", f"Step time: median |error| {s['median_abs_time_error']:.1%}, max {s['max_abs_time_error']:.1%} "
-            f"over {len(rows)} plans. States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
+            f"over {len(rows)} plans (target: median ≤ {TIME_TARGET_MEDIAN:.0%}, max ≤ {TIME_TARGET_MAX:.0%}: "
+            f"{'met' if s['time_target_met'] else 'NOT met'}). "
+            f"States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
             f"saved activations on {s['activations_exact']}/{s['stage_count']}, host memory (each of its three "
             f"terms) on {s['host_exact']}/{s['stage_count']}. The peak column compares the "
             "simulator's peak (with operator temporaries) with the runtime's accounted peak (without them), "
@@ -162,6 +168,7 @@ def summary(rows: list[dict]) -> dict:
     stages = [s for r in rows for s in r["stages"]]
     exact = lambda k: sum(s[k]["predicted"] == s[k]["measured"] for s in stages)  # noqa: E731
     return {"median_abs_time_error": statistics.median(errs), "max_abs_time_error": max(errs),
+            "time_target_met": statistics.median(errs) <= TIME_TARGET_MEDIAN and max(errs) <= TIME_TARGET_MAX,
             "stage_count": len(stages), "states_exact": exact("state_bytes"),
             "activations_exact": exact("saved_activation_peak_bytes"),
             "host_exact": sum(all(s[k]["predicted"] == s[k]["measured"] for k in HOST_KEYS) for s in stages)}

@@ -1,26 +1,33 @@
 """Fit-error table of the interference model and the fitted communication bandwidths.
 
-    PYTHONPATH=src python benchmarks/interference_fit.py [--data ../shared/data] [--shipped]
+    PYTHONPATH=src python benchmarks/interference_fit.py [--data DATA] [--shipped]
 
-Refits every GPU with overlap-benchmark data (mist.hardware.fit_overlap.fit_gpu, including the
-leave-one-layout-out refits) and checks the refit against the shipped `overlap/<gpu>.json`; with
---shipped (or without the data folder) it reports the numbers recorded in the shipped files.
-Prints Markdown and writes benchmarks/results/interference_fit.md.
+Refits every GPU with overlap-benchmark data (DATA: the raw measurement folder; `fit_gpu` of
+the offline overlap fit, including the leave-one-layout-out refits) and checks the refit against
+the shipped `overlap/<gpu>.json`; with --shipped (or without the data folder) it reports the
+numbers recorded in the shipped files. Prints Markdown and writes benchmarks/results/interference_fit.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from mist.hardware.dp_links import load_dp_links
-from mist.hardware.fit_overlap import OVERLAP_GPUS, fit_gpu
-from mist.hardware.interference import InterferenceModel, load_interference, load_overlap_doc, overlap_time
-
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "tools"))  # the offline overlap fit (not installed)
+
+from mist.hardware.dp_links import load_dp_links  # noqa: E402
+from mist.hardware.interference import (  # noqa: E402
+    InterferenceModel,
+    load_interference,
+    load_overlap_doc,
+    overlap_time,
+)
+from profile_build.fit_overlap import OVERLAP_GPUS, fit_gpu  # noqa: E402
 
 
 def _e(d):
@@ -81,7 +88,7 @@ def main(argv=None):
             "at once. GB/s = 10⁹ B/s.", "",
             "| GPU | inter × intra | busbw (GB/s) | alpha (ms) | median fit error (%) |", "|---|---|---|---|---|"]
     for gpu, d in docs.items():
-        for name, f in d["g2g_allgather"].items():
+        for f in d["g2g_allgather"].values():
             out.append(f"| {gpu} | {f['inter']} × {f['intra']} | {_gb(f['busbw_Bps'])} | {1e3 * f['alpha_s']:.3f} | "
                        f"{100 * f['median_rel_error']:.2f} |")
     out += ["", "Host copies (per GPU, all 8 GPUs of the node copying at once) and the cross-node NIC model",

@@ -7,7 +7,9 @@
 * H200: drop each GEMM-grid / attention-table node and predict it from its grid neighbours (what
   a lookup between nodes does); drop each bandwidth-bound elementwise row and refit its class.
 
-    python benchmarks/profile_accuracy.py [--data ../shared/data] [--out benchmarks/results/profile_accuracy.md]
+    python benchmarks/profile_accuracy.py [--data DATA] [--out benchmarks/results/profile_accuracy.md]
+
+DATA is the raw measurement folder the profiles were built from (not part of this repository).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tools"))  # the offline profile builders (not installed)
 
-from mist.hardware.build import aceso, aceso_fit, flash, h200  # noqa: E402
-from mist.hardware.build.common import fit_floor_plus_rate, read_json  # noqa: E402
+from profile_build import aceso, aceso_fit, flash, h200  # noqa: E402
+from profile_build.common import fit_floor_plus_rate, read_json  # noqa: E402
 
 GPUS = ("l4", "a100-sxm4-40gb", "a10g", "v100-sxm2-32gb")
 OP_CLASS = {
@@ -200,7 +203,7 @@ def report(data: Path) -> str:
         "## Aceso op-profiles: leave one model size out (t = 1, every micro-batch)",
         "",
         "For each size the profile is rebuilt from the other sizes' rows only; the held-out size's",
-        "layer rows are predicted as the sum of the kernels they run (`mist.hardware.build.aceso.row_terms`).",
+        "layer rows are predicted as the sum of the kernels they run (`tools/profile_build/aceso.py`, `row_terms`).",
         "Linear backward = dX GEMM only on L4/A100/V100 (their profiles exclude dW), dX + dW on A10G.",
         "",
         "| GPU | op | dir | median % | mean % | n | bias % |",

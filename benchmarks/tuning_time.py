@@ -25,15 +25,16 @@ NONE = (0.0,)
 
 def steps():
     base = replace(SPACES["full"], name="base", seed_space=None, zero_levels=(0, 1), recompute="all_or_nothing",
-                   attention_recompute=(False,), activation_recompute=(False,), wo=NONE, go=NONE, oo=NONE, ao=NONE)
+                   recompute_attention=(False,), recompute_activation=(False,), offload_weights=NONE,
+                   offload_grads=NONE, offload_optimizer=NONE, offload_activations=NONE)
     s1 = replace(base, name="+ZeRO-2/3", zero_levels=(0, 1, 2, 3))
     s2 = replace(s1, name="+checkpointing", recompute="any")
-    s2b = replace(s2, name="+selective recomputation", attention_recompute=SPACES["full"].attention_recompute,
-                 activation_recompute=SPACES["full"].activation_recompute)
-    s3 = replace(s2b, name="+optimizer offload", oo=EIGHTHS)
-    s4 = replace(s3, name="+activation offload", ao=EIGHTHS)
-    s5 = replace(s4, name="+gradient offload", go=EIGHTHS, wg_policy="always")
-    s6 = replace(s5, name="+weight offload", wo=EIGHTHS)
+    s2b = replace(s2, name="+selective recomputation", recompute_attention=SPACES["full"].recompute_attention,
+                 recompute_activation=SPACES["full"].recompute_activation)
+    s3 = replace(s2b, name="+optimizer offload", offload_optimizer=EIGHTHS)
+    s4 = replace(s3, name="+activation offload", offload_activations=EIGHTHS)
+    s5 = replace(s4, name="+gradient offload", offload_grads=EIGHTHS, wg_policy="always")
+    s6 = replace(s5, name="+weight offload", offload_weights=EIGHTHS)
     return [base, s1, s2, s2b, s3, s4, s5, s6]
 
 

@@ -12,7 +12,8 @@ from mist.errors import MistInputError
 from mist.hardware import available_profiles, load_profile, op_class
 from mist.hardware.host import stream_time
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # shared/ beside the checkout
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # raw data, if present
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline profile builders (not installed)
 H200_DATA = DATA / "gpus" / "h200"
 needs_data = pytest.mark.skipif(not H200_DATA.is_dir(), reason="shared measurement data not available")
 
@@ -78,6 +79,29 @@ def test_aliases_and_case():
     assert load_profile("NVIDIA H200").name == "h200"
     assert load_profile("H100-SXM").name == "h100"
     assert load_profile("v100").name == "v100-sxm2-32gb"
+
+
+def test_gpu_names_for_profiles_and_link_files():
+    from mist.hardware.gpu_names import normalize_gpu, profile_key
+
+    assert profile_key("NVIDIA H200_SXM") == normalize_gpu("NVIDIA H200_SXM") == "h200"
+    assert profile_key(" A100 ") == normalize_gpu("a100") == "a100-sxm4-40gb"
+    assert normalize_gpu("V100_16GB") == "v100-sxm2-16gb"  # overlap benchmark only: no such profile
+    assert profile_key("V100_16GB") == "v100-16gb"
+    assert profile_key("Some GPU") == normalize_gpu("Some GPU") == "some-gpu"
+
+
+def test_assumed_link_constants_are_data_with_provenance():
+    from mist.hardware.collectives import assumed_links
+
+    d = assumed_links()
+    assert d["provenance"].startswith("assumed")
+    assert d["group_sizes"] == [2, 4, 8]
+    assert (d["cpu"]["alpha_s"], d["cpu"]["copy_rate_divisor"], d["cuda"]["alpha_s"]) == (5e-5, 4, 2e-5)
+    assert (d["cuda_internode"]["alpha_s"], d["cuda_internode"]["nic_Bps_per_node"]) == (2e-5, 8 * 400e9 / 8)
+    for part in ("cpu", "cuda", "cuda_internode"):
+        assert d[part]["provenance"].startswith("assumed")
+    assert "_assumed" not in available_profiles()
 
 
 def test_profile_json_path_round_trip(tmp_path, h200):
@@ -373,9 +397,24 @@ def test_host_calibration_is_plausible(h200):
 
 
 # ---------------------------------------------------------------------------- build
+def test_profile_builders_live_outside_the_package(monkeypatch):
+    import importlib.util
+
+    from mist.hardware.datasheet import DATASHEET
+    from mist.hardware.fitting import fit_floor_plus_rate
+
+    assert importlib.util.find_spec("mist.hardware.build") is None
+    assert importlib.util.find_spec("mist.hardware.fit_overlap") is None
+    monkeypatch.syspath_prepend(str(TOOLS))
+    from profile_build import common
+
+    assert common.DATASHEET is DATASHEET and common.fit_floor_plus_rate is fit_floor_plus_rate
+
+
 @needs_data
-def test_shipped_profiles_match_a_fresh_build():
-    from mist.hardware.build import build_all
+def test_shipped_profiles_match_a_fresh_build(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    from profile_build import build_all
 
     fresh = build_all(DATA)
     for name, p in fresh.items():

@@ -1,4 +1,5 @@
-"""Interference estimator (formulas.md §10), shipped overlap fits, and the DP / cross-node link model."""
+"""Interference estimator (the Mist paper's progressive overlap), shipped overlap fits, and the
+DP / cross-node link model."""
 
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from mist.hardware.interference import (
 )
 
 FITTED = ("l4", "a100-sxm4-40gb", "v100-sxm2-16gb")
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # shared/ beside the checkout
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # raw data, if present
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline fitting scripts (not installed)
 
 
 # ---- estimator --------------------------------------------------------------------------------
@@ -116,9 +118,36 @@ def test_fallbacks_are_labelled():
     np.testing.assert_allclose(other.vector(), InterferenceModel.serial().vector())
 
 
+def test_h200_fallback_reads_its_data_file(monkeypatch):
+    import json
+    from importlib import resources
+
+    import mist.hardware.interference as interference
+
+    doc = json.loads((resources.files("mist.hardware") / "overlap" / "_h200-pairs.json").read_text())
+    assert "measured" in doc["provenance"] and "H200" in doc["provenance"]
+    assert doc["defaults"]["provenance"].startswith("assumed")
+    pairs = doc["pairs"]
+    assert [pairs["gemm_vs_h2d"][k] for k in ("gemm_slowdown", "copy_slowdown")] == [0.9766, 1.0063]
+    assert [pairs["gemm_vs_d2h"][k] for k in ("gemm_slowdown", "copy_slowdown")] == [1.0063, 0.9975]
+    assert [pairs["bidir"][k] for k in ("h2d_alone_ms", "d2h_alone_ms", "both_ms")] == [19.5639, 19.4266, 23.8899]
+    h = load_interference("h200")
+    assert h.factors["C2G+G2C"] == [23.8899 / 19.5639, 23.8899 / 19.4266]
+    assert h.factors["C+G2C"] == [1.0063, 1.0]
+    assert h.extra == {"dropped_upper_bound_gemm_vs_d2d": {"gemm_slowdown": 1.6189, "copy_slowdown": 1.9497}}
+    a100 = load_overlap_doc("a100-sxm4-40gb")["interference"]["factors"]
+    assert h.factors["C+G2G"] == pytest.approx(a100["C+G2G"], abs=1e-12)
+    monkeypatch.setattr(interference, "load_overlap_doc", lambda gpu: None)  # the A100 fit missing
+    h = interference.h200_fallback()
+    assert "mild defaults" in h.provenance
+    assert h.factors["C+G2G"] == pytest.approx([1.3, 1.05], abs=1e-12)
+    assert h.factors["G2G+G2C"] == pytest.approx([1.05, 1.05], abs=1e-12)
+
+
 @pytest.mark.skipif(not (DATA / "gpus" / "l4" / "overlap-bench").is_dir(), reason="shared data not present")
-def test_recorded_errors_reproduce_on_data():
-    from mist.hardware.fit_overlap import load_layouts, mixed_rows, rel_errors
+def test_recorded_errors_reproduce_on_data(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    from profile_build.fit_overlap import load_layouts, mixed_rows, rel_errors
 
     doc = load_overlap_doc("l4")
     layouts = load_layouts(DATA, "l4")

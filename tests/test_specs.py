@@ -42,7 +42,7 @@ def test_every_preset_validates_and_is_named():
     assert len(PRESETS) >= 25
     for name, spec in PRESETS.items():
         assert isinstance(spec, ModelSpec)
-        spec.validate()
+        spec.check()
         assert spec.name == name
         assert get_preset(name) is spec
         assert get_preset(name.upper()) is spec
@@ -111,6 +111,7 @@ def test_gpt_1_3b_reference_vector():
     h, L, V = 2048, 24, 50304
     spec = replace(get_preset("gpt3-1.3b"), bias=True, max_position_embeddings=2048,
                    tie_embeddings=True)
+    assert spec.num_layers == L
     assert spec.block_params() == 12 * h * h + 13 * h
     assert spec.embedding_params() == (V + 2048) * h
     assert spec.head_params() == 2 * h  # final LayerNorm only, head tied

@@ -13,14 +13,14 @@ error string and the loop goes on:
 2. plans    llama-1.3b, seq 2048, global batch 8 = micro-batch 4 × G 2, bf16, flash attention,
             through `mist.runtime.spawn_local` for 5 steps each; the runtime's metrics dict per
             plan. About 30–40 s a plan (worker start, 1.3B-parameter init, 5 steps); optimizer
-            offload ≈ 80 s (7.4 s a step on 2026-11-29), so it runs last.
+            offload takes about twice as long, so it runs last.
 3. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
             mean/median step time and peak memory, for the runtime-overhead comparison. ~15 s.
 
 The whole run is held to --budget seconds (460, under 8 minutes): a plan gets what is left after
 a reserve for the bare loop and is stopped (its worker terminated) when that runs out; plans that
 cannot get MIN_PLAN_S are skipped. No simulator runs here: `report_gpu_loop.py` predicts the plans
-afterwards on the fetched files (the simulator mis-traced symbolic shapes under torch 2.11).
+afterwards on the fetched files (the tracer's symbolic shapes are not reliable under torch 2.11).
 """
 
 from __future__ import annotations
@@ -232,12 +232,13 @@ def bare_loop(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, mic
     import torch
 
     from mist.models import CausalLM
+    from mist.models.dtypes import torch_dtype
     from mist.specs.loading import load_model, load_model_dict
 
     spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    wdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    wdt = torch_dtype(dtype)
     G = global_batch // micro_batch
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:

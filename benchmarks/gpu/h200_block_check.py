@@ -62,11 +62,11 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "gpt3-7b", "llama3-8b", "
             x = torch.randn(b, 2048, h, device=DEV, dtype=DT, requires_grad=True)
             g = torch.randn(b, 2048, h, device=DEV, dtype=DT)
 
-            def fwd(stage, pre=None):
+            def fwd(stage, pre=None, blk=blk, x=x):
                 if stage == "run":
                     return blk(x)
 
-            def bwd(stage, pre=None):
+            def bwd(stage, pre=None, blk=blk, x=x, g=g):
                 if stage == "pre":
                     return blk(x)
                 pre.backward(g)
@@ -77,7 +77,7 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "gpt3-7b", "llama3-8b", "
             seen = {}
             keep = []
 
-            def pack(t):
+            def pack(t, keep=keep, seen=seen):
                 keep.append(t)
                 st = t.untyped_storage()
                 seen.setdefault(st.data_ptr(), st.nbytes())
@@ -92,7 +92,7 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "gpt3-7b", "llama3-8b", "
             saved = sum(v for k, v in seen.items() if k not in params)
             res["blocks"].append({"model": name, "b": b, "fwd_ms": f_ms, "bwd_ms": b_ms,
                                   "saved_bytes": saved, "alloc_delta_bytes": m1 - m0})
-            del y, keep, seen, blk, x, g
+            del y, keep, seen, blk, x, g, fwd, bwd, pack  # the closures hold them too
             torch.cuda.empty_cache()
         except Exception as e:  # keep going: one failure must not cost the whole run
             res["blocks"].append({"model": name, "b": b, "error": repr(e)})
@@ -110,7 +110,7 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "llama3-8b"]:
                 init(m)
             tok = torch.randint(0, spec.vocab_size, (1, 2048), device=DEV)
 
-            def step(stage, pre=None):
+            def step(stage, pre=None, emb=emb, blocks=blocks, head=head, tok=tok):
                 if stage == "pre":
                     return None
                 xx = emb(tok)
@@ -121,7 +121,7 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "llama3-8b"]:
             ms = ev_time(step, reps=5, warm=2)
             res["models"].append({"model": name, "b": 1, "recompute": rc, "fwd_bwd_ms": ms,
                                   "peak_alloc_bytes": torch.cuda.max_memory_allocated()})
-            del emb, blocks, head
+            del emb, blocks, head, step
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         except Exception as e:

@@ -26,8 +26,9 @@ for p in (ROOT / "src", ROOT / "benchmarks", HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import compare_profiles  # noqa: E402
 from gpu_loop import PLAIN, PROFILE, RESULT, error_text  # noqa: E402
+
+import compare_profiles  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 KEYS = ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes")

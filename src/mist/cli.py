@@ -6,13 +6,21 @@ import json
 import math
 import sys
 from dataclasses import replace
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from mist.errors import MistInputError
+from mist.hardware import load_profile
+from mist.plan import load_plan
+from mist.simulate.precision import profile_dtype
+from mist.specs.loading import load_model
+from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
+from mist.tune.compare import compare_spaces
+from mist.tune.run import ALL_SPACES, run_space
+from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -20,8 +28,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True)
 out = Console()
 
-GIB = 1 << 30
-MIB = 1 << 20
 # whole blocks, or the parts of each block `mist.models.checkpointing.SELECTIVE` re-runs
 RECOMPUTE_CHOICES = ("none", "full", "attention", "activation", "attention+activation")
 
@@ -34,11 +40,11 @@ SeqOpt = Annotated[int, typer.Option(help="Sequence length.")]
 BatchOpt = Annotated[int, typer.Option("--global-batch", help="Global batch (sequences).")]
 NoFlashOpt = Annotated[bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-HostMemOpt = Annotated[Optional[float], typer.Option(
+HostMemOpt = Annotated[float | None, typer.Option(
     "--host-memory", help="Host RAM per node in GiB, for offloading (default: the GPU kind's typical node).")]
-DtypeOpt = Annotated[Optional[str], typer.Option(
+DtypeOpt = Annotated[str | None, typer.Option(
     "--dtype", help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).")]
-GradDtypeOpt = Annotated[Optional[str], typer.Option(
+GradDtypeOpt = Annotated[str | None, typer.Option(
     "--grad-dtype", help="Accumulate and reduce gradients in fp32 (as Megatron-LM does with bf16), or in the "
                          "parameter dtype (default).")]
 
@@ -62,10 +68,7 @@ def estimate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Cost of one micro-batch of a model on one GPU: layer and model time, memory."""
-    from mist.hardware import load_profile
-    from mist.simulate.estimate import estimate as run_estimate
-    from mist.specs.loading import load_model
-    from mist.specs.training import MAX_GLOBAL_BATCH, TrainingSpec
+    from mist.simulate.estimate import estimate as run_estimate  # lazy: keeps torch out of start-up
 
     if recompute not in RECOMPUTE_CHOICES:
         raise MistInputError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}.")
@@ -73,9 +76,7 @@ def estimate(
         raise MistInputError(f"--micro-batch must be between 1 and {MAX_GLOBAL_BATCH:,}, got {micro_batch:,}.")
     TrainingSpec(seq_len=seq, global_batch=micro_batch)
     spec = load_model(model)
-    if spec.family == "gpt" and seq > spec.max_position_embeddings:
-        raise MistInputError(
-            f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
+    spec.check_seq_len(seq)
     profile = load_profile(gpu)
     res = run_estimate(spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash)
     if as_json:
@@ -92,24 +93,25 @@ def simulate(
     host_memory: HostMemOpt = None,
 ):
     """Predict a whole plan: iteration time, throughput, MFU, per-stage T/D and memory."""
-    from mist.hardware import load_profile
-    from mist.plan import load_plan
-    from mist.simulate.plan_sim import simulate_plan
+    # lazy: keeps torch out of the CLI start-up
+    from mist.simulate.plan_sim import simulate_plan, simulate_with_timeline
 
     p = load_plan(plan)
     if host_memory is not None:
         p = replace(p, cluster=replace(p.cluster, host_memory_gib=host_memory))
     profile = load_profile(p.cluster.gpu)
     if timeline is not None:
-        from mist.viz.timeline import IMAGE_SUFFIXES
+        from mist.viz.timeline import IMAGE_SUFFIXES  # lazy: keeps matplotlib out of start-up
 
         check_output_file(timeline, "--timeline", IMAGE_SUFFIXES)
-    res = simulate_plan(p, profile, with_events=timeline is not None)
-    if timeline is not None:
-        from mist.viz.timeline import draw_timeline
+    if timeline is None:
+        res = simulate_plan(p, profile)
+    else:
+        from mist.viz.timeline import draw_timeline  # lazy: keeps matplotlib out of start-up
 
-        draw_timeline(res, timeline)
-    res = {k: v for k, v in res.items() if not k.startswith("_")}
+        res, lanes = simulate_with_timeline(p, profile)
+        draw_timeline(lanes, timeline)
+        res["event_iteration_time_s"] = lanes.event_iteration_time_s   # printed with --timeline only
     if as_json:
         print(json.dumps(res, indent=1))
         return
@@ -118,11 +120,6 @@ def simulate(
 
 def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None,
            grad_dtype=None):
-    from mist.hardware import load_profile
-    from mist.simulate.precision import profile_dtype
-    from mist.specs.loading import load_model
-    from mist.specs.training import ClusterSpec, TrainingSpec
-
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
     profile = load_profile(gpu)
@@ -133,9 +130,7 @@ def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=
         if grad_dtype not in (dt, "fp32"):
             raise MistInputError(f"--grad-dtype must be fp32 or the parameter dtype ({dt}), got {grad_dtype!r}.")
         training = replace(training, grad_dtype=grad_dtype)
-    if spec.family == "gpt" and seq > spec.max_position_embeddings:
-        raise MistInputError(
-            f"Sequence length {seq} exceeds the model's {spec.max_position_embeddings} learned positions.")
+    spec.check_seq_len(seq)
     return spec, cluster, training, profile
 
 
@@ -185,16 +180,14 @@ def tune(
     no_flash: NoFlashOpt = False,
     dtype: DtypeOpt = None,
     grad_dtype: GradDtypeOpt = None,
-    pp: Optional[str] = typer.Option(None, "--pp", help="Allowed pipeline depths, e.g. 2 or 1,2 (default: any)."),
-    tp: Optional[str] = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
-    memory_limit: Optional[float] = typer.Option(
+    pp: str | None = typer.Option(None, "--pp", help="Allowed pipeline depths, e.g. 2 or 1,2 (default: any)."),
+    tp: str | None = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
+    memory_limit: float | None = typer.Option(
         None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."),
     host_memory: HostMemOpt = None,
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
-    from mist.tune.run import ALL_SPACES, run_space
-
     if space not in ALL_SPACES:
         raise MistInputError(f"Unknown search space {space!r}; choose one of {', '.join(ALL_SPACES)}.")
     _check_budget(time_budget)
@@ -206,10 +199,10 @@ def tune(
     spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
                                               host_memory, grad_dtype)
     if memory_limit is not None:
-        if not 0 < memory_limit * GIB <= profile.memory_bytes:
-            raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GIB:.2f}] GiB "
+        if not 0 < memory_limit * GiB <= profile.memory_bytes:
+            raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GiB:.2f}] GiB "
                                  f"(the capacity of {profile.name}), got {memory_limit}.")
-        profile = replace(profile, memory_bytes=int(memory_limit * GIB))
+        profile = replace(profile, memory_bytes=int(memory_limit * GiB))
     prog, update = _progress_printer(not as_json)
     if prog is not None:
         with prog:
@@ -246,8 +239,6 @@ def compare(
     as_json: JsonOpt = False,
 ):
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
-    from mist.tune.compare import compare_spaces
-
     _check_budget(time_budget)
     spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
                                               host_memory, grad_dtype)
@@ -282,14 +273,14 @@ def _print_simulation(p, r: dict) -> None:
         tb = s["time_breakdown"]
         t.add_row(str(i), ms(s["stable_time_s"]), ms(s["delta_time_s"]), ms(tb["compute_s"]),
                   ms(tb["recompute_s"]), ms(tb["tp_comm_s"]), ms(max(tb["exposed_transfers_s"], 0.0)),
-                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GIB:.2f}", f"{s['host_peak_bytes'] / GIB:.2f}",
+                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GiB:.2f}", f"{s['host_peak_bytes'] / GiB:.2f}",
                   "yes" if s["fits"] else "[red]no[/]")
     out.print(t)
     h = r["host_memory"]
     if any(h["per_node_bytes"]):
         cap = h["capacity_per_node_bytes"]
-        out.print(f"host memory per node: {max(h['per_node_bytes']) / GIB:.1f} GiB at most"
-                  + (f" of {cap / GIB:.1f} GiB" if cap else "") + f" ({h['source']})")
+        out.print(f"host memory per node: {max(h['per_node_bytes']) / GiB:.1f} GiB at most"
+                  + (f" of {cap / GiB:.1f} GiB" if cap else "") + f" ({h['source']})")
     for msg in r["memory_problems"]:
         out.print(f"[red]does not fit:[/] {msg}")
 
@@ -305,7 +296,7 @@ def _print_estimate(r: dict) -> None:
     t.add_column("value", justify="right")
     for k in ("fwd_compute_ms", "bwd_compute_ms", "recompute_ms", "fwd_comm_ms", "bwd_comm_ms"):
         t.add_row(k.replace("_ms", " (ms)"), f"{lay[k]:.3f}")
-    t.add_row("saved activations (MiB)", f"{lay['saved_activation_bytes'] / (1 << 20):.1f}")
+    t.add_row("saved activations (MiB)", f"{lay['saved_activation_bytes'] / MiB:.1f}")
     t.add_row("parameters", f"{lay['params']:,}")
     out.print(t)
     m = Table(title="whole model, one micro-batch, forward + backward")
@@ -317,8 +308,8 @@ def _print_estimate(r: dict) -> None:
     m.add_row("achieved TFLOP/s", f"{mod['achieved_tflops']:.0f}")
     m.add_row("parameters", f"{mod['params']:,}")
     for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes"):
-        m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{mod[k] / GIB:.2f}")
-    m.add_row("peak memory (GiB)", f"{mod['peak_bytes'] / GIB:.2f} of {mod['capacity_bytes'] / GIB:.1f}"
+        m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{mod[k] / GiB:.2f}")
+    m.add_row("peak memory (GiB)", f"{mod['peak_bytes'] / GiB:.2f} of {mod['capacity_bytes'] / GiB:.1f}"
               + ("" if mod["fits"] else "  [red]does not fit[/]"))
     out.print(m)
 
@@ -345,6 +336,7 @@ def train(
     stop_after: int = typer.Option(None, "--stop-after", help="End this run after N steps (checkpointed; the LR schedule still spans --steps)."),
 ):
     """Run a plan on torch.distributed (under torchrun, or --local worker processes)."""
+    # lazy: keeps torch out of the CLI start-up
     from mist.runtime import TrainConfig, train_command
 
     cfg = TrainConfig(steps=steps, data=data, seed=seed, lr=lr, min_lr_ratio=min_lr_ratio,
@@ -354,7 +346,7 @@ def train(
     res = train_command(plan, cfg, local)
     if res is not None:
         mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a (CPU run)"
-        peaks = ", ".join(f"{s['peak_memory_bytes'] / GIB:.3f}" for s in res["stages"])
+        peaks = ", ".join(f"{s['peak_memory_bytes'] / GiB:.3f}" for s in res["stages"])
         out.print(f"step time {res['step_time_s'] * 1e3:.1f} ms · {res['tokens_per_s']:,.0f} tokens/s · "
                   f"MFU {mfu} · peak memory per stage (GiB) {peaks} · final loss {res['losses'][-1]:.4f}"
                   + (f"; metrics written to {metrics}" if metrics else ""))
@@ -370,9 +362,7 @@ def validate(
     as_json: JsonOpt = False,
 ):
     """Run a plan and print predicted vs measured time and memory with signed relative errors."""
-    from mist.hardware import load_profile
-    from mist.plan import load_plan
-    from mist.validate import STAGE_ERRORS, run_and_validate
+    from mist.validate import STAGE_ERRORS, run_and_validate  # lazy: keeps torch out of start-up
 
     p = load_plan(plan)
     profile = load_profile(gpu or p.cluster.gpu)
@@ -389,11 +379,11 @@ def validate(
     fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
     t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
     labels = {"stable_time": ("T, steady micro-batch (ms)", 1e-3), "delta_time": ("D, one-off per iteration (ms)", 1e-3),
-              "peak_memory": ("peak memory (MiB)", MIB), "state_memory": ("states (MiB)", MIB),
-              "saved_activations": ("saved activations (MiB)", MIB),
-              "host_states": ("host: offloaded states (MiB)", MIB),
-              "host_activations": ("host: offloaded activations (MiB)", MIB),
-              "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MIB)}
+              "peak_memory": ("peak memory (MiB)", MiB), "state_memory": ("states (MiB)", MiB),
+              "saved_activations": ("saved activations (MiB)", MiB),
+              "host_states": ("host: offloaded states (MiB)", MiB),
+              "host_activations": ("host: offloaded activations (MiB)", MiB),
+              "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MiB)}
     for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
             label, unit = labels[name]

@@ -5,11 +5,11 @@ registered in `mist.cli` with `app.command("profile")(profile_command)`."""
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import typer
 from rich.console import Console
 
+from mist import cpu_workers, profiling
 from mist.errors import MistInputError
 from mist.userfiles import check_output_file
 
@@ -29,14 +29,12 @@ def check_arguments(device: str, processes: int, time_budget: float, output: str
     if name is not None and any(not ch.isprintable() for ch in name):
         raise MistInputError(f"--name must be printable text without control characters, got {name!r}.")
     if device == "cpu":
-        from mist.cpu_workers import host_cores
-
-        cores = host_cores()
+        cores = cpu_workers.host_cores()
         if processes > cores:
             raise MistInputError(f"--processes {processes} is more than the {cores} CPU core(s) this process may "
                                  "use on --device cpu (each process needs at least one core).")
     if device == "cuda":
-        import torch
+        import torch  # lazy: keeps torch out of the CLI start-up
 
         if not torch.cuda.is_available():
             raise MistInputError("--device cuda was asked for, but PyTorch sees no CUDA device on this machine.")
@@ -50,14 +48,12 @@ def profile_command(
                                   help="Worker processes for the collectives (gloo on CPU, NCCL on CUDA: one GPU each)."),
     output: str = typer.Option("profile.json", "-o", "--output", help="Profile JSON to write."),
     time_budget: float = typer.Option(180, "--time-budget", help="Seconds to spend measuring (about)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Profile name (default cpu-<host> / cuda-<device>)."),
+    name: str | None = typer.Option(None, "--name", help="Profile name (default cpu-<host> / cuda-<device>)."),
 ) -> None:
     """Measure this machine's device (GEMMs, attention, memory-bound ops, host overheads, copies,
     AdamW, collectives, overlap) and write a profile usable as --gpu PROFILE.json."""
     check_arguments(device, processes, time_budget, output, name)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from mist.profiling import run_profile, write_profile
 
     err = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -68,9 +64,9 @@ def profile_command(
         def progress(frac: float, message: str) -> None:
             prog.update(task, completed=frac, description=f"profiling {device}: {message}")
 
-        profile = run_profile(device=device, processes=processes, time_budget=time_budget, name=name,
-                              progress=progress)
-    path = write_profile(profile, output)
+        profile = profiling.run_profile(device=device, processes=processes, time_budget=time_budget,
+                                        name=name, progress=progress)
+    path = profiling.write_profile(profile, output)
     out = Console()
     out.print(f"wrote {path}")
     out.print(profile.summary())

@@ -14,11 +14,11 @@ without it each take every core (K-fold oversubscription). `MIST_HOST_THREADS` o
 Both also keep freed memory in the process heap (`keep_heap_pages`). By default glibc serves
 allocations of 32 MiB and more (a moving threshold) with fresh mmap'ed pages and returns them on
 free, so every large training temporary (logits, their gradient, a weight gradient of the head)
-is page-faulted in again on each use: measured on this project's 2-core machine, 8–27 thousand
-faults and 25–30 ms of a 1.4 s step. Micro-benchmarks that reuse their buffers never see that
+is page-faulted in again on each use: thousands of page faults per step, a few percent of a CPU
+step. Micro-benchmarks that reuse their buffers never see that
 cost, so the runtime and the profiler run with the same allocator settings. The price is resident
-memory: the process keeps what it freed mapped (a repeated 64 + 32 MiB pattern settles at about
-290 MiB more RSS after a few steps, tests/test_cpu_workers.py), as caching allocators do."""
+memory: the process keeps what it freed mapped (a repeated allocation pattern settles after a few
+steps, tests/test_cpu_workers.py), as caching allocators do."""
 
 from __future__ import annotations
 
@@ -64,14 +64,14 @@ def threads_per_worker(workers: int) -> int:
 
 def setup_gpu_rank(threads: int) -> None:
     """A GPU rank's intra-op threads for its host work (the CPU part of the optimizer step)."""
-    import torch
+    import torch  # lazy: keeps torch out of the CLI start-up
 
     torch.set_num_threads(int(threads))
 
 
 def setup_cpu_worker(threads: int) -> None:
     """Make this process one CPU device: `threads` intra-op threads and the heap kept."""
-    import torch
+    import torch  # lazy: keeps torch out of the CLI start-up
 
     torch.set_num_threads(int(threads))
     keep_heap_pages()

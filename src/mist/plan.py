@@ -5,7 +5,7 @@ A plan says how to train a model on a cluster: the gradient-accumulation count G
 size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of the stage),
 whether its other blocks recompute their attention core and their MLP activation, and the
 fraction of each state kept in CPU memory. Stage 0 also holds the embedding and the last stage
-the final norm, head and loss. This module validates and (de)serializes; nothing else.
+the final norm, head and loss. This module checks and (de)serializes; nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from mist.checks import is_int, is_number
 from mist.errors import MistInputError
+from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
 from mist.specs.presets import PRESETS
 from mist.specs.training import ClusterSpec, TrainingSpec
@@ -67,7 +69,7 @@ class Plan:
     model_ref: str | None = None   # the preset name or path the plan was written with
 
     def __post_init__(self) -> None:
-        validate(self)
+        check_plan(self)
 
     # ------------------------------------------------------------- views
     @property
@@ -121,14 +123,16 @@ def _selective_text(s: StageStrategy) -> str:
 
 # ------------------------------------------------------------------ checks
 def _int(what: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise MistInputError(f"{what} must be an integer, got {v!r}.")
     if v < minimum:
         raise MistInputError(f"{what} must be at least {minimum}, got {v}.")
     return v
 
 
-def validate(p: Plan) -> None:
+def check_plan(p: Plan) -> None:
+    """Raise MistInputError unless the plan is complete and consistent: every field in range, the
+    stages' batches, meshes and layers adding up to the model's and the cluster's."""
     if not p.stages:
         raise MistInputError("The plan has no stages.")
     _int("micro_batches", p.micro_batches)
@@ -141,7 +145,7 @@ def validate(p: Plan) -> None:
         for f in ("recompute_attention", "recompute_activation"):
             if not isinstance(getattr(s, f), bool):
                 raise MistInputError(f"{where} {f} must be true or false, got {getattr(s, f)!r}.")
-        if isinstance(s.zero, bool) or not isinstance(s.zero, int) or s.zero not in (0, 1, 2, 3):
+        if not is_int(s.zero) or s.zero not in (0, 1, 2, 3):
             raise MistInputError(f"{where} zero must be 0, 1, 2 or 3, got {s.zero!r}.")
         if s.micro_batch * s.dp * p.micro_batches != B:
             raise MistInputError(
@@ -155,7 +159,7 @@ def validate(p: Plan) -> None:
             raise MistInputError(
                 f"{where}: recompute_layers {s.recompute_layers} exceeds its {s.layers} layers.")
         for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            if not is_number(v) or not 0.0 <= v <= 1.0:
                 raise MistInputError(f"{where} offload.{k} must be a ratio in [0, 1], got {v!r}.")
         if p.model.num_heads % s.tp:
             raise MistInputError(
@@ -172,9 +176,7 @@ def validate(p: Plan) -> None:
             raise MistInputError(
                 f"{where}: its mesh {s.nodes}×{s.gpus_per_node} does not fit the cluster's "
                 f"{p.cluster.nodes}×{p.cluster.gpus_per_node}.")
-    if p.model.family == "gpt" and p.training.seq_len > p.model.max_position_embeddings:
-        raise MistInputError(f"Sequence length {p.training.seq_len} exceeds the model's "
-                             f"{p.model.max_position_embeddings} learned positions.")
+    p.model.check_seq_len(p.training.seq_len)
     layers = sum(s.layers for s in p.stages)
     if layers != p.model.num_layers:
         raise MistInputError(f"The stages hold {layers} layers but the model has {p.model.num_layers}.")
@@ -223,8 +225,6 @@ def _sub(d: dict, key: str, cls, where: str):
 
 
 def plan_from_dict(d: dict, source: str = "plan") -> Plan:
-    from mist.specs.loading import load_model, load_model_dict
-
     if not isinstance(d, dict):
         raise MistInputError(f"{source} must hold a mapping at the top level.")
     unknown = set(d) - set(PLAN_FIELDS)

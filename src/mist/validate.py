@@ -7,9 +7,12 @@ micro-benchmarks tells whether the machine has drifted (> 10 %) since the profil
 
 from __future__ import annotations
 
+from mist.checks import is_int
 from mist.errors import MistInputError
-from mist.plan import Plan
+from mist.plan import Plan, load_plan
+from mist.profiling.drift import check as drift_check
 from mist.runtime.config import TrainConfig
+from mist.runtime.launch import train_command
 from mist.simulate.plan_sim import simulate_plan
 
 MIN_STEPS = 2   # the first step warms up (allocations, caches); the measurement is of the later ones
@@ -30,7 +33,7 @@ def _rel(pred, meas):
 
 def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> dict:
     """Combine a simulation of `plan` on `profile` with the runtime's `metrics`."""
-    pred = {k: v for k, v in simulate_plan(plan, profile).items() if not k.startswith("_")}
+    pred = simulate_plan(plan, profile)
     # the runtime's step is one iteration: G micro-batches, the optimizer step included
     pairs = list(zip(pred["stages"], metrics.get("stages", [])))
     errors = {"step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
@@ -52,19 +55,14 @@ def mismatch(plan: Plan, profile) -> list[str]:
 
 
 def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> dict:
-    from mist.plan import load_plan
-    from mist.runtime.launch import train_command
-
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < MIN_STEPS:
+    if not is_int(steps) or steps < MIN_STEPS:
         raise MistInputError(f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
                              f"is warm-up and only the later ones are measured, got {steps!r}.")
     plan = load_plan(plan_path)
     drift = None
     fp = getattr(profile, "fingerprint", None) or {}
     if check_drift and fp.get("device_kind"):
-        from mist.profiling.drift import check
-
-        drift = check(profile, quick=True)
+        drift = drift_check(profile, quick=True)
     metrics = train_command(plan_path, TrainConfig(steps=steps, log=False), local)
     if metrics is None:  # a non-zero rank under torchrun
         return {}

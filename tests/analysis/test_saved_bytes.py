@@ -111,9 +111,9 @@ def test_gpu_flash_block_matches_korthikanti_without_dropout():
 
 @pytest.mark.parametrize("name,dropped", [("gpt3-1.3b", "gelu"), ("llama-7b", "swiglu")])
 def test_activation_recompute_drops_the_activation_outputs(name, dropped):
-    """GELU: the block no longer keeps gelu(y) (f wide, fc2's input). SwiGLU: it keeps fc1's
-    [gate | up] (2f) instead of gate, silu(gate), up and the product (4f): 2f fewer. Elements of
-    2 bytes per token; the rest of the block is unchanged."""
+    """GELU: with the activation recomputed the block does not keep gelu(y) (f wide, fc2's
+    input). SwiGLU: it keeps fc1's [gate | up] (2f) instead of gate, silu(gate), up and the
+    product (4f): 2f fewer. Elements of 2 bytes per token; the rest of the block is unchanged."""
     from mist.specs.presets import get_preset
 
     spec = get_preset(name)

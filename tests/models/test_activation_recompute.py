@@ -42,4 +42,4 @@ def test_gradcheck_in_double():
         x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
         w = torch.randn(6, 4 if gated else 8, dtype=torch.float64, requires_grad=True)
         act = Activation(gated)
-        assert torch.autograd.gradcheck(lambda x, w: act_linear(x, w, act), (x, w))
+        assert torch.autograd.gradcheck(lambda x, w, act=act: act_linear(x, w, act), (x, w))

@@ -29,7 +29,7 @@ def written(tmp_path_factory):
 
     from mist.profiling import run_profile
 
-    # One intra-op thread: on a shared 2-core machine multi-threaded kernels stall whenever another
+    # One intra-op thread: on a machine with few cores multi-threaded kernels stall whenever another
     # process takes a core; the drift check re-measures with the profile's recorded thread count.
     seen = []
     threads = torch.get_num_threads()
@@ -185,7 +185,7 @@ def test_drift_check_near_one(written):
     rep = check(load_profile(path), "cpu", quick=True, processes=2)
     kinds = [c["what"].split()[0] for c in rep["checks"]]
     assert kinds.count("gemm") >= 3 and "gelu" in kinds and "all_reduce" in kinds
-    # a busy 2-core machine is noisy: the fresh profile must agree within a factor of 3
+    # a busy machine with few cores is noisy: the fresh profile must agree within a factor of 3
     for c in rep["checks"]:
         assert 1 / 3 < c["ratio"] < 3, c
     assert isinstance(rep["drifted"], bool) and rep["threshold"] == 0.10

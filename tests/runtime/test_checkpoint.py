@@ -3,10 +3,10 @@ weights); resuming with another plan, or from an empty directory → one sentenc
 
 import numpy as np
 import pytest
+from rt_helpers import make_plan, run_plan
 
 from mist.cli import main
 from mist.errors import MistInputError
-from rt_helpers import make_plan, run_plan
 
 STEPS = 6
 

@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from rt_helpers import CFG, SEQ, SPECS, make_plan, reference, run_plan
 from torch import nn
 
 from mist.plan import Offload, Plan, StageStrategy
 from mist.runtime.flat import Comms, FlatUnit
 from mist.runtime.launch import free_port
 from mist.runtime.memory import MemoryAccount
+from mist.runtime.param_role import ParamRole
 from mist.specs.training import ClusterSpec, TrainingSpec
-from rt_helpers import CFG, SEQ, SPECS, make_plan, reference, run_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
     for name, shape in zip(names, SHAPES):
         setattr(mod, name, nn.Parameter(torch.randn(shape)))
     params = [(n, getattr(mod, n), [(mod, n)]) for n in names]
-    infos = [{"decay": len(s) > 1} for s in SHAPES]
+    infos = [ParamRole(decay=len(s) > 1) for s in SHAPES]
     mem = MemoryAccount()
     u = FlatUnit("unit", params, infos, dtype=torch.bfloat16, device="cpu",
                  comms=Comms(2, rank, dist.group.WORLD), zero=zero, weights=0.0, grads=grads,

@@ -57,10 +57,10 @@ def test_tied_segments_cover_every_shard_with_all_of_its_holders(first, last):
     segs = tied_segments(a, z, V)
     assert segs[0][0] == 0 and segs[-1][1] == V and all(s[1] == n[0] for s, n in zip(segs, segs[1:]))
     for s in (a, z):
-        for d, t, r in positions(s):
+        for _d, t, r in positions(s):
             lo, hi = t * V // s.tp, (t + 1) * V // s.tp
             mine = [(a_, b_) for a_, b_, ranks in segs if r in ranks]
             assert mine[0][0] == lo and mine[-1][1] == hi                       # tiles its shard
             assert all(p[1] == q[0] for p, q in zip(mine, mine[1:]))
-    for lo, hi, ranks in segs:
+    for _lo, _hi, ranks in segs:
         assert len(ranks) == a.dp + z.dp

@@ -10,7 +10,6 @@ Tiny models: GPT (biases, tied embeddings, learned positions), Llama (GQA 4/2) a
 
 import pytest
 import torch
-
 from rt_helpers import CFG, compare, make_plan, reference, run_plan
 
 FAMILIES = ("gpt", "llama", "falcon")
@@ -80,8 +79,9 @@ def test_matches_single_process(family, name, kw):
 def test_updates_are_large_against_the_tolerance():
     """A wrong update would show: most weights move by far more than the tolerance."""
     ref = reference("llama", 2)
-    from mist.models import CausalLM, init_weights
     from rt_helpers import ATOL, SPECS
+
+    from mist.models import CausalLM, init_weights
 
     init = CausalLM(SPECS["llama"], dtype=torch.float32)
     init_weights(init, CFG["seed"])

@@ -10,10 +10,10 @@ and the same plain-PyTorch reference as `test_runtime_equivalence.py`.
 from dataclasses import replace
 
 import pytest
+from rt_helpers import CFG, SEQ, SPECS, compare, reference, run_plan
 
 from mist.plan import Offload, Plan, StageStrategy
 from mist.specs.training import ClusterSpec, TrainingSpec
-from rt_helpers import CFG, SEQ, SPECS, compare, reference, run_plan
 
 # 4-layer variants for the 3 + 1 splits (the reference reads the spec from SPECS)
 SPECS.setdefault("gpt4", replace(SPECS["gpt"], num_layers=4, name="tiny-gpt4"))

@@ -5,19 +5,18 @@ import math
 import numpy as np
 import pytest
 import torch
+from rt_helpers import SPECS, make_plan
 
 from mist.errors import MistInputError
 from mist.models import CausalLM, TPGroup, init_weights
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.buffers import SplitBuffer, split_point
-from mist.runtime.data import (SyntheticData, TokenFileData, byte_tokens, make_data,
-                               split_micro_batches)
+from mist.runtime.data import SyntheticData, TokenFileData, byte_tokens, make_data, split_micro_batches
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, adamw_, lr_at
 from mist.runtime.sharding import init_stage_params, tp_slice
-from mist.runtime.stage import StageModule
+from mist.runtime.stage_runner import StageModule
 from mist.runtime.trainer import model_flops_per_step
-from rt_helpers import SPECS, make_plan
 
 
 def _stage_shards(spec, tp, seed, first_layer=0, layers=None, first=True, last=True):

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from rt_helpers import make_plan
 
 from mist.cli import main
 from mist.errors import MistInputError
 from mist.runtime import TrainConfig, spawn_local
 from mist.runtime.launch import device_type_for
-from rt_helpers import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,12 +130,16 @@ def test_which_device_a_plan_runs_on():
     assert device_type_for(make_plan("gpt", gpu="cpu"), local=False) == ("cpu", None)
     assert device_type_for(make_plan("gpt", gpu=cpu_profile), local=False) == ("cpu", None)
     if torch.cuda.is_available():
-        assert device_type_for(make_plan("gpt", gpu="l4"), local=False) == ("cuda", None)
-        return
+        return   # the GPU plan's device: test_a_gpu_plan_runs_on_the_gpus
     with pytest.raises(MistInputError, match="no CUDA device"):
         device_type_for(make_plan("gpt", gpu="l4"), local=False)
     dev, note = device_type_for(make_plan("gpt", gpu="l4"), local=True)
     assert dev == "cpu" and "gloo" in note
+
+
+@pytest.mark.gpu
+def test_a_gpu_plan_runs_on_the_gpus():
+    assert device_type_for(make_plan("gpt", gpu="l4"), local=False) == ("cuda", None)
 
 
 def test_bad_host_threads(tmp_path, capsys, monkeypatch):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rt_helpers import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]

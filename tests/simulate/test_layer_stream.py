@@ -16,7 +16,7 @@ from mist.specs.presets import get_preset
 def _kernels(prof, la, ph, b, s):
     ops = la.op_values(ph, np.array([float(b)]), np.array([float(s)]))
     return np.array([float(np.ravel(kernel_time(prof, op, ph == "bwd"))[0])
-                     for op in ops if op["kind"] != COLLECTIVE])
+                     for op in ops if op.kind != COLLECTIVE])
 
 
 @pytest.mark.parametrize("model,b", [("llama-1.3b", 1), ("gpt3-1.3b", 1), ("llama3-8b", 4)])

@@ -1,4 +1,5 @@
-"""Pipeline math: the closed form against formulas.md vectors and an event-driven 1F1B run."""
+"""Pipeline math: the closed form against the Mist paper's objective (worked examples) and an
+event-driven 1F1B run."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,8 @@ from mist.simulate.pipeline import event_schedule, iteration_time, one_f_one_b_o
 
 
 def test_reduces_to_mist_formula_vectors():
-    """With the whole extra charged to the first micro-batch and F = T it is formulas.md §8."""
+    """With the whole extra charged to the first micro-batch and F = T it is the Mist paper's
+    (G − 1)·max T + Σ T + max(0, max_i (D_i − Σ_{j<i} T_j))."""
     assert iteration_time([1, 1], 4, first=[0.5, 2]) == pytest.approx(6.0)
     assert iteration_time([2, 3, 2.5], 8, first=[4, 1, 6]) == pytest.approx(32.5)
     assert iteration_time([3.0], 5, first=[1.5]) == pytest.approx(5 * 3.0 + 1.5)

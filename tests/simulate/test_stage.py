@@ -1,7 +1,5 @@
 """Stage schedule and memory: breakdowns sum, and each knob moves time/memory the right way."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -10,6 +8,7 @@ from mist.simulate.stage import StageInput, StageModel
 from mist.specs.presets import get_preset
 
 SPEC = get_preset("gpt3-1.3b")
+OFFLOADS = ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +19,11 @@ def l4_model():
 def stage(**kw):
     base = dict(first=True, last=False, index=0, num_stages=2, layers=np.array([12]),
                 recompute=np.array([0]), b=np.array([2]), dp=np.array([2]), tp=1, zero=np.array([1]),
-                wo=np.array([0.0]), go=np.array([0.0]), oo=np.array([0.0]), ao=np.array([0.0]), G=8,
+                offload_weights=np.array([0.0]), offload_grads=np.array([0.0]),
+                offload_optimizer=np.array([0.0]), offload_activations=np.array([0.0]), G=8,
                 nodes=1, gpus_per_node=2, cluster_gpus_per_node=4)
-    base.update({k: (np.array([v]) if k in ("layers", "recompute", "b", "dp", "zero", "wo", "go", "oo", "ao")
+    arrays = ("layers", "recompute", "b", "dp", "zero", *OFFLOADS)
+    base.update({k: (np.array([v]) if k in arrays
                      and not isinstance(v, np.ndarray) else v) for k, v in kw.items()})
     return StageInput(**base)
 
@@ -32,7 +33,9 @@ def one(r, field):
 
 
 def test_breakdowns_sum(l4_model):
-    for kw in ({}, dict(zero=3, wo=0.5, go=0.5, oo=0.75, ao=0.25, recompute=4), dict(last=True, first=False, index=1)):
+    offloaded = dict(zero=3, offload_weights=0.5, offload_grads=0.5, offload_optimizer=0.75,
+                     offload_activations=0.25, recompute=4)
+    for kw in ({}, offloaded, dict(last=True, first=False, index=1)):
         r = l4_model.evaluate(stage(**kw))
         assert sum(float(v[0]) for v in r.time_breakdown.values()) == pytest.approx(one(r, "T"), rel=1e-9)
         assert sum(float(v[0]) for v in r.memory_breakdown.values()) == pytest.approx(one(r, "peak"), rel=1e-9)
@@ -57,7 +60,7 @@ def test_attention_recompute_sits_between_none_and_full():
     core frees most of a block's activations for a fraction of a full recompute's time."""
     prof = load_profile("l4")
     plain = StageModel(SPEC, prof, tp=1, flash=False, seq=2048)
-    attn = StageModel(SPEC, prof, tp=1, flash=False, seq=2048, attention_recompute=True)
+    attn = StageModel(SPEC, prof, tp=1, flash=False, seq=2048, recompute_attention=True)
     none, full = plain.evaluate(stage(recompute=0)), plain.evaluate(stage(recompute=12))
     core = attn.evaluate(stage(recompute=0))
     assert one(full, "peak") < one(core, "peak") < one(none, "peak")
@@ -76,7 +79,7 @@ def test_activation_recompute_frees_a_quarter_of_the_activations_for_little_time
     backward drops 8·sbh of them (gelu(y), 4h wide) for one elementwise pass per block."""
     prof = load_profile("l4")
     plain = StageModel(SPEC, prof, tp=1, flash=True, seq=2048)
-    act = StageModel(SPEC, prof, tp=1, flash=True, seq=2048, activation_recompute=True)
+    act = StageModel(SPEC, prof, tp=1, flash=True, seq=2048, recompute_activation=True)
     none, full, sel = plain.evaluate(stage()), plain.evaluate(stage(recompute=12)), act.evaluate(stage())
     h, f = SPEC.hidden_size, SPEC.ffn_hidden_size
     sbh = 2 * 2048 * h
@@ -91,7 +94,7 @@ def test_activation_recompute_frees_a_quarter_of_the_activations_for_little_time
     assert sum(float(v[0]) for v in sel.time_breakdown.values()) == pytest.approx(one(sel, "T"), rel=1e-9)
 
 
-@pytest.mark.parametrize("knob", ["wo", "go", "oo", "ao"])
+@pytest.mark.parametrize("knob", OFFLOADS)
 def test_offload_frees_memory_and_never_speeds_up(l4_model, knob):
     a = l4_model.evaluate(stage())
     b = l4_model.evaluate(stage(**{knob: 1.0}))
@@ -124,8 +127,8 @@ def one_of(breakdown, key):
 
 
 def test_optimizer_offload_cost_is_one_off(l4_model):
-    a = l4_model.evaluate(stage(oo=0.0))
-    b = l4_model.evaluate(stage(oo=1.0))
+    a = l4_model.evaluate(stage(offload_optimizer=0.0))
+    b = l4_model.evaluate(stage(offload_optimizer=1.0))
     assert one(b, "T") == pytest.approx(one(a, "T"), rel=1e-9)
     assert one(b, "D") > one(a, "D")
 
@@ -154,20 +157,25 @@ def test_without_data_parallelism_the_one_offs_are_the_optimizer_step_and_the_gr
 def test_vectorized_matches_scalar(l4_model):
     zs = np.array([0, 1, 2, 3, 1])
     oos = np.array([0, 0, 0.5, 1.0, 0.25])
-    rv = l4_model.evaluate(stage(zero=zs, oo=oos))
+    rv = l4_model.evaluate(stage(zero=zs, offload_optimizer=oos))
     for i in range(len(zs)):
-        rs = l4_model.evaluate(stage(zero=int(zs[i]), oo=float(oos[i])))
+        rs = l4_model.evaluate(stage(zero=int(zs[i]), offload_optimizer=float(oos[i])))
         assert float(rv.T[i]) == pytest.approx(one(rs, "T"))
         assert float(rv.peak[i]) == pytest.approx(one(rs, "peak"))
 
 
-def test_many_candidates_fast(l4_model):
-    n = 20000
+def many_candidates(n: int) -> StageInput:
+    """n random candidate stages in one input (benchmarks/unit_speed.py times evaluating them)."""
     rng = np.random.default_rng(0)
-    st = stage(zero=rng.integers(0, 4, n), wo=rng.choice([0, .5, 1], n), go=rng.choice([0, .5, 1], n),
-               oo=rng.random(n), ao=rng.random(n), recompute=rng.integers(0, 13, n))
+    return stage(zero=rng.integers(0, 4, n), offload_weights=rng.choice([0, .5, 1], n),
+                 offload_grads=rng.choice([0, .5, 1], n), offload_optimizer=rng.random(n),
+                 offload_activations=rng.random(n), recompute=rng.integers(0, 13, n))
+
+
+def test_many_candidates_at_once(l4_model):
+    """One evaluate call prices a whole batch of candidates."""
+    n = 20000
+    st = many_candidates(n)
     l4_model.evaluate(st)  # warm the traces
-    t = time.perf_counter()
     r = l4_model.evaluate(st)
     assert r.T.shape == (n,)
-    assert time.perf_counter() - t < 5.0

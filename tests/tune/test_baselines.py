@@ -14,6 +14,7 @@ from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.baselines import even_split, stage_mesh, tune_aceso, tune_deepspeed, tune_megatron
 from mist.tune.compare import short_summary
 from mist.tune.result import TuneResult
+from mist.tune.space import tp_degrees
 
 TUNERS = {"megatron": tune_megatron, "deepspeed": tune_deepspeed, "aceso": tune_aceso}
 
@@ -214,7 +215,7 @@ def test_aceso_never_worse_than_its_balanced_start(small, results, prof):
                 starts.append(sim["iteration_time_s"])
                 ev = bl._Evaluator(model, cluster, training, prof)
                 _, c = bl._aceso_walk(ev, G, stages, time.monotonic() + 30,
-                                      bl._tp_options(model, mesh[1]))
+                                      tp_degrees(model, mesh[1]))
                 assert c.fits and c.time <= sim["iteration_time_s"] * (1 + 1e-12)
     assert starts
     assert results["aceso"].predicted["iteration_time_s"] <= min(starts) * (1 + 1e-12)

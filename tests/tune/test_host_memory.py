@@ -7,22 +7,23 @@ import pytest
 
 from mist.errors import MistInputError
 from mist.hardware import load_profile
-from mist.hardware.host_memory import GIB, TYPICAL_NODES, node_host_memory, node_usage
+from mist.hardware.host_memory import TYPICAL_NODES, node_host_memory, node_usage
 from mist.plan import plan_from_dict
 from mist.simulate.plan_sim import simulate_plan
 from mist.specs.presets import get_preset
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.run import run_space
+from mist.units import GiB
 
 
 def test_capacity_comes_from_the_cluster_then_the_profile_then_the_typical_node():
     l4 = load_profile("l4")
     cap, src = node_host_memory(ClusterSpec("l4", 1, 4, host_memory_gib=100), l4)
-    assert cap == 100 * GIB and "cluster" in src
-    cap, src = node_host_memory(ClusterSpec("l4", 1, 4), replace(l4, host_memory_per_gpu=10 * GIB))
-    assert cap == 40 * GIB and "profile" in src
+    assert cap == 100 * GiB and "cluster" in src
+    cap, src = node_host_memory(ClusterSpec("l4", 1, 4), replace(l4, host_memory_per_gpu=10 * GiB))
+    assert cap == 40 * GiB and "profile" in src
     cap, src = node_host_memory(ClusterSpec("l4", 1, 4), l4)
-    assert cap == TYPICAL_NODES["l4"][0] * 4 * GIB and "g2-standard-96" in src
+    assert cap == TYPICAL_NODES["l4"][0] * 4 * GiB and "g2-standard-96" in src
     cap, src = node_host_memory(ClusterSpec("l4", 1, 4), replace(l4, name="my-gpu"))
     assert cap is None and "--host-memory" in src
 
@@ -30,8 +31,8 @@ def test_capacity_comes_from_the_cluster_then_the_profile_then_the_typical_node(
 def test_profile_round_trips_its_host_memory():
     from mist.hardware.profile import GpuProfile
 
-    p = replace(load_profile("h200"), host_memory_per_gpu=123.0 * GIB)
-    assert GpuProfile.from_dict(p.to_dict()).host_memory_per_gpu == 123.0 * GIB
+    p = replace(load_profile("h200"), host_memory_per_gpu=123.0 * GiB)
+    assert GpuProfile.from_dict(p.to_dict()).host_memory_per_gpu == 123.0 * GiB
     assert "host_memory_per_gpu" not in load_profile("h200").to_dict()
 
 
@@ -77,7 +78,7 @@ def test_simulate_checks_every_node_against_its_ram():
     # ZeRO-1 over 2.7B parameters: 12 bytes of optimizer state per parameter, half on each GPU
     assert 0.45 * 2.7e9 * 12 < st["host_state_bytes"] < 0.75 * 2.7e9 * 16
     assert h["per_node_bytes"] == [2 * st["host_peak_bytes"]] and h["fits"] and roomy["fits"]
-    tight = simulate_plan(_offload_plan(host_gib=h["per_node_bytes"][0] / GIB * 0.9), prof)
+    tight = simulate_plan(_offload_plan(host_gib=h["per_node_bytes"][0] / GiB * 0.9), prof)
     assert not tight["fits"] and not tight["host_memory"]["fits"]
     assert any("host memory" in m for m in tight["memory_problems"])
     assert all(s["fits"] for s in tight["stages"])   # the GPUs themselves are fine
@@ -86,7 +87,7 @@ def test_simulate_checks_every_node_against_its_ram():
 @pytest.fixture(scope="module")
 def squeezed():
     """gpt3-1.3b on 2 L4s held to 9 GiB per GPU: it needs offloading to fit."""
-    prof = replace(load_profile("l4"), memory_bytes=9 * GIB)
+    prof = replace(load_profile("l4"), memory_bytes=9 * GiB)
     return get_preset("gpt3-1.3b"), TrainingSpec(seq_len=2048, global_batch=16), prof
 
 
@@ -96,12 +97,12 @@ def test_tuners_keep_offloading_within_the_host_memory(squeezed, space):
     free = run_space(space, model, ClusterSpec("l4", 1, 2), training, prof)
     assert free.plan is not None
     used = free.predicted["host_memory"]["per_node_bytes"][0]
-    assert used > 1 * GIB   # offloading is what makes it fit
-    budget = used / GIB * 0.6
+    assert used > 1 * GiB   # offloading is what makes it fit
+    budget = used / GiB * 0.6
     held = run_space(space, model, ClusterSpec("l4", 1, 2, host_memory_gib=budget), training, prof)
     if held.plan is not None:
         again = simulate_plan(held.plan, prof)
-        assert again["fits"] and again["host_memory"]["per_node_bytes"][0] <= budget * GIB
+        assert again["fits"] and again["host_memory"]["per_node_bytes"][0] <= budget * GiB
         assert held.iteration_time_s >= free.iteration_time_s * (1 - 1e-9)
     else:
         assert "host memory" in held.infeasible_reason

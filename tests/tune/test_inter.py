@@ -12,7 +12,7 @@ from mist.tune.intra import Options, pareto_2d
 
 def random_options(rng, S, L, K):
     opts = []
-    for i in range(S):
+    for _ in range(S):
         d = {}
         for l in range(1, L + 1):
             k = int(rng.integers(1, K + 1))
@@ -65,14 +65,12 @@ def test_infeasible_returns_none():
     assert best_split([{1: empty, 2: empty}], 2, 4) is None
 
 
-def test_large_instance_is_fast():
-    import time
+def test_large_instance_is_solved():
+    """8 stages × 48 layers × up to 8 options (its speed: benchmarks/unit_speed.py)."""
     rng = np.random.default_rng(1)
     opts = random_options(rng, 8, 48, 8)
-    t = time.perf_counter()
     res = best_split(opts, 48, 32)
     assert res is not None and sum(res.layers) == 48
-    assert time.perf_counter() - t < 20
 
 
 def test_pareto_2d():

@@ -102,14 +102,14 @@ def test_attention_recompute_is_searched_without_flash_and_resimulates():
                                                                     (True, False), (True, True)]
     paper = StageTables(*args, False, get_space("mist-paper"), *rest[1:]).selective_choices()
     assert paper == [(False, False)]
-    forced = replace(full, name="forced", attention_recompute=(True,), activation_recompute=(False,),
+    forced = replace(full, name="forced", recompute_attention=(True,), recompute_activation=(False,),
                      seed_space=None)
     training = TrainingSpec(seq_len=2048, global_batch=32, flash_attention=False)
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert r.plan is not None
     assert all(s.recompute_attention for s in r.plan.stages)
     assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
-    plain = tune(spec, ClusterSpec("l4", 1, 2), training, prof, replace(forced, attention_recompute=(False,)))
+    plain = tune(spec, ClusterSpec("l4", 1, 2), training, prof, replace(forced, recompute_attention=(False,)))
     assert not any(s.recompute_attention for s in plain.plan.stages)
     assert plain.iteration_time_s != r.iteration_time_s
 
@@ -125,7 +125,7 @@ def test_activation_recompute_is_searched_and_resimulates():
 
     spec, prof = get_preset("gpt3-1.3b"), load_profile("l4")
     training = TrainingSpec(seq_len=2048, global_batch=32)
-    forced = replace(get_space("full"), name="forced", activation_recompute=(True,), seed_space=None)
+    forced = replace(get_space("full"), name="forced", recompute_activation=(True,), seed_space=None)
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert all(s.recompute_activation for s in r.plan.stages)
     assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
@@ -135,7 +135,7 @@ def test_activation_recompute_is_searched_and_resimulates():
     cluster = ClusterSpec("l4", 1, 8)
     full = tune(spec, cluster, training, prof, "full")
     without = tune(spec, cluster, training, prof, replace(get_space("full"), name="no-act",
-                                                           activation_recompute=(False,)))
+                                                           recompute_activation=(False,)))
     assert any(s.recompute_activation for s in full.plan.stages)
     assert full.iteration_time_s < without.iteration_time_s
     assert simulate_plan(full.plan, prof)["iteration_time_s"] == full.predicted["iteration_time_s"]

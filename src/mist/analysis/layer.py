@@ -8,7 +8,7 @@ compiled once (lambdify) into a numpy function of (b, s) arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 import numpy as np
@@ -17,18 +17,18 @@ import torch
 
 from mist.analysis import disk_cache
 from mist.analysis.liveness import live_bytes
-from mist.analysis.records import ATTENTION, UNCOSTED, B, S, OpRecord
+from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, selective_modes
 from mist.models.collectives import TPGroup
+from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
 from mist.specs.model import ModelSpec
 
 PARTS = ("block", "pre", "post")
 TARGETS = ("cuda", "cpu")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # The fused flash kernel a CUDA GPU runs for `scaled_dot_product_attention`. The CPU flash kernel
 # traced here keeps the same tensors for backward (q, k, v, output and the fp32 log-sum-exp of
@@ -59,7 +59,7 @@ class LayerAnalysis:
     saved_numels: list = field(default_factory=list)
     saved_elts: list = field(default_factory=list)
     saved_whole: sympy.Expr = sympy.Integer(0)
-    unit_batch: "LayerAnalysis | None" = None   # the exact b = 1 trace (memory at b = 1)
+    unit_batch: LayerAnalysis | None = None   # the exact b = 1 trace (memory at b = 1)
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -114,15 +114,16 @@ class LayerAnalysis:
     def ops(self, phase: str) -> list[OpRecord]:
         return [r for r in self.records if r.phase == phase and r.kind not in UNCOSTED]
 
-    def op_values(self, phase: str, b, s) -> list[dict]:
+    def op_values(self, phase: str, b, s) -> list[OpValues]:
         """Each costed op of `phase` with its parameters and bytes evaluated at (b, s) arrays."""
         ops = self.ops(phase)
         exprs, keys = [], []
         for r in ops:
-            for k, v in r.params.items():
+            for f in (fields(r.params) if r.params is not None else ()):
+                v = getattr(r.params, f.name)
                 if isinstance(v, sympy.Basic):
                     exprs.append(v)
-                    keys.append((r.index, k))
+                    keys.append((r.index, f.name))
             exprs.append(r.bytes_moved)
             keys.append((r.index, "bytes_moved"))
         vals = self._eval("ops_" + phase, exprs, b, s) if exprs else []
@@ -131,17 +132,18 @@ class LayerAnalysis:
             table.setdefault(i, {})[k] = v
         out = []
         for r in ops:
-            d = {k: v for k, v in r.params.items() if not isinstance(v, sympy.Basic)}
-            d.update(table.get(r.index, {}))
-            out.append({"op": r.op, "kind": r.kind, **d})
+            d = table.get(r.index, {})
+            moved = d.pop("bytes_moved")
+            params = replace(r.params, **d) if r.params is not None else None
+            out.append(OpValues(op=r.op, kind=r.kind, bytes_moved=moved, params=params))
         return out
 
 
-def _retarget(records: list[OpRecord], target: str) -> None:
-    if target == "cuda":
-        for r in records:
-            if r.kind == ATTENTION and r.op in _CUDA_NAMES:
-                r.op = _CUDA_NAMES[r.op]
+def _retarget(records: list[OpRecord], target: str) -> list[OpRecord]:
+    if target != "cuda":
+        return records
+    return [replace(r, op=_CUDA_NAMES[r.op]) if r.kind == ATTENTION and r.op in _CUDA_NAMES else r
+            for r in records]
 
 
 def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool = True,
@@ -176,7 +178,7 @@ def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> Lay
 
 
 def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
-    tdtype = DTYPES[dtype]
+    tdtype = torch_dtype(dtype)
     group = TPGroup(tp, 0, None)
     h = spec.hidden_size
     holder = {}
@@ -223,12 +225,10 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         return m
 
     trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)
-    records = trace.records
-    _retarget(records, target)
-    for r in records:
-        if r.phase == "fwd":
-            r.saved_bytes = sympy.expand(sum((trace.saved[sid] for sid in trace.saved
-                                              if trace.producer.get(sid) == r.index), sympy.Integer(0)))
+    records = [replace(r, saved_bytes=sympy.expand(sum((trace.saved[sid] for sid in trace.saved
+                                                        if trace.producer.get(sid) == r.index),
+                                                       sympy.Integer(0))))
+               if r.phase == "fwd" else r for r in _retarget(trace.records, target)]
     saved = sympy.expand(sum(trace.saved.values(), sympy.Integer(0)))
     split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < 2)]
     whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < 2}

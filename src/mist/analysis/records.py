@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -15,7 +16,41 @@ GRAD_ACCUM = "grad_accum"
 UNCOSTED = (VIEW, GRAD_ACCUM)
 
 
-@dataclass
+@dataclass(frozen=True)
+class GemmParams:
+    """A matrix multiply's cost parameters: `batch` products of (m × k) · (k × n)."""
+
+    m: Any
+    n: Any
+    k: Any
+    batch: Any
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """An attention kernel's cost parameters (causal: the mask; FLOPs are counted dense)."""
+
+    b: Any
+    heads: Any
+    kv_heads: Any
+    s: Any
+    d: Any
+    causal: bool
+
+
+@dataclass(frozen=True)
+class CollectiveParams:
+    """A TP collective's payload bytes and group size."""
+
+    bytes: Any
+    group: int
+
+
+# the cost parameters of a gemm, attention or collective op (memory ops have none beyond bytes)
+OpParams = GemmParams | AttentionParams | CollectiveParams | None
+
+
+@dataclass(frozen=True)
 class OpRecord:
     """One dispatched operator of a layer's forward, backward or recomputation.
 
@@ -26,22 +61,21 @@ class OpRecord:
     shapes_in / shapes_out: tensor shapes; bytes_read / bytes_written: their sizes in bytes.
     flops: floating-point operations (dense count; causal attention counted in full).
     saved_bytes: bytes of new storages this op produced that are kept for backward.
-    params: the kind's cost parameters —
-        gemm: m, n, k, batch;  attention: b, heads, kv_heads, s, d, causal;
-        collective: bytes, group;  memory: (none beyond bytes).
+    params: the kind's cost parameters (`GemmParams`, `AttentionParams`, `CollectiveParams`),
+           sympy expressions in b and s; None for memory ops and views.
     """
 
     index: int
     phase: str
     op: str
     kind: str
-    shapes_in: list[tuple] = field(default_factory=list)
-    shapes_out: list[tuple] = field(default_factory=list)
+    shapes_in: tuple = ()
+    shapes_out: tuple = ()
     bytes_read: sympy.Expr = sympy.Integer(0)
     bytes_written: sympy.Expr = sympy.Integer(0)
     flops: sympy.Expr = sympy.Integer(0)
     saved_bytes: sympy.Expr = sympy.Integer(0)
-    params: dict = field(default_factory=dict)
+    params: OpParams = None
 
     @property
     def bytes_moved(self) -> sympy.Expr:
@@ -50,3 +84,14 @@ class OpRecord:
     def describe(self) -> str:
         shp = ", ".join("×".join(str(d) for d in s) for s in self.shapes_out)
         return f"{self.phase:9s} {self.kind:10s} {self.op:40s} -> {shp}"
+
+
+@dataclass(frozen=True)
+class OpValues:
+    """A costed op evaluated at (b, s) arrays: its name, kind, bytes moved and the kind's
+    parameters (the sympy fields of `OpRecord.params` replaced by numpy arrays)."""
+
+    op: str
+    kind: str
+    bytes_moved: Any
+    params: OpParams = None

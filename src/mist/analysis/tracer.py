@@ -10,16 +10,35 @@ records the TP collectives where they are issued. Nothing here knows about GPUs.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import replace
 
 import sympy
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mist.analysis.records import ATTENTION, COLLECTIVE, GEMM, GRAD_ACCUM, MEMORY, VIEW, B, S, OpRecord
+from mist.analysis.records import (
+    ATTENTION,
+    COLLECTIVE,
+    GEMM,
+    GRAD_ACCUM,
+    MEMORY,
+    VIEW,
+    AttentionParams,
+    B,
+    CollectiveParams,
+    GemmParams,
+    OpRecord,
+    S,
+)
 from mist.models.collectives import observe_collectives
+from mist.torch_compat import (
+    DimDynamic,
+    FakeTensorMode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+    TorchDispatchMode,
+    pytree,
+    unset_fake_temporarily,
+)
 
 # Distinct example sizes: the ShapeEnv merges dimensions whose example sizes are equal.
 HINT_B, HINT_S = 3, 37
@@ -126,20 +145,21 @@ class _Recorder(TorchDispatchMode):
         for t, sid in new:
             tr.storage_bytes[sid] = ex.storage_bytes(t)
             tr.producer[sid] = idx
-        rec = OpRecord(index=idx, phase=tr.phase, op=name, kind=kind,
-                       shapes_in=[ex.shape(t) for t in ins], shapes_out=[ex.shape(t) for t in outs])
+        read = written = flops = sympy.Integer(0)
+        params = None
         if kind != VIEW:
-            rec.bytes_read, rec.bytes_written = _traffic(name, args, ins, outs, ex)
+            read, written = _traffic(name, args, ins, outs, ex)
         if kind == GEMM:
-            rec.params = _gemm_params(name, ins, ex)
-            p = rec.params
-            rec.flops = sympy.expand(2 * p["m"] * p["n"] * p["k"] * p["batch"])
+            params = _gemm_params(name, ins, ex)
+            flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
         elif kind == ATTENTION:
-            rec.params = _attention_params(name, args, kwargs, ex)
-            p = rec.params
-            dense = 4 * p["b"] * p["heads"] * p["s"] ** 2 * p["d"]
-            rec.flops = sympy.expand(dense * (2 if "backward" in name else 1))
-        tr.records.append(rec)
+            params = _attention_params(name, args, kwargs, ex)
+            dense = 4 * params.b * params.heads * params.s ** 2 * params.d
+            flops = sympy.expand(dense * (2 if "backward" in name else 1))
+        tr.records.append(OpRecord(index=idx, phase=tr.phase, op=name, kind=kind,
+                                   shapes_in=tuple(ex.shape(t) for t in ins),
+                                   shapes_out=tuple(ex.shape(t) for t in outs),
+                                   bytes_read=read, bytes_written=written, flops=flops, params=params))
         tr.uses.append((idx, in_sids, out_sids))
         return out
 
@@ -162,26 +182,26 @@ def _traffic(name: str, args, ins: list, outs: list, ex: _Expr):
     return total(ins), total(outs)
 
 
-def _gemm_params(name: str, ins: list, ex: _Expr) -> dict:
+def _gemm_params(name: str, ins: list, ex: _Expr) -> GemmParams:
     if name in ("mm", "addmm"):
         a, b = ins[-2], ins[-1]
         m, k = ex.shape(a)
         n = ex.shape(b)[1]
-        return {"m": m, "n": n, "k": k, "batch": sympy.Integer(1)}
+        return GemmParams(m=m, n=n, k=k, batch=sympy.Integer(1))
     a, b = ins[-2], ins[-1]
     bat, m, k = ex.shape(a)
     n = ex.shape(b)[2]
-    return {"m": m, "n": n, "k": k, "batch": bat}
+    return GemmParams(m=m, n=n, k=k, batch=bat)
 
 
-def _attention_params(name: str, args, kwargs, ex: _Expr) -> dict:
+def _attention_params(name: str, args, kwargs, ex: _Expr) -> AttentionParams:
     # forward: (q, k, v, ...); backward: (grad_out, q, k, v, out, lse, ...)
     tensors = [a for a in args if _is_tensor(a)]
     q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
     b, hq, s, d = ex.shape(q)
     hk = ex.shape(k)[1]
     causal = bool(kwargs.get("is_causal", True))
-    return {"b": b, "heads": hq, "kv_heads": hk, "s": s, "d": d, "causal": causal}
+    return AttentionParams(b=b, heads=hq, kv_heads=hk, s=s, d=d, causal=causal)
 
 
 def _symbolic(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int,
@@ -246,9 +266,9 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             idx = len(trace.records)
             nbytes = ex.nbytes(t)
             trace.records.append(OpRecord(index=idx, phase=trace.phase, op=op, kind=COLLECTIVE,
-                                          shapes_in=[ex.shape(t)], shapes_out=[ex.shape(t)],
+                                          shapes_in=(ex.shape(t),), shapes_out=(ex.shape(t),),
                                           bytes_read=nbytes, bytes_written=nbytes,
-                                          params={"bytes": nbytes, "group": group}))
+                                          params=CollectiveParams(bytes=nbytes, group=group)))
             trace.uses.append((idx, [], []))
 
         with ExitStack() as stack:
@@ -267,7 +287,7 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
     for idx, _, outs in trace.uses:
         rec = trace.records[idx]
         if rec.phase != "fwd" and outs and set(outs) <= trace.grad_sids:
-            rec.kind = GRAD_ACCUM
+            trace.records[idx] = replace(rec, kind=GRAD_ACCUM)
     return trace, ex
 
 

@@ -7,8 +7,8 @@
     gpu.memory_op_time("native_layer_norm", 2 * 8192 * 4096 * 2)
     gpu.stream_time([[1e-5, 2e-6, 3e-4]], backward=False)
 
-Profiles are JSON files in `profiles/`, built from the shared measurements by
-`python -m mist.hardware.build --data <shared>/data -o src/mist/hardware/profiles`.
+Profiles are JSON files in `profiles/`, built offline from the measurement data by the tools in
+`tools/profile_build/` (not installed; see README.md beside this file).
 """
 
 from mist.hardware.memory_ops import op_class

@@ -12,10 +12,9 @@ returned unchanged, so measured nodes are reproduced exactly.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-from scipy.interpolate import RegularGridInterpolator
 
 
 class LogGrid:
@@ -44,6 +43,9 @@ class LogGrid:
         self.work_exponents = np.asarray(work_exponents, dtype=float)
         self.floor_s = float(floor_s)
         self._log_axes = [np.log2(a) for a in self.axes]
+        # lazy: keeps scipy out of `import mist.hardware` (CLI start-up, spawned profiler processes)
+        from scipy.interpolate import RegularGridInterpolator
+
         self._interp = RegularGridInterpolator(
             self._log_axes, np.log2(times), method="linear", bounds_error=True
         )

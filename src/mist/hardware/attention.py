@@ -2,7 +2,7 @@
 
 Tables over (b, heads, s, d), causal, query heads = KV heads, as measured on the H200
 (`F.scaled_dot_product_attention(is_causal=True)`), or synthesized for GPUs without flash
-measurements (see `mist.hardware.build.flash`). Lookups interpolate log-time in
+measurements (see `tools/profile_build/flash.py`). Lookups interpolate log-time in
 (log b, log heads, log s, log d); outside the grid the efficiency is clamped (time ∝ b·heads·s²·d)
 with a floor.
 
@@ -85,7 +85,7 @@ class AttentionTable:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AttentionTable":
+    def from_dict(cls, d: dict) -> AttentionTable:
         return cls(
             b_axis=list(d["b_axis"]),
             heads_axis=list(d["heads_axis"]),

@@ -4,12 +4,12 @@
     f = 2(n−1)/n for all-reduce, (n−1)/n for all-gather and reduce-scatter (bytes = full buffer),
         1 for point-to-point.
 
-Fitted per GPU from the measured collectives of the shared data (`fit_links.py`), or from
+Fitted per GPU from the measured collectives (`tools/profile_build/fit_links.py`), or from
 datasheet link figures (labelled) for GPUs without measurements. Tensor-parallel groups live
 inside a node, so this covers the TP collectives; cross-node models belong to the simulator.
 `sync` (0 unless measured, `mist profile`): what a blocking collective issued right after compute
 costs beyond back-to-back calls — the ranks arrive at different moments and a blocked process
-must wake up (on this project's 2-core machine about 2 ms a call with gloo).
+must wake up (with gloo on a busy CPU, milliseconds a call).
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def load_links(gpu: str) -> LinkModel | None:
         return None
     d = json.loads(path.read_text())
     return LinkModel(d["gpu"], d["provenance"], d["fits"])
+
+
+def assumed_links() -> dict:
+    """`links/_assumed.json`: the link constants `mist profile` assumes where it cannot measure
+    (per-message latency and bus bandwidth for CPU and CUDA runs, a node's NIC bandwidth), with
+    the provenance of each."""
+    return json.loads((resources.files("mist.hardware") / "links" / "_assumed.json").read_text(encoding="utf-8"))
 
 
 def datasheet_links(gpu: str, busbw: float, alpha: float, provenance: str) -> LinkModel:

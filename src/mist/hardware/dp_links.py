@@ -12,7 +12,8 @@ p2p send. n = group_size, m = nodes_spanned, k = n / m GPUs of the group on each
 for GPUs without one (V100-SXM2-16GB) the single-node all-gather fits of the overlap benchmark,
 t = phases·alpha + ring_factor·bytes/busbw.
 
-**Across nodes** (m > 1), hierarchical ring model (formulas.md §7.1; fitted in `fit_overlap.py`):
+**Across nodes** (m > 1), hierarchical ring model (ring alpha-beta, docs/references.md; fitted
+in `tools/profile_build/fit_overlap.py`):
 
     t_AG = t_RS = alpha_x + G·(n−1)/n·bytes / B_nic  +  (k−1)/k·bytes / busbw_intra(k)
     t_AR = t_RS + t_AG                       (all-reduce = reduce-scatter + all-gather volumes)
@@ -30,27 +31,27 @@ intra 1 × inter 2, which a two-level (m−1)/m volume would not give). The intr
 NVLink systems.
 
 **p2p** (op="p2p", pipeline stage boundaries): alpha + bytes / bw from `p2p_intra_node.csv` when
-m = 1 and `p2p_inter_node.csv` when m > 1 (op-profiles, data/README.md §3.3); across nodes the rate
+m = 1 and `p2p_inter_node.csv` when m > 1 (the published op-profiles); across nodes the rate
 is capped at B_nic / concurrent_groups (default 1 flow). Without a p2p file: inside a node the
 2-GPU all-gather fit (a 2-GPU all-gather of output 2·S moves S per GPU; V100-SXM2-16GB uses its own
 overlap-benchmark fit rather than another cluster's p2p file), across nodes alpha_x + S / B_nic.
 H100/H200 use datasheet NVLink 4 figures (labelled).
 
 Parameters and their provenance (measured / documented / datasheet / inferred) are in
-`overlap/dp_links.json`, written by `python -m mist.hardware.fit_overlap`.
+`overlap/dp_links.json`, written by `tools/profile_build/fit_overlap.py`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 
 import numpy as np
 
 from mist.hardware.collectives import LinkModel, load_links, ring_factor
-from mist.hardware.interference import normalize_gpu
+from mist.hardware.gpu_names import normalize_gpu
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
@@ -166,7 +167,7 @@ def _table() -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_dp_links(gpu: str) -> DpLinks:
     """The DP / cross-node link model of a GPU (ValueError when nothing is known about it)."""
     key = normalize_gpu(gpu)

@@ -5,7 +5,7 @@ A batched GEMM (``bmm``) of ``batch`` independent problems is looked up as one G
 ``m * batch`` rows: both launch the same number of output tiles over the same reduction depth,
 so they fill the GPU alike. Backward GEMMs of a linear layer are ordinary lookups with
 permuted shapes (dX: ``(m, k, n)``, dW: ``(n, k, m)``); the table did not time transposed
-operand layouts, which costs a few percent (documented in data/README.md §2.1).
+operand layouts, which costs a few percent.
 
 Lookup: log-time interpolated linearly in (log m, log n, log k) (see `_loggrid`). Outside the
 grid the efficiency is clamped (time scales with m·n·k from the nearest grid point) with the
@@ -68,7 +68,7 @@ class GemmTable:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GemmTable":
+    def from_dict(cls, d: dict) -> GemmTable:
         return cls(
             m_axis=list(d["m_axis"]),
             n_axis=list(d["n_axis"]),

@@ -60,7 +60,7 @@ class HostOverhead:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HostOverhead":
+    def from_dict(cls, d: dict) -> HostOverhead:
         return cls(
             fwd_op_s=float(d["fwd_op_s"]),
             bwd_op_s=float(d["bwd_op_s"]),

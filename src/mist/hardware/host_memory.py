@@ -15,7 +15,7 @@ The whole RAM is the bound: what the OS and the training processes themselves ne
 
 from __future__ import annotations
 
-GIB = 2**30
+from mist.units import GiB
 
 #: profile name -> (GiB of RAM per GPU, machine it comes from)
 TYPICAL_NODES = {
@@ -32,13 +32,13 @@ def node_host_memory(cluster, profile) -> tuple[float | None, str]:
     """(bytes of host RAM per node or None when unknown, where the number comes from)."""
     k = cluster.gpus_per_node
     if cluster.host_memory_gib is not None:
-        return cluster.host_memory_gib * GIB, f"cluster host_memory_gib {cluster.host_memory_gib:g}"
+        return cluster.host_memory_gib * GiB, f"cluster host_memory_gib {cluster.host_memory_gib:g}"
     own = getattr(profile, "host_memory_per_gpu", None)
     if own:
-        return own * k, f"profile {profile.name}: {own / GIB:.1f} GiB per GPU × {k}"
+        return own * k, f"profile {profile.name}: {own / GiB:.1f} GiB per GPU × {k}"
     if profile.name in TYPICAL_NODES:
         per_gpu, machine = TYPICAL_NODES[profile.name]
-        return per_gpu * GIB * k, f"typical {profile.name} node ({machine}): {per_gpu} GiB per GPU × {k}"
+        return per_gpu * GiB * k, f"typical {profile.name} node ({machine}): {per_gpu} GiB per GPU × {k}"
     return None, f"unknown for {profile.name} (set host_memory_gib / --host-memory to check it)"
 
 

@@ -1,6 +1,7 @@
 """Interference of concurrent compute and communication: Mist's progressive-overlap estimator.
 
-Four channels run at once on separate CUDA streams of one GPU (formulas.md §10, mist-system.md §9.1):
+Four channels run at once on separate CUDA streams of one GPU (the Mist paper's model; see
+docs/profiles.md):
 
     C    compute (GEMMs)
     G2G  GPU↔GPU collective (NCCL)
@@ -31,8 +32,9 @@ Special factor sets (`InterferenceModel` constructors):
   result is t = Σ X **for every X** (not only for equal times): the serial-sum bound, reached by
   a work-conserving schedule. It is Mist's fit start value and the safe fallback.
 
-Fitted factor sets are shipped per GPU in `overlap/<gpu>.json` (written by `fit_overlap.py`);
-`load_interference(gpu)` returns them, or a labelled fallback (see its docstring).
+Fitted factor sets are shipped per GPU in `overlap/<gpu>.json` (written offline by
+`tools/profile_build/fit_overlap.py`); `load_interference(gpu)` returns them, or a labelled
+fallback (see its docstring).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from importlib import resources
 from itertools import combinations
 
 import numpy as np
+
+from mist.hardware.gpu_names import normalize_gpu
 
 CHANNELS = ("C", "G2G", "C2G", "G2C")
 _IDX = {c: i for i, c in enumerate(CHANNELS)}
@@ -117,7 +121,7 @@ class InterferenceModel:
         return np.array([v for s in SUBSETS for v in self.factors[subset_key(s)]])
 
     @classmethod
-    def from_vector(cls, vec, provenance: str, gpu: str = "") -> "InterferenceModel":
+    def from_vector(cls, vec, provenance: str, gpu: str = "") -> InterferenceModel:
         vec = np.asarray(vec, dtype=float).ravel()
         if vec.size != N_FACTORS:
             raise ValueError(f"need {N_FACTORS} factors, got {vec.size}")
@@ -133,13 +137,13 @@ class InterferenceModel:
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
-    def serial(cls, gpu: str = "", provenance: str | None = None) -> "InterferenceModel":
+    def serial(cls, gpu: str = "", provenance: str | None = None) -> InterferenceModel:
         """f_A[c] = |A|: equal sharing among the active channels, so overlap_time(X) = Σ X exactly."""
         return cls({subset_key(s): [float(len(s))] * len(s) for s in SUBSETS},
                    provenance or "fallback: serial sum (f_A[c] = |A|, equal sharing → Σ X exactly)", gpu)
 
     @classmethod
-    def perfect(cls, gpu: str = "", provenance: str | None = None) -> "InterferenceModel":
+    def perfect(cls, gpu: str = "", provenance: str | None = None) -> InterferenceModel:
         """f = 1 everywhere: perfect overlap, overlap_time(X) = max(X)."""
         return cls({subset_key(s): [1.0] * len(s) for s in SUBSETS},
                    provenance or "bound: perfect overlap (all f = 1 → max X)", gpu)
@@ -153,7 +157,7 @@ class InterferenceModel:
         return d
 
     @classmethod
-    def from_json(cls, d) -> "InterferenceModel":
+    def from_json(cls, d) -> InterferenceModel:
         if isinstance(d, str):
             d = json.loads(d)
         chans = tuple(d.get("channels", CHANNELS))
@@ -204,23 +208,6 @@ def overlap_time(x, factors) -> np.ndarray:
 
 # ---- shipped fits and fallbacks --------------------------------------------------------------
 
-_ALIASES = {"v100-16gb": "v100-sxm2-16gb", "v100-sxm2-16": "v100-sxm2-16gb"}
-
-
-def normalize_gpu(gpu: str) -> str:
-    """Lower-case, '_'/' ' → '-', drop 'nvidia-', resolve the profile registry's aliases."""
-    key = str(gpu).strip().lower().replace("_", "-").replace(" ", "-")
-    if key.startswith("nvidia-"):
-        key = key[len("nvidia-"):]
-    if key in _ALIASES:
-        return _ALIASES[key]
-    try:  # the profile registry's alias table, when importable
-        from mist.hardware.registry import ALIASES
-    except Exception:  # pragma: no cover - registry unavailable
-        ALIASES = {}
-    return ALIASES.get(key, key)
-
-
 def _overlap_dir():
     return resources.files("mist.hardware") / "overlap"
 
@@ -233,19 +220,11 @@ def load_overlap_doc(gpu: str) -> dict | None:
     return json.loads(path.read_text())
 
 
-def _h200_system_pairs() -> dict:
-    """The H200 pairwise interference points of data/gpus/h200/system.json (measured for this
-    project, torch 2.11 / CUDA 13.0; slowdown = concurrent / alone, ms values rounded)."""
-    return {
-        # long GEMM vs repeated pinned H2D copies (C2G) on another stream
-        "gemm_vs_h2d": {"gemm_slowdown": 0.9766, "copy_slowdown": 1.0063},
-        # vs pinned D2H (G2C)
-        "gemm_vs_d2h": {"gemm_slowdown": 1.0063, "copy_slowdown": 0.9975},
-        # vs device-to-device copy at ~4.3 TB/s (HBM contention) — not used, see below
-        "gemm_vs_d2d": {"gemm_slowdown": 1.6189, "copy_slowdown": 1.9497},
-        # 1 GiB each way: H2D alone 19.56 ms, D2H alone 19.43 ms, both at once 23.89 ms
-        "bidir": {"h2d_alone_ms": 19.5639, "d2h_alone_ms": 19.4266, "both_ms": 23.8899},
-    }
+def _h200_pairs_doc() -> dict:
+    """`overlap/_h200-pairs.json`: the measured H200 pairwise interference points (GEMM vs
+    pinned H2D / D2H / D2D copies, bidirectional pinned copy) and the assumed defaults used
+    when the A100 fit to borrow from is missing; its provenance says where they come from."""
+    return json.loads((_overlap_dir() / "_h200-pairs.json").read_text(encoding="utf-8"))
 
 
 def pairwise_additive(pairs: dict, provenance: str, gpu: str = "") -> InterferenceModel:
@@ -263,25 +242,27 @@ def pairwise_additive(pairs: dict, provenance: str, gpu: str = "") -> Interferen
 
 
 def h200_fallback() -> InterferenceModel:
-    """H200 fallback built from the three pairwise points of h200/system.json, plus borrowed values.
+    """H200 fallback built from the measured pairwise points of `overlap/_h200-pairs.json`, plus
+    borrowed values.
 
-    * {C, C2G}, {C, G2C}: the measured GEMM-vs-pinned-copy slowdowns, clamped at ≥ 1
-      (0.98 and 0.997 are measurement noise): ≈ no interference.
-    * {C2G, G2C}: from `bidir_pinned` (1 GiB each way alone 19.56 / 19.43 ms, together 23.89 ms):
-      f = 23.89/19.56, 23.89/19.43 — both copies finish together, as measured.
-    * {C, G2G}: **not measured on H200**. The GEMM-vs-D2D point (1.62 / 1.95) is *dropped*: a D2D
+    * {C, C2G}, {C, G2C}: the measured GEMM-vs-pinned-copy slowdowns, clamped at ≥ 1 (a value
+      below 1 is measurement noise): about no interference.
+    * {C2G, G2C}: from the bidirectional pinned copy (1 GiB each way, alone and together):
+      f = together / alone for each direction — both copies finish together, as measured.
+    * {C, G2G}: **not measured on H200**. The GEMM-vs-D2D point is *dropped*: a D2D
       copy streams HBM at ~4.3 TB/s, while an NVLink-4 all-gather moves ≤ 0.45 TB/s per direction
       through HBM, so D2D overstates the contention by about an order of magnitude; it is kept in
       `extra` as an upper bound only. Instead the pair fitted on A100-SXM4 (NVLink + NVSwitch, the
-      nearest measured system; overlap/a100-sxm4-40gb.json) is borrowed, or (1.3, 1.05) when that
-      file is missing.
+      nearest measured system; overlap/a100-sxm4-40gb.json) is borrowed, or the assumed default
+      of `_h200-pairs.json` when that file is missing.
     * {G2G, C2G}, {G2G, G2C}: not measured; borrowed from the A100 fit likewise (NVLink traffic vs
-      PCIe host copies use different links), else the mild default (1.05, 1.05).
+      PCIe host copies use different links), else the assumed mild default of `_h200-pairs.json`.
     * triples and the four-set: composed from the pairs by `pairwise_additive` (adding each
       channel's excess slowdowns). This composition's error on the measured GPUs is reported in
       `overlap/<gpu>.json` → fit_errors.pairs_additive.
     """
-    m = _h200_system_pairs()
+    doc = _h200_pairs_doc()
+    m = {k: {kk: v for kk, v in point.items() if kk != "what"} for k, point in doc["pairs"].items()}
     pairs = {
         "C+C2G": [max(1.0, m["gemm_vs_h2d"]["gemm_slowdown"]), max(1.0, m["gemm_vs_h2d"]["copy_slowdown"])],
         "C+G2C": [max(1.0, m["gemm_vs_d2h"]["gemm_slowdown"]), max(1.0, m["gemm_vs_d2h"]["copy_slowdown"])],
@@ -294,7 +275,7 @@ def h200_fallback() -> InterferenceModel:
         borrowed = {k: af[k] for k in ("C+G2G", "G2G+C2G", "G2G+G2C")}
         src = "borrowed from the A100-SXM4-40GB fit (overlap/a100-sxm4-40gb.json)"
     else:
-        borrowed = {"C+G2G": [1.3, 1.05], "G2G+C2G": [1.05, 1.05], "G2G+G2C": [1.05, 1.05]}
+        borrowed = {k: list(v) for k, v in doc["defaults"]["factors"].items()}
         src = "mild defaults (A100 fit file missing)"
     pairs.update(borrowed)
     prov = ("fallback for h200: measured pairs {C,C2G}, {C,G2C} (GEMM vs pinned H2D/D2H) and "
@@ -309,9 +290,11 @@ def h200_fallback() -> InterferenceModel:
 def load_interference(gpu: str) -> InterferenceModel:
     """Interference factors for a GPU.
 
-    1. `overlap/<gpu>.json` shipped by `fit_overlap.py` (l4, a100-sxm4-40gb, v100-sxm2-16gb):
-       least-squares fit to the Mist artifact's overlap benchmark (provenance says so).
-    2. h200: `h200_fallback()` (three measured pairwise points + labelled borrowed values).
+    1. `overlap/<gpu>.json` written by `tools/profile_build/fit_overlap.py` (l4, a100-sxm4-40gb,
+       v100-sxm2-16gb): least-squares fit to the Mist artifact's overlap benchmark (provenance
+       says so).
+    2. h200: `h200_fallback()` (three measured pairwise points from `overlap/_h200-pairs.json`
+       + labelled borrowed values).
     3. any other GPU: `InterferenceModel.serial()` (serial sum), labelled as a fallback.
     """
     key = normalize_gpu(gpu)

@@ -2,7 +2,7 @@
 
 ``bytes_moved`` is what a trace sees at the aten-op boundary: the sizes of the op's tensor inputs
 plus its tensor outputs (read + written once). Each class's effective bandwidth was fitted against
-exactly that accounting (see `mist.hardware.build`), so kernels that internally make several
+exactly that accounting (see `tools/profile_build/`), so kernels that internally make several
 passes (e.g. LayerNorm backward's separate dγ/dβ reduction) show up as a lower effective
 bandwidth rather than as extra bytes the caller must know about.
 
@@ -133,7 +133,7 @@ class MemoryOpModel:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MemoryOpModel":
+    def from_dict(cls, d: dict) -> MemoryOpModel:
         return cls(
             bandwidth={c: {"fwd": float(v["fwd"]), "bwd": float(v["bwd"])} for c, v in d["bandwidth"].items()},
             floor_s=float(d["floor_s"]),

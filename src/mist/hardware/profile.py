@@ -1,7 +1,7 @@
 """GpuProfile: everything the cost model needs to know about one GPU type, in SI units.
 
-A profile is a JSON document (see `to_dict`) produced by `python -m mist.hardware.build` from
-the shared measurement data and shipped inside the package; loading it needs nothing else.
+A profile is a JSON document (see `to_dict`) produced from the measurement data by the offline
+builders of `tools/profile_build/` and shipped inside the package; loading it needs nothing else.
 Every *_time method returns seconds, accepts python scalars or numpy arrays and broadcasts.
 
 A profile may carry its own link and overlap models (optional sections `links`, `dp_links`,
@@ -19,11 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from mist.hardware.attention import AttentionTable
+from mist.hardware.collectives import LinkModel, load_links
+from mist.hardware.dp_links import collective_time, dp_links_from_parts, load_dp_links, shipped_parts
 from mist.hardware.gemm import GemmTable
 from mist.hardware.host import HostOverhead, stream_time
+from mist.hardware.interference import InterferenceModel, load_interference
 from mist.hardware.memory_ops import MemoryOpModel
-from mist.hardware.profile_checks import FORMAT, SCALARS as _SCALARS, SECTIONS as _SECTIONS, VERSION, profile_fields
-
+from mist.hardware.profile_checks import FORMAT, VERSION, profile_fields
+from mist.hardware.profile_checks import SCALARS as _SCALARS
+from mist.hardware.profile_checks import SECTIONS as _SECTIONS
 
 
 @dataclass(eq=False)
@@ -79,8 +83,6 @@ class GpuProfile:
     def link_model(self):
         """Intra-node (TP) collective model: the own `links` section, else the shipped file of
         this name (`collectives.load_links`); None when neither exists."""
-        from mist.hardware.collectives import LinkModel, load_links
-
         if self.links is None:
             return load_links(self.name)
         return self._cached("links", lambda: LinkModel(str(self.links.get("gpu", self.name)),
@@ -92,8 +94,6 @@ class GpuProfile:
         """DP / cross-node / p2p model (`dp_links.DpLinks`): built from the own `links` and
         `dp_links` sections where present (a missing one taken from the shipped files of this
         name), else the shipped model (`dp_links.load_dp_links`)."""
-        from mist.hardware.dp_links import dp_links_from_parts, load_dp_links, shipped_parts
-
         if self.links is None and self.dp_links is None:
             return load_dp_links(self.name)
 
@@ -106,8 +106,6 @@ class GpuProfile:
                         concurrent_groups=None):
         """Seconds of a DP / cross-node collective or p2p message (see `dp_links.collective_time`)."""
         if self.links is None and self.dp_links is None:
-            from mist.hardware.dp_links import collective_time
-
             return collective_time(self.name, op, nbytes, group_size, nodes_spanned, gpus_per_node,
                                    concurrent_groups=concurrent_groups)
         return self.dp_link_model().time(op, nbytes, group_size, nodes_spanned, gpus_per_node,
@@ -116,8 +114,6 @@ class GpuProfile:
     def interference_model(self):
         """Compute/communication interference factors: the own `interference` section, else the
         shipped fit or fallback of this name (`interference.load_interference`)."""
-        from mist.hardware.interference import InterferenceModel, load_interference
-
         if self.interference is None:
             return load_interference(self.name)
         return self._cached("interference", lambda: InterferenceModel.from_json(self.interference))
@@ -169,7 +165,7 @@ class GpuProfile:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "GPU profile") -> "GpuProfile":
+    def from_dict(cls, d: dict, source: str = "GPU profile") -> GpuProfile:
         """A profile from its JSON document, checked (`profile_checks.profile_fields`):
         MistInputError, one sentence starting with `source` (e.g. "GPU profile file X"), for
         anything missing, malformed or out of range."""

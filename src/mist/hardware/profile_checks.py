@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import math
 
+from mist.checks import is_int
+from mist.checks import is_number as _is_number
 from mist.errors import MistInputError
 from mist.hardware.attention import AttentionTable
+from mist.hardware.collectives import LinkModel
+from mist.hardware.dp_links import _PARTS, dp_links_from_parts
 from mist.hardware.gemm import GemmTable
 from mist.hardware.host import HostOverhead
+from mist.hardware.interference import CHANNELS, InterferenceModel
 from mist.hardware.memory_ops import MemoryOpModel
-
 
 FORMAT = "mist-gpu-profile"
 VERSION = 1
@@ -91,10 +95,6 @@ def _sections(d: dict, source: str = "GPU profile") -> dict:
 
 
 # ---------------------------------------------------------------------------- document checks
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _finite(v) -> bool:
     try:
         return math.isfinite(v)
@@ -127,7 +127,7 @@ def _show(v) -> str:
     """A short rendering of a user value for a message."""
     if isinstance(v, float) and _finite(v) and v == int(v) and abs(v) < 1e15:
         text = str(int(v))  # 0.0 -> 0
-    elif isinstance(v, int) and not isinstance(v, bool) and len(str(v)) > 20:
+    elif is_int(v) and len(str(v)) > 20:
         text = "an integer too large"
     elif _is_number(v):
         text = repr(v)  # nan, inf, 1.5e-09
@@ -224,8 +224,6 @@ def _fit_table(table, where: str, what: str) -> None:
 
 
 def _links(sec: dict, where: str, name: str):
-    from mist.hardware.collectives import LinkModel
-
     fits = sec.get("fits")
     if not isinstance(fits, dict) or not fits:
         raise MistInputError(f"{where} needs 'fits': {{op: {{group size: [alpha_s, busbw_Bps]}}}}.")
@@ -237,8 +235,6 @@ def _links(sec: dict, where: str, name: str):
 
 
 def _dp_links(sec: dict, where: str, name: str, links) -> None:
-    from mist.hardware.dp_links import _PARTS, dp_links_from_parts
-
     for part, keys in _PARTS.items():
         if part in sec:
             v = sec[part]
@@ -255,8 +251,6 @@ def _dp_links(sec: dict, where: str, name: str, links) -> None:
 
 
 def _interference(sec: dict, where: str) -> None:
-    from mist.hardware.interference import CHANNELS, InterferenceModel
-
     factors = sec["factors"]
     if not isinstance(factors, dict):
         raise MistInputError(f"{where}: factors must be a JSON object of channel sets, got {_kind(factors)}.")

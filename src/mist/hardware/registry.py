@@ -1,36 +1,17 @@
-"""Finding profiles: built-in names (with aliases) shipped in `profiles/*.json`, or a JSON path."""
+"""Finding profiles: built-in names (with aliases, `gpu_names.profile_key`) shipped in
+`profiles/*.json`, or a JSON path."""
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
 from mist.errors import MistInputError
+from mist.hardware.gpu_names import profile_key
 from mist.hardware.profile import GpuProfile
 from mist.userfiles import read_user_text
-
-#: Alternative spellings -> built-in profile name (after lower-casing, '_'/' ' -> '-', 'nvidia-' dropped).
-ALIASES = {
-    "h200-sxm": "h200",
-    "h200-sxm5": "h200",
-    "h200-141gb": "h200",
-    "h100-sxm": "h100",
-    "h100-sxm5": "h100",
-    "h100-80gb": "h100",
-    "h100-sxm5-80gb": "h100",
-    "a100": "a100-sxm4-40gb",
-    "a100-40gb": "a100-sxm4-40gb",
-    "a100-sxm4": "a100-sxm4-40gb",
-    "a100-sxm-40gb": "a100-sxm4-40gb",
-    "l4-24gb": "l4",
-    "a10": "a10g",
-    "a10g-24gb": "a10g",
-    "v100": "v100-sxm2-32gb",
-    "v100-32gb": "v100-sxm2-32gb",
-    "v100-sxm2": "v100-sxm2-32gb",
-}
 
 
 def _profiles_dir():
@@ -42,14 +23,7 @@ def available_profiles() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in _profiles_dir().iterdir() if p.name.endswith(".json"))
 
 
-def _normalize(name: str) -> str:
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
-    if key.startswith("nvidia-"):
-        key = key[len("nvidia-") :]
-    return ALIASES.get(key, key)
-
-
-@lru_cache(maxsize=None)
+@cache
 def _load_builtin(name: str) -> GpuProfile:
     text = (_profiles_dir() / f"{name}.json").read_text(encoding="utf-8")
     return GpuProfile.from_dict(json.loads(text), source=f"Built-in GPU profile {name}")
@@ -82,7 +56,7 @@ def load_profile(name_or_path) -> GpuProfile:
     if isinstance(name_or_path, Path) or str(name_or_path).lower().endswith(".json"):
         return _load_path(Path(name_or_path))
     known = available_profiles()
-    key = _normalize(str(name_or_path))
+    key = profile_key(str(name_or_path))
     if key in known:
         return _load_builtin(key)
     raise MistInputError(f"Unknown GPU '{name_or_path}'; known: {', '.join(known)}.")

@@ -9,20 +9,25 @@ from mist.models.block import DecoderBlock
 from mist.models.collectives import TPGroup
 from mist.models.embedding import Embedding
 from mist.models.head import Head
+from mist.rules.init_seeds import INIT_STD, draws_normal, init_constant
 from mist.specs.model import ModelSpec
 
 
-def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded init: normal(0, std) for matrices, ones/zeros for norm weights/biases and biases."""
+def normal_draw(shape, gen: torch.Generator, std: float = INIT_STD) -> torch.Tensor:
+    """The next normal(0, std) draws of `gen` for a parameter of `shape`, in fp32."""
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def init_weights(module: nn.Module, seed: int, std: float = INIT_STD) -> None:
+    """Seeded init (`mist.rules.init_seeds`): normal(0, std) for matrices, ones for norm weights,
+    zeros for biases."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
-            elif name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
+            if draws_normal(p.dim()):
+                p.copy_(normal_draw(p.shape, gen, std))
             else:
-                p.zero_()
+                p.fill_(init_constant(name))
 
 
 class CausalLM(nn.Module):

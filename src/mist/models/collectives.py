@@ -9,8 +9,8 @@ it. This is the one instrumentation point of the model code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 import torch.distributed as dist

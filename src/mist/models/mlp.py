@@ -17,7 +17,6 @@ from mist.models.collectives import TPGroup
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
-
 GELU_APPROXIMATE = "tanh"
 
 

@@ -19,11 +19,9 @@ import time
 import numpy as np
 
 from mist.cpu_workers import threads_per_worker
+from mist.hardware.fitting import fit_floor_plus_rate
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Device, time_op, wall_of
-
-MiB = 2**20
-
 
 # ---------------------------------------------------------------------------- grid filling
 
@@ -120,7 +118,7 @@ def cold_weights(n: int, k: int, dev: Device, rand, cache: dict) -> list:
 def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     """Times of y[m, n] = x[m, k] @ w[n, k]^T (F.linear) over the grid axes^3 (seconds), with
     cold weights (see COLD_BYTES)."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
     ms = ns = ks = [int(a) for a in axes]
@@ -163,7 +161,7 @@ def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline:
     the autograd.grad time of the saved forward; on a CPU minus the backward()-call cost (not below
     half the raw value) — on CUDA the back-to-back event timing of large shapes is device time,
     while small shapes stay host-bound there (the table's floor region)."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
     keys = ("b", "heads", "s", "d")
@@ -206,7 +204,7 @@ def measure_host(dev: Device) -> dict:
     fwd_op_s: median per-op wall time of loops of tiny forward ops (add, mul, gelu, layer_norm).
     bwd_op_s, backward_call_s: autograd.grad over chains of n tiny ops, t = E + n·h_bwd fitted by
     least squares over n (E = the once-per-backward() engine cost)."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
     from mist.models.mlp import gelu
@@ -247,7 +245,7 @@ def measure_op_floor(dev: Device) -> float:
     """Launch floor of a tiny memory-bound kernel: on CUDA the device time of a trivial kernel
     (replayed from a CUDA graph, so no host issue cost), on CPU the time of a tiny op (dispatch
     included: on a CPU the host runs the kernel itself)."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     x = torch.ones(64, device=dev.torch_device, dtype=dev.dtype)
     if dev.kind == "cuda":
@@ -273,7 +271,7 @@ def measure_op_floor(dev: Device) -> float:
 # ---------------------------------------------------------------------------- memory-bound ops
 def _io_bytes(element_bytes: int) -> dict:
     """Bytes read + written at the aten-op boundary per module, in units of T = one [m, h] tensor,
-    (forward, backward) — the accounting of `mist.hardware.build.h200.IO_BYTES`, generalized to the
+    (forward, backward) — the accounting of `tools/profile_build/h200.py`'s `IO_BYTES`, generalized to the
     element size (masks are 1 byte per element)."""
     e = float(element_bytes)
     return {
@@ -307,47 +305,16 @@ def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s
     nothing subtracted. Either way a rate above max(cap_Bps, the largest size's effective rate)
     is capped there.
     `copy` has no backward kernel (clone's gradient is passed through): its backward = forward."""
-    import torch
-    import torch.nn.functional as F
-
-    from mist.hardware.build.common import fit_floor_plus_rate
-    from mist.models.mlp import gelu
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     e = dev.element_bytes
     h = 4096 if dev.kind == "cuda" else 1024
     io = _io_bytes(e)
-    ce_f, ce_b = _ce_bytes(e)
     g = torch.Generator(device=dev.torch_device).manual_seed(2)
 
     def rnd(*shape, grad=True):
         t = torch.randn(*shape, generator=g, device=dev.torch_device).to(dev.dtype)
         return t.requires_grad_(grad)
-
-    def build(cls, m):
-        x = rnd(m, h)
-        if cls == "layernorm":
-            wt, bs = rnd(h), rnd(h)
-            return (lambda: F.layer_norm(x, (h,), wt, bs)), (x, wt, bs)
-        if cls == "rmsnorm":
-            wt = rnd(h)
-            return (lambda: F.rms_norm(x, (h,), wt)), (x, wt)
-        if cls == "gelu":   # the model's own activation call
-            return (lambda: gelu(x)), (x,)
-        if cls == "swiglu":
-            def f():
-                a, b = x.chunk(2, dim=-1)
-                return F.silu(a) * b
-            return f, (x,)
-        if cls == "dropout":
-            return (lambda: F.dropout(x, 0.1, training=True)), (x,)
-        if cls == "binary":
-            y = rnd(m, h)
-            return (lambda: x * y), (x, y)
-        if cls == "softmax":
-            return (lambda: torch.softmax(x, dim=-1)), (x,)
-        if cls == "copy":
-            return (lambda: x.clone()), (x,)
-        raise KeyError(cls)
 
     classes = list(io) + ["cross_entropy"]
     rows = {c: {"T": [], "fwd_s": [], "bwd_s": []} for c in classes}
@@ -358,41 +325,91 @@ def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s
             if time.perf_counter() > deadline and len(rows[cls]["T"]) >= 2:
                 done += 1
                 continue
-            if cls == "cross_entropy":
-                V = 8192
-                m = max(1, int(T // (V * e)))
-                logits = rnd(m, V)
-                tgt = torch.randint(0, V, (m,), device=dev.torch_device)
-                f = (lambda: F.cross_entropy(logits.float(), tgt))
-                inputs, units = (logits,), float(m * V)
-            else:
-                m = max(1, int(T // (h * e)))
-                f, inputs = build(cls, m)
-                units = float(m * h * e)
-            tf = time_op(f, dev, target_s=0.01)
-            if cls == "copy":
-                tb = tf
-            else:
-                out = f()
-                dy = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-                tb = time_op(lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True),
-                             dev, target_s=0.01)
-                if dev.kind == "cpu":
-                    tb = max(tb - backward_call_s, 0.5 * tb)
-                del out, dy
+            units, tf, tb = _time_memory_class(dev, rnd, cls, T, h, backward_call_s)
             rows[cls]["T"].append(units)
             rows[cls]["fwd_s"].append(tf)
             rows[cls]["bwd_s"].append(tb)
-            del inputs, f
             done += 1
             if tick:
                 tick(done / steps)
+    ce_f, ce_b = _ce_bytes(e)
+    bandwidth, fits = _fit_memory_ops(dev, rows, {**io, "cross_entropy": (ce_f, ce_b)}, floor_s, cap_Bps)
+    return {"bandwidth": bandwidth, "fits": fits, "io_units": {**{k: list(v) for k, v in io.items()},
+                                                               "cross_entropy_per_logit": [ce_f, ce_b]}}
+
+
+def _memory_op(cls: str, m: int, h: int, rnd):
+    """(the forward of one memory-bound class on [m, h] inputs, its differentiable inputs)."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+    import torch.nn.functional as F
+
+    from mist.models.mlp import gelu
+
+    x = rnd(m, h)
+    if cls == "layernorm":
+        wt, bs = rnd(h), rnd(h)
+        return (lambda: F.layer_norm(x, (h,), wt, bs)), (x, wt, bs)
+    if cls == "rmsnorm":
+        wt = rnd(h)
+        return (lambda: F.rms_norm(x, (h,), wt)), (x, wt)
+    if cls == "gelu":   # the model's own activation call
+        return (lambda: gelu(x)), (x,)
+    if cls == "swiglu":
+        def f():
+            a, b = x.chunk(2, dim=-1)
+            return F.silu(a) * b
+        return f, (x,)
+    if cls == "dropout":
+        return (lambda: F.dropout(x, 0.1, training=True)), (x,)
+    if cls == "binary":
+        y = rnd(m, h)
+        return (lambda: x * y), (x, y)
+    if cls == "softmax":
+        return (lambda: torch.softmax(x, dim=-1)), (x,)
+    if cls == "copy":
+        return (lambda: x.clone()), (x,)
+    raise KeyError(cls)
+
+
+def _time_memory_class(dev: Device, rnd, cls: str, T: float, h: int, backward_call_s: float):
+    """(units of T, forward seconds, backward seconds) of one class at size T."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+    import torch.nn.functional as F
+
+    e = dev.element_bytes
+    if cls == "cross_entropy":
+        V = 8192
+        m = max(1, int(T // (V * e)))
+        logits = rnd(m, V)
+        tgt = torch.randint(0, V, (m,), device=dev.torch_device)
+
+        def f():
+            return F.cross_entropy(logits.float(), tgt)
+
+        inputs, units = (logits,), float(m * V)
+    else:
+        m = max(1, int(T // (h * e)))
+        f, inputs = _memory_op(cls, m, h, rnd)
+        units = float(m * h * e)
+    tf = time_op(f, dev, target_s=0.01)
+    if cls == "copy":
+        return units, tf, tf
+    out = f()
+    dy = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+    tb = time_op(lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True),
+                 dev, target_s=0.01)
+    if dev.kind == "cpu":
+        tb = max(tb - backward_call_s, 0.5 * tb)
+    return units, tf, tb
+
+
+def _fit_memory_ops(dev: Device, rows: dict, io: dict, floor_s: float, cap_Bps: float) -> tuple[dict, dict]:
+    """(bandwidth {class: {fwd, bwd}}, fits {"class/fwd": ...}) from the timed rows; `io`: bytes
+    moved per unit of T (forward, backward) of each class."""
     bandwidth, fits = {}, {}
-    for cls in classes:
-        r = rows[cls]
-        fio, bio = (ce_f, ce_b) if cls == "cross_entropy" else io[cls]
+    for cls, r in rows.items():
         bw = {}
-        for key, factor in (("fwd", fio), ("bwd", bio)):
+        for key, factor in zip(("fwd", "bwd"), io[cls]):
             x = factor * np.array(r["T"])
             t = np.array(r[key + "_s"])
             if dev.kind == "cuda" and len(x) >= 2:
@@ -407,8 +424,7 @@ def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s
             fits[f"{cls}/{key}"] = {"bytes": x.tolist(), "seconds": t.tolist(), "capped": bool(capped),
                                     "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4)}
         bandwidth[cls] = bw
-    return {"bandwidth": bandwidth, "fits": fits, "io_units": {**{k: list(v) for k, v in io.items()},
-                                                               "cross_entropy_per_logit": [ce_f, ce_b]}}
+    return bandwidth, fits
 
 
 # ---------------------------------------------------------------------------- copies, AdamW
@@ -419,7 +435,7 @@ def measure_copies(dev: Device, nbytes: int) -> dict:
     CUDA: pinned H2D and D2H, both at once on two streams (total B/s), device-to-device.
     CPU: there is no device link; a host memcpy stands in for H2D and D2H, two memcpy threads at
     once for the bidirectional rate, and the same memcpy (read + write) is the copy rate."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     n = nbytes // 4
     if dev.kind == "cuda":
@@ -458,7 +474,7 @@ def measure_copies(dev: Device, nbytes: int) -> dict:
 
 def _adam_rate(dev: Device, device, n: int) -> float:
     """Seconds per parameter of `mist.runtime.optimizer.adamw_` over n fp32 parameters on `device`."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     from mist.runtime.optimizer import adamw_
 
@@ -475,7 +491,7 @@ def measure_host_adam(params: int, ranks: int) -> dict:
     share of the cores (`threads_per_worker`) while the other ranks step their own host AdamW at
     the same time (busy neighbours), as they all do during their first micro-batch, sharing the
     cores and the memory channels."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     ranks = max(1, int(ranks))
     threads, before = threads_per_worker(ranks), torch.get_num_threads()
@@ -493,7 +509,7 @@ def measure_adam(dev: Device, params: int, host_params: int, host_ranks: int = 1
     (`mist.runtime.optimizer.adamw_`, as `mist train` steps a flat shard): on the device and on
     the host CPU (the offloaded fraction; on a GPU machine as one of its `host_ranks` ranks,
     `measure_host_adam`)."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     if dev.kind == "cuda":
         return {"device_s_per_param": _adam_rate(dev, dev.torch_device, params),
@@ -507,7 +523,7 @@ def measure_adam(dev: Device, params: int, host_params: int, host_ranks: int = 1
 def memory_capacity(dev: Device) -> tuple[int, str]:
     """(bytes, source): CUDA total device memory; CPU available RAM (MemAvailable)."""
     if dev.kind == "cuda":
-        import torch
+        import torch  # lazy: keeps torch out of `import mist.profiling`
 
         total = int(torch.cuda.get_device_properties(dev.index).total_memory)
         return total, "measured: torch total_memory of the device"
@@ -524,7 +540,7 @@ def memory_capacity(dev: Device) -> tuple[int, str]:
 
 def device_name(dev: Device) -> str:
     if dev.kind == "cuda":
-        import torch
+        import torch  # lazy: keeps torch out of `import mist.profiling`
 
         return torch.cuda.get_device_name(dev.index)
     try:
@@ -538,7 +554,7 @@ def device_name(dev: Device) -> str:
 
 
 def fingerprint(dev: Device, processes: int) -> dict:
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     fp = {
         "device": device_name(dev),

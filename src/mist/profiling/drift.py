@@ -22,17 +22,18 @@ import itertools
 import numpy as np
 
 from mist.cpu_workers import keep_heap_pages, threads_per_worker
+from mist.profiling.comm import run_workers
 from mist.profiling.compute import cold_weights
 from mist.profiling.neighbours import Neighbours
+from mist.profiling.runner import measured_gemm_points
 from mist.profiling.timing import Device, time_op, warm_up
-
-MiB = 2**20
+from mist.units import MiB
 
 
 def check(profile, device: str | None = None, quick: bool = True, processes: int = 1,
           threshold: float = 0.10, attempts: int = 3) -> dict:
     """Re-measure a few of the profile's micro-benchmarks here; see the module docstring."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     fp = profile.fingerprint or {}
     kind = device or fp.get("device_kind", "cpu")
@@ -50,28 +51,48 @@ def check(profile, device: str | None = None, quick: bool = True, processes: int
 
 
 def _check(profile, dev: Device, quick, processes, threshold, attempts) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from mist.models.mlp import gelu
-    from mist.profiling.runner import measured_gemm_points
-
-    fp = profile.fingerprint or {}
-    kind, dtype = dev.kind, dev.dtype_name
     checks = []
 
     def add(what, measure, predicted):
-        """Measure (re-measuring while off, up to `attempts`), keep the closest ratio."""
-        predicted = float(predicted)
-        tries = []
-        for _ in range(max(1, attempts)):
-            tries.append(float(measure()))
-            if predicted > 0 and abs(tries[-1] / predicted - 1) <= threshold:
-                break
-        best = min(tries, key=lambda t: abs(np.log(t / predicted))) if predicted > 0 else tries[0]
-        checks.append({"what": what, "measured_s": best, "predicted_s": predicted,
-                       "ratio": best / predicted if predicted > 0 else float("inf"), "attempts_s": tries})
+        checks.append(_closest(what, measure, float(predicted), threshold, attempts))
 
+    _compute_checks(profile, dev, quick, add)
+    skipped = _all_reduce_check(profile, dev, processes, add)
+    ratios = np.array([c["ratio"] for c in checks])
+    worst = checks[int(np.argmax(np.abs(np.log(ratios))))]
+    return {
+        "profile": profile.name,
+        "device": dev.kind,
+        "checks": checks,
+        "skipped": skipped,
+        "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
+        "worst": worst,
+        "threshold": threshold,
+        "drifted": bool(np.any(np.abs(ratios - 1.0) > threshold)),
+    }
+
+
+def _closest(what: str, measure, predicted: float, threshold: float, attempts: int) -> dict:
+    """Measure (re-measuring while off, up to `attempts`), keep the closest ratio."""
+    tries = []
+    for _ in range(max(1, attempts)):
+        tries.append(float(measure()))
+        if predicted > 0 and abs(tries[-1] / predicted - 1) <= threshold:
+            break
+    best = min(tries, key=lambda t: abs(np.log(t / predicted))) if predicted > 0 else tries[0]
+    return {"what": what, "measured_s": best, "predicted_s": predicted,
+            "ratio": best / predicted if predicted > 0 else float("inf"), "attempts_s": tries}
+
+
+def _compute_checks(profile, dev: Device, quick, add) -> None:
+    """GEMMs at measured grid nodes and one GELU forward at the largest size the profile measured."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+    import torch.nn.functional as F
+
+    from mist.models.mlp import gelu
+
+    fp = profile.fingerprint or {}
+    kind = dev.kind
     # a CPU profile's compute tables were measured under busy neighbours: re-measure under the
     # same load (its collectives were not, and are not)
     busy = Neighbours(int(fp.get("busy_neighbours", 0)) if kind == "cpu" else 0, torch.get_num_threads())
@@ -100,44 +121,33 @@ def _check(profile, dev: Device, quick, processes, threshold, attempts) -> dict:
             lambda: time_op(lambda: gelu(x), dev, target_s=0.05 if quick else 0.15),
             profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes))
 
-    skipped = []
-    if processes > 1:
-        links = profile.link_model()
-        if links is None:
-            skipped.append("all_reduce: the profile has no link model")
-        else:
-            from mist.profiling.comm import run_workers
 
-            size = (64 if kind == "cuda" else 4) * MiB
-            cfg = {"device": kind, "dtype": dtype, "group_sizes": [], "sizes": [size], "target_s": 0.05,
-                   "ops": ["all_reduce"], "p2p": False, "interference": None, "deadline": 0.0,
-                   "threads": threads_per_worker(processes) if kind == "cpu" else 4}
-            try:
-                res = run_workers(processes, cfg, timeout_s=120)
-                nb, sec = res["collectives"]["all_reduce"][str(processes)][0]
-                again = iter([sec])
+def _all_reduce_check(profile, dev: Device, processes: int, add) -> list[str]:
+    """One all-reduce over `processes` workers against the profile's link model; returns the
+    checks skipped, each with why."""
+    if processes <= 1:
+        return ["all_reduce: one process"]
+    links = profile.link_model()
+    if links is None:
+        return ["all_reduce: the profile has no link model"]
+    kind = dev.kind
+    size = (64 if kind == "cuda" else 4) * MiB
+    cfg = {"device": kind, "dtype": dev.dtype_name, "group_sizes": [], "sizes": [size], "target_s": 0.05,
+           "ops": ["all_reduce"], "p2p": False, "interference": None, "deadline": 0.0,
+           "threads": threads_per_worker(processes) if kind == "cpu" else 4}
+    try:
+        res = run_workers(processes, cfg, timeout_s=120)
+        nb, sec = res["collectives"]["all_reduce"][str(processes)][0]
+        again = iter([sec])
 
-                def measure_ar():
-                    first = next(again, None)
-                    if first is not None:
-                        return first
-                    r = run_workers(processes, cfg, timeout_s=120)
-                    return r["collectives"]["all_reduce"][str(processes)][0][1]
-                add(f"all_reduce {nb / MiB:.1f} MiB over {processes}", measure_ar,
-                    float(links.time("all_reduce", nb, processes)))
-            except RuntimeError as exc:
-                skipped.append(f"all_reduce: {str(exc).splitlines()[0]}")
-    else:
-        skipped.append("all_reduce: one process")
-    ratios = np.array([c["ratio"] for c in checks])
-    worst = checks[int(np.argmax(np.abs(np.log(ratios))))]
-    return {
-        "profile": profile.name,
-        "device": kind,
-        "checks": checks,
-        "skipped": skipped,
-        "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
-        "worst": worst,
-        "threshold": threshold,
-        "drifted": bool(np.any(np.abs(ratios - 1.0) > threshold)),
-    }
+        def measure_ar():
+            first = next(again, None)
+            if first is not None:
+                return first
+            r = run_workers(processes, cfg, timeout_s=120)
+            return r["collectives"]["all_reduce"][str(processes)][0][1]
+        add(f"all_reduce {nb / MiB:.1f} MiB over {processes}", measure_ar,
+            float(links.time("all_reduce", nb, processes)))
+    except RuntimeError as exc:
+        return [f"all_reduce: {str(exc).splitlines()[0]}"]
+    return []

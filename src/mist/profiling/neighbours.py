@@ -2,10 +2,10 @@
 
 A CPU "cluster" of K worker processes is K devices on one machine that share its caches and
 memory bandwidth: while one rank computes, the other K − 1 do too, and each kernel runs slower
-than it does alone (measured here, 2 single-thread processes on a 2-core EPYC: GEMMs of a small
-model's shapes 0–25 % slower, a streaming add 26 %). So `mist profile --device cpu --processes K`
-measures its compute tables while K − 1 neighbour processes (each with the same thread count) run
-a training-like mix — mostly GEMMs, some streaming element-wise work — and `mist validate`'s drift
+than it does alone (small GEMMs and streaming element-wise work alike). So
+`mist profile --device cpu --processes K` measures its compute tables while K − 1 neighbour
+processes (each with the same thread count) run a training-like mix — mostly GEMMs, some
+streaming element-wise work — and `mist validate`'s drift
 check re-measures under the same load. The neighbours are spawned (not forked: a forked child must
 not start OpenMP threads after its parent ran parallel torch code).
 
@@ -21,12 +21,12 @@ import multiprocessing as mp
 
 
 def _busy(ready, stop, threads: int, work: str, size: int) -> None:  # pragma: no cover - neighbour process
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     if work == "adam":
-        from mist.runtime.optimizer import adamw_
+        from mist.runtime.optimizer import adamw_  # lazy: keeps torch out of `import mist.profiling`
 
         p, m, v = (torch.zeros(size) for _ in range(3))
         g = torch.full_like(p, 1e-3)
@@ -64,7 +64,7 @@ class Neighbours:
         self.work, self.size = work, int(size)
         self._procs, self._stop = [], None
 
-    def start(self, timeout_s: float = 120.0) -> "Neighbours":
+    def start(self, timeout_s: float = 120.0) -> Neighbours:
         if self.count == 0:
             return self
         ctx = mp.get_context("spawn")
@@ -90,7 +90,7 @@ class Neighbours:
                 p.terminate()
         self._procs, self._stop = [], None
 
-    def __enter__(self) -> "Neighbours":
+    def __enter__(self) -> Neighbours:
         return self.start()
 
     def __exit__(self, *exc) -> None:

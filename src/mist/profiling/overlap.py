@@ -44,7 +44,7 @@ def concurrent(run_a, run_b, repeats: int = 2, before=None) -> tuple[float, floa
         ends = {}
         go = threading.Barrier(2)
 
-        def side():
+        def side(go=go, ends=ends):
             go.wait()
             t0 = time.perf_counter()
             run_b()
@@ -84,7 +84,7 @@ def _loop(fn, count, dev: Device, stream=None):
             for _ in range(count):
                 fn()
         return run
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     def run_cuda():
         s = stream or torch.cuda.current_stream()
@@ -105,7 +105,7 @@ def measure_local_pairs(dev: Device, gemm_shape, copy_bytes: int, target_s: floa
     CUDA: GEMM loop vs pinned H2D / D2H copy loops on side streams, and H2D vs D2H.
     CPU: GEMM loop vs a host memcpy loop (standing in for both copy directions), and memcpy vs
     memcpy."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
     m, n, k = gemm_shape

@@ -17,11 +17,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mist.cpu_workers import setup_cpu_worker, threads_per_worker
+from mist.hardware.attention import AttentionTable
+from mist.hardware.collectives import OPS, assumed_links, load_links
+from mist.hardware.datasheet import DATASHEET
+from mist.hardware.dp_links import shipped_parts
+from mist.hardware.gemm import GemmTable
+from mist.hardware.gpu_names import profile_key
+from mist.hardware.host import HostOverhead
+from mist.hardware.interference import InterferenceModel, load_interference
+from mist.hardware.memory_ops import MemoryOpModel
+from mist.hardware.profile import GpuProfile
+from mist.profiling import compute, overlap
+from mist.profiling.comm import fit_links, fit_p2p, run_workers
+from mist.profiling.compute import device_name
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Budget, Device, warm_up
-
-MiB = 2**20
-GiB = 2**30
+from mist.units import GiB, MiB
 
 SHARES = {"host": 0.03, "gemm": 0.30, "attention": 0.12, "copies": 0.05, "memory_ops": 0.12,
           "adam": 0.03, "overlap": 0.08, "collectives": 0.27}
@@ -88,9 +99,7 @@ def settings_for(kind: str, time_budget: float) -> Settings:
 
 def default_name(kind: str) -> str:
     if kind == "cuda":
-        import torch
-
-        from mist.profiling.compute import device_name
+        import torch  # lazy: keeps torch out of `import mist.profiling`
 
         dev = device_name(Device("cuda"))
         return "cuda-" + "-".join(dev.lower().replace("_", " ").split()) if torch.cuda.is_available() else "cuda"
@@ -99,10 +108,7 @@ def default_name(kind: str) -> str:
 
 def known_gpu(device: str) -> str | None:
     """The datasheet/shipped key of a CUDA device name ("NVIDIA H200" → "h200"), or None."""
-    from mist.hardware.build.common import DATASHEET
-    from mist.hardware.registry import _normalize
-
-    key = _normalize(device)
+    key = profile_key(device)
     if key in DATASHEET:
         return key
     tokens = key.replace("-", " ").split()
@@ -118,7 +124,7 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
     """Measure this machine's `device` and return a `GpuProfile` (not written; see `write_profile`).
 
     progress(fraction in [0, 1], message) is called as the phases advance."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     kind = device
     dev = Device(kind, dtype or ("bf16" if kind == "cuda" else "fp32"))
@@ -143,165 +149,146 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
         torch.set_num_threads(threads)
 
 
+@dataclass(frozen=True)
+class ComputeMeasurements:
+    """The single-process micro-benchmarks, each as its `mist.profiling.compute` function returns it."""
+
+    host: dict             # measure_host: per-op host overheads and the backward()-call cost
+    op_floor_s: float      # measure_op_floor: the smallest kernel's time
+    gemm: dict             # measure_gemm: the F.linear grid
+    attention: dict        # measure_attention: the attention grid
+    copies: dict           # measure_copies: device, host-link and bidirectional copy rates
+    memory_ops: dict       # measure_memory_ops: bandwidth per class and the fits
+    adam: dict             # measure_adam: AdamW seconds per parameter on the device and the host
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything one `run_profile` measured, which `assemble` turns into a `GpuProfile`."""
+
+    settings: Settings
+    device: Device
+    processes: int
+    compute: ComputeMeasurements
+    overlap_local: dict              # overlap.measure_local_pairs: the in-process interference pairs
+    capacity: tuple[int, str]        # memory bytes, and where that number comes from
+    comm: dict | None                # comm.run_workers (None: collectives not measured)
+    comm_error: str | None           # why the collective workers failed, if they did
+    fingerprint: dict                # compute.fingerprint plus busy_neighbours and profile_seconds
+    notes: tuple[str, ...]
+
+
 def _measure(kind, dev, st, budget, processes, report, ticker, name):
-    import torch
-
-    from mist.profiling import compute, overlap
-    from mist.profiling.comm import run_workers
-
-    time_budget = budget.total_s
-    meas: dict = {"settings": st, "device": dev, "processes": processes}
-
     # on a CPU the compute tables are measured while the other K − 1 devices of the run are busy
     busy = Neighbours(processes - 1 if kind == "cpu" else 0, threads_per_worker(processes))
     ticker("host")(0.0, "host overheads" + (f" ({busy.count} busy neighbour process(es))" if busy.count else ""))
     with busy:
-        budget.phase_deadline("host")
-        warm_up(dev, min(2.0, 0.02 * time_budget))
-        meas["host"] = compute.measure_host(dev)
-        meas["op_floor_s"] = compute.measure_op_floor(dev)
-        call = meas["host"]["backward_call_s"]
-
-        tick = ticker("gemm")
-        tick(0.0, "GEMM grid")
-        meas["gemm"] = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"),
-                                            lambda f: tick(f, "GEMM grid"))
-        tick = ticker("attention")
-        tick(0.0, "attention")
-        meas["attention"] = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
-                                                      lambda f: tick(f, "attention"))
-        ticker("copies")(0.0, "copies")
-        budget.phase_deadline("copies")
-        meas["copies"] = compute.measure_copies(dev, st.copy_bytes)
-        tick = ticker("memory_ops")
-        tick(0.0, "memory-bound ops")
-        meas["memory_ops"] = compute.measure_memory_ops(dev, st.memory_sizes, call, meas["op_floor_s"],
-                                                        meas["copies"]["copy_Bps"], budget.phase_deadline("memory_ops"),
-                                                        lambda f: tick(f, "memory-bound ops"))
-        ticker("adam")(0.0, "AdamW")
-        budget.phase_deadline("adam")
-        # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
-        host_ranks = max(1, torch.cuda.device_count()) if kind == "cuda" else 1
-        meas["adam"] = compute.measure_adam(dev, st.adam_params, st.adam_host_params, host_ranks)
+        tables = _measure_compute(kind, dev, st, budget, ticker)
     ticker("overlap")(0.0, "compute/copy interference")
     budget.phase_deadline("overlap")
-    meas["overlap_local"] = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes,
-                                                        st.overlap_target_s)
-    meas["capacity"] = compute.memory_capacity(dev)
+    overlap_local = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes, st.overlap_target_s)
+    capacity = compute.memory_capacity(dev)
+    comm, comm_error, notes = _measure_collectives(kind, dev, st, budget, processes, ticker("collectives"))
+    fp = compute.fingerprint(dev, processes)
+    fp["busy_neighbours"] = busy.count
+    fp["profile_seconds"] = round(budget.elapsed(), 1)
+    report(1.0, "done")
+    meas = Measurements(settings=st, device=dev, processes=processes, compute=tables,
+                        overlap_local=overlap_local, capacity=capacity, comm=comm, comm_error=comm_error,
+                        fingerprint=fp, notes=tuple(notes))
+    return assemble(meas, name or default_name(kind))
 
-    tick = ticker("collectives")
+
+def _measure_compute(kind, dev, st, budget, ticker) -> ComputeMeasurements:
+    """Host overheads, the GEMM and attention grids, copies, memory-bound ops and AdamW, each in
+    its phase of the budget."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    budget.phase_deadline("host")
+    warm_up(dev, min(2.0, 0.02 * budget.total_s))
+    host = compute.measure_host(dev)
+    op_floor_s = compute.measure_op_floor(dev)
+    call = host["backward_call_s"]
+
+    tick = ticker("gemm")
+    tick(0.0, "GEMM grid")
+    gemm = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"), lambda f: tick(f, "GEMM grid"))
+    tick_a = ticker("attention")
+    tick_a(0.0, "attention")
+    attention = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
+                                          lambda f: tick_a(f, "attention"))
+    ticker("copies")(0.0, "copies")
+    budget.phase_deadline("copies")
+    copies = compute.measure_copies(dev, st.copy_bytes)
+    tick_m = ticker("memory_ops")
+    tick_m(0.0, "memory-bound ops")
+    memory_ops = compute.measure_memory_ops(dev, st.memory_sizes, call, op_floor_s, copies["copy_Bps"],
+                                            budget.phase_deadline("memory_ops"),
+                                            lambda f: tick_m(f, "memory-bound ops"))
+    ticker("adam")(0.0, "AdamW")
+    budget.phase_deadline("adam")
+    # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
+    host_ranks = max(1, torch.cuda.device_count()) if kind == "cuda" else 1
+    adam = compute.measure_adam(dev, st.adam_params, st.adam_host_params, host_ranks)
+    return ComputeMeasurements(host=host, op_floor_s=op_floor_s, gemm=gemm, attention=attention, copies=copies,
+                               memory_ops=memory_ops, adam=adam)
+
+
+def _measure_collectives(kind, dev, st, budget, processes, tick) -> tuple[dict | None, str | None, list[str]]:
+    """(measurements, error, notes) of the collectives and the {C, G2G} pair over worker processes."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
     workers = processes
     notes = []
     if kind == "cuda" and processes > torch.cuda.device_count():
         workers = torch.cuda.device_count()
         notes.append(f"{processes} processes asked, {workers} GPU(s) visible: NCCL needs one GPU per "
                      f"process, so collectives ran over {workers}")
-    meas["comm"], meas["comm_error"] = None, None
-    if workers >= 2:
-        tick(0.0, f"collectives over {workers} processes (starting)")
-        deadline = budget.phase_deadline("collectives")
-        cfg = {
-            "device": kind, "dtype": dev.dtype_name,
-            "threads": threads_per_worker(workers) if kind == "cpu" else 4,
-            "group_sizes": [n for n in (2, 4, 8, 16, 32) if n < workers],
-            "sizes": st.coll_sizes, "target_s": st.coll_target_s,
-            "deadline": time.time() + max(0.0, deadline - time.perf_counter()),
-            "interference": {"gemm": st.overlap_gemm, "ag_bytes": st.overlap_ag_bytes,
-                             "target_s": st.overlap_target_s},
-        }
-        try:
-            meas["comm"] = run_workers(workers, cfg, lambda f, m: tick(f, m),
-                                       timeout_s=max(120.0, 4 * budget.remaining() + 60))
-        except RuntimeError as exc:
-            meas["comm_error"] = str(exc)
-            notes.append(f"collectives not measured: {str(exc).splitlines()[0]}")
-    else:
+    if workers < 2:
         budget.phase_deadline("collectives")
-        if kind == "cuda" and workers < 2:
+        if kind == "cuda":
             notes.append("one GPU visible: collectives and the {C, G2G} pair were not measured")
-        elif workers < 2:
+        else:
             notes.append("one process: collectives and the {C, G2G} pair were not measured")
-    meas["fingerprint"] = compute.fingerprint(dev, processes)
-    meas["fingerprint"]["busy_neighbours"] = busy.count
-    meas["fingerprint"]["profile_seconds"] = round(budget.elapsed(), 1)
-    meas["notes"] = notes
-    report(1.0, "done")
-    return assemble(meas, name or default_name(kind))
+        return None, None, notes
+    tick(0.0, f"collectives over {workers} processes (starting)")
+    deadline = budget.phase_deadline("collectives")
+    cfg = {
+        "device": kind, "dtype": dev.dtype_name,
+        "threads": threads_per_worker(workers) if kind == "cpu" else 4,
+        "group_sizes": [n for n in (2, 4, 8, 16, 32) if n < workers],
+        "sizes": st.coll_sizes, "target_s": st.coll_target_s,
+        "deadline": time.time() + max(0.0, deadline - time.perf_counter()),
+        "interference": {"gemm": st.overlap_gemm, "ag_bytes": st.overlap_ag_bytes,
+                         "target_s": st.overlap_target_s},
+    }
+    try:
+        comm = run_workers(workers, cfg, lambda f, m: tick(f, m), timeout_s=max(120.0, 4 * budget.remaining() + 60))
+    except RuntimeError as exc:
+        notes.append(f"collectives not measured: {str(exc).splitlines()[0]}")
+        return None, str(exc), notes
+    return comm, None, notes
 
 
 # ---------------------------------------------------------------------------- assembly
-def assemble(meas: dict, name: str):
+def assemble(meas: Measurements, name: str) -> GpuProfile:
     """A GpuProfile from the measurements of `run_profile`."""
-    from mist.hardware.attention import AttentionTable
-    from mist.hardware.build.common import DATASHEET
-    from mist.hardware.gemm import GemmTable
-    from mist.hardware.host import HostOverhead
-    from mist.hardware.memory_ops import MemoryOpModel
-    from mist.hardware.profile import GpuProfile
-
-    dev: Device = meas["device"]
-    fp = meas["fingerprint"]
+    dev, fp, c = meas.device, meas.fingerprint, meas.compute
     kind = dev.kind
     where = f"{fp['device']} ({kind}, {dev.dtype_name}, torch {fp['torch'].split('+')[0]}, {fp['date'][:10]})"
-    g, a, mo, host, cp, adam = (meas[k] for k in ("gemm", "attention", "memory_ops", "host", "copies", "adam"))
-    copy_bw = cp["copy_Bps"]
-    plateau = g["best_flops"]
-
-    ms, ns, ks = g["axes"]
-    gemm = GemmTable(ms, ns, ks, g["times_s"], g["floor_s"], copy_bw, element_bytes=dev.element_bytes,
-                     source=(f"measured by mist profile: F.linear {dev.dtype_name} grid {len(ms)}x{len(ns)}x{len(ks)} "
-                             f"({ms[0]}..{ms[-1]}), {g['measured']} points timed, {len(g['filled'])} filled at their "
-                             f"lower neighbours' efficiency; best {plateau / 1e12:.3g} TFLOP/s"),
-                     extra={"filled": g["filled"], "plateau_flops": plateau})
-    ax = a["axes"]
-    attention = AttentionTable(ax["b"], ax["heads"], ax["s"], ax["d"], a["fwd_s"], a["bwd_s"],
-                               a["fwd_floor_s"], a["bwd_floor_s"],
-                               source=(f"measured by mist profile: scaled_dot_product_attention(is_causal=True) "
-                                       f"{dev.dtype_name} (PyTorch's default fused kernel, as the models call it), "
-                                       f"{a['measured']} points timed, {len(a['filled'])} filled; backward = "
-                                       "autograd.grad time" + (" minus the backward()-call cost" if kind == "cpu"
-                                                               else " (back-to-back CUDA events)")),
-                               extra={"filled": a["filled"], "backward_call_subtracted_s": host["backward_call_s"]})
-    bw = dict(mo["bandwidth"])
-    core = ("layernorm", "rmsnorm", "gelu", "swiglu", "dropout", "binary")
-    bw["elementwise"] = {d: float(np.median([bw[c][d] for c in core])) for d in ("fwd", "bwd")}
-    src = {c: f"measured by mist profile: {c} fwd/bwd at {len(meas['settings'].memory_sizes)} sizes, "
-              f"t = floor + io_bytes / bw (aten-level bytes, {dev.dtype_name}; fit errors in "
-              "fingerprint.memory_op_fits)" for c in mo["bandwidth"]}
-    src["binary"] = "measured by mist profile: elementwise multiply fwd (3T) and its backward (two multiplies, 6T)"
-    src["copy"] = "measured by mist profile: clone (read + write); backward = forward (no backward kernel)"
-    src["elementwise"] = "generic fallback: median of the measured layernorm/rmsnorm/gelu/swiglu/dropout/binary classes"
-    memory_ops = MemoryOpModel(bandwidth=bw, floor_s=meas["op_floor_s"], sources=src)
-    host_model = HostOverhead(
-        fwd_op_s=host["fwd_op_s"], bwd_op_s=host["bwd_op_s"], backward_call_s=host["backward_call_s"],
-        source=("measured by mist profile: median per-op time of loops of tiny add/mul/gelu/layer_norm with "
-                "autograd recording; autograd.grad over chains of 1..64 tiny ops fitted as E + n*h_bwd"
-                + ("; on a CPU the host runs the kernels itself, so kernel times include dispatch and "
-                   "stream_time reduces to their serial sum" if kind == "cpu" else "")))
-
+    gemm, attention = _gemm_table(meas), _attention_table(meas)
+    memory_ops, host_model = _memory_op_model(meas), _host_model(meas)
     known = known_gpu(fp["device"]) if kind == "cuda" else None
-    capacity, cap_src = meas["capacity"]
-    if kind == "cuda" and known:
-        peak, peak_src = DATASHEET[known]["peak_flops"], f"datasheet: {DATASHEET[known]['label']} dense bf16/fp16"
-        hbm, hbm_src = DATASHEET[known]["hbm"], (f"datasheet: {DATASHEET[known]['label']} "
-                                                 f"(measured device copy {copy_bw / 1e12:.2f} TB/s read+write)")
-    else:
-        peak, peak_src = plateau, f"measured: best GEMM rate of the grid ({dev.dtype_name})"
-        hbm = copy_bw
-        hbm_src = ("measured: host memcpy read+write bandwidth (CPU run)" if kind == "cpu"
-                   else "measured: device-to-device copy, read+write")
+    capacity, cap_src = meas.capacity
+    peak, peak_src, hbm, hbm_src = _peak_and_bandwidth(meas, known)
     links, dp_links, link_notes = _link_sections(meas, name, known, where)
     interference = _interference_section(meas, name, known, where)
-    notes = list(meas["notes"]) + link_notes
+    notes = list(meas.notes) + link_notes
     if kind == "cpu":
         notes.append(f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
                      "H2D/D2H are a host memcpy; plans should use the same dtype (training param_dtype and "
                      "compute_dtype) for the times to apply")
-    fp = dict(fp)
-    fp["copy_bandwidth"] = copy_bw
-    fp["copies"] = {k: v for k, v in cp.items()}
-    fp["host_detail"] = {"per_op_fwd_s": host["per_op_fwd_s"], "backward_chain": host["backward_chain"]}
-    fp["memory_op_fits"] = mo["fits"]
+    cp, adam = c.copies, c.adam
     return GpuProfile(
         name=name,
         provenance=f"measured by mist profile on {where}",
@@ -331,11 +318,86 @@ def assemble(meas: dict, name: str):
                                                                 for k, v in dp_links.items() if isinstance(v, dict)),
             "interference": interference["provenance"],
         },
-        fingerprint=fp,
+        fingerprint=_profile_fingerprint(meas),
         notes=notes,
         links=links, dp_links=dp_links, interference=interference,
         host_memory_per_gpu=_host_ram_per_gpu() if kind == "cuda" else None,
     )
+
+
+def _gemm_table(meas: Measurements) -> GemmTable:
+    dev, g = meas.device, meas.compute.gemm
+    plateau = g["best_flops"]
+    ms, ns, ks = g["axes"]
+    return GemmTable(ms, ns, ks, g["times_s"], g["floor_s"], meas.compute.copies["copy_Bps"],
+                     element_bytes=dev.element_bytes,
+                     source=(f"measured by mist profile: F.linear {dev.dtype_name} grid {len(ms)}x{len(ns)}x{len(ks)} "
+                             f"({ms[0]}..{ms[-1]}), {g['measured']} points timed, {len(g['filled'])} filled at their "
+                             f"lower neighbours' efficiency; best {plateau / 1e12:.3g} TFLOP/s"),
+                     extra={"filled": g["filled"], "plateau_flops": plateau})
+
+
+def _attention_table(meas: Measurements) -> AttentionTable:
+    dev, a = meas.device, meas.compute.attention
+    ax = a["axes"]
+    return AttentionTable(ax["b"], ax["heads"], ax["s"], ax["d"], a["fwd_s"], a["bwd_s"],
+                          a["fwd_floor_s"], a["bwd_floor_s"],
+                          source=(f"measured by mist profile: scaled_dot_product_attention(is_causal=True) "
+                                  f"{dev.dtype_name} (PyTorch's default fused kernel, as the models call it), "
+                                  f"{a['measured']} points timed, {len(a['filled'])} filled; backward = "
+                                  "autograd.grad time" + (" minus the backward()-call cost" if dev.kind == "cpu"
+                                                          else " (back-to-back CUDA events)")),
+                          extra={"filled": a["filled"],
+                                 "backward_call_subtracted_s": meas.compute.host["backward_call_s"]})
+
+
+def _memory_op_model(meas: Measurements) -> MemoryOpModel:
+    mo = meas.compute.memory_ops
+    bw = dict(mo["bandwidth"])
+    core = ("layernorm", "rmsnorm", "gelu", "swiglu", "dropout", "binary")
+    bw["elementwise"] = {d: float(np.median([bw[c][d] for c in core])) for d in ("fwd", "bwd")}
+    src = {c: f"measured by mist profile: {c} fwd/bwd at {len(meas.settings.memory_sizes)} sizes, "
+              f"t = floor + io_bytes / bw (aten-level bytes, {meas.device.dtype_name}; fit errors in "
+              "fingerprint.memory_op_fits)" for c in mo["bandwidth"]}
+    src["binary"] = "measured by mist profile: elementwise multiply fwd (3T) and its backward (two multiplies, 6T)"
+    src["copy"] = "measured by mist profile: clone (read + write); backward = forward (no backward kernel)"
+    src["elementwise"] = "generic fallback: median of the measured layernorm/rmsnorm/gelu/swiglu/dropout/binary classes"
+    return MemoryOpModel(bandwidth=bw, floor_s=meas.compute.op_floor_s, sources=src)
+
+
+def _host_model(meas: Measurements) -> HostOverhead:
+    host = meas.compute.host
+    return HostOverhead(
+        fwd_op_s=host["fwd_op_s"], bwd_op_s=host["bwd_op_s"], backward_call_s=host["backward_call_s"],
+        source=("measured by mist profile: median per-op time of loops of tiny add/mul/gelu/layer_norm with "
+                "autograd recording; autograd.grad over chains of 1..64 tiny ops fitted as E + n*h_bwd"
+                + ("; on a CPU the host runs the kernels itself, so kernel times include dispatch and "
+                   "stream_time reduces to their serial sum" if meas.device.kind == "cpu" else "")))
+
+
+def _peak_and_bandwidth(meas: Measurements, known: str | None) -> tuple:
+    """(peak FLOP/s, its source, memory bandwidth, its source): a known GPU's datasheet, else measured."""
+    dev = meas.device
+    copy_bw = meas.compute.copies["copy_Bps"]
+    if dev.kind == "cuda" and known:
+        label = DATASHEET[known]["label"]
+        return (DATASHEET[known]["peak_flops"], f"datasheet: {label} dense bf16/fp16", DATASHEET[known]["hbm"],
+                f"datasheet: {label} (measured device copy {copy_bw / 1e12:.2f} TB/s read+write)")
+    hbm_src = ("measured: host memcpy read+write bandwidth (CPU run)" if dev.kind == "cpu"
+               else "measured: device-to-device copy, read+write")
+    return (meas.compute.gemm["best_flops"], f"measured: best GEMM rate of the grid ({dev.dtype_name})",
+            copy_bw, hbm_src)
+
+
+def _profile_fingerprint(meas: Measurements) -> dict:
+    """The run's fingerprint with the measurement details a profile keeps beside its tables."""
+    c = meas.compute
+    fp = dict(meas.fingerprint)
+    fp["copy_bandwidth"] = c.copies["copy_Bps"]
+    fp["copies"] = {k: v for k, v in c.copies.items()}
+    fp["host_detail"] = {"per_op_fwd_s": c.host["per_op_fwd_s"], "backward_chain": c.host["backward_chain"]}
+    fp["memory_op_fits"] = c.memory_ops["fits"]
+    return fp
 
 
 def _host_ram_per_gpu() -> float | None:
@@ -343,7 +405,7 @@ def _host_ram_per_gpu() -> float | None:
     the host is the device, and its RAM is the profile's capacity already)."""
     import os
 
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -352,17 +414,13 @@ def _host_ram_per_gpu() -> float | None:
     return ram / max(1, torch.cuda.device_count())
 
 
-def _link_sections(meas: dict, name: str, known: str | None, where: str):
+def _link_sections(meas: Measurements, name: str, known: str | None, where: str):
     """(links, dp_links, notes): fitted from the worker measurements; otherwise borrowed from the
     shipped files of a known GPU, or assumed from the copy rates — always labelled."""
-    from mist.hardware.collectives import OPS, load_links
-    from mist.hardware.dp_links import shipped_parts
-    from mist.profiling.comm import fit_links, fit_p2p
-
-    dev: Device = meas["device"]
-    comm = meas.get("comm")
+    dev = meas.device
+    comm = meas.comm
     notes = []
-    cp = meas["copies"]
+    cp = meas.compute.copies
     if comm is not None:
         fits, errors = fit_links(comm["collectives"])
         sizes = sorted(int(n) for op in fits for n in fits[op])
@@ -400,13 +458,16 @@ def _link_sections(meas: dict, name: str, known: str | None, where: str):
         notes.append(f"links/dp_links borrowed from the shipped {known} models (collectives not measured)")
         return links, dp_links, notes
     # assumed from the measured copy rates: labelled, so that TP/DP plans still simulate
+    assumed = assumed_links()  # links/_assumed.json
     if dev.kind == "cpu":
-        alpha, bw = 5e-5, cp["copy_Bps"] / 4
-        why = "assumed (collectives not measured): gloo-like alpha 50 us, bus bandwidth a quarter of the memcpy rate"
+        part = assumed["cpu"]
+        alpha, bw = part["alpha_s"], cp["copy_Bps"] / part["copy_rate_divisor"]
     else:
-        alpha, bw = 2e-5, cp["h2d_Bps"]
-        why = "assumed (collectives not measured): alpha 20 us, bus bandwidth = the measured PCIe H2D rate"
-    links = {"gpu": name, "provenance": why, "fits": {op: {str(n): [alpha, bw] for n in (2, 4, 8)} for op in OPS}}
+        part = assumed["cuda"]
+        alpha, bw = part["alpha_s"], cp["h2d_Bps"]
+    why = part["provenance"]
+    links = {"gpu": name, "provenance": why,
+             "fits": {op: {str(n): [alpha, bw] for n in assumed["group_sizes"]} for op in OPS}}
     dp_links = {"p2p_intra": {"alpha_s": alpha, "bw_Bps": bw, "provenance": why},
                 "internode": (_cuda_internode(known) if dev.kind == "cuda" else
                               {"alpha_s": alpha, "nic_Bps_per_node": bw, "provenance": why})}
@@ -415,26 +476,22 @@ def _link_sections(meas: dict, name: str, known: str | None, where: str):
 
 
 def _cuda_internode(known: str | None) -> dict:
-    from mist.hardware.dp_links import shipped_parts
-
     if known:
         part = shipped_parts(known).get("internode")
         if part:
             return dict(part, provenance=f"borrowed from shipped {known} (a single machine cannot measure the "
                                          f"network): {part.get('provenance', '')}")
-    return {"alpha_s": 2e-5, "nic_Bps_per_node": 8 * 400e9 / 8,
-            "provenance": "assumed (not measured: one machine): 8 x 400 Gb/s NICs per node"}
+    part = assumed_links()["cuda_internode"]  # links/_assumed.json
+    return {k: part[k] for k in ("alpha_s", "nic_Bps_per_node", "provenance")}
 
 
-def _interference_section(meas: dict, name: str, known: str | None, where: str) -> dict:
-    from mist.hardware.interference import InterferenceModel, load_interference
-
-    local = meas["overlap_local"]
+def _interference_section(meas: Measurements, name: str, known: str | None, where: str) -> dict:
+    local = meas.overlap_local
     factors = {k: v["factors"] for k, v in local.items() if k != "how"}
     detail = {k: {kk: vv for kk, vv in v.items() if kk != "factors"} for k, v in local.items() if k != "how"}
     measured = ["{C,C2G}", "{C,G2C}", "{C2G,G2C}"]
     extra_src = ""
-    comm = meas.get("comm")
+    comm = meas.comm
     if comm is not None and comm.get("interference"):
         factors["C+G2G"] = comm["interference"]["factors"]
         detail["C+G2G"] = {k: v for k, v in comm["interference"].items() if k != "factors"}

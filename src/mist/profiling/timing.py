@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mist.dtypes import DTYPE_BYTES
+
 
 @dataclass
 class Device:
@@ -28,23 +30,23 @@ class Device:
 
     @property
     def torch_device(self):
-        import torch
+        import torch  # lazy: keeps torch out of `import mist.profiling`
 
         return torch.device("cuda", self.index) if self.kind == "cuda" else torch.device("cpu")
 
     @property
     def dtype(self):
-        import torch
+        from mist.models.dtypes import torch_dtype  # lazy: torch only when measuring
 
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype_name]
+        return torch_dtype(self.dtype_name)
 
     @property
     def element_bytes(self) -> int:
-        return 4 if self.dtype_name == "fp32" else 2
+        return DTYPE_BYTES[self.dtype_name]
 
     def sync(self) -> None:
         if self.kind == "cuda":
-            import torch
+            import torch  # lazy: keeps torch out of `import mist.profiling`
 
             torch.cuda.synchronize(self.index)
 
@@ -68,7 +70,7 @@ def time_op(fn, dev: Device, target_s: float = 0.02, min_reps: int = 3, max_reps
     one = one_call_s(fn, dev, warmup)
     reps = int(np.clip(target_s / one, min_reps, max_reps))
     if dev.kind == "cuda":
-        import torch
+        import torch  # lazy: keeps torch out of `import mist.profiling`
 
         per = max(1, reps // 3)
         means = []
@@ -92,7 +94,7 @@ def time_op(fn, dev: Device, target_s: float = 0.02, min_reps: int = 3, max_reps
 def warm_up(dev: Device, seconds: float = 0.3) -> None:
     """Run GEMMs for `seconds` before timing: wakes the thread pools (and, on a CPU, outlasts other
     libraries' spinning worker threads, e.g. a BLAS used by numpy just before) and the clocks."""
-    import torch
+    import torch  # lazy: keeps torch out of `import mist.profiling`
 
     x = torch.randn(256, 256, device=dev.torch_device).to(dev.dtype)
     end = time.perf_counter() + seconds

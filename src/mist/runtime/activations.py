@@ -6,9 +6,10 @@ offload ratio r > 0, `pack` keeps the first (1 − r) of each saved tensor's ele
 (pinned, copied on a side stream on CUDA); `unpack` copies it back and rebuilds the tensor at the
 start of its backward. Weights (views of the flat weight buffers) are never offloaded here: they
 are the weight-offload's business. Tensors saved while no ratio is set pass through unchanged and
-are only counted.
+are only counted. Which tensors are split and where is the rule of `mist.rules.offload_split`,
+whose byte sums the simulator predicts a block's saved activations with.
 
-GPU path (ran once on one H200, world size 1; not part of CI): the device→host copy runs on a side stream
+GPU path (run by `benchmarks/gpu/`, not by the CPU tests): the device→host copy runs on a side stream
 after waiting for the compute stream; the device tail is `record_stream`-ed on that stream so the
 caching allocator does not reuse it early, and `unpack` makes the compute stream wait for the copy's
 event before the host→device copy back.
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from mist.rules.offload_split import splits_saved
 from mist.runtime.buffers import host_empty, split_point
 from mist.runtime.memory import MemoryAccount
 
 
 class _Offloaded:
-    __slots__ = ("shape", "dtype", "device", "head", "tail", "event")
+    __slots__ = ("device", "dtype", "event", "head", "shape", "tail")
 
     def __init__(self, shape, dtype, device, head, tail, event):
         self.shape, self.dtype, self.device = shape, dtype, device
@@ -61,7 +63,7 @@ class SavedTensorManager:
         if self.is_weight(t):
             return t
         on_device = t.device == self.device
-        if self.ratio <= 0 or t.numel() < 2 or not on_device:
+        if not (on_device and splits_saved(t.numel(), self.ratio)):
             if on_device:
                 st = t.untyped_storage()
                 self._count(st.nbytes(), st.data_ptr())

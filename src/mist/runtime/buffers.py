@@ -2,14 +2,16 @@
 
 Fractional offloading keeps the first ``(1 − r)`` of a flat buffer on the device and the last ``r``
 in CPU memory (pinned when CUDA is present), as in Mist: there is no per-tensor selection, a flat
-buffer simply has a device-resident head and a host-resident tail. On CPU-only runs the "device"
-is the CPU as well; the head and tail are still separate tensors and every move is still a copy,
+buffer simply has a device-resident head and a host-resident tail (`mist.rules.offload_split`).
+On CPU-only runs the "device" is the CPU as well; the head and tail are still separate tensors and every move is still a copy,
 so that the tests exercise the same code path as a GPU run.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mist.rules.offload_split import device_elements
 
 
 def host_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -18,8 +20,9 @@ def host_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def split_point(length: int, ratio: float) -> int:
-    """Elements of a flat buffer of `length` that stay on the device when `ratio` is offloaded."""
-    return length - int(round(length * float(ratio)))
+    """Elements of a flat buffer of `length` that stay on the device when `ratio` is offloaded
+    (`mist.rules.offload_split`)."""
+    return int(device_elements(length, float(ratio)))
 
 
 class SplitBuffer:

@@ -103,7 +103,7 @@ def _unreadable(path, e: BaseException) -> MistInputError:
 
 def read_meta(path: str | Path) -> dict[str, torch.Tensor]:
     """The shared values of a checkpoint, read by one process (no process group needed)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import; only checkpointing runs pay it
     from torch.distributed.checkpoint.api import CheckpointException
 
     sd = meta_template()
@@ -140,7 +140,7 @@ def _buffers(unit):
 
 def save(trainer, root: str | Path, step: int) -> Path:
     """Collective: every rank writes its shards of the state after `step` finished steps."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import; only checkpointing runs pay it
 
     cfg, opt = trainer.cfg, trainer.optimizer
     sd: dict[str, torch.Tensor] = {}
@@ -167,7 +167,7 @@ def save(trainer, root: str | Path, step: int) -> Path:
 @torch.no_grad()
 def load(trainer, path: str | Path) -> int:
     """Collective: restore this rank's shards and the shared state; the step to continue from."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import; only checkpointing runs pay it
     from torch.distributed.checkpoint.api import CheckpointException
 
     sd = meta_template()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from mist.checks import is_int, is_number
 from mist.errors import MistInputError
 
 MAX_SEED = 2**63 - 1   # seeds are stored as int64 (checkpoints) and fed to torch.Generator
@@ -31,22 +32,21 @@ class TrainConfig:
     stop_after: int | None = None      # end this run after this many steps (the schedule still spans `steps`)
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+        if not is_int(self.steps) or self.steps < 1:
             raise MistInputError(f"--steps must be a positive integer, got {self.steps!r}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+        if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise MistInputError(f"--seed must be an integer in [0, 2**63 - 1], got {self.seed!r}.")
         # NaN fails every comparison and inf passes the one-sided ones: require finite numbers first
         for name, v in (("--lr", self.lr), ("--min-lr-ratio", self.min_lr_ratio),
                         ("--weight-decay", self.weight_decay), ("--beta1", self.beta1),
                         ("--beta2", self.beta2), ("--eps", self.eps), ("--clip", self.max_grad_norm)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(v) or not math.isfinite(v):
                 raise MistInputError(f"{name} must be a finite number, got {v!r}.")
         if not self.lr > 0:
             raise MistInputError(f"--lr must be positive, got {self.lr}.")
         if not 0 <= self.min_lr_ratio <= 1:
             raise MistInputError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}.")
-        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool)
-                                              or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+        if self.warmup_steps is not None and (not is_int(self.warmup_steps) or self.warmup_steps < 0):
             raise MistInputError(f"--warmup must be a non-negative integer, got {self.warmup_steps!r}.")
         if self.weight_decay < 0:
             raise MistInputError(f"--weight-decay must not be negative, got {self.weight_decay}.")
@@ -59,7 +59,7 @@ class TrainConfig:
                 raise MistInputError(f"{name} must lie in [0, 1), got {b}.")
 
         for name, v in (("--checkpoint-every", self.checkpoint_every), ("--stop-after", self.stop_after)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise MistInputError(f"{name} must be a positive integer, got {v!r}.")
         if self.stop_after is not None and self.stop_after > self.steps:
             raise MistInputError(f"--stop-after {self.stop_after} exceeds --steps {self.steps}; a run "

@@ -6,10 +6,11 @@ weights, gradients and optimizer states than its own, so each unit (the embeddin
 block, the head) is one `FlatUnit`:
 
 - its parameters (this rank's TP shards) are views of one flat working buffer ``full`` of Np
-  elements (N padded to a multiple of dp), in the working dtype (bf16/fp16/fp32);
+  elements (N padded to dp shards of ``shard_len``), in the working dtype (bf16/fp16/fp32);
 - the fp32 master weights and Adam moments cover the optimizer range: this rank's 1/dp shard
-  [dp_rank·S, (dp_rank+1)·S) for ZeRO ≥ 1, all Np for ZeRO 0; each is a `SplitBuffer` whose last
-  ``optimizer`` fraction lives on the host (its Adam step runs on the CPU, see `optimizer.py`);
+  [dp_rank·shard_len, (dp_rank+1)·shard_len) for ZeRO ≥ 1, all Np for ZeRO 0; each is a
+  `SplitBuffer` whose last ``optimizer`` fraction lives on the host (its Adam step runs on the
+  CPU, see `optimizer.py`);
 - weights: for ZeRO 0–2 without weight offload ``full`` is persistent. Otherwise the persistent copy
   is a `SplitBuffer` (this rank's shard for ZeRO 3, the whole buffer for ZeRO 0–2 with its last
   ``weights`` fraction on the host) and ``full`` is materialised before use (the host tail copied
@@ -24,24 +25,30 @@ block, the head) is one `FlatUnit`:
   or fp32 with 16-bit weights (each micro-batch's 16-bit gradients are added into the fp32 buffer,
   and the dp reduction runs on fp32, as Megatron-LM does for bf16).
 
+The buffers' lengths at each ZeRO level, their device/host split and when gradients accumulate in
+place are the rules of `mist.rules.flat_units`, `mist.rules.offload_split` and
+`mist.rules.grad_accumulation`, which the simulator's memory model applies as well.
+
 On CUDA a unit's host→device copies (and its ZeRO-3 all-gather) for the *next* unit run on a side
 copy stream, ordered by an event the compute stream waits on; everything else is synchronous
-(kept simple on purpose). That path ran once on one H200 (world size 1, NCCL, fp32 results within
-8e-7 of the CPU reference); multi-GPU collectives and the overlap itself are not tested here.
+(kept simple on purpose). The CPU tests do not reach the CUDA streams; `benchmarks/gpu/gpu_loop.py`
+runs this path on one GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mist.rules import flat_units
+from mist.rules.grad_accumulation import accumulates_in_place
 from mist.runtime.buffers import SplitBuffer
 from mist.runtime.memory import MemoryAccount
+from mist.runtime.param_role import ParamRole
 
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have those
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -96,34 +103,51 @@ class Comms:
 
 
 class FlatUnit:
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list]], infos: list[dict], *,
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list]], infos: list[ParamRole], *,
                  dtype: torch.dtype, device: torch.device, comms: Comms, zero: int,
                  weights: float, grads: float, optimizer: float, micro_batches: int,
                  memory: MemoryAccount, copy_stream=None, grad_dtype: torch.dtype | None = None):
         """`params`: (full name, fp32 parameter with the initial values, owners [(module, attr)]);
-        `infos`: per parameter {decay, norm_skip (local element range), kv_range}; `grad_dtype`: the
+        `infos`: per parameter its `ParamRole` (decay, norm_skip, kv_range); `grad_dtype`: the
         gradient buffers' dtype (None: the working `dtype`)."""
         self.name, self.dtype, self.device = name, dtype, torch.device(device)
         self.grad_dtype = grad_dtype or dtype
         self.comms, self.zero, self.G = comms, zero, micro_batches
         self.memory = memory
         self.copy_stream = copy_stream
-        dp, r = comms.dp, comms.dp_rank
+        self._lay_out(params, infos)
+        self._init_states(params, weights, optimizer)
+        self._bind_params(params)
+        self._init_grads(grads)
+        self._init_ranges()
+        self._init_hooks()
+        mem = self.master.device_bytes * 3
+        mem += self.full.numel() * self.full.element_size() if self.persistent else self.store.device_bytes
+        mem += self.acc.device_bytes
+        memory.add_persistent(mem)
+
+    def _lay_out(self, params, infos) -> None:
+        """Each parameter's place in the flat buffer, and the buffer's lengths (`rules.flat_units`):
+        N elements, padded to Np = dp shards of `shard_len`; the optimizer covers L elements
+        from `opt_lo`."""
         self.infos: list[ParamInfo] = []
         off = 0
         for (pname, p, _), extra in zip(params, infos):
             n = p.numel()
-            self.infos.append(ParamInfo(pname, p.shape, off, n, extra["decay"],
-                                        _shift(extra.get("norm_skip"), off),
-                                        _shift(extra.get("kv_range"), off)))
+            self.infos.append(ParamInfo(pname, p.shape, off, n, extra.decay,
+                                        _shift(extra.norm_skip, off),
+                                        _shift(extra.kv_range, off)))
             off += n
+        dp = self.comms.dp
         self.N = off
-        self.Np = math.ceil(off / dp) * dp
-        self.S = self.Np // dp
-        self.opt_lo = r * self.S if zero >= 1 else 0
-        self.L = self.S if zero >= 1 else self.Np
+        self.shard_len = flat_units.shard_len(off, dp)
+        self.Np = self.shard_len * dp
+        self.opt_lo = flat_units.optimizer_start(self.shard_len, self.comms.dp_rank, self.zero)
+        self.L = flat_units.optimizer_len(self.shard_len, self.Np, self.zero)
 
-        # fp32 initial values → master (exact fp32 init) and working buffer (cast)
+    def _init_states(self, params, weights: float, optimizer: float) -> None:
+        """fp32 initial values → master (exact fp32 init) and Adam moments over the optimizer
+        range; the working buffer `full` (cast), and the weights' store unless `full` persists."""
         init = torch.zeros(self.Np, dtype=torch.float32)
         for (_, p, _), info in zip(params, self.infos):
             init[info.offset:info.offset + info.numel].copy_(p.detach().reshape(-1))
@@ -132,21 +156,19 @@ class FlatUnit:
         self.exp_avg = SplitBuffer(self.L, optimizer, torch.float32, self.device)
         self.exp_avg_sq = SplitBuffer(self.L, optimizer, torch.float32, self.device)
 
-        self.full = init.to(self.device, dtype)
+        self.full = init.to(self.device, self.dtype)
         if self.full.data_ptr() == init.data_ptr():
             self.full = init.clone()
-        self.persistent = zero < 3 and weights == 0
+        self.persistent = not flat_units.materializes_weights(self.zero, weights)
         self.store = None
         if not self.persistent:
-            if zero == 3:
-                self.store = SplitBuffer(self.S, weights, dtype, self.device, zero=False)
-                self.store.copy_(self.full[r * self.S:(r + 1) * self.S])
-            else:
-                self.store = SplitBuffer(self.Np, weights, dtype, self.device, zero=False)
-                self.store.copy_(self.full)
-        del init
+            n = flat_units.weight_len(self.shard_len, self.Np, self.zero)
+            lo = self.comms.dp_rank * self.shard_len if flat_units.shards_weights(self.zero) else 0
+            self.store = SplitBuffer(n, weights, self.dtype, self.device, zero=False)
+            self.store.copy_(self.full[lo:lo + n])
 
-        # parameters become views of the flat buffer (every owner of a shared parameter too)
+    def _bind_params(self, params) -> None:
+        """The parameters become views of the flat buffer (every owner of a shared parameter too)."""
         self.params: list[nn.Parameter] = []
         for (_, _, owners), info in zip(params, self.infos):
             view = self.full[info.offset:info.offset + info.numel].view(info.shape)
@@ -161,33 +183,38 @@ class FlatUnit:
         if not self.persistent:
             self.release()
 
-        # gradient buffer: the shard accumulator under ZeRO ≥ 2; the whole buffer while micro-batches
-        # accumulate (G > 1); with one micro-batch the reduced gradient's L elements (allocated once
-        # here rather than every step, and the same bytes `mist.simulate.states` predicts)
-        n = self.S if zero >= 2 else (self.Np if micro_batches > 1 else self.L)
+    def _init_grads(self, grads: float) -> None:
+        """The gradient buffer (`rules.flat_units.grad_len`): the shard accumulator under ZeRO ≥ 2;
+        the whole buffer while micro-batches accumulate (G > 1); with one micro-batch the reduced
+        gradient's L elements (allocated once here rather than every step, and the same bytes
+        `mist.simulate.states` predicts)."""
+        n = flat_units.grad_len(self.shard_len, self.Np, self.zero, self.G)
         self.acc = SplitBuffer(n, grads, self.grad_dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
         self._update = None   # a deferred optimizer step (see `defer_update`)
         # When that buffer is the whole flat gradient and lives on the device, every micro-batch is
-        # accumulated into it in place and it is reduced once, after the step's last micro-batch:
-        # in the working dtype the parameters' .grad are views of it (autograd adds into them);
-        # in fp32 with 16-bit weights (autograd needs .grad in the parameters' dtype) each
-        # parameter's hook adds its .grad into the buffer and drops it, as Megatron-LM's
-        # main_grad hooks do.
-        self.in_place = self.acc.dev_len == self.Np
-        self.grad_views = self.in_place and self.grad_dtype == dtype
+        # accumulated into it in place and it is reduced once, after the step's last micro-batch
+        # (`rules.grad_accumulation`): in the working dtype the parameters' .grad are views of it
+        # (autograd adds into them); in fp32 with 16-bit weights (autograd needs .grad in the
+        # parameters' dtype) each parameter's hook adds its .grad into the buffer and drops it,
+        # as Megatron-LM's main_grad hooks do.
+        self.in_place = accumulates_in_place(n, self.Np, n - self.acc.dev_len)
+        self.grad_views = self.in_place and self.grad_dtype == self.dtype
 
-        # ranges (in optimizer coordinates) for weight decay, and for the gradient norm
+    def _init_ranges(self) -> None:
+        """Ranges (in optimizer coordinates) for weight decay and for the gradient norm, and the
+        local ranges of KV-head copies."""
         decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
         self.decay_ranges = _intersect(decay, self.opt_lo, self.opt_lo + self.L)
         skip = [i.norm_skip for i in self.infos if i.norm_skip]
-        nlo = r * self.S
-        shard = _complement(skip, nlo, nlo + self.S)
+        nlo = self.comms.dp_rank * self.shard_len
+        shard = _complement(skip, nlo, nlo + self.shard_len)
         base = self.opt_lo
         self.norm_ranges = [(a - base, b - base) for a, b in shard]
         self.kv_ranges = [i.kv_range for i in self.infos if i.kv_range]
 
-        # hooks and per-micro-batch state
+    def _init_hooks(self) -> None:
+        """Per-micro-batch state, and each parameter's post-accumulate-grad hook."""
         self._pending = 0
         self.micro_batch = 0
         self.last = True
@@ -198,11 +225,6 @@ class FlatUnit:
         for p, info in zip(self.params, self.infos):
             p.register_post_accumulate_grad_hook(
                 lambda p, info=info: self._on_grad(p, info))
-
-        mem = self.master.device_bytes * 3
-        mem += self.full.numel() * self.full.element_size() if self.persistent else self.store.device_bytes
-        mem += self.acc.device_bytes
-        memory.add_persistent(mem)
 
     # ------------------------------------------------------------ weights
     @property
@@ -243,7 +265,7 @@ class FlatUnit:
         with ctx:
             if self.zero == 3:
                 c = self.comms
-                shard = self.store.read(0, self.S, self.device)
+                shard = self.store.read(0, self.shard_len, self.device)
                 if c.dp_group is None:
                     self.full.copy_(shard)
                 else:
@@ -410,7 +432,7 @@ class FlatUnit:
         c = self.comms
         if c.dp_group is None:
             return flat
-        out = torch.empty(self.S, dtype=flat.dtype, device=self.device)
+        out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(out, flat, group=c.dp_group)
         return out
 
@@ -431,7 +453,7 @@ class FlatUnit:
                 self.store.write(0, m.dev.to(self.dtype))
                 self.store.write(m.dev_len, m.host.to(self.dtype))
         else:
-            shard = torch.empty(self.S, dtype=self.dtype, device=self.device)
+            shard = torch.empty(self.shard_len, dtype=self.dtype, device=self.device)
             shard[:m.dev_len].copy_(m.dev)
             shard[m.dev_len:].copy_(m.host)
             out = self.full if self.persistent else torch.empty(self.Np, dtype=self.dtype, device=self.device)

@@ -11,15 +11,39 @@ stage i to i + 1 and the gradients of those activations back from i + 1 to i.
 
 With equal dp, tp and micro-batch on both sides this is one piece, all rows, between the ranks at
 the same (dp, tp) position: the plain peer-to-peer exchange.
+
+A stage's place in the rank space is a `StageLayout`, defined here (pure, no torch) and used by
+`layout.py`, which builds the process groups from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mist.runtime.layout import StageLayout
+
+@dataclass
+class StageLayout:
+    """Where one pipeline stage sits: its global ranks (dp replicas × tp ranks, from `first_rank`),
+    its layers and its micro-batch (`layout.stage_layouts` builds one per stage of a plan)."""
+
+    index: int
+    first_rank: int
+    dp: int
+    tp: int
+    first_layer: int
+    layers: int
+    micro_batch: int = 1
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.dp * self.tp)
+
+    def tp_ranks(self, dp_rank: int) -> list[int]:
+        base = self.first_rank + dp_rank * self.tp
+        return list(range(base, base + self.tp))
+
+    def dp_ranks(self, tp_rank: int) -> list[int]:
+        return [self.first_rank + d * self.tp + tp_rank for d in range(self.dp)]
 
 
 @dataclass(frozen=True)

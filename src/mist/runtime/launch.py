@@ -11,7 +11,6 @@ plan that cannot run ends with one sentence and exit code 2.
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import re
 import socket
 import sys
@@ -20,12 +19,21 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from mist.cpu_workers import setup_cpu_worker, setup_gpu_rank, threads_per_worker
 from mist.errors import MistInputError
-from mist.plan import Plan
+from mist.hardware import load_profile
+from mist.plan import Plan, load_plan
+from mist.runtime.checkpoint import check_resume, latest_checkpoint
 from mist.runtime.config import TrainConfig
+from mist.runtime.data import make_data
+from mist.runtime.layout import build_groups
 from mist.runtime.preflight import check_node_memory
+from mist.runtime.trainer import Trainer
+from mist.simulate.precision import profile_target
+from mist.userfiles import check_output_dir, check_output_file
+from mist.worker_processes import WorkerDied, poll_messages, start_workers
 
 
 def free_port() -> int:
@@ -37,9 +45,6 @@ def free_port() -> int:
 def _cpu_profile(gpu: str) -> bool:
     """Whether the plan's `gpu` is a profile that `mist profile --device cpu` measured (a plan
     tuned for this kind of CPU device runs on CPU workers, with or without --local)."""
-    from mist.hardware import load_profile
-    from mist.simulate.precision import profile_target
-
     if not gpu.lower().endswith(".json"):
         return False
     try:
@@ -65,10 +70,6 @@ def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
 def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.device,
              init_method: str, want_state: bool = False) -> dict | None:
     """One rank, from joining the process group to leaving it; rank 0 returns its results."""
-    from mist.runtime.checkpoint import check_resume
-    from mist.runtime.layout import build_groups
-    from mist.runtime.trainer import Trainer
-
     ckpt = check_resume(plan, cfg) if cfg.resume else None   # before joining: every rank fails alike
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -117,10 +118,7 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     because a forked child must not start OpenMP threads when its parent already ran parallel
     torch code (GNU libgomp is not fork-safe), and the cores divided among the workers otherwise.
     """
-    import torch.multiprocessing as mp
-
     if cfg.resume:
-        from mist.runtime.checkpoint import check_resume
         check_resume(plan, cfg)
     world = plan.cluster.world_size
     if device_type == "cuda" and torch.cuda.device_count() < world:
@@ -132,28 +130,21 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
     ctx = mp.get_context(method)
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_local_worker, args=(r, world, plan, cfg, device_type, port, want_state, q,
-                                                          threads))
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    procs = start_workers(ctx, _local_worker, [(r, world, plan, cfg, device_type, port, want_state, q, threads)
+                                               for r in range(world)])
     result, error, done = None, None, set()
     try:
-        while len(done) < world and error is None:
-            try:
-                kind, rank, payload = q.get(timeout=0.5)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()
-                        and p.exitcode not in (0, None)]
-                if dead:
-                    error = ("error", f"worker {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                continue
+        for kind, rank, payload in poll_messages(q, procs, finished=done):
             done.add(rank)
             if kind == "ok":
                 if rank == 0:
                     result = payload
             else:
                 error = (kind, payload)
+            if len(done) == world or error is not None:
+                break
+    except WorkerDied as e:
+        error = ("error", f"worker {e.index} died with exit code {e.exitcode}")
     finally:
         if error is not None:
             for p in procs:
@@ -206,23 +197,16 @@ def check_outputs(cfg: TrainConfig, writes_metrics: bool) -> None:
     """Before any training: the metrics file can be written (by the process that writes it) and
     the checkpoint folder exists or can be made (every rank writes its shards there; mkdir with
     exist_ok, so ranks racing to make it is harmless)."""
-    from mist.userfiles import check_output_dir, check_output_file
-
     if writes_metrics and cfg.metrics_path is not None:
         check_output_file(cfg.metrics_path, "--metrics")
     if cfg.checkpoint_dir is not None:
         if cfg.resume:
-            from mist.runtime.checkpoint import latest_checkpoint
             latest_checkpoint(cfg.checkpoint_dir)     # no checkpoint there: say so, and make no folder
         check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
 
 
 def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     """`mist train`: under torchrun (env) or with local workers; prints progress on rank 0."""
-    from mist.plan import load_plan
-
-    from mist.runtime.data import make_data
-
     plan = load_plan(plan_path)
     world = plan.cluster.world_size
     t = plan.training

@@ -21,29 +21,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from mist.plan import Plan
-from mist.runtime.handoff import Piece, incoming, outgoing
+from mist.runtime.handoff import Piece, StageLayout, incoming, outgoing
 
-
-@dataclass
-class StageLayout:
-    index: int
-    first_rank: int
-    dp: int
-    tp: int
-    first_layer: int
-    layers: int
-    micro_batch: int = 1
-
-    @property
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.dp * self.tp)
-
-    def tp_ranks(self, dp_rank: int) -> list[int]:
-        base = self.first_rank + dp_rank * self.tp
-        return list(range(base, base + self.tp))
-
-    def dp_ranks(self, tp_rank: int) -> list[int]:
-        return [self.first_rank + d * self.tp + tp_rank for d in range(self.dp)]
+__all__ = ["RankGroups", "StageLayout", "build_groups", "stage_layouts", "tied_segments"]
 
 
 def stage_layouts(plan: Plan) -> list[StageLayout]:

@@ -29,11 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mist.runtime.flat import FlatUnit
-
-
-# PyTorch's fused Adam kernel (CUDA, and CPU since 2.4): one pass over p, m, v and g instead of
-# about eight; the decoupled weight decay is applied before it, on the matrices' ranges only.
-_FUSED = hasattr(torch, "_fused_adam_")
+from mist.torch_compat import HAS_FUSED_ADAM, fused_adam_
 
 
 def adamw_(p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -44,10 +40,10 @@ def adamw_(p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps:
     if weight_decay:
         for a, b in decay_ranges:
             p[a:b].mul_(1 - lr * weight_decay)
-    if _FUSED and p.device.type in ("cpu", "cuda"):
-        steps = [torch.tensor(float(step), dtype=torch.float32, device=p.device)]
-        torch._fused_adam_([p], [g], [m], [v], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                           weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+    if HAS_FUSED_ADAM and p.device.type in ("cpu", "cuda"):
+        # PyTorch's fused kernel: one pass over p, m, v and g instead of about eight; the
+        # decoupled weight decay was applied above, on the matrices' ranges only
+        fused_adam_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
         return
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -15,18 +15,18 @@ is never wrong. Activations come on top and are not counted here.
 
 from __future__ import annotations
 
+from mist.dtypes import DTYPE_BYTES
 from mist.errors import MistInputError
-from mist.hardware.host_memory import GIB
 from mist.plan import Plan
 from mist.simulate.precision import Precision
 from mist.simulate.states import unit_host_states, unit_states
-from mist.specs.training import DTYPES
+from mist.units import GiB
 
 
 def _stage_bytes(plan: Plan, i: int, host_only: bool) -> float:
     """Lower bound on the state bytes one rank of stage i keeps in host RAM."""
     s, m, S = plan.stages[i], plan.model, plan.num_stages
-    pb = DTYPES[plan.training.param_dtype]
+    pb = DTYPE_BYTES[plan.training.param_dtype]
     prec = Precision(weight_bytes=pb, grad_bytes=plan.training.grad_bytes)
     G, o = plan.micro_batches, s.offload
     units = [(m.block_params() / s.tp, o.weights, o.grads, o.optimizer)] * s.layers
@@ -80,5 +80,5 @@ def check_node_memory(plan: Plan, ranks, device_type: str, available: int | None
         what = ("the offloaded parts of their weights, gradients and optimizer states" if device_type == "cuda"
                 else "their weights, gradients and optimizer states")
         raise MistInputError(
-            f"This node has {available / GIB:.1f} GiB of memory available, but the plan's {len(ranks)} "
-            f"rank(s) here need at least {need / GIB:.1f} GiB of it for {what} (activations come on top).")
+            f"This node has {available / GiB:.1f} GiB of memory available, but the plan's {len(ranks)} "
+            f"rank(s) here need at least {need / GiB:.1f} GiB of it for {what} (activations come on top).")

@@ -13,10 +13,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from mist.rules.pipeline_order import FORWARD, one_f_one_b
 from mist.runtime.handoff import Piece
 from mist.runtime.phase_timer import PhaseTimer
-from mist.runtime.stage import StageRunner
+from mist.runtime.stage_runner import StageRunner
 
 
 class GradAccumSchedule:
@@ -77,8 +79,9 @@ class PipelineSchedule:
     """Non-interleaved 1F1B on stage `stage` of `stages`.
 
     Warm-up: min(S − 1 − i, G) forwards; steady state: one forward, one backward; cool-down: the
-    remaining backwards. Each activation piece goes to its rank of the next stage and each piece
-    of the input's gradient back to its rank of the previous stage (`links`), tagged by
+    remaining backwards (`mist.rules.pipeline_order`, the order the simulator times). Each
+    activation piece goes to its rank of the next stage and each piece of the input's gradient
+    back to its rank of the previous stage (`links`), tagged by
     micro-batch and kind (a pair of ranks exchanges at most one piece per micro-batch and
     direction). Sends are non-blocking (`isend`, waited for at the end of the step) so that no two
     neighbours can block on each other's sends; receives block, piece by piece in row order. Every
@@ -89,7 +92,7 @@ class PipelineSchedule:
 
     def __init__(self, micro_batches: int, stage: int, stages: int, links: Links,
                  device: torch.device):
-        self.G, self.i, self.S = micro_batches, stage, stages
+        self.G, self.i, self.stages = micro_batches, stage, stages
         self.links = links
         self.device = torch.device(device)
 
@@ -98,8 +101,6 @@ class PipelineSchedule:
         return 3 * g + kind          # 0: header, 1: activation, 2: gradient
 
     def _send_act(self, x: torch.Tensor, g: int, pending: list) -> None:
-        import torch.distributed as dist
-
         x = x.detach().contiguous()
         for p in self.links.next_out:
             part = x[p.lo:p.hi]
@@ -111,8 +112,6 @@ class PipelineSchedule:
             pending.append((dist.isend(part, p.rank, tag=self._tag(g, 1)), part))
 
     def _recv_act(self, g: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         x = None
         for p in self.links.prev_in:
             head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
@@ -126,8 +125,6 @@ class PipelineSchedule:
         return x.requires_grad_(x.is_floating_point())
 
     def _recv_grad(self, out: torch.Tensor, g: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
         for p in self.links.next_in:
             dist.recv(grad[p.lo:p.hi], p.rank, tag=self._tag(g, 2))
@@ -136,8 +133,6 @@ class PipelineSchedule:
         return grad
 
     def _send_grad(self, gx: torch.Tensor, g: int, pending: list) -> None:
-        import torch.distributed as dist
-
         gx = gx.contiguous()
         for p in self.links.prev_out:
             part = gx[p.lo:p.hi]
@@ -146,7 +141,7 @@ class PipelineSchedule:
     # ------------------------------------------------------------ the step
     def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0,
             timer: PhaseTimer | None = None) -> list[torch.Tensor]:
-        G, first, last = self.G, self.i == 0, self.i == self.S - 1
+        G, first, last = self.G, self.i == 0, self.i == self.stages - 1
         span = _spans(timer)
         pending: list = []
         inflight: dict[int, tuple] = {}
@@ -178,14 +173,8 @@ class PipelineSchedule:
             if not first:
                 self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, pending)
 
-        warm = min(self.S - 1 - self.i, G)
-        for g in range(warm):
-            forward(g)
-        for k in range(G - warm):
-            forward(warm + k)
-            backward(k)
-        for g in range(G - warm, G):
-            backward(g)
+        for kind, g in one_f_one_b(self.i, self.stages, G):
+            (forward if kind == FORWARD else backward)(g)
         for work, _ in pending:
             work.wait()
         return losses

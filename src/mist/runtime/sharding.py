@@ -12,7 +12,8 @@ full tensor that rank r of t holds, or None when the parameter is replicated on 
 
 `init_stage_params` fills a stage's local modules with exactly the values `init_weights(full, seed)`
 gives the single-process model, without building the full model (it walks the full model's
-parameters on the meta device and draws the same random numbers in the same order).
+parameters on the meta device and draws the same random numbers in the same order: the rule of
+`mist.rules.init_seeds`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 from torch import nn
 
 from mist.models import CausalLM, TPGroup
+from mist.models.causal_lm import normal_draw
+from mist.rules.init_seeds import INIT_STD, draws_normal, init_constant
 from mist.specs.model import ModelSpec
-
-INIT_STD = 0.02   # the default std of mist.models.init_weights
 
 
 def _rows(start: int, stop: int) -> list[int]:
@@ -91,14 +92,7 @@ def full_meta_model(spec: ModelSpec, flash: bool = True) -> CausalLM:
 
 def init_value(name: str, shape, gen: torch.Generator, std: float = INIT_STD) -> torch.Tensor | None:
     """The value `mist.models.init_weights` gives a parameter (None: a constant, no RNG draw)."""
-    if len(shape) >= 2:
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
-    return None
-
-
-def init_constant(name: str) -> float:
-    return 1.0 if (name.endswith("norm1.weight") or name.endswith("norm2.weight")
-                   or name.endswith("norm.weight")) else 0.0
+    return normal_draw(shape, gen, std) if draws_normal(len(shape)) else None
 
 
 def local_to_full_name(local_name: str, first_layer: int) -> str:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from mist.errors import MistInputError
+from mist.hardware import load_profile
 from mist.models import TPGroup
+from mist.models.dtypes import torch_dtype
 from mist.plan import Offload, Plan
+from mist.runtime import checkpoint
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.config import TrainConfig
 from mist.runtime.data import make_data, split_micro_batches
@@ -22,13 +26,11 @@ from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
+from mist.runtime.param_role import ParamRole
 from mist.runtime.phase_timer import PhaseTimer, stage_times
 from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
-from mist.runtime.sharding import (full_meta_model, init_stage_params, kv_replicated_rows,
-                                   tp_slice)
-from mist.runtime.stage import StageModule, StageRunner
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from mist.runtime.sharding import full_meta_model, init_stage_params, kv_replicated_rows, tp_slice
+from mist.runtime.stage_runner import StageModule, StageRunner
 
 
 def model_flops_per_step(plan: Plan) -> float:
@@ -41,7 +43,7 @@ def model_flops_per_step(plan: Plan) -> float:
 def working_dtypes(plan: Plan):
     """(working weight dtype, autocast dtype or None, fp16 loss scaling?)."""
     t = plan.training
-    wd, cd = DTYPES[t.param_dtype], DTYPES[t.compute_dtype]
+    wd, cd = torch_dtype(t.param_dtype), torch_dtype(t.compute_dtype)
     if wd == cd:
         return wd, None, wd == torch.float16
     if wd != torch.float32:
@@ -55,24 +57,22 @@ def grad_dtype(plan: Plan) -> torch.dtype:
     """The dtype gradients are accumulated and reduced in: the parameters' unless the plan asks
     for fp32 (16-bit gradients of each micro-batch added into fp32 buffers)."""
     t = plan.training
-    return DTYPES[t.grad_dtype or t.param_dtype]
+    return torch_dtype(t.grad_dtype or t.param_dtype)
 
 
-def _param_info(name: str, p: torch.Tensor, spec, tp: int, tp_rank: int) -> dict:
-    info = {"decay": p.dim() >= 2, "norm_skip": None, "kv_range": None}
+def _param_role(name: str, p: torch.Tensor, spec, tp: int, tp_rank: int) -> ParamRole:
+    decay = p.dim() >= 2
     if tp == 1:
-        return info
+        return ParamRole(decay)
     if tp_slice(name, spec, tp, tp_rank) is None:
-        if tp_rank != 0:             # replicated on every TP rank: counted once, on rank 0
-            info["norm_skip"] = (0, p.numel())
-        return info
+        # replicated on every TP rank: counted once, on rank 0
+        return ParamRole(decay, norm_skip=(0, p.numel()) if tp_rank != 0 else None)
     rows = kv_replicated_rows(name, spec, tp, tp_rank)
-    if rows is not None:
-        cols = p.numel() // p.shape[0]
-        info["kv_range"] = (rows[0] * cols, rows[1] * cols)
-        if tp_rank % (tp // spec.num_kv_heads):
-            info["norm_skip"] = info["kv_range"]
-    return info
+    if rows is None:
+        return ParamRole(decay)
+    cols = p.numel() // p.shape[0]
+    kv = (rows[0] * cols, rows[1] * cols)
+    return ParamRole(decay, norm_skip=kv if tp_rank % (tp // spec.num_kv_heads) else None, kv_range=kv)
 
 
 class Trainer:
@@ -83,9 +83,7 @@ class Trainer:
         lay = groups.stage
         st = plan.stages[lay.index]
         self.stage = st
-        if spec.family == "gpt" and t.seq_len > spec.max_position_embeddings:
-            raise MistInputError(f"Sequence length {t.seq_len} exceeds the model's "
-                                 f"{spec.max_position_embeddings} learned positions.")
+        spec.check_seq_len(t.seq_len)
         self.dtype, autocast, fp16 = working_dtypes(plan)
         self.grad_dtype = grad_dtype(plan)
         self.scaler = LossScaler(fp16)
@@ -119,11 +117,11 @@ class Trainer:
                     continue
                 seen.add(id(p))
                 name = module.full_name(f"{prefix}.{n}")
-                info = _param_info(name, p, spec, lay.tp, groups.tp_rank)
+                info = _param_role(name, p, spec, lay.tp, groups.tp_rank)
                 if pp_tied and name == "embedding.word":
                     self.tied.setdefault(len(unit_params), []).append(len(plist))
                     if prefix == "head":
-                        info["norm_skip"] = (0, p.numel())
+                        info = replace(info, norm_skip=(0, p.numel()))
                 plist.append((name, p, owners[id(p)]))
                 infos.append(info)
             unit_params.append((prefix, plist, infos))
@@ -171,13 +169,9 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
     def resume_from(self, path) -> None:
         """Restore the state of a checkpoint (collective); training continues at its step."""
-        from mist.runtime import checkpoint
-
         self.start_step = checkpoint.load(self, path)
 
     def save_checkpoint(self, step: int) -> None:
-        from mist.runtime import checkpoint
-
         self.optimizer.flush()
         path = checkpoint.save(self, self.cfg.checkpoint_dir, step)
         if self.cfg.log and self.groups.rank == 0:
@@ -266,8 +260,6 @@ class Trainer:
         return [([int(v) for v in row[:k]], [float(v) for v in row[k:]]) for row in t.tolist()]
 
     def metrics(self) -> dict:
-        from mist.hardware import load_profile
-
         t = self.plan.training
         tokens = t.global_batch * t.seq_len
         times = [r["time_s"] for r in self.history]

@@ -35,7 +35,7 @@ def activation_peak(pre, blk, post, layers: int, b, s) -> tuple[float, str]:
         "last block backward": a_pre + (layers - 1) * a_blk + _f(blk.bwd_peak(b, s)),
         "embedding backward": _f(pre.bwd_peak(b, s)),
     }
-    where = max(cands, key=cands.get)
+    where = max(cands, key=lambda k: cands[k])
     return cands[where], where
 
 
@@ -46,10 +46,11 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
     mode = {"none": False, "full": True}.get(recompute, recompute)   # else selective parts
     ckpt = bool(mode)   # the block's trace has a recompute phase
     pr = default_precision(profile, dtype)
-    kw = dict(tp=tp, flash=flash, dtype=pr.trace_dtype, target=pr.target)
-    blk = analyze_layer(spec, "block", recompute=mode, **kw)
-    pre = analyze_layer(spec, "pre", **kw)
-    post = analyze_layer(spec, "post", **kw)
+    def trace(part: str, recompute: bool | str = False):
+        return analyze_layer(spec, part, tp=tp, flash=flash, recompute=recompute, dtype=pr.trace_dtype,
+                             target=pr.target)
+
+    blk, pre, post = trace("block", mode), trace("pre"), trace("post")
     b, s, L = micro_batch, seq, spec.num_layers
 
     t = {name: {ph: phase_time(profile, links, la, ph, b, s) for ph in phases}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist.analysis.layer import LayerAnalysis
-from mist.analysis.records import ATTENTION, COLLECTIVE, GEMM
+from mist.analysis.records import COLLECTIVE, AttentionParams, CollectiveParams, GemmParams, OpValues
 from mist.hardware.collectives import LinkModel
 
 
@@ -29,21 +29,20 @@ from mist.hardware.collectives import LinkModel
 class PhaseTime:
     compute: np.ndarray   # seconds of kernels incl. host issue limits, the layer alone (S)
     comm: np.ndarray      # seconds of TP collectives (serial, not overlapped)
-    lead: np.ndarray = 0.0  # S − max(H, K): paid once by a stream of such layers, not per layer
+    lead: np.ndarray | float = 0.0  # S − max(H, K): paid once by a stream of such layers, not per layer
 
     @property
     def total(self) -> np.ndarray:
         return self.compute + self.comm
 
 
-def kernel_time(profile, op: dict, backward: bool) -> np.ndarray:
-    kind = op["kind"]
-    if kind == GEMM:
-        return profile.gemm_time(op["m"], op["n"], op["k"], op["batch"])
-    if kind == ATTENTION:
-        return profile.attention_time(op["b"], op["heads"], op["kv_heads"], op["s"], op["d"],
-                                      op["causal"], backward)
-    return profile.memory_op_time(op["op"], op["bytes_moved"], backward)
+def kernel_time(profile, op: OpValues, backward: bool) -> np.ndarray:
+    p = op.params   # a GEMM's are `GemmParams`, an attention's `AttentionParams`, a memory op's None
+    if isinstance(p, GemmParams):
+        return profile.gemm_time(p.m, p.n, p.k, p.batch)
+    if isinstance(p, AttentionParams):
+        return profile.attention_time(p.b, p.heads, p.kv_heads, p.s, p.d, p.causal, backward)
+    return profile.memory_op_time(op.op, op.bytes_moved, backward)
 
 
 def phase_time(profile, links: LinkModel | None, la: LayerAnalysis, phase: str, b, s) -> PhaseTime:
@@ -52,13 +51,13 @@ def phase_time(profile, links: LinkModel | None, la: LayerAnalysis, phase: str, 
     ops = la.op_values(phase, b, s)
     backward = phase == "bwd"
     kernels = [np.broadcast_to(kernel_time(profile, op, backward), b.shape)
-               for op in ops if op["kind"] != COLLECTIVE]
+               for op in ops if op.kind != COLLECTIVE]
     comm = np.zeros(b.shape)
     for op in ops:
-        if op["kind"] == COLLECTIVE:
+        if isinstance(op.params, CollectiveParams):
             if links is None:
                 raise ValueError(f"no collective model for GPU {profile.name}")
-            comm = comm + links.time(op["op"], op["bytes"], op["group"])
+            comm = comm + links.time(op.op, op.params.bytes, op.params.group)
     lead = np.zeros(b.shape)
     if kernels:
         k = np.stack(kernels, axis=-1)

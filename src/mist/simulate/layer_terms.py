@@ -40,15 +40,15 @@ class LayerTerms:
     flops_bwd: np.ndarray
     # per saved tensor (rows; zero-padded) and micro-batch size (columns): what the runtime's
     # activation offload splits one by one — see `LayerAnalysis.saved_split`
-    split_numel: np.ndarray = None
-    split_elt: np.ndarray = None
-    split_whole: np.ndarray = None
-    split_numel_ckpt: np.ndarray = None
-    split_elt_ckpt: np.ndarray = None
-    split_whole_ckpt: np.ndarray = None
-    lead_fwd: np.ndarray = 0.0
-    lead_bwd: np.ndarray = 0.0       # of `bwd` (with the selective re-runs when it has them)
-    lead_bwd_ckpt: np.ndarray = 0.0  # of a checkpointed block's backward stream: re-run + plain backward
+    split_numel: np.ndarray
+    split_elt: np.ndarray
+    split_whole: np.ndarray
+    split_numel_ckpt: np.ndarray
+    split_elt_ckpt: np.ndarray
+    split_whole_ckpt: np.ndarray
+    lead_fwd: np.ndarray
+    lead_bwd: np.ndarray       # of `bwd` (with the selective re-runs when it has them)
+    lead_bwd_ckpt: np.ndarray  # of a checkpointed block's backward stream: re-run + plain backward
 
 
 def _split(la, b, s):

@@ -1,6 +1,6 @@
 """1F1B pipeline iteration time from each stage's steady time and one-off extras.
 
-Mist's closed form (formulas.md §8) charges one extra D_i per stage and lets it hide behind
+The Mist paper's closed form (docs/references.md) charges one extra D_i per stage and lets it hide behind
 Σ_{j<i} T_j. The two one-offs happen at opposite ends of the iteration, on side streams:
 the first micro-batch's extra (the deferred optimizer step, re-gather, swaps) can run while a
 stage waits for its first input, i.e. behind the upstream forwards Σ_{j<i} F_j; the last
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mist.rules.pipeline_order import one_f_one_b
+
 
 def iteration_time(T, G: int, first=None, last=None, fwd=None):
     """Vectorized over leading candidate axes: every argument has shape (..., S)."""
@@ -36,19 +38,9 @@ def iteration_time(T, G: int, first=None, last=None, fwd=None):
 
 
 def one_f_one_b_order(stage: int, num_stages: int, G: int) -> list[tuple[str, int]]:
-    """Operation order of one stage: warm-up forwards, then one forward/one backward, cool-down."""
-    warm = min(num_stages - 1 - stage, G)
-    ops = [("F", m) for m in range(warm)]
-    f, bk = warm, 0
-    while f < G:
-        ops.append(("F", f))
-        f += 1
-        ops.append(("B", bk))
-        bk += 1
-    while bk < G:
-        ops.append(("B", bk))
-        bk += 1
-    return ops
+    """Operation order of one stage: warm-up forwards, then one forward/one backward, cool-down
+    (`mist.rules.pipeline_order`, the order the runtime's `PipelineSchedule` runs)."""
+    return list(one_f_one_b(stage, num_stages, G))
 
 
 def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
@@ -63,7 +55,7 @@ def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
     S = len(fwd)
     done: dict = {}
     clock = [0.0] * S
-    orders = [one_f_one_b_order(i, S, G) for i in range(S)]
+    orders = [one_f_one_b(i, S, G) for i in range(S)]
     pos = [0] * S
     events = [(i, "X", 0, 0.0, first_extra[i]) for i in range(S) if first_extra[i] > 0]
     progress = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mist.specs.training import DTYPES
+from mist.dtypes import DTYPE_BYTES
 
 OPT_BYTES = 12   # fp32 master + Adam m + v
 
@@ -35,12 +35,12 @@ def profile_dtype(profile) -> str:
     """The dtype the profile's tables were measured in (bf16 when it does not say)."""
     fp = getattr(profile, "fingerprint", None) or {}
     d = fp.get("dtype", "bf16")
-    return d if d in DTYPES else "bf16"
+    return d if d in DTYPE_BYTES else "bf16"
 
 
 def precision_for(training, profile) -> Precision:
     """The precision of `training` (a TrainingSpec) on the device of `profile`."""
-    pb = DTYPES[training.param_dtype]
+    pb = DTYPE_BYTES[training.param_dtype]
     return Precision(weight_bytes=pb, grad_bytes=training.grad_bytes, trace_dtype=training.compute_dtype,
                      target=profile_target(profile))
 
@@ -48,5 +48,5 @@ def precision_for(training, profile) -> Precision:
 def default_precision(profile, dtype: str | None = None) -> Precision:
     """Parameters and compute both in `dtype` (default: the profile's own dtype)."""
     d = dtype or profile_dtype(profile)
-    return Precision(weight_bytes=DTYPES[d], grad_bytes=DTYPES[d], trace_dtype=d,
+    return Precision(weight_bytes=DTYPE_BYTES[d], grad_bytes=DTYPE_BYTES[d], trace_dtype=d,
                      target=profile_target(profile))

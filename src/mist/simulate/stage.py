@@ -8,28 +8,44 @@ layer's compute; for identical layers that is the same as each layer's own traff
 its own compute, plus the first prefetch and the last reduction/swap-out of a phase, which have
 no neighbour to hide behind ("edges"). TP collectives sit inside the layer's critical path.
 
-Per micro-batch kind (Mist's traffic table, with the optimizer step made explicit):
-  forward, every micro-batch: AG(W) if weights are sharded; swap-in W·wo; swap-out act·ao
+Per micro-batch kind (Mist's traffic table, with the optimizer step made explicit; `weights`,
+`grads`, `optimizer`, `activations` are the offloaded fractions of `plan.Offload`):
+  forward, every micro-batch: AG(W) if weights are sharded; swap-in W·weights; swap-out
+      act·activations
   forward, FIRST micro-batch: + optimizer step of the previous iteration, lazily per layer —
-      GPU Adam on the GPU-resident fraction (1 − oo) of the optimizer shard, CPU Adam on the
-      offloaded fraction oo (host channel), copy-in of the CPU-updated bf16 weights, and
+      GPU Adam on the GPU-resident fraction (1 − optimizer) of the optimizer shard, CPU Adam on
+      the offloaded fraction (host channel), copy-in of the CPU-updated bf16 weights, and
       re-gather AG(W) of the updated weights when only optimizer states/grads are sharded.
   backward, every micro-batch: AG(W) if weights sharded; RS(Gr) if grads sharded; swap-in
-      W·wo, Gr·go and act·ao; swap-out Gr·go; gradient accumulation (G > 1).
+      W·weights, Gr·grads and act·activations; swap-out Gr·grads; gradient accumulation (G > 1).
   backward, LAST micro-batch: + RS(Gr) (ZeRO-1) or AR(Gr) (no sharding) over DP; copy-out of
       the gradients of the CPU-stepped fraction.
 Everything is numpy-vectorized over a candidate axis (arrays of strategies).
+
+`StageModel.components` returns the terms that do not depend on the stage's layer count as small
+records (`StageComponents`): per-block times of each micro-batch kind (`LayerTimes`, for a plain
+block and for one recomputed whole), edges (`Edges`), per-block accounting (`LayerAccounts`), the
+embedding's and head's terms (`EndTerms`), p2p, device memory (`StateTerms`, `ActivationTerms`)
+and host memory (`HostTerms`); `compose` turns them into a `StageResult`.
+
+Names: G micro-batches per iteration; `layers` a stage's blocks, of which the last `recompute`
+are recomputed whole ("ckpt"; the others are "plain"); P, W, Gr a block's parameters, weight bytes
+and gradient bytes (per TP shard); ws, gs, os_ the divisors of weights, gradients and optimizer
+states (dp where the ZeRO level shards them, else 1); "ends" the embedding (first stage, "pre")
+and the head (last stage, "post").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
-from mist.simulate.layer_terms import layer_terms
+from mist.rules.grad_accumulation import accumulates_in_place_by_level
+from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
+from mist.simulate.layer_terms import LayerTerms, layer_terms
 from mist.simulate.precision import Precision, default_precision
 from mist.simulate.states import unit_host_states, unit_states
 
@@ -47,19 +63,20 @@ class StageInput:
     dp: np.ndarray
     tp: int
     zero: np.ndarray
-    wo: np.ndarray
-    go: np.ndarray
-    oo: np.ndarray
-    ao: np.ndarray
+    offload_weights: np.ndarray      # fractions kept in host memory (`plan.Offload`)
+    offload_grads: np.ndarray
+    offload_optimizer: np.ndarray
+    offload_activations: np.ndarray
     G: int                 # micro-batches per iteration
     nodes: int = 1         # nodes spanned by the stage mesh
     gpus_per_node: int = 1   # GPUs per node of the stage mesh
     cluster_gpus_per_node: int = 1
-    in_flight: int | None = None   # earlier micro-batches held (default: 1F1B's min(S−1−i, G−1))
+    in_flight: int | None = None   # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
 
 
 @dataclass
 class StageResult:
+    """Time and memory of one stage (or of a batch of candidate stages: arrays over them)."""
     T: np.ndarray              # steady time of one micro-batch (forward + backward)
     D: np.ndarray              # one-off extra per iteration = first_extra + last_extra
     time_breakdown: dict       # sums to T
@@ -69,17 +86,199 @@ class StageResult:
     peak: np.ndarray
     memory_breakdown: dict     # sums to peak
     flops_per_microbatch: np.ndarray
-    fwd: np.ndarray = None         # stable forward part of T (the rest is backward)
-    first_extra: np.ndarray = None  # the first micro-batch's extra forward time
-    last_extra: np.ndarray = None   # the last micro-batch's extra backward time
-    channels: dict = None           # standalone channel volumes of a stable micro-batch (seconds)
-    saved_per_microbatch: np.ndarray = None  # activations one in-flight micro-batch keeps
-    saved_peak: np.ndarray = None   # saved activations on the device at most: every in-flight
+    fwd: np.ndarray                # stable forward part of T (the rest is backward)
+    first_extra: np.ndarray        # the first micro-batch's extra forward time
+    last_extra: np.ndarray         # the last micro-batch's extra backward time
+    channels: dict                 # standalone channel volumes of a stable micro-batch (seconds)
+    saved_per_microbatch: np.ndarray   # activations one in-flight micro-batch keeps
+    saved_peak: np.ndarray         # saved activations on the device at most: every in-flight
     #                                 micro-batch's and the current one's, with the head's (last stage)
-    host: dict = None               # host-memory bytes per GPU: state_bytes (offloaded tails),
+    host: dict                     # host-memory bytes per GPU: state_bytes (offloaded tails),
     #                                 optimizer_grad_bytes (the CPU AdamW's fp32 gradient copies),
     #                                 activation_peak_bytes (offloaded saved activations of every
     #                                 micro-batch in flight), peak_bytes (their sum: an upper bound)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of one block in each kind of micro-batch, interference applied."""
+    fwd: np.ndarray         # forward of a stable micro-batch
+    bwd: np.ndarray         # backward of a stable micro-batch
+    first_fwd: np.ndarray   # forward of the first micro-batch (with the lazy optimizer step)
+    last_bwd: np.ndarray    # backward of the last micro-batch (with the final gradient reduction)
+
+
+@dataclass(frozen=True)
+class Edges:
+    """Seconds a stage pays once per micro-batch and phase on top of its blocks' times: the first
+    prefetch and the last reduction / swap-out, which have no neighbour to hide behind, and the
+    lead of a stream of blocks (`layer_cost.stream_of`)."""
+    fwd: np.ndarray
+    bwd: np.ndarray
+    first: np.ndarray       # forward of the first micro-batch
+    last: np.ndarray        # backward of the last micro-batch
+    lead: np.ndarray        # the streams' leads alone (forward + backward), for the breakdown
+
+
+@dataclass(frozen=True)
+class LayerChannels:
+    """Standalone seconds of one block's channels in a stable micro-batch; the activation
+    swap-out / swap-in (each way) of a plain and of a checkpointed block apart."""
+    g2g: np.ndarray
+    c2g: np.ndarray
+    g2c: np.ndarray
+    activations: np.ndarray
+    activations_ckpt: np.ndarray
+
+
+@dataclass(frozen=True)
+class LayerAccounts:
+    """Per block: the terms of the time breakdown, FLOPs and channel volumes."""
+    compute: np.ndarray              # forward + backward compute without any re-run
+    recompute: np.ndarray            # forward re-run of a block recomputed whole
+    recompute_selective: np.ndarray  # the selective re-runs of a plain block
+    tp: np.ndarray                   # TP collectives (forward + backward)
+    flops: np.ndarray
+    channels: LayerChannels
+
+
+@dataclass(frozen=True)
+class EndTerms:
+    """Seconds and FLOPs of the embedding (first stage) and the head (last stage) together."""
+    stable: np.ndarray      # forward + backward of a stable micro-batch
+    first: np.ndarray       # the first micro-batch's optimizer step (and re-gather)
+    last: np.ndarray        # the last micro-batch's gradient handling and reduction
+    compute: np.ndarray
+    tp: np.ndarray
+    fwd: np.ndarray         # the forward share of `stable`
+    flops: np.ndarray
+
+
+@dataclass(frozen=True)
+class StateTerms:
+    """Device bytes of the training states in the runtime's flat-buffer layout."""
+    layer_weights: np.ndarray      # per block
+    layer_grads: np.ndarray
+    layer_optimizer: np.ndarray
+    end_weights: np.ndarray        # the embedding and the head together
+    end_grads: np.ndarray
+    end_optimizer: np.ndarray
+    buffers: np.ndarray            # gathered / fetched weights, flattened gradients
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Device bytes of saved activations and transient peaks."""
+    saved: np.ndarray              # kept by a plain block (its offloaded part gone)
+    saved_ckpt: np.ndarray         # kept by a block recomputed whole
+    pre_saved: np.ndarray          # kept by the embedding
+    x_in: np.ndarray               # a block's input (= output) bytes
+    fwd_peak: np.ndarray           # the transient peaks of a plain block
+    fwd_peak_ckpt: np.ndarray      # ... and of a block recomputed whole
+    bwd_peak: np.ndarray
+    bwd_peak_ckpt: np.ndarray
+    fetched: np.ndarray            # a plain block's offloaded activations, back for its backward
+    post_fwd: np.ndarray | None    # the head's peaks (last stage)
+    post_bwd: np.ndarray | None
+    pre_peaks: tuple | None        # the embedding's (forward, backward) peaks (first stage)
+    p2p_buffers: np.ndarray        # received activations / gradients at the stage boundaries
+    post_saved: np.ndarray         # kept by the head
+
+
+@dataclass(frozen=True)
+class HostTerms:
+    """Host bytes per block (the embedding and the head keep everything on the device)."""
+    states: np.ndarray             # offloaded state tails
+    optimizer_grads: np.ndarray    # the CPU AdamW's fp32 gradient copy
+    saved: np.ndarray              # offloaded saved activations of a plain block
+    saved_ckpt: np.ndarray         # ... and of a block recomputed whole
+    optimizer_offloadable: np.ndarray   # optimizer bytes that offloading all of them would move
+
+
+@dataclass(frozen=True)
+class StageComponents:
+    """Everything about a batch of strategies that does not depend on the stage's layer count,
+    recomputed blocks or in-flight micro-batches (arrays over the candidate axis)."""
+    shape: tuple
+    G: int
+    plain: LayerTimes       # a block that keeps its activations (selective re-runs included)
+    ckpt: LayerTimes        # a block recomputed whole
+    edges: Edges
+    layer: LayerAccounts
+    ends: EndTerms
+    p2p: np.ndarray         # activations / gradients at the stage boundaries (critical path)
+    states: StateTerms
+    activations: ActivationTerms
+    host: HostTerms
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The strategies of one `components` call broadcast to one candidate axis, with the block's
+    terms (per distinct micro-batch size) and the index that gathers them onto that axis."""
+    shape: tuple
+    b: np.ndarray
+    dp: np.ndarray
+    zero: np.ndarray
+    offload_weights: np.ndarray
+    offload_grads: np.ndarray
+    offload_optimizer: np.ndarray
+    offload_activations: np.ndarray
+    G: int
+    blk: LayerTerms
+    ix: np.ndarray
+    ws: np.ndarray
+    gs: np.ndarray
+    os_: np.ndarray
+    P: float
+    W: float
+    Gr: float
+    in_place: np.ndarray    # gradients accumulate in place (`_in_place_grads`)
+
+    def g(self, a):
+        """Gather a per-micro-batch-size term onto the candidate axis."""
+        return a[self.ix]
+
+
+@dataclass(frozen=True)
+class _Traffic:
+    """Standalone seconds of one block's channels in a stable micro-batch (compute without its
+    TP collectives, which are kept apart), and its saved-activation bytes."""
+    tp_fwd: np.ndarray
+    tp_bwd: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray              # a plain block, with its selective re-runs and gradient handling
+    bwd_ckpt: np.ndarray         # a block recomputed whole: plain backward + its re-run
+    recompute: np.ndarray
+    recompute_selective: np.ndarray
+    grad_per_iteration: np.ndarray   # once-per-iteration gradient handling (last micro-batch)
+    g2g_fwd: np.ndarray
+    c2g_fwd: np.ndarray
+    g2g_bwd: np.ndarray
+    c2g_bwd_bytes: np.ndarray    # weights and gradients fetched back in backward (bytes)
+    g2c_bwd: np.ndarray
+    saved: np.ndarray
+    saved_ckpt: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """A block's extra traffic in the first (optimizer step) and last (reduction) micro-batches."""
+    opt_gpu: np.ndarray
+    opt_cpu: np.ndarray
+    update_in: np.ndarray
+    regather: np.ndarray
+    final_reduction: np.ndarray
+    grads_out: np.ndarray
+
+
+@dataclass(frozen=True)
+class _EndPart:
+    """The embedding ("pre", first stage) or the head ("post", last stage) of a stage."""
+    part: str
+    terms: LayerTerms
+    ix: np.ndarray
+    params: int     # per TP shard, with the head's copy of a tied word table
 
 
 def _arr(x):
@@ -98,11 +297,11 @@ class StageModel:
     """
 
     def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None,
-                 attention_recompute: bool = False, activation_recompute: bool = False):
+                 recompute_attention: bool = False, recompute_activation: bool = False):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
         # what the blocks not checkpointed whole re-run in backward: their attention core, their
         # MLP activation (`mist.models.checkpointing`)
-        self.selective = selective_name(attention_recompute, activation_recompute)
+        self.selective = selective_name(recompute_attention, recompute_activation)
         self.prec = precision or default_precision(profile, "bf16")
         # On a CPU device the runtime has no side streams: copies, collectives and the CPU Adam
         # step run in the rank's own thread, one after another (and on the same cores)
@@ -177,6 +376,20 @@ class StageModel:
         x = np.stack(np.broadcast_arrays(_arr(c), _arr(g2g), _arr(c2g), _arr(g2c)), axis=-1)
         return overlap_time(x, self.interference)
 
+    def _tied(self, st: StageInput) -> bool:
+        """Tied embeddings in a pipeline: the last stage's head holds its own copy of the word
+        table (this TP rank's rows), and both copies' gradients are summed once per iteration."""
+        return self.spec.tie_embeddings and st.num_stages > 1
+
+    def _table(self) -> int:
+        """Elements of this TP rank's rows of the word table."""
+        return self.spec.vocab_size // self.tp * self.spec.hidden_size
+
+    @staticmethod
+    def _cross(st: StageInput) -> bool:
+        """Whether the neighbouring stages sit on other nodes."""
+        return st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node
+
     # ------------------------------------------------------------------ stage
     def evaluate(self, st: StageInput) -> StageResult:
         in_flight = (max(0, min(st.num_stages - 1 - st.index, st.G - 1)) if st.in_flight is None
@@ -184,281 +397,310 @@ class StageModel:
         comp = self.components(st)
         return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G)
 
-    def components(self, st: StageInput) -> dict:
+    def components(self, st: StageInput) -> StageComponents:
         """Everything independent of layers, recomputed blocks and in-flight micro-batches."""
-        prof = self.profile
-        shape = np.broadcast(_arr(st.b), _arr(st.dp), _arr(st.zero), _arr(st.wo), _arr(st.go),
-                             _arr(st.oo), _arr(st.ao)).shape
+        k = self._batch(st)
+        tr, bd = self._block_traffic(k, st)
+        parts = self._end_parts(k, st)
+        return StageComponents(
+            shape=k.shape, G=k.G, plain=self._layer_times(k, tr, bd, False),
+            ckpt=self._layer_times(k, tr, bd, True), edges=self._edges(k, tr, bd),
+            layer=self._layer_accounts(k, tr), ends=self._end_times(k, st, parts), p2p=self._p2p(k, st),
+            states=self._state_terms(k, parts), activations=self._activation_terms(k, tr, parts, st),
+            host=self._host_terms(k))
+
+    def _batch(self, st: StageInput) -> _Batch:
+        offloads = (st.offload_weights, st.offload_grads, st.offload_optimizer, st.offload_activations)
+        shape = np.broadcast(_arr(st.b), _arr(st.dp), _arr(st.zero), *(_arr(v) for v in offloads)).shape
         bb = np.broadcast_to(_arr(st.b), shape)
         dp, zero = np.broadcast_to(_arr(st.dp), shape), np.broadcast_to(_arr(st.zero), shape)
-        wo, go, oo, ao = (np.broadcast_to(_arr(v), shape) for v in (st.wo, st.go, st.oo, st.ao))
-        G = st.G
-
+        weights, grads, optimizer, activations = (np.broadcast_to(_arr(v), shape) for v in offloads)
         blk, ix = self._terms("block", bb)
-        g = lambda a: a[ix]  # noqa: E731  (gather the per-b terms onto the candidate axis)
-        ws = np.where(zero >= 3, dp, 1.0)
-        gs = np.where(zero >= 2, dp, 1.0)
-        os_ = np.where(zero >= 1, dp, 1.0)
         P = float(blk.params)
-        pr = self.prec
-        WEIGHT_B, GRAD_B = pr.weight_bytes, pr.grad_bytes
-        W, Gr = WEIGHT_B * P, GRAD_B * P
-        A_full, A_ck = g(blk.saved), g(blk.saved_ckpt)
+        return _Batch(shape=shape, b=bb, dp=dp, zero=zero, offload_weights=weights, offload_grads=grads,
+                      offload_optimizer=optimizer, offload_activations=activations, G=st.G, blk=blk, ix=ix,
+                      ws=np.where(zero >= 3, dp, 1.0), gs=np.where(zero >= 2, dp, 1.0),
+                      os_=np.where(zero >= 1, dp, 1.0), P=P, W=self.prec.weight_bytes * P,
+                      Gr=self.prec.grad_bytes * P, in_place=_in_place_grads(zero, grads, st.G))
 
-        ag_w = self._coll("all_gather", W, dp, st)
-        rs_g = self._coll("reduce_scatter", Gr, dp, st)
-        ar_g = self._coll("all_reduce", Gr, dp, st)
-        sharded_w, sharded_g = zero >= 3, zero >= 2
+    def _block_traffic(self, k: _Batch, st: StageInput) -> tuple[_Traffic, _Boundary]:
+        ag_w = self._coll("all_gather", k.W, k.dp, st)
+        rs_g = self._coll("reduce_scatter", k.Gr, k.dp, st)
+        ar_g = self._coll("all_reduce", k.Gr, k.dp, st)
+        return self._stable_traffic(k, ag_w, rs_g), self._boundary_traffic(k, ag_w, rs_g, ar_g)
 
-        # ---- per-layer channel times (standalone), stable micro-batches
+    def _stable_traffic(self, k: _Batch, ag_w, rs_g) -> _Traffic:
+        blk, g = k.blk, k.g
+        sharded_w, sharded_g = k.zero >= 3, k.zero >= 2
         tpf, tpb = g(blk.tp_comm_fwd), g(blk.tp_comm_bwd)
-        cf = g(blk.fwd) - tpf
-        in_place = _in_place_grads(zero, go, G)
-        grad_mb, grad_it = self._grad_handling(Gr, dp, gs, os_, in_place, G)
-        cb = g(blk.bwd) - tpb + grad_mb
+        grad_mb, grad_it = self._grad_handling(k.Gr, k.dp, k.gs, k.os_, k.in_place, k.G)
         crc = g(blk.recompute)
-        g2g_f = np.where(sharded_w, ag_w, 0.0)
-        c2g_f = self._h2d(W / ws * wo)
-        g2g_b = np.where(sharded_w, ag_w, 0.0) + np.where(sharded_g, rs_g, 0.0)
-        c2g_b_w = W / ws * wo + Gr / gs * go
-        g2c_b = self._d2h(Gr / gs * go)
+        return _Traffic(
+            tp_fwd=tpf, tp_bwd=tpb, fwd=g(blk.fwd) - tpf, bwd=g(blk.bwd) - tpb + grad_mb,
+            bwd_ckpt=g(blk.bwd_plain) - tpb + grad_mb + crc, recompute=crc,
+            recompute_selective=g(blk.recompute_selective), grad_per_iteration=grad_it,
+            g2g_fwd=np.where(sharded_w, ag_w, 0.0), c2g_fwd=self._h2d(k.W / k.ws * k.offload_weights),
+            g2g_bwd=np.where(sharded_w, ag_w, 0.0) + np.where(sharded_g, rs_g, 0.0),
+            c2g_bwd_bytes=k.W / k.ws * k.offload_weights + k.Gr / k.gs * k.offload_grads,
+            g2c_bwd=self._d2h(k.Gr / k.gs * k.offload_grads),
+            saved=g(blk.saved), saved_ckpt=g(blk.saved_ckpt))
 
-        def layer_fwd(ck, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):
-            act = A_ck if ck else A_full
-            return self._overlap(cf + extra_c, g2g_f + extra_g2g, c2g_f + extra_c2g, self._d2h(act * ao)) + tpf
-
-        crc_sel = g(blk.recompute_selective)   # in `cb`: the selective re-runs (attention core, activation)
-        cb_ck = g(blk.bwd_plain) - tpb + grad_mb + crc   # a block recomputed whole: plain backward + re-run
-
-        def layer_bwd(ck, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
-            act = A_ck if ck else A_full
-            comp = (cb_ck if ck else cb) + extra_c
-            return self._overlap(comp, g2g_b + extra_g2g, self._h2d(c2g_b_w + act * ao), g2c_b + extra_g2c) + tpb
-
-        # first micro-batch: lazy optimizer step per layer
-        p_os = P / os_
-        opt_gpu = self._device_step(p_os * (1 - oo))
-        # the host part: on a CPU device the host is the device, so the same passes at the same rates;
-        # on a GPU the host AdamW at its measured rate (its host-memory passes are not profiled)
-        opt_cpu = (self._device_step(p_os * oo) if self.serial
-                   else prof.adam_cpu_s_per_param * p_os * oo)
-        upd_in = self._h2d(WEIGHT_B * p_os * oo * (1 - wo))
-        regather = np.where((zero >= 1) & (zero <= 2), ag_w, 0.0)
+    def _boundary_traffic(self, k: _Batch, ag_w, rs_g, ar_g) -> _Boundary:
+        pr, host_share = self.prec, k.offload_optimizer
+        # first micro-batch: the lazy optimizer step per layer. Its host part: on a CPU device the
+        # host is the device, so the same passes at the same rates; on a GPU the host AdamW at
+        # its measured rate (its host-memory passes are not profiled)
+        p_os = k.P / k.os_
+        opt_cpu = (self._device_step(p_os * host_share) if self.serial
+                   else self.profile.adam_cpu_s_per_param * p_os * host_share)
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
-        final_red = np.where(zero == 1, rs_g, 0.0) + np.where(zero == 0, ar_g, 0.0)
-        grads_out = self._d2h(GRAD_B * p_os * oo * (1 - go))
+        return _Boundary(
+            opt_gpu=self._device_step(p_os * (1 - host_share)), opt_cpu=opt_cpu,
+            update_in=self._h2d(pr.weight_bytes * p_os * host_share * (1 - k.offload_weights)),
+            regather=np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
+            final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
+            grads_out=self._d2h(pr.grad_bytes * p_os * host_share * (1 - k.offload_grads)))
 
-        comp = {"shape": shape, "G": G}
-        for ck, tag in ((True, "ck"), (False, "no")):
-            comp["f_" + tag] = layer_fwd(ck)
-            comp["b_" + tag] = layer_bwd(ck)
-            first = layer_fwd(ck, opt_gpu, regather, upd_in)
-            comp["first_" + tag] = first + opt_cpu if self.serial else np.maximum(first, opt_cpu)
-            comp["last_" + tag] = layer_bwd(ck, final_red, grads_out, grad_it)
-        # edges: the first prefetch and the last reduction / swap-out have nothing to hide behind
+    def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):
+        act = tr.saved_ckpt if ck else tr.saved
+        return self._overlap(tr.fwd + extra_c, tr.g2g_fwd + extra_g2g, tr.c2g_fwd + extra_c2g,
+                             self._d2h(act * k.offload_activations)) + tr.tp_fwd
+
+    def _layer_bwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
+        act = tr.saved_ckpt if ck else tr.saved
+        comp = (tr.bwd_ckpt if ck else tr.bwd) + extra_c
+        return self._overlap(comp, tr.g2g_bwd + extra_g2g, self._h2d(tr.c2g_bwd_bytes + act * k.offload_activations),
+                             tr.g2c_bwd + extra_g2c) + tr.tp_bwd
+
+    def _layer_times(self, k: _Batch, tr: _Traffic, bd: _Boundary, ck: bool) -> LayerTimes:
+        first = self._layer_fwd(k, tr, ck, bd.opt_gpu, bd.regather, bd.update_in)
+        return LayerTimes(
+            fwd=self._layer_fwd(k, tr, ck), bwd=self._layer_bwd(k, tr, ck),
+            first_fwd=first + bd.opt_cpu if self.serial else np.maximum(first, bd.opt_cpu),
+            last_bwd=self._layer_bwd(k, tr, ck, bd.final_reduction, bd.grads_out, tr.grad_per_iteration))
+
+    def _edges(self, k: _Batch, tr: _Traffic, bd: _Boundary) -> Edges:
+        # the first prefetch and the last reduction / swap-out have nothing to hide behind
         # (none when everything is serial: the layer times already hold all the traffic)
         edge = 0.0 if self.serial else 1.0
-        comp["edge_f"] = edge * np.maximum(g2g_f, c2g_f)
-        comp["edge_b"] = edge * np.maximum(g2g_b, g2c_b)
-        comp["edge_first"] = edge * np.maximum(np.maximum(g2g_f, regather), c2g_f + upd_in)
-        comp["edge_last"] = edge * np.maximum(g2g_b + final_red, g2c_b + grads_out)
         # once per micro-batch and phase, what a stream of blocks pays on top of its per-block times
         # (`layer_cost.stream_of`); backward: the larger of the plain and the checkpointed blocks'
-        lead_f = g(blk.lead_fwd)
-        lead_b = np.maximum(g(blk.lead_bwd), g(blk.lead_bwd_ckpt))
-        comp["edge_f"], comp["edge_first"] = comp["edge_f"] + lead_f, comp["edge_first"] + lead_f
-        comp["edge_b"], comp["edge_last"] = comp["edge_b"] + lead_b, comp["edge_last"] + lead_b
-        comp["lead"] = lead_f + lead_b
-        comp["layer_compute"] = cf + cb - crc_sel
-        comp["layer_recompute"] = crc
-        comp["layer_recompute_no"] = crc_sel
-        comp["layer_tp"] = tpf + tpb
-        comp["layer_flops"] = g(blk.flops_fwd) + g(blk.flops_bwd)
-        comp["channels_layer"] = {
-            "G2G": g2g_f + g2g_b, "C2G": c2g_f + self._h2d(c2g_b_w),
-            "G2C": g2c_b, "act_ck": self._d2h(A_ck * ao), "act_no": self._d2h(A_full * ao)}
+        lead_f = k.g(k.blk.lead_fwd)
+        lead_b = np.maximum(k.g(k.blk.lead_bwd), k.g(k.blk.lead_bwd_ckpt))
+        return Edges(
+            fwd=edge * np.maximum(tr.g2g_fwd, tr.c2g_fwd) + lead_f,
+            bwd=edge * np.maximum(tr.g2g_bwd, tr.g2c_bwd) + lead_b,
+            first=edge * np.maximum(np.maximum(tr.g2g_fwd, bd.regather), tr.c2g_fwd + bd.update_in) + lead_f,
+            last=edge * np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + lead_b,
+            lead=lead_f + lead_b)
 
-        # ---- pre / post layers (not offloaded; sharded like the stage)
-        z = np.zeros(shape)
-        pp = {k: z.copy() for k in ("stable", "first", "last", "compute", "tp", "fwd", "flops")}
-        pp_terms, pp_params = {}, {}
-        # tied embeddings in a pipeline: the last stage's head holds its own copy of the word table
-        # (this TP rank's rows), and both copies' gradients are summed once per iteration
-        tied = self.spec.tie_embeddings and st.num_stages > 1
-        table = self.spec.vocab_size // self.tp * self.spec.hidden_size
-        cross = st.nodes * st.gpus_per_node >= st.cluster_gpus_per_node   # stages on other nodes
+    def _layer_accounts(self, k: _Batch, tr: _Traffic) -> LayerAccounts:
+        oa = k.offload_activations
+        channels = LayerChannels(
+            g2g=tr.g2g_fwd + tr.g2g_bwd, c2g=tr.c2g_fwd + self._h2d(tr.c2g_bwd_bytes), g2c=tr.g2c_bwd,
+            activations=self._d2h(tr.saved * oa), activations_ckpt=self._d2h(tr.saved_ckpt * oa))
+        return LayerAccounts(compute=tr.fwd + tr.bwd - tr.recompute_selective, recompute=tr.recompute,
+                             recompute_selective=tr.recompute_selective, tp=tr.tp_fwd + tr.tp_bwd,
+                             flops=k.g(k.blk.flops_fwd) + k.g(k.blk.flops_bwd), channels=channels)
+
+    # ------------------------------------------------------------------ embedding / head
+    def _end_parts(self, k: _Batch, st: StageInput) -> tuple[_EndPart, ...]:
+        """The stage's embedding and head (not offloaded; sharded like the stage)."""
+        out = []
         for part in [p for p, on in (("pre", st.first), ("post", st.last)) if on]:
-            lt, pix = self._terms(part, bb)
-            pp_terms[part] = (lt, pix)
-            Pp = pp_params[part] = lt.params + (table if tied and part == "post" and not st.first else 0)
-            Wp = WEIGHT_B * Pp
-            agp = self._coll("all_gather", Wp, dp, st)
-            rsp = self._coll("reduce_scatter", GRAD_B * Pp, dp, st)
-            arp = self._coll("all_reduce", GRAD_B * Pp, dp, st)
-            if tied:
-                pp["last"] += self.profile.collective_time("all_reduce", GRAD_B * table, 2, 2 if cross else 1,
-                                                           st.cluster_gpus_per_node)
-            # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
-            pp_grad_mb, pp_grad_it = self._grad_handling(GRAD_B * Pp, dp, gs, os_, _in_place_grads(zero, 0.0, G), G)
-            f_c, b_c = lt.fwd[pix], lt.bwd[pix] + pp_grad_mb
-            pp["last"] += pp_grad_it
-            tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
-            g2g_s = np.where(sharded_w, 2 * agp, 0.0) + np.where(sharded_g, rsp, 0.0)
-            stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
-            pp["stable"] += stable
-            pp["compute"] += f_c + b_c - tpp
-            pp["tp"] += tpp
-            pp["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-            pp["first"] += (self._device_step(Pp / os_)
-                            + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
-            pp["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
-            pp["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
-        comp["pp"] = pp
+            lt, pix = self._terms(part, k.b)
+            tied_copy = self._table() if self._tied(st) and part == "post" and not st.first else 0
+            out.append(_EndPart(part, lt, pix, lt.params + tied_copy))
+        return tuple(out)
 
-        # ---- p2p activations / gradients at the stage boundaries (on the critical path)
-        p2p = z.copy()
+    def _end_times(self, k: _Batch, st: StageInput, parts: tuple[_EndPart, ...]) -> EndTerms:
+        acc = {f.name: np.zeros(k.shape) for f in fields(EndTerms)}
+        for e in parts:
+            self._add_end_times(acc, k, st, e)
+        return EndTerms(**acc)
+
+    def _add_end_times(self, acc: dict, k: _Batch, st: StageInput, e: _EndPart) -> None:
+        """Add one end's terms into the running sums `acc` (the fields of `EndTerms`)."""
+        GRAD_B, Pp, zero = self.prec.grad_bytes, e.params, k.zero
+        agp = self._coll("all_gather", self.prec.weight_bytes * Pp, k.dp, st)
+        rsp = self._coll("reduce_scatter", GRAD_B * Pp, k.dp, st)
+        arp = self._coll("all_reduce", GRAD_B * Pp, k.dp, st)
+        if self._tied(st):
+            acc["last"] += self.profile.collective_time("all_reduce", GRAD_B * self._table(), 2,
+                                                        2 if self._cross(st) else 1, st.cluster_gpus_per_node)
+        # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
+        grad_mb, grad_it = self._grad_handling(GRAD_B * Pp, k.dp, k.gs, k.os_, _in_place_grads(zero, 0.0, k.G), k.G)
+        lt, pix = e.terms, e.ix
+        f_c, b_c = lt.fwd[pix], lt.bwd[pix] + grad_mb
+        acc["last"] += grad_it
+        tpp = lt.tp_comm_fwd[pix] + lt.tp_comm_bwd[pix]
+        g2g_s = np.where(zero >= 3, 2 * agp, 0.0) + np.where(zero >= 2, rsp, 0.0)
+        stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
+        acc["stable"] += stable
+        acc["compute"] += f_c + b_c - tpp
+        acc["tp"] += tpp
+        acc["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
+        acc["first"] += (self._device_step(Pp / k.os_)
+                         + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
+        acc["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
+        acc["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
+
+    def _p2p(self, k: _Batch, st: StageInput):
+        """Activations / gradients received at the stage boundaries (on the critical path)."""
+        p2p = np.zeros(k.shape)
         if st.num_stages > 1:
             n_recv = (0 if st.first else 1) + (0 if st.last else 1)
-            p2p = n_recv * self.profile.collective_time("p2p", g(blk.output), 2, 2 if cross else 1,
+            p2p = n_recv * self.profile.collective_time("p2p", k.g(k.blk.output), 2, 2 if self._cross(st) else 1,
                                                         st.cluster_gpus_per_node)
-        comp["p2p"] = np.broadcast_to(p2p, shape)
+        return np.broadcast_to(p2p, k.shape)
 
-        # ---- memory components (device-resident states in the runtime's flat-buffer layout)
-        layer_w, layer_g, layer_o = unit_states(P, dp, zero, wo, go, oo, G, pr)
-        host_w, host_g, host_o, host_og = unit_host_states(P, dp, zero, wo, go, oo, G, pr)
-        pp_w, pp_g, pp_o = z.copy(), z.copy(), z.copy()
-        w_max, g_max = W, Gr
-        for part, Pp in pp_params.items():
+    # ------------------------------------------------------------------ memory
+    def _state_terms(self, k: _Batch, parts: tuple[_EndPart, ...]) -> StateTerms:
+        """Device-resident states in the runtime's flat-buffer layout."""
+        pr = self.prec
+        layer_w, layer_g, layer_o = unit_states(k.P, k.dp, k.zero, k.offload_weights, k.offload_grads,
+                                                k.offload_optimizer, k.G, pr)
+        z = np.zeros(k.shape)
+        end_w, end_g, end_o = z.copy(), z.copy(), z.copy()
+        w_max, g_max = k.W, k.Gr
+        for e in parts:
             # the embedding / head are not offloaded (their fractions are 0)
-            uw, ug, uo = unit_states(Pp, dp, zero, 0.0, 0.0, 0.0, G, pr)
-            pp_w, pp_g, pp_o = pp_w + uw, pp_g + ug, pp_o + uo
-            w_max, g_max = max(w_max, WEIGHT_B * Pp), max(g_max, GRAD_B * Pp)
+            uw, ug, uo = unit_states(e.params, k.dp, k.zero, 0.0, 0.0, 0.0, k.G, pr)
+            end_w, end_g, end_o = end_w + uw, end_g + ug, end_o + uo
+            w_max, g_max = max(w_max, pr.weight_bytes * e.params), max(g_max, pr.grad_bytes * e.params)
+        # double buffers of gathered / fetched weights; unless gradients accumulate in place,
+        # the runtime flattens each unit's into one transient buffer (plus a second when they
+        # are sharded or offloaded)
+        buffers = (2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))
+                   + g_max * ((~k.in_place).astype(np.float64)
+                              + ((k.zero >= 2) | (k.offload_grads > 0)).astype(np.float64))).astype(np.float64)
+        return StateTerms(layer_weights=layer_w, layer_grads=layer_g, layer_optimizer=layer_o,
+                          end_weights=end_w, end_grads=end_g, end_optimizer=end_o, buffers=buffers)
+
+    def _activation_terms(self, k: _Batch, tr: _Traffic, parts: tuple[_EndPart, ...],
+                          st: StageInput) -> ActivationTerms:
+        blk, g, oa = k.blk, k.g, k.offload_activations
+        z = np.zeros(k.shape)
+        ends = {e.part: e for e in parts}
+        pre, post = ends.get("pre"), ends.get("post")
         x_in = g(blk.output)
-        pre_saved = pp_terms["pre"][0].saved[pp_terms["pre"][1]] if "pre" in pp_terms else z
-        post_fwd = post_bwd = None
-        post_saved = z
-        if "post" in pp_terms:
-            lt, pix = pp_terms["post"]
-            post_fwd, post_bwd, post_saved = lt.fwd_peak[pix], lt.bwd_peak[pix], lt.saved[pix]
-        pre_peaks = None
-        if "pre" in pp_terms:
-            lt, pix = pp_terms["pre"]
-            pre_peaks = (lt.fwd_peak[pix], lt.bwd_peak[pix])
-        comp["mem"] = {
-            "layer_w": layer_w, "layer_g": layer_g, "layer_o": layer_o,
-            "pp_w": pp_w, "pp_g": pp_g, "pp_o": pp_o,
-            # double buffers of gathered / fetched weights; unless gradients accumulate in place,
-            # the runtime flattens each unit's into one transient buffer (plus a second when they
-            # are sharded or offloaded)
-            "buffers": (2 * w_max * ((zero >= 3) | (wo > 0))
-                        + g_max * ((~in_place).astype(np.float64)
-                                   + ((zero >= 2) | (go > 0)).astype(np.float64))).astype(np.float64),
-            "A_f": _kept_saved(A_full, blk.split_numel, blk.split_elt, blk.split_whole, ix, ao),
-            "A_c": _kept_saved(A_ck, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, ix, ao),
-            "pre_saved": pre_saved, "x_in": x_in,
-            "fwd_last_no": g(blk.fwd_peak), "fwd_last_ck": g(blk.fwd_peak_ckpt),
-            "bwd_last_no": g(blk.bwd_peak), "bwd_last_ck": g(blk.bwd_peak_ckpt),
-            "ao_fetch": A_full * ao, "post_fwd": post_fwd, "post_bwd": post_bwd, "pre_peaks": pre_peaks,
-            "p2p_buf": (2 * x_in) if st.num_stages > 1 else z,
-            "post_saved": post_saved,
-            # host memory (the embedding / head keep everything on the device): offloaded state
-            # tails per block, the CPU AdamW's fp32 gradient copy per block, offloaded activations
-            "host_states": host_w + host_g + host_o, "host_opt_grads": host_og,
-            "H_f": _offloaded_saved(blk.split_numel, blk.split_elt, ix, ao),
-            "H_c": _offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, ix, ao),
-            "opt_offloadable": pr.opt_bytes * P / os_,   # optimizer bytes per layer that oo = 1 would move to the host
-        }
-        return comp
+        return ActivationTerms(
+            saved=_kept_saved(tr.saved, blk.split_numel, blk.split_elt, blk.split_whole, k.ix, oa),
+            saved_ckpt=_kept_saved(tr.saved_ckpt, blk.split_numel_ckpt, blk.split_elt_ckpt,
+                                   blk.split_whole_ckpt, k.ix, oa),
+            pre_saved=pre.terms.saved[pre.ix] if pre else z, x_in=x_in,
+            fwd_peak=g(blk.fwd_peak), fwd_peak_ckpt=g(blk.fwd_peak_ckpt),
+            bwd_peak=g(blk.bwd_peak), bwd_peak_ckpt=g(blk.bwd_peak_ckpt), fetched=tr.saved * oa,
+            post_fwd=post.terms.fwd_peak[post.ix] if post else None,
+            post_bwd=post.terms.bwd_peak[post.ix] if post else None,
+            pre_peaks=(pre.terms.fwd_peak[pre.ix], pre.terms.bwd_peak[pre.ix]) if pre else None,
+            p2p_buffers=(2 * x_in) if st.num_stages > 1 else z,
+            post_saved=post.terms.saved[post.ix] if post else z)
+
+    def _host_terms(self, k: _Batch) -> HostTerms:
+        blk, oa = k.blk, k.offload_activations
+        host_w, host_g, host_o, host_og = unit_host_states(k.P, k.dp, k.zero, k.offload_weights, k.offload_grads,
+                                                           k.offload_optimizer, k.G, self.prec)
+        return HostTerms(states=host_w + host_g + host_o, optimizer_grads=host_og,
+                         saved=_offloaded_saved(blk.split_numel, blk.split_elt, k.ix, oa),
+                         saved_ckpt=_offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, k.ix, oa),
+                         optimizer_offloadable=self.prec.opt_bytes * k.P / k.os_)
 
 
 def _in_place_grads(zero, go, G: int):
     """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
-    zero, go = _arr(zero), _arr(go)
-    return (go == 0) & ((zero == 0) | ((zero == 1) & (G > 1)))
+    return accumulates_in_place_by_level(_arr(zero), _arr(go), G)
 
 
 def _kept_saved(full, numel, elt, whole, ix, ao):
-    """Saved-activation bytes a block keeps on the device when the fraction `ao` is offloaded.
-    The runtime splits every saved tensor on its own (`SavedTensorManager.pack`): its first
-    n − round(n·ao) elements stay; tensors of one element stay whole. Without offloading the
-    unique storages are kept (`full`)."""
-    ao = _arr(ao)
-    n, e = numel[:, ix], elt[:, ix]          # [tensors, *candidates]
-    kept = (e * (n - np.round(n * ao))).sum(axis=0) + whole[ix]
-    return np.where(ao > 0, kept, full)
+    """Saved-activation bytes a block keeps on the device when the fraction `ao` is offloaded
+    (`mist.rules.offload_split`, the rule of the runtime's `SavedTensorManager.pack`): each
+    tensor's first n − round(n·ao) elements stay; tensors of one element stay whole. Without
+    offloading the unique storages are kept (`full`)."""
+    # numel, elt: [tensors, *candidates]
+    return kept_saved_bytes(numel[:, ix], elt[:, ix], whole[ix], full, _arr(ao))
 
 
 def _offloaded_saved(numel, elt, ix, ao):
     """Saved-activation bytes of a block in host memory: the last round(n·ao) elements of every
     tensor that `_kept_saved` splits."""
-    ao = _arr(ao)
-    n, e = numel[:, ix], elt[:, ix]
-    return np.where(ao > 0, (e * np.round(n * ao)).sum(axis=0), 0.0)
+    return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(ao))
 
 
-def compose(comp: dict, L, c, in_flight, G: int) -> StageResult:
-    """Stage time and memory of `L` layers with the last `c` recomputed and `in_flight` earlier
-    micro-batches held, from `components` (all arrays broadcast against each other)."""
-    L, c = _arr(L), _arr(c)
-    n_ck, n_no = c, L - c
-    pp = comp["pp"]
-    stable_f = n_ck * comp["f_ck"] + n_no * comp["f_no"]
-    stable_b = n_ck * comp["b_ck"] + n_no * comp["b_no"]
-    first_f = n_ck * comp["first_ck"] + n_no * comp["first_no"]
-    last_b = n_ck * comp["last_ck"] + n_no * comp["last_no"]
-    p2p = comp["p2p"]
-    T_stable = stable_f + stable_b + comp["edge_f"] + comp["edge_b"] + pp["stable"] + p2p
-    X = np.maximum(first_f + comp["edge_first"] + pp["first"] - (stable_f + comp["edge_f"]), 0.0)
-    Y = np.maximum(last_b + comp["edge_last"] + pp["last"] - (stable_b + comp["edge_b"]), 0.0)
-    fwd_part = stable_f + comp["edge_f"] + pp["fwd"] + p2p / 2
-    if G == 1:  # the one micro-batch is both first and last
+def compose(comp: StageComponents, layers, recompute, in_flight, G: int) -> StageResult:
+    """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
+    `in_flight` earlier micro-batches held, from `components` (all arrays broadcast against each
+    other)."""
+    layers, n_ck = _arr(layers), _arr(recompute)
+    n_no = layers - n_ck
+    T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
+    D = X + Y
+    lay, ends = comp.layer, comp.ends
+    compute = layers * lay.compute + ends.compute + comp.edges.lead
+    recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
+    tp = layers * lay.tp + ends.tp
+    p2pb = np.broadcast_to(comp.p2p, T.shape)
+    breakdown = {"compute_s": compute + 0 * T, "recompute_s": recompute_s + 0 * T, "tp_comm_s": tp + 0 * T,
+                 "exposed_transfers_s": T - compute - recompute_s - tp - p2pb, "p2p_s": p2pb + 0 * T}
+    ch = lay.channels
+    channels = {"G2G": layers * ch.g2g,
+                "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
+                "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations}
+    mem = _memory(comp, layers, n_ck, in_flight)
+    flops = layers * lay.flops + ends.flops
+    return StageResult(T=T, D=D, time_breakdown=breakdown,
+                       delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
+                       fwd_peak=mem.fwd_peak, bwd_peak=mem.bwd_peak, peak=mem.peak,
+                       memory_breakdown=mem.breakdown, flops_per_microbatch=flops + 0 * T,
+                       fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
+                       saved_per_microbatch=mem.saved_per_microbatch, saved_peak=mem.saved_peak,
+                       host=mem.host)
+
+
+def _times(comp: StageComponents, n_ck, n_no, G: int):
+    """(T, X, Y, forward part of T): the steady time of a micro-batch, the first micro-batch's and
+    the last one's extras (in T when G = 1: the one micro-batch is both first and last)."""
+    ends, edges, p2p = comp.ends, comp.edges, comp.p2p
+    stable_f = n_ck * comp.ckpt.fwd + n_no * comp.plain.fwd
+    stable_b = n_ck * comp.ckpt.bwd + n_no * comp.plain.bwd
+    first_f = n_ck * comp.ckpt.first_fwd + n_no * comp.plain.first_fwd
+    last_b = n_ck * comp.ckpt.last_bwd + n_no * comp.plain.last_bwd
+    T_stable = stable_f + stable_b + edges.fwd + edges.bwd + ends.stable + p2p
+    X = np.maximum(first_f + edges.first + ends.first - (stable_f + edges.fwd), 0.0)
+    Y = np.maximum(last_b + edges.last + ends.last - (stable_b + edges.bwd), 0.0)
+    fwd_part = stable_f + edges.fwd + ends.fwd + p2p / 2
+    if G == 1:
         T = T_stable + X + Y
         X, Y = np.zeros_like(T), np.zeros_like(T)
     else:
         T = T_stable + 0.0 * X
-    D = X + Y
-    compute = L * comp["layer_compute"] + pp["compute"] + comp["lead"]
-    recompute = c * comp["layer_recompute"] + n_no * comp["layer_recompute_no"]
-    tp = L * comp["layer_tp"] + pp["tp"]
-    p2pb = np.broadcast_to(p2p, T.shape)
-    breakdown = {"compute_s": compute + 0 * T, "recompute_s": recompute + 0 * T, "tp_comm_s": tp + 0 * T,
-                 "exposed_transfers_s": T - compute - recompute - tp - p2pb, "p2p_s": p2pb + 0 * T}
-    ch = comp["channels_layer"]
-    channels = {"G2G": L * ch["G2G"], "C2G": L * ch["C2G"] + n_ck * ch["act_ck"] + n_no * ch["act_no"],
-                "G2C": L * ch["G2C"] + n_ck * ch["act_ck"] + n_no * ch["act_no"]}
-    mem = _memory(comp["mem"], L, c, in_flight)
-    flops = L * comp["layer_flops"] + pp["flops"]
-    return StageResult(T=T, D=D, time_breakdown=breakdown,
-                       delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
-                       fwd_peak=mem["fwd_peak"], bwd_peak=mem["bwd_peak"], peak=mem["peak"],
-                       memory_breakdown=mem["breakdown"], flops_per_microbatch=flops + 0 * T,
-                       fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
-                       saved_per_microbatch=mem["saved_per_microbatch"], saved_peak=mem["saved_peak"],
-                       host=mem["host"])
+    return T, X, Y, fwd_part
 
 
-def _memory(m: dict, L, c, in_flight) -> dict:
-    weights = L * m["layer_w"] + m["pp_w"]
-    grads = L * m["layer_g"] + m["pp_g"]
-    opt = L * m["layer_o"] + m["pp_o"]
-    buffers = m["buffers"]
-    ck = c >= 1  # the last block is checkpointed whenever any is
-    blocks_saved = (L - c) * m["A_f"] + c * m["A_c"]
-    A_last = np.where(ck, m["A_c"], m["A_f"])
-    saved_mb = blocks_saved + m["pre_saved"]
+@dataclass(frozen=True)
+class _Memory:
+    fwd_peak: np.ndarray
+    bwd_peak: np.ndarray
+    peak: np.ndarray
+    breakdown: dict
+    host: dict
+    saved_per_microbatch: np.ndarray
+    saved_peak: np.ndarray
+
+
+def _memory(comp: StageComponents, layers, n_ck, in_flight) -> _Memory:
+    s, a = comp.states, comp.activations
+    weights = layers * s.layer_weights + s.end_weights
+    grads = layers * s.layer_grads + s.end_grads
+    opt = layers * s.layer_optimizer + s.end_optimizer
+    buffers = s.buffers
+    ck = n_ck >= 1  # the last block is checkpointed whenever any is
+    blocks_saved = (layers - n_ck) * a.saved + n_ck * a.saved_ckpt
+    A_last = np.where(ck, a.saved_ckpt, a.saved)
+    saved_mb = blocks_saved + a.pre_saved
     states = weights + grads + opt + buffers
-    base_act = in_flight * saved_mb + m["p2p_buf"]
-    cur_before_last = saved_mb - A_last
-    fwd_cands = [cur_before_last + m["x_in"] + np.where(ck, m["fwd_last_ck"], m["fwd_last_no"])]
-    bwd_cands = [cur_before_last + np.where(ck, m["bwd_last_ck"], m["bwd_last_no"]) + m["ao_fetch"]]
-    if m["post_fwd"] is not None:
-        fwd_cands.append(saved_mb + m["x_in"] + m["post_fwd"])
-        bwd_cands.append(saved_mb + m["post_bwd"])
-    if m["pre_peaks"] is not None:
-        fwd_cands.append(m["pre_peaks"][0] + 0 * saved_mb)
-        bwd_cands.append(m["pre_peaks"][1] + 0 * saved_mb)
-    fwd_act = np.max(np.stack(np.broadcast_arrays(*fwd_cands)), axis=0)
-    bwd_act = np.max(np.stack(np.broadcast_arrays(*bwd_cands)), axis=0)
+    base_act = in_flight * saved_mb + a.p2p_buffers
+    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck)
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
@@ -466,10 +708,31 @@ def _memory(m: dict, L, c, in_flight) -> dict:
     breakdown = {"weights_bytes": weights + 0 * peak, "grads_bytes": grads + 0 * peak,
                  "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
                  "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
+    return _Memory(fwd_peak=fwd_peak, bwd_peak=bwd_peak, peak=peak, breakdown=breakdown,
+                   host=_host_memory(comp.host, layers, n_ck, in_flight),
+                   saved_per_microbatch=saved_mb + 0 * peak,
+                   saved_peak=(in_flight + 1) * saved_mb + a.post_saved + 0 * peak)
+
+
+def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
+    """Activations live at the forward and at the backward peak on top of the held ones: the
+    stage's last block's (with the other blocks' saved), the head's, the embedding's."""
+    fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
+    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + a.fetched]
+    if a.post_fwd is not None:
+        fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
+        bwd_cands.append(saved_mb + a.post_bwd)
+    if a.pre_peaks is not None:
+        fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
+        bwd_cands.append(a.pre_peaks[1] + 0 * saved_mb)
+    fwd_act = np.max(np.stack(np.broadcast_arrays(*fwd_cands)), axis=0)
+    bwd_act = np.max(np.stack(np.broadcast_arrays(*bwd_cands)), axis=0)
+    return fwd_act, bwd_act
+
+
+def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:
     # (broadcast only as far as their own terms: the tuner reads peak_bytes where the GPU fits)
-    host = {"state_bytes": L * m["host_states"], "optimizer_grad_bytes": L * m["host_opt_grads"],
-            "activation_peak_bytes": (in_flight + 1) * ((L - c) * m["H_f"] + c * m["H_c"])}
+    host = {"state_bytes": layers * h.states, "optimizer_grad_bytes": layers * h.optimizer_grads,
+            "activation_peak_bytes": (in_flight + 1) * ((layers - n_ck) * h.saved + n_ck * h.saved_ckpt)}
     host["peak_bytes"] = host["state_bytes"] + host["optimizer_grad_bytes"] + host["activation_peak_bytes"]
-    return {"fwd_peak": fwd_peak, "bwd_peak": bwd_peak, "peak": peak, "breakdown": breakdown, "host": host,
-            "saved_per_microbatch": saved_mb + 0 * peak,
-            "saved_peak": (in_flight + 1) * saved_mb + m["post_saved"] + 0 * peak}
+    return host

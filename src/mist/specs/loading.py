@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mist.checks import is_int, is_number
 from mist.errors import MistInputError
 from mist.specs.model import FAMILIES, ModelSpec
 from mist.specs.presets import PRESETS
@@ -126,11 +127,11 @@ def _from_fields(d: dict, label: str, default_name: str | None) -> ModelSpec:
 
 def _check_type(k: str, v: Any, label: str) -> None:
     if k in _INT_FIELDS:
-        ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        ok, want = is_int(v), "an integer"
     elif k in _BOOL_FIELDS:
         ok, want = isinstance(v, bool), "true or false"
     elif k in _FLOAT_FIELDS:
-        ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        ok, want = is_number(v), "a number"
     else:  # _STR_FIELDS
         ok, want = isinstance(v, str) and bool(v.strip()), "a non-empty string"
     if not ok:
@@ -172,7 +173,8 @@ class _Cfg:
     """Reads Hugging Face keys (with aliases) and collects the missing required ones."""
 
     def __init__(self, d: dict, source: str, mt: str) -> None:
-        self.d, self.source, self.mt, self.missing = d, source, mt, []
+        self.d, self.source, self.mt = d, source, mt
+        self.missing: list[str] = []
 
     def get(self, *keys: str, default: Any = None) -> Any:
         for k in keys:
@@ -203,7 +205,7 @@ class _Cfg:
 
     def number(self, *keys: str, default: float) -> float:
         v = self.get(*keys, default=default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        if not is_number(v) or math.isnan(v):
             raise MistInputError(
                 f"Hugging Face config {self.source}: field {keys[0]} must be a number, got {v!r}."
             )
@@ -224,7 +226,7 @@ def _from_hf(d: dict, source: str, default_name: str | None) -> ModelSpec:
 
 def _check_head_dim(c: _Cfg, h: Any, a: Any) -> None:
     hd = c.get("head_dim")
-    if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int)):
+    if hd is not None and not is_int(hd):
         raise MistInputError(f"Hugging Face config {c.source}: field head_dim must be an integer, got {hd!r}.")
     if hd is not None and isinstance(h, int) and isinstance(a, int) and a and hd * a != h:
         raise MistInputError(

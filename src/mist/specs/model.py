@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from mist.checks import is_int, is_number
 from mist.errors import MistInputError
 
 FAMILIES = ("gpt", "llama", "falcon")
@@ -40,17 +41,18 @@ class ModelSpec:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        self.validate()
+        self.check()
 
     # ------------------------------------------------------------------ checks
-    def validate(self) -> None:
+    def check(self) -> None:
+        """Raise MistInputError unless every field is in range and the fields fit each other."""
         if self.family not in FAMILIES:
             raise MistInputError(
                 f"Unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}."
             )
         for f, most in LIMITS.items():
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not is_int(v):
                 raise MistInputError(f"Model field {f} must be an integer, got {v!r}.")
             if v <= 0:
                 raise MistInputError(f"Model field {f} must be positive, got {v}.")
@@ -74,7 +76,7 @@ class ModelSpec:
                 "gives an odd number of rotary dimensions."
             )
         eps = self.norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        if not is_number(eps) or not 0 < eps < math.inf:
             raise MistInputError(f"norm_eps must be a positive finite number, got {self.norm_eps}.")
 
     def check_tp(self, tp: int) -> None:
@@ -90,6 +92,13 @@ class ModelSpec:
                 f"Tensor-parallel degree {tp} and num_kv_heads {self.num_kv_heads} "
                 "must divide one another."
             )
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise if sequences of `seq_len` tokens do not fit the model (a gpt model has only
+        max_position_embeddings learned positions; rotary models have no such bound)."""
+        if self.family == "gpt" and seq_len > self.max_position_embeddings:
+            raise MistInputError(f"Sequence length {seq_len} exceeds the model's "
+                                 f"{self.max_position_embeddings} learned positions.")
 
     # ------------------------------------------------------------ properties
     @property

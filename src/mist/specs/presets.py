@@ -1,6 +1,6 @@
 """Named model presets: the paper's evaluation models and a few real open models.
 
-Paper models (reference §13.2): vocabulary 50304, multi-head attention (num_kv_heads equal to
+Paper models (the Mist paper's evaluation): vocabulary 50304, multi-head attention (num_kv_heads equal to
 num_heads), no linear biases and an untied LM head.
 
 - ``gpt3-<size>``: GPT family (LayerNorm, GELU, learned positions), FFN 4h.

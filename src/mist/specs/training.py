@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from mist.checks import is_int, is_number
+from mist.dtypes import DTYPE_BYTES
 from mist.errors import MistInputError
-
-DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
 
 MAX_SEQ_LEN = 1 << 24          # tokens per sequence
 MAX_GLOBAL_BATCH = 2**31 - 1    # sequences per optimizer step
@@ -15,7 +14,7 @@ MAX_HOST_MEMORY_GIB = 1 << 20   # RAM per node: 1 PiB
 
 
 def _positive_int(what: str, v, most: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise MistInputError(f"{what} must be an integer, got {v!r}.")
     if v <= 0:
         raise MistInputError(f"{what} must be positive, got {v}.")
@@ -38,8 +37,7 @@ class ClusterSpec:
         _positive_int("Cluster field nodes", self.nodes)
         _positive_int("Cluster field gpus_per_node", self.gpus_per_node)
         h = self.host_memory_gib
-        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
-                              or not 0 < h <= MAX_HOST_MEMORY_GIB):
+        if h is not None and (not is_number(h) or not 0 < h <= MAX_HOST_MEMORY_GIB):
             raise MistInputError(f"Cluster field host_memory_gib must be a positive number of GiB, at most "
                                  f"{MAX_HOST_MEMORY_GIB:,} per node, got {h!r}.")
 
@@ -74,9 +72,9 @@ class TrainingSpec:
         if not isinstance(self.flash_attention, bool):
             raise MistInputError(f"Training field flash_attention must be true or false, got {self.flash_attention!r}.")
         for f in ("param_dtype", "compute_dtype"):
-            if getattr(self, f) not in DTYPES:
+            if getattr(self, f) not in DTYPE_BYTES:
                 raise MistInputError(
-                    f"Training field {f} must be one of {', '.join(DTYPES)}, got {getattr(self, f)!r}."
+                    f"Training field {f} must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, f)!r}."
                 )
         if self.grad_dtype not in (None, self.param_dtype, "fp32"):
             raise MistInputError(f"Training field grad_dtype must be the parameter dtype ({self.param_dtype}) "
@@ -84,15 +82,15 @@ class TrainingSpec:
 
     @property
     def compute_bytes(self) -> int:
-        return DTYPES[self.compute_dtype]
+        return DTYPE_BYTES[self.compute_dtype]
 
     @property
     def param_bytes(self) -> int:
-        return DTYPES[self.param_dtype]
+        return DTYPE_BYTES[self.param_dtype]
 
     @property
     def grad_bytes(self) -> int:
-        return DTYPES[self.grad_dtype or self.param_dtype]
+        return DTYPE_BYTES[self.grad_dtype or self.param_dtype]
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -8,12 +8,14 @@ memoized, because a candidate usually differs from the previous one in one or tw
 winner is re-simulated with `simulate_plan`; should the memoized path ever disagree with it (the
 simulator changed under us), the search is rerun calling `simulate_plan` for every candidate.
 
-Rules shared by all three (reference/mist-system.md §13.4, the brief of this module):
-  * every stage has the same GPU count: S divides the world size; a stage's mesh is whole nodes
-    (nodes/S × gpus_per_node) when S ≤ nodes, else a power-of-two slice of one node
-    (1 × world/S); TP stays within a node and divides the heads, FFN and vocabulary;
+Rules shared by all three (as the Mist paper's evaluation tuned the baselines):
+  * every stage has the same GPU count: pp divides the world size; a stage's mesh is whole nodes
+    (nodes/pp × gpus_per_node) when pp ≤ nodes, else a power-of-two slice of one node
+    (1 × world/pp); TP stays within a node and divides the heads, FFN and vocabulary;
   * micro_batch × dp × G = global batch on every stage (G = gradient-accumulation steps);
-  * pipeline depth S is a power of two, at most the layer count.
+  * pipeline depth pp is a power of two, at most the layer count.
+(Names: L the model's blocks, pp the pipeline depth, G micro-batches per iteration, B the
+global batch.)
 
 Megatron-LM (core_r0.4.0): power-of-two (dp, tp, pp), dp·tp·pp = world size; Megatron's own rule
   for the layer split — pp must divide the layer count, every stage gets L/pp layers (core_r0.4.0
@@ -24,12 +26,12 @@ Megatron-LM (core_r0.4.0): power-of-two (dp, tp, pp), dp·tp·pp = world size; M
   bytes per parameter for "bf16 param, fp32 grads"), so its plans carry grad_dtype fp32 then.
 DeepSpeed (0.12 + Megatron-DeepSpeed): pp ∈ powers of two, tp ∈ powers of two within a node
   (tp = 1 is plain DeepSpeed, tp > 1 Megatron-DeepSpeed), dp the rest; layers split as
-  DeepSpeed's `partition_uniform` does (as even as possible, the first L mod S stages take one
+  DeepSpeed's `partition_uniform` does (as even as possible, the first L mod pp stages take one
   more); ZeRO 0–3 (> 0 only when dp > 1); with pp > 1 only ZeRO 0/1 (DeepSpeed's pipeline engine
   rejects ZeRO-2/3) and no offload; with pp = 1 also ZeRO-Offload (optimizer states to the CPU,
-  oo = 1, with ZeRO ≥ 1, or ZeRO-0 when dp = 1) and with ZeRO-3 ZeRO-Infinity (weights, grads and
+  offload.optimizer = 1, with ZeRO ≥ 1, or ZeRO-0 when dp = 1) and with ZeRO-3 ZeRO-Infinity (weights, grads and
   optimizer states offloaded); micro-batch ∈ {1, 2, 4, 8, 16}; full recompute on or off.
-Aceso (EuroSys'24): iterative bottleneck alleviation per (S, b) configuration, S a power of two,
+Aceso (EuroSys'24): iterative bottleneck alleviation per (pp, b) configuration, pp a power of two,
   b ∈ {1, 2, 4, 8}. It starts balanced (uniform split as above, no recompute, tp 1, ZeRO-1 when
   dp > 1) and repeatedly takes the bottleneck stage — the one furthest over memory if the plan
   does not fit, else the one with the largest steady (stable) micro-batch time — and tries: move
@@ -51,7 +53,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mist.errors import MistInputError
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
 from mist.simulate.pipeline import iteration_time
@@ -61,9 +62,10 @@ from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
-from mist.tune.result import TuneResult, public_prediction
+from mist.tune.result import TuneResult
+from mist.tune.space import tp_degrees
+from mist.units import GiB
 
-GiB = 2**30
 MEGATRON_MICRO_BATCHES = (1, 2, 4, 8)
 DEEPSPEED_MICRO_BATCHES = (1, 2, 4, 8, 16)
 ACESO_MICRO_BATCHES = (1, 2, 4, 8)
@@ -87,44 +89,31 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def stage_mesh(cluster: ClusterSpec, S: int) -> tuple[int, int] | None:
-    """(nodes, gpus_per_node) of every stage when the cluster is cut into S equal stages."""
+def stage_mesh(cluster: ClusterSpec, pp: int) -> tuple[int, int] | None:
+    """(nodes, gpus_per_node) of every stage when the cluster is cut into pp equal stages."""
     W = cluster.world_size
-    if S < 1 or W % S:
+    if pp < 1 or W % pp:
         return None
-    if S <= cluster.nodes:
-        return (cluster.nodes // S, cluster.gpus_per_node) if cluster.nodes % S == 0 else None
-    per = W // S
+    if pp <= cluster.nodes:
+        return (cluster.nodes // pp, cluster.gpus_per_node) if cluster.nodes % pp == 0 else None
+    per = W // pp
     if cluster.gpus_per_node % per or not _is_pow2(per):
         return None
     return (1, per)
 
 
-def even_split(L: int, S: int) -> list[int]:
-    """Layers per stage, as even as possible; the first L mod S stages take one more."""
-    q, r = divmod(L, S)
-    return [q + 1] * r + [q] * (S - r)
-
-
-def _tp_options(model: ModelSpec, stage_gpus_per_node: int) -> list[int]:
-    out = []
-    for t in _pow2_upto(stage_gpus_per_node):
-        if stage_gpus_per_node % t or model.num_heads % t:
-            continue
-        try:
-            model.check_tp(t)
-        except MistInputError:
-            continue
-        out.append(t)
-    return out
+def even_split(L: int, pp: int) -> list[int]:
+    """Layers per stage, as even as possible; the first L mod pp stages take one more."""
+    q, r = divmod(L, pp)
+    return [q + 1] * r + [q] * (pp - r)
 
 
 def _depths(model: ModelSpec, cluster: ClusterSpec):
-    """Power-of-two pipeline depths S ≤ L with a valid equal stage mesh, and that mesh."""
-    for S in _pow2_upto(min(model.num_layers, cluster.world_size)):
-        mesh = stage_mesh(cluster, S)
+    """Power-of-two pipeline depths pp ≤ L with a valid equal stage mesh, and that mesh."""
+    for pp in _pow2_upto(min(model.num_layers, cluster.world_size)):
+        mesh = stage_mesh(cluster, pp)
         if mesh is not None:
-            yield S, mesh
+            yield pp, mesh
 
 
 # ------------------------------------------------------------------ costing
@@ -184,14 +173,14 @@ class _Evaluator:
                       tuple(s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]),
                       self.capacity)
         else:
-            S = len(stages)
-            rows = [self._stage.get((i, S, G, s)) for i, s in enumerate(stages)]
+            pp = len(stages)
+            rows = [self._stage.get((i, pp, G, s)) for i, s in enumerate(stages)]
             if any(r is None for r in rows):
                 inputs = stage_inputs(self.plan(G, stages))   # validates the plan
                 for i, (st, s) in enumerate(zip(inputs, stages)):
                     if rows[i] is None:
                         r = self._stage_model(s).evaluate(st)
-                        rows[i] = self._stage[(i, S, G, s)] = (
+                        rows[i] = self._stage[(i, pp, G, s)] = (
                             float(r.T[0]), float(r.fwd[0]), float(r.first_extra[0]),
                             float(r.last_extra[0]), float(r.peak[0]), float(r.host["peak_bytes"][0]))
             T, F, X, Y, P, H = (np.array(col) for col in zip(*rows))
@@ -232,7 +221,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
         fast = ev.cost(*best)
         if exact or (sim["fits"] == fast.fits
                      and math.isclose(sim["iteration_time_s"], fast.time, rel_tol=1e-9, abs_tol=1e-12)):
-            return TuneResult(space=space, plan=plan, predicted=public_prediction(sim),
+            return TuneResult(space=space, plan=plan, predicted=sim,
                               tuning_time_s=time.monotonic() - t0, candidates_evaluated=ev.count,
                               infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]))
     if ev.count == 0:
@@ -253,11 +242,11 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
 def _megatron_candidates(model, cluster, training, micro_batches=None, recompute=("full", "none")):
     L, B = model.num_layers, training.global_batch
     micro_batches = micro_batches or MEGATRON_MICRO_BATCHES
-    for S, (n, g) in _depths(model, cluster):
-        if L % S:          # Megatron-LM (core_r0.4.0): num_layers divisible by pp
+    for pp, (n, g) in _depths(model, cluster):
+        if L % pp:          # Megatron-LM (core_r0.4.0): num_layers divisible by pp
             continue
-        l = L // S
-        for tp in _tp_options(model, g):
+        l = L // pp
+        for tp in tp_degrees(model, g):
             dp = n * g // tp
             if not _is_pow2(dp):
                 continue
@@ -268,7 +257,7 @@ def _megatron_candidates(model, cluster, training, micro_batches=None, recompute
                 for rc in [l if r == "full" else 0 for r in recompute]:
                     s = StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
                                       zero=zero, recompute_layers=rc)
-                    yield B // (b * dp), (s,) * S
+                    yield B // (b * dp), (s,) * pp
 
 
 def megatron_training(training: TrainingSpec) -> TrainingSpec:
@@ -290,7 +279,7 @@ def tune_megatron(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
 def tune_megatron_paper(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
                         time_budget: float | None = None) -> TuneResult:
-    """Megatron-LM as the Mist paper tuned it (reference/mist-system.md §13.4): full
+    """Megatron-LM as the Mist paper's evaluation tuned it: full
     recomputation always on, micro-batch 1/2/4, distributed optimizer; otherwise as above."""
     training = megatron_training(training)
 
@@ -305,16 +294,16 @@ def tune_megatron_paper(model: ModelSpec, cluster: ClusterSpec, training: Traini
 def _deepspeed_candidates(model, cluster, training):
     L, B = model.num_layers, training.global_batch
     full = Offload(weights=1.0, grads=1.0, optimizer=1.0)
-    for S, (n, g) in _depths(model, cluster):
-        layers = even_split(L, S)
-        for tp in _tp_options(model, g):
+    for pp, (n, g) in _depths(model, cluster):
+        layers = even_split(L, pp)
+        for tp in tp_degrees(model, g):
             dp = n * g // tp
             if dp == 1:
                 zeros = [0]
             else:
-                zeros = [0, 1, 2, 3] if S == 1 else [0, 1]
+                zeros = [0, 1, 2, 3] if pp == 1 else [0, 1]
             variants = [(z, Offload()) for z in zeros]
-            if S == 1:   # DeepSpeed offloads only without pipeline parallelism
+            if pp == 1:   # DeepSpeed offloads only without pipeline parallelism
                 variants += [(z, Offload(optimizer=1.0)) for z in (zeros[1:] or [0])]   # ZeRO-Offload
                 if 3 in zeros:
                     variants.append((3, full))                                          # ZeRO-Infinity
@@ -339,7 +328,7 @@ def tune_deepspeed(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
 
 
 # ------------------------------------------------------------------ Aceso
-def _aceso_start(model, cluster, training, S, mesh, b):
+def _aceso_start(model, cluster, training, pp, mesh, b):
     n, g = mesh
     dp = n * g
     B = training.global_batch
@@ -347,13 +336,13 @@ def _aceso_start(model, cluster, training, S, mesh, b):
         return None
     stages = tuple(StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=1,
                                  zero=1 if dp > 1 else 0, recompute_layers=0)
-                   for l in even_split(model.num_layers, S))
+                   for l in even_split(model.num_layers, pp))
     return B // (b * dp), stages
 
 
 def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int], flash: bool) -> list[tuple]:
     """Neighbours of a plan that change its bottleneck stage i (samples = b·dp per stage)."""
-    S, s = len(stages), stages[i]
+    pp, s = len(stages), stages[i]
     out = []
 
     def put(changes: dict):
@@ -365,7 +354,7 @@ def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int], flash:
     if s.layers > 1:   # move the boundary layer to a neighbour, which recomputes it or not
         src = replace(s, layers=s.layers - 1, recompute_layers=min(s.recompute_layers, s.layers - 1))
         for j in (i - 1, i + 1):
-            if 0 <= j < S:
+            if 0 <= j < pp:
                 d = stages[j]
                 for rc in sorted({d.recompute_layers, d.recompute_layers + 1}):
                     put({i: src, j: replace(d, layers=d.layers + 1, recompute_layers=rc)})
@@ -421,10 +410,10 @@ def tune_aceso(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     def search(ev, t0, budget):
         total = ACESO_BUDGET_S if time_budget is None else float(time_budget)
         configs = []
-        for S, mesh in _depths(model, cluster):
-            tp_opts = _tp_options(model, mesh[1])
+        for pp, mesh in _depths(model, cluster):
+            tp_opts = tp_degrees(model, mesh[1])
             for b in ACESO_MICRO_BATCHES:
-                st = _aceso_start(model, cluster, training, S, mesh, b)
+                st = _aceso_start(model, cluster, training, pp, mesh, b)
                 if st is not None:
                     configs.append((st, tp_opts))
         best, best_c = None, None

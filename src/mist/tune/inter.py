@@ -15,6 +15,8 @@ the program runs again with `wide_states` below the split found (usually far few
 solutions survive that bound), which keeps a larger search space from returning a worse plan than
 a smaller one (the tuning-time study, benchmarks/results/tuning_time.md); `exact` reports whether
 the cap still bound. Tests hold the program against brute force.
+
+Names: L the model's blocks, pp the number of stages (len(options)), G micro-batches per iteration.
 """
 
 from __future__ import annotations
@@ -61,11 +63,11 @@ def _nondominated(V: np.ndarray, key: np.ndarray, limit: int | None = None) -> n
 
 
 def _min_remaining(options, L, lmin, lmax):
-    """rem[i][a]: least Σ T of stages i..S−1 covering L − a layers (inf if impossible)."""
-    S = len(options)
-    rem = [dict() for _ in range(S + 1)]
-    rem[S] = {L: 0.0}
-    for i in range(S - 1, -1, -1):
+    """rem[i][a]: least Σ T of stages i..pp−1 covering L − a layers (inf if impossible)."""
+    pp = len(options)
+    rem = [dict() for _ in range(pp + 1)]
+    rem[pp] = {L: 0.0}
+    for i in range(pp - 1, -1, -1):
         for a in range(0, L + 1):
             best = np.inf
             for l in range(lmin, lmax + 1):
@@ -84,18 +86,19 @@ def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
     """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers).
 
     Returns the best split, or None when no split is feasible (or none is below `bound`)."""
-    S = len(options)
+    pp = len(options)
     lmax = L if lmax is None else lmax
     rem = _min_remaining(options, L, lmin, lmax)
     if 0 not in rem[0]:
         return None
     # the largest first/last extras any stage ≥ i could bring (for clipping P and Q)
-    xcap, ycap = np.zeros(S + 1), np.zeros(S + 1)
-    for i in range(S - 1, -1, -1):
+    xcap, ycap = np.zeros(pp + 1), np.zeros(pp + 1)
+    for i in range(pp - 1, -1, -1):
         xs = [float(o.X.max()) for o in options[i].values() if len(o.T)]
         ys = [float(o.Y.max()) for o in options[i].values() if len(o.T)]
         xcap[i] = max([xcap[i + 1]] + xs)
         ycap[i] = max([ycap[i + 1]] + ys)
+    best: Split | None
     if bound == np.inf:  # a quick incumbent: the same program keeping one state per cell
         quick = _run(options, L, G, lmin, lmax, 1, np.inf, rem, xcap, ycap)
         if quick is None:
@@ -112,11 +115,11 @@ def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
 
 
 def _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) -> Split | None:
-    S = len(options)
+    pp = len(options)
     exact = True
-    cells = {0: (np.zeros((1, 6)), [None])}
+    cells: dict[int, tuple[np.ndarray, list]] = {0: (np.zeros((1, 6)), [None])}
     hist = []
-    for i in range(S):
+    for i in range(pp):
         nxt: dict = {}
         for a, (V, _) in cells.items():
             for l in range(lmin, lmax + 1):
@@ -159,7 +162,7 @@ def _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) -> Split
     r = int(np.argmin(obj))
     layers, choice = [], []
     a, row = L, r
-    for i in range(S - 1, -1, -1):
+    for i in range(pp - 1, -1, -1):
         prev_a, prev_row, l, k = hist[i][a][1][row]
         layers.append(l)
         choice.append(k)

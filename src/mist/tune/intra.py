@@ -4,19 +4,24 @@ rest reduced to a Pareto frontier of (steady time T, one-off extra D) per (stage
 The stage cost model is `mist.simulate.stage`: `components` is computed once per strategy batch
 (per TP degree, micro-batch and stage kind), and `compose` turns it into time and memory for
 every (layers, recomputed blocks, in-flight micro-batches) by broadcasting — the same code that
-`mist simulate` runs, so the tuner's numbers are the simulator's.
+`mist simulate` runs, so the tuner's numbers are the simulator's. A frontier point's strategy is
+the plan's own record, `plan.StageStrategy`.
+
+Names: pp the pipeline depth, G micro-batches per iteration, B the global batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from mist.plan import Offload, StageStrategy
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN
-from mist.simulate.stage import StageInput, StageModel, compose
-from mist.tune.space import SearchSpace
+from mist.simulate.stage import StageComponents, StageInput, StageModel, compose
+from mist.tune.space import MAX_TP, SearchSpace, tp_degrees
 
 
 @dataclass
@@ -26,13 +31,28 @@ class Options:
     F: np.ndarray
     X: np.ndarray
     Y: np.ndarray
-    strategies: list = field(default_factory=list)   # dicts: tp, dp, b, zero, wo, go, oo, ao, recompute, attn, act
+    strategies: list[StageStrategy] = field(default_factory=list)
     min_peak: float = float("inf")                     # least memory any strategy reached
     min_host: float = float("inf")                     # least host memory of those that fit the GPU
 
 
+@dataclass(frozen=True)
+class StrategyGrid:
+    """The ZeRO levels and offload fractions searched for one dp, as arrays over strategies."""
+    zero: np.ndarray
+    offload_weights: np.ndarray
+    offload_grads: np.ndarray
+    offload_optimizer: np.ndarray
+    offload_activations: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.zero)
+
+
 def _expand(x):
     """Give every per-strategy array a trailing axis (so it broadcasts against a c-grid)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return type(x)(**{f.name: _expand(getattr(x, f.name)) for f in dataclasses.fields(x)})
     if isinstance(x, dict):
         return {k: _expand(v) for k, v in x.items()}
     if isinstance(x, tuple):
@@ -59,13 +79,13 @@ def sample_frontier(idx: np.ndarray, k: int) -> np.ndarray:
 
 
 class StageTables:
-    """Components per (tp, b, dp, stage kind) for one (model, GPU, seq, S, G, mesh), cached."""
+    """Components per (tp, b, dp, stage kind) for one (model, GPU, seq, pp, G, mesh), cached."""
 
-    def __init__(self, spec, profile, seq: int, flash: bool, space: SearchSpace, S: int, G: int,
+    def __init__(self, spec, profile, seq: int, flash: bool, space: SearchSpace, pp: int, G: int,
                  nodes: int, gpn: int, cluster_gpn: int, global_batch: int, with_wg: bool,
                  precision=None, host_cap: float | None = None):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
-        self.S, self.G, self.nodes, self.gpn, self.cluster_gpn = S, G, nodes, gpn, cluster_gpn
+        self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
         # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it
         self.host_cap = host_cap
@@ -76,29 +96,23 @@ class StageTables:
     def model(self, tp: int, sel: tuple = (False, False)) -> StageModel:
         if (tp, sel) not in self._models:
             self._models[tp, sel] = StageModel(self.spec, self.profile, tp, self.flash, self.seq, self.precision,
-                                               attention_recompute=sel[0], activation_recompute=sel[1])
+                                               recompute_attention=sel[0], recompute_activation=sel[1])
         return self._models[tp, sel]
 
     def selective_choices(self) -> list[tuple[bool, bool]]:
         """(attention, activation) recomputation of the blocks not checkpointed whole. Attention
         only without flash attention: with it the core keeps little (q, k, v, output)."""
-        attn = (False,) if self.flash else tuple(self.space.attention_recompute)
-        return list(itertools.product(attn, self.space.activation_recompute))
+        attn = (False,) if self.flash else tuple(self.space.recompute_attention)
+        return list(itertools.product(attn, self.space.recompute_activation))
 
     def tp_choices(self, tp_fixed: int | None = None) -> list[tuple[int, int, int]]:
         """(tp, dp, b) triples allowed for a stage of this mesh."""
         n = self.nodes * self.gpn
         out = []
-        for tp in (2 ** i for i in range(8)):
-            if tp > self.gpn or self.gpn % tp or n % tp:
-                continue
+        for tp in tp_degrees(self.spec, self.gpn, MAX_TP):
             if tp_fixed is not None and tp != tp_fixed:
                 continue
             if self.space.tp_values is not None and tp not in self.space.tp_values:
-                continue
-            if self.spec.num_heads % tp or self.spec.ffn_hidden_size % tp or self.spec.vocab_size % tp:
-                continue
-            if self.spec.num_kv_heads % tp and tp % self.spec.num_kv_heads:
                 continue
             dp = n // tp
             if self.B % (self.G * dp):
@@ -109,42 +123,51 @@ class StageTables:
             out.append((tp, dp, b))
         return out
 
-    def strategy_grid(self, dp: int) -> dict:
+    def strategy_grid(self, dp: int) -> StrategyGrid:
         sp = self.space
         zeros = [z for z in sp.zero_levels if dp > 1 or z == min(sp.zero_levels)]
         if self.with_wg:
-            wg = [(w, g) for w in sp.wo for g in sp.go if (w <= g if sp.name == "full" else (w == 0 or g > 0))]
+            wg = [(w, g) for w in sp.offload_weights for g in sp.offload_grads
+                  if (w <= g if sp.name == "full" else (w == 0 or g > 0))]
         else:
             wg = [(0.0, 0.0)]
-        rows = [(z, w, g, o, a) for z, (w, g), o, a in itertools.product(zeros, wg, sp.oo, sp.ao)]
+        rows = [(z, w, g, o, a) for z, (w, g), o, a in
+                itertools.product(zeros, wg, sp.offload_optimizer, sp.offload_activations)]
         arr = np.array(rows, dtype=np.float64)
-        return {"zero": arr[:, 0], "wo": arr[:, 1], "go": arr[:, 2], "oo": arr[:, 3], "ao": arr[:, 4]}
+        return StrategyGrid(zero=arr[:, 0], offload_weights=arr[:, 1], offload_grads=arr[:, 2],
+                            offload_optimizer=arr[:, 3], offload_activations=arr[:, 4])
 
-    def components(self, tp: int, dp: int, b: int, first: bool, last: bool, sel: tuple = (False, False)):
+    def components(self, tp: int, dp: int, b: int, first: bool, last: bool,
+                   sel: tuple = (False, False)) -> tuple[StrategyGrid, StageComponents]:
         key = (tp, dp, b, first, last, sel)
         if key not in self._comps:
             grid = self.strategy_grid(dp)
-            n = len(grid["zero"])
-            st = StageInput(first=first, last=last, index=0, num_stages=self.S, layers=np.ones(n),
+            n = len(grid)
+            st = StageInput(first=first, last=last, index=0, num_stages=self.pp, layers=np.ones(n),
                             recompute=np.zeros(n), b=np.full(n, b), dp=np.full(n, dp), tp=tp,
-                            zero=grid["zero"], wo=grid["wo"], go=grid["go"], oo=grid["oo"], ao=grid["ao"],
+                            zero=grid.zero, offload_weights=grid.offload_weights,
+                            offload_grads=grid.offload_grads, offload_optimizer=grid.offload_optimizer,
+                            offload_activations=grid.offload_activations,
                             G=self.G, nodes=self.nodes, gpus_per_node=self.gpn,
                             cluster_gpus_per_node=self.cluster_gpn)
             comp = self.model(tp, sel).components(st)
             self._comps[key] = (grid, _expand(comp))
         return self._comps[key]
 
-    def options(self, i: int, layers: int, tp_fixed: int | None = None) -> Options:
-        """Frontier of stage i holding `layers` blocks."""
-        first, last = i == 0, i == self.S - 1
-        in_flight = max(0, min(self.S - 1 - i, self.G - 1))
+    def _recompute_grid(self, layers: int) -> np.ndarray:
+        """The numbers of recomputed blocks the space allows for a stage of `layers` blocks."""
         sp = self.space
         if sp.recompute == "none":
-            cs = np.array([0])
-        elif sp.recompute == "all_or_nothing":
-            cs = np.array(sorted({0, layers}))
-        else:
-            cs = np.arange(layers + 1)
+            return np.array([0])
+        if sp.recompute == "all_or_nothing":
+            return np.array(sorted({0, layers}))
+        return np.arange(layers + 1)
+
+    def options(self, i: int, layers: int, tp_fixed: int | None = None) -> Options:
+        """Frontier of stage i holding `layers` blocks."""
+        first, last = i == 0, i == self.pp - 1
+        in_flight = max(0, min(self.pp - 1 - i, self.G - 1))
+        cs = self._recompute_grid(layers)
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
         min_peak = min_host = np.inf
         cap = self.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
@@ -170,20 +193,27 @@ class StageTables:
         if not Ts:
             return Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [], min_peak, min_host)
         T, F, X, Y = (np.concatenate(v) for v in (Ts, Fs, Xs, Ys))
-        keep = sample_frontier(pareto_2d(T, X + Y), sp.frontier_points)
+        keep = sample_frontier(pareto_2d(T, X + Y), self.space.frontier_points)
         # map kept indices back to strategies
         bounds = np.cumsum([0] + [len(m[5]) for m in metas])
         strategies = []
         for k in keep:
             j = int(np.searchsorted(bounds, k, side="right") - 1)
-            tp, dp, b, sel, grid, si, cc = metas[j]
             q = k - bounds[j]
-            s = int(si[q])
-            strategies.append({"tp": tp, "dp": dp, "b": b, "zero": int(grid["zero"][s]),
-                               "wo": float(grid["wo"][s]), "go": float(grid["go"][s]),
-                               "oo": float(grid["oo"][s]), "ao": float(grid["ao"][s]),
-                               "recompute": int(cc[q]), "attn": bool(sel[0]), "act": bool(sel[1])})
+            strategies.append(self._strategy(layers, metas[j], q))
         return Options(T[keep], F[keep], X[keep], Y[keep], strategies, min_peak, min_host)
+
+    def _strategy(self, layers: int, meta: tuple, q: int) -> StageStrategy:
+        """The strategy of point q of one (tp, dp, b, selective) batch of `options`."""
+        tp, dp, b, sel, grid, si, cc = meta
+        s = int(si[q])
+        return StageStrategy(
+            layers=int(layers), nodes=self.nodes, gpus_per_node=self.gpn, micro_batch=int(b), dp=int(dp),
+            tp=int(tp), zero=int(grid.zero[s]), recompute_layers=int(cc[q]),
+            offload=Offload(weights=float(grid.offload_weights[s]), grads=float(grid.offload_grads[s]),
+                            optimizer=float(grid.offload_optimizer[s]),
+                            activations=float(grid.offload_activations[s])),
+            recompute_attention=bool(sel[0]), recompute_activation=bool(sel[1]))
 
     def min_layer_time(self) -> float:
         """A lower bound on a block's steady time on any stage (for pruning)."""
@@ -191,5 +221,6 @@ class StageTables:
         for tp, dp, b in self.tp_choices():
             for first, last in ((False, False),):
                 _, comp = self.components(tp, dp, b, first, last)
-                best = min(best, float(np.min(np.minimum(comp["f_no"] + comp["b_no"], comp["f_ck"] + comp["b_ck"]))))
+                best = min(best, float(np.min(np.minimum(comp.plain.fwd + comp.plain.bwd,
+                                                         comp.ckpt.fwd + comp.ckpt.bwd))))
         return best

@@ -7,16 +7,11 @@ from dataclasses import dataclass
 from mist.plan import Plan
 
 
-def public_prediction(sim: dict) -> dict:
-    """A `simulate_plan` result without its private (``_``-prefixed) entries."""
-    return {k: v for k, v in sim.items() if not k.startswith("_")}
-
-
 @dataclass
 class TuneResult:
     space: str                      # "megatron", "deepspeed", "aceso", "full", "mist-paper", ...
     plan: Plan | None               # best feasible plan (None if nothing fits)
-    predicted: dict | None          # simulate_plan(plan, profile) without keys starting with "_"
+    predicted: dict | None          # simulate_plan(plan, profile)
     tuning_time_s: float
     candidates_evaluated: int       # plans (or strategies) whose cost was evaluated
     infeasible_reason: str | None   # one sentence when plan is None

@@ -1,23 +1,25 @@
-"""`mist tune`: the outer loops (pipeline depth S, gradient accumulation G, and for the paper's
+"""`mist tune`: the outer loops (pipeline depth pp, gradient accumulation G, and for the paper's
 space one TP degree for all stages) around intra-stage frontiers and the inter-stage program.
 
-Pruning: a (S, G) pair is skipped when a lower bound — every block at its fastest steady time,
-spread perfectly over S stages, for G + S − 1 micro-batch slots — is not below the best plan
+Pruning: a (pp, G) pair is skipped when a lower bound — every block at its fastest steady time,
+spread perfectly over pp stages, for G + pp − 1 micro-batch slots — is not below the best plan
 found so far. The search first uses strategies without weight/gradient offload (they add PCIe
 traffic every micro-batch); only when nothing fits does it open those knobs as well.
+
+Names: L the model's blocks, pp the pipeline depth (stages), G micro-batches per iteration, B the
+global batch.
 """
 
 from __future__ import annotations
 
 import math
-
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from mist.hardware.host_memory import node_host_memory
-from mist.plan import Offload, Plan, StageStrategy
+from mist.plan import Plan, StageStrategy
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
 from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
@@ -25,8 +27,8 @@ from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.inter import best_split
 from mist.tune.intra import StageTables
-from mist.tune.result import TuneResult, public_prediction
-from mist.tune.space import SearchSpace, get_space
+from mist.tune.result import TuneResult
+from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
 
 
 def _divisors(n: int) -> list[int]:
@@ -36,17 +38,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def stage_meshes(cluster: ClusterSpec, L: int) -> list[tuple[int, int, int]]:
-    """(S, nodes per stage, GPUs per node per stage) for every pipeline depth with equal meshes."""
+    """(pp, nodes per stage, GPUs per node per stage) for every pipeline depth pp ≤ L (the
+    model's blocks) with equal meshes."""
     out = []
     N, K = cluster.nodes, cluster.gpus_per_node
-    for S in _divisors(N * K):
-        if S > L:
+    for pp in _divisors(N * K):
+        if pp > L:
             continue
-        if S <= N:
-            if N % S == 0:
-                out.append((S, N // S, K))
-        elif S % N == 0 and K % (S // N) == 0:
-            out.append((S, 1, K // (S // N)))
+        if pp <= N:
+            if N % pp == 0:
+                out.append((pp, N // pp, K))
+        elif pp % N == 0 and K % (pp // N) == 0:
+            out.append((pp, 1, K // (pp // N)))
     return out
 
 
@@ -63,95 +66,130 @@ class _Best:
     plan: Plan | None = None
 
 
+@dataclass
+class _Search:
+    """What a search has found so far; its loops update it."""
+    best: _Best = field(default_factory=_Best)
+    evaluated: int = 0
+    min_peak: float = np.inf    # see `_infeasible`
+    min_host: float = np.inf
+
+
 def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
          space: str | SearchSpace = "full", time_budget: float | None = None,
          progress=None) -> TuneResult:
     """Search the space for the fastest plan that fits. `progress(done, total, best_s)` is
-    called after every (S, G) pair when given."""
+    called after every (pp, G) pair when given."""
     sp = get_space(space) if isinstance(space, str) else space
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
-    best = _Best()
-    evaluated = 0
-    min_peak = min_host = np.inf
+    state = _Search()
     budget_hit = False
     node_host, host_source = node_host_memory(cluster, profile)
     host_cap = None if node_host is None else node_host / cluster.gpus_per_node
     if sp.seed_space:
-        # a quick search of a sub-space first: its plan is a plan of this space too, and its
-        # time is an incumbent that prunes most of the larger search (under this space's limits
-        # on the pipeline depth and TP degrees)
-        sub = replace(get_space(sp.seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
-        seed = tune(model, cluster, training, profile, sub, time_budget)
-        evaluated += seed.candidates_evaluated
-        if seed.plan is not None:
-            best = _Best(seed.iteration_time_s, seed.plan)
-    meshes = [m for m in stage_meshes(cluster, L) if sp.pp_values is None or m[0] in sp.pp_values]
-    combos = [(m, G) for m in meshes for G in g_values(B, sp.g_policy)]
-    # visit promising pairs first: moderate pipelines and many micro-batches per iteration
-    combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
+        _seed(state, sp.seed_space, sp, model, cluster, training, profile, time_budget)
+    combos = _combos(cluster, sp, L, B)
     phases = (True,) if sp.wg_policy == "always" else (False, True)
-    if all(v == 0 for v in sp.wo) and all(v == 0 for v in sp.go):
+    if all(v == 0 for v in sp.offload_weights) and all(v == 0 for v in sp.offload_grads):
         phases = (False,)
     for with_wg in phases:
         done = 0
-        for (S, nodes, gpn), G in combos:
+        for (pp, nodes, gpn), G in combos:
             if time_budget is not None and time.perf_counter() - t0 > time_budget:
                 budget_hit = True
                 break
-            tps = [None]
+            tps: list = [None]
             if sp.uniform_tp:
-                tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn]
+                tps = tp_degrees(model, gpn, MAX_UNIFORM_TP)
             for tp_fixed in tps:
-                tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, S, G,
+                tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, pp, G,
                                      nodes, gpn, cluster.gpus_per_node, B, with_wg,
                                      precision_for(training, profile), host_cap)
-                if not tables.tp_choices(tp_fixed):
-                    continue
-                lb_layer = tables.min_layer_time()
-                if (G + S - 1) * lb_layer * L / S >= best.objective:
-                    continue
-                lo, hi = 1, L - S + 1
-                if sp.layer_slack is not None:
-                    mean = round(L / S)
-                    lo, hi = max(1, mean - sp.layer_slack), min(hi, mean + sp.layer_slack)
-                    if S == 1 or G == 1:
-                        lo = hi = L // S if L % S == 0 else mean
-                # a stage of l blocks takes at least l·lb_layer per micro-batch, so G times that
-                # bounds the iteration from below: longer stages cannot beat the incumbent
-                if np.isfinite(best.objective):
-                    hi = min(hi, max(lo, int(best.objective / (G * lb_layer))))
-                options = []
-                for i in range(S):
-                    row = {}
-                    for l in range(lo, hi + 1):
-                        opt = tables.options(i, l, tp_fixed)
-                        if l >= -(-L // S):   # some stage of every split holds this many blocks
-                            min_peak = min(min_peak, opt.min_peak)
-                            min_host = min(min_host, opt.min_host)
-                        if len(opt.T):
-                            row[l] = opt
-                    options.append(row)
-                evaluated += tables.evaluated
-                split = best_split(options, L, G, lmin=lo, lmax=hi, bound=best.objective)
-                if split is not None and split.objective < best.objective:
-                    strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
-                    best = _Best(split.objective, build_plan(model, cluster, training, S, nodes, gpn, G,
-                                                             split.layers, strategies))
+                _search_tables(state, tables, tp_fixed, model, cluster, training)
             done += 1
             if progress is not None:
-                progress(done, len(combos), best.objective)
-        if best.plan is not None or budget_hit:
+                progress(done, len(combos), state.best.objective)
+        if state.best.plan is not None or budget_hit:
             break
     elapsed = time.perf_counter() - t0
-    if best.plan is None:
-        reason = _infeasible(min_peak, min_host, profile, host_cap, host_source, L)
+    if state.best.plan is None:
+        reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
         if budget_hit:
             reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
-        return TuneResult(sp.name, None, None, elapsed, evaluated, reason)
-    plan = best.plan
-    predicted = public_prediction(simulate_plan(plan, profile))
-    return TuneResult(sp.name, plan, predicted, elapsed, evaluated, None)
+        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason)
+    plan = state.best.plan
+    predicted = simulate_plan(plan, profile)
+    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None)
+
+
+def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile,
+          time_budget) -> None:
+    """A quick search of a sub-space first: its plan is a plan of this space too, and its time is
+    an incumbent that prunes most of the larger search (under this space's limits on the
+    pipeline depth and TP degrees)."""
+    sub = replace(get_space(seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
+    seed = tune(model, cluster, training, profile, sub, time_budget)
+    state.evaluated += seed.candidates_evaluated
+    if seed.plan is not None and seed.iteration_time_s is not None:   # (a plan comes with its time)
+        state.best = _Best(seed.iteration_time_s, seed.plan)
+
+
+def _combos(cluster: ClusterSpec, sp: SearchSpace, L: int, B: int) -> list:
+    """((pp, nodes, gpus per node), G) pairs of the space, promising ones first: moderate
+    pipelines and many micro-batches per iteration."""
+    meshes = [m for m in stage_meshes(cluster, L) if sp.pp_values is None or m[0] in sp.pp_values]
+    combos = [(m, G) for m in meshes for G in g_values(B, sp.g_policy)]
+    combos.sort(key=lambda x: (abs(np.log2(x[0][0]) - np.log2(max(1, cluster.world_size) ** 0.5)), -x[1]))
+    return combos
+
+
+def _search_tables(state: _Search, tables: StageTables, tp_fixed, model, cluster, training) -> None:
+    """Search one (pp, G, mesh, TP degree): every stage's frontiers, then the best split."""
+    if not tables.tp_choices(tp_fixed):
+        return
+    pp, G, L = tables.pp, tables.G, model.num_layers
+    lb_layer = tables.min_layer_time()
+    if (G + pp - 1) * lb_layer * L / pp >= state.best.objective:
+        return
+    lo, hi = _layer_range(tables.space, L, pp, G, lb_layer, state.best.objective)
+    options = _stage_options(state, tables, L, lo, hi, tp_fixed)
+    state.evaluated += tables.evaluated
+    split = best_split(options, L, G, lmin=lo, lmax=hi, bound=state.best.objective)
+    if split is not None and split.objective < state.best.objective:
+        strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
+        state.best = _Best(split.objective, build_plan(model, cluster, training, G, strategies))
+
+
+def _layer_range(sp: SearchSpace, L: int, pp: int, G: int, lb_layer: float, incumbent: float) -> tuple[int, int]:
+    """The fewest and the most blocks a stage may hold."""
+    lo, hi = 1, L - pp + 1
+    if sp.layer_slack is not None:
+        mean = round(L / pp)
+        lo, hi = max(1, mean - sp.layer_slack), min(hi, mean + sp.layer_slack)
+        if pp == 1 or G == 1:
+            lo = hi = L // pp if L % pp == 0 else mean
+    # a stage of l blocks takes at least l·lb_layer per micro-batch, so G times that
+    # bounds the iteration from below: longer stages cannot beat the incumbent
+    if np.isfinite(incumbent):
+        hi = min(hi, max(lo, int(incumbent / (G * lb_layer))))
+    return lo, hi
+
+
+def _stage_options(state: _Search, tables: StageTables, L: int, lo: int, hi: int, tp_fixed) -> list[dict]:
+    """options[i][l]: the frontier of stage i holding l blocks (those with any point)."""
+    options = []
+    for i in range(tables.pp):
+        row = {}
+        for l in range(lo, hi + 1):
+            opt = tables.options(i, l, tp_fixed)
+            if l >= -(-L // tables.pp):   # some stage of every split holds this many blocks
+                state.min_peak = min(state.min_peak, opt.min_peak)
+                state.min_host = min(state.min_host, opt.min_host)
+            if len(opt.T):
+                row[l] = opt
+        options.append(row)
+    return options
 
 
 def _gib(n: float) -> str:
@@ -179,13 +217,7 @@ def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
             f"{profile.name}{host}, but no split of the {L} blocks fits every stage at once.")
 
 
-def build_plan(model, cluster, training, S, nodes, gpn, G, layers, strategies) -> Plan:
-    stages = []
-    for l, st in zip(layers, strategies):
-        stages.append(StageStrategy(
-            layers=int(l), nodes=nodes, gpus_per_node=gpn, micro_batch=int(st["b"]), dp=int(st["dp"]),
-            tp=int(st["tp"]), zero=int(st["zero"]), recompute_layers=int(st["recompute"]),
-            offload=Offload(weights=st["wo"], grads=st["go"], optimizer=st["oo"], activations=st["ao"]),
-            recompute_attention=bool(st.get("attn", False)), recompute_activation=bool(st.get("act", False))))
-    return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(stages),
+def build_plan(model, cluster, training, G: int, strategies: list[StageStrategy]) -> Plan:
+    """The plan of one stage strategy per stage (the frontier points the split chose)."""
+    return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(strategies),
                 model_ref=preset_ref(model))

@@ -9,10 +9,14 @@ full        per stage: tensor parallel degree (a power of two within a node, div
             optimizer states and activations in eighths; globally: pipeline depth (any
             divisor of the GPU count that gives whole-node or in-node stage meshes), any
             layer split, G any divisor of the global batch.
-mist-paper  the original's limits (reference/mist-system.md §2): G a power of two, micro-batch
+mist-paper  the limits of the paper's published implementation: G a power of two, micro-batch
             1, 2 or 4, one TP degree for all stages, ZeRO ≥ 1 (optimizer states always
-            sharded), layers within round(L/S) ± 2, its ratio grids, weight offload only with
+            sharded), layers within round(L/pp) ± 2, its ratio grids, weight offload only with
             gradient offload, no selective recomputation.
+(L the model's blocks, pp the pipeline depth, G micro-batches per iteration.)
+
+`tp_degrees` is the one enumeration of TP degrees: the tuner's per-stage choices, its uniform-TP
+loop and the baselines all draw from it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mist.errors import MistInputError
+from mist.specs.model import ModelSpec
 
 EIGHTHS = tuple(i / 8 for i in range(9))
 PAPER_WG = (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)
@@ -34,16 +39,16 @@ class SearchSpace:
     uniform_tp: bool = False            # one TP degree for every stage
     zero_levels: tuple = (0, 1, 2, 3)
     recompute: str = "any"              # "any" | "none" | "all_or_nothing"
-    attention_recompute: tuple = (False, True)   # searched only without flash attention
-    activation_recompute: tuple = (False, True)  # the MLP activation re-run in backward
-    wo: tuple = EIGHTHS
-    go: tuple = EIGHTHS
-    oo: tuple = EIGHTHS
-    ao: tuple = EIGHTHS
+    recompute_attention: tuple = (False, True)   # searched only without flash attention
+    recompute_activation: tuple = (False, True)  # the MLP activation re-run in backward
+    offload_weights: tuple = EIGHTHS             # fractions kept in host memory (`plan.Offload`)
+    offload_grads: tuple = EIGHTHS
+    offload_optimizer: tuple = EIGHTHS
+    offload_activations: tuple = EIGHTHS
     g_policy: str = "divisors"          # "divisors" | "pow2"
     b_values: tuple | None = None       # None: any micro-batch B/(G·dp) up to b_max
     b_max: int = 64
-    layer_slack: int | None = None      # None: any split; k: round(L/S) ± k
+    layer_slack: int | None = None      # None: any split; k: round(L/pp) ± k
     frontier_points: int = 24           # Pareto samples kept per (stage, layers)
     # weight/gradient offload move their bytes over PCIe every micro-batch: "if_needed" opens
     # them only when no plan fits without them; "always" searches them from the start
@@ -53,11 +58,38 @@ class SearchSpace:
 
 SPACES = {
     "full": SearchSpace("full", seed_space="mist-paper"),
-    "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), wo=PAPER_WG, go=PAPER_WG,
-                              oo=PAPER_OA, ao=PAPER_OA, g_policy="pow2", b_values=(1, 2, 4), layer_slack=2,
-                              attention_recompute=(False,), activation_recompute=(False,)),
+    "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), offload_weights=PAPER_WG,
+                              offload_grads=PAPER_WG, offload_optimizer=PAPER_OA, offload_activations=PAPER_OA,
+                              g_policy="pow2", b_values=(1, 2, 4), layer_slack=2,
+                              recompute_attention=(False,), recompute_activation=(False,)),
 }
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
+
+
+# TP degrees are powers of two within a node; the tuner caps them at 128 and its one-degree-for-
+# every-stage loop (the mist-paper space) at 16, the baselines do not cap them
+MAX_TP = 128
+MAX_UNIFORM_TP = 16
+
+
+def tp_degrees(model: ModelSpec, gpus_per_node: int, max_tp: int | None = None) -> list[int]:
+    """The tensor-parallel degrees of a stage whose mesh has `gpus_per_node` GPUs per node, in
+    increasing order: the powers of two up to `gpus_per_node` (and `max_tp`) that divide it and
+    that split the model (`ModelSpec.check_tp`: heads, KV heads, FFN, vocabulary)."""
+    out, tp = [], 1
+    while tp <= gpus_per_node and (max_tp is None or tp <= max_tp):
+        if gpus_per_node % tp == 0 and _splits(model, tp):
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+def _splits(model: ModelSpec, tp: int) -> bool:
+    try:
+        model.check_tp(tp)
+    except MistInputError:
+        return False
+    return True
 
 
 def get_space(name: str) -> SearchSpace:

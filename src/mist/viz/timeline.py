@@ -4,10 +4,15 @@ the start of the forward or backward it overlaps)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+if TYPE_CHECKING:
+    from mist.simulate.plan_sim import Timeline
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")   # what `--timeline` may write (matplotlib's formats)
 LANES = ("compute", "collectives", "swap-in", "swap-out")
@@ -16,8 +21,8 @@ CHANNEL_OF = {"collectives": "G2G", "swap-in": "C2G", "swap-out": "G2C"}
 COLORS = {"F": "tab:blue", "B": "tab:orange", "X": "tab:green", "Y": "tab:purple"}
 
 
-def draw_timeline(sim: dict, path: str, title: str = "") -> None:
-    events, channels = sim["_events"], sim["_channels"]
+def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
+    events, channels = timeline.events, timeline.channels
     S = len(channels)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * S))
     ytick, ylab = [], []
@@ -32,7 +37,7 @@ def draw_timeline(sim: dict, path: str, title: str = "") -> None:
                 color = COLORS[kind]
                 if lane == "compute":
                     ax.broken_barh([(start, end - start)], (y, 0.8), facecolors=color, edgecolor="white", linewidth=0.3)
-                    if end - start > sim["iteration_time_s"] / 60:
+                    if end - start > timeline.iteration_time_s / 60:
                         ax.text((start + end) / 2, y + 0.4, f"{kind}{m}", ha="center", va="center", fontsize=6, color="white")
                 elif kind in ("F", "B"):
                     vol = channels[i][CHANNEL_OF[lane]] / 2
@@ -41,7 +46,7 @@ def draw_timeline(sim: dict, path: str, title: str = "") -> None:
     ax.set_yticks(ytick)
     ax.set_yticklabels(ylab, fontsize=7)
     ax.set_xlabel("time (s)")
-    ax.set_title(title or f"one iteration: {sim['iteration_time_s'] * 1e3:.1f} ms (blue forward, orange backward, green optimizer step, purple final reduction)")
+    ax.set_title(title or f"one iteration: {timeline.iteration_time_s * 1e3:.1f} ms (blue forward, orange backward, green optimizer step, purple final reduction)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,10 +1,10 @@
-"""Fit the intra-node collective models from the shared measurements and write links/*.json.
+"""Fit the intra-node collective models from the raw measurements and write links/*.json.
 
-    python -m mist.hardware.fit_links --data ../shared/data -o src/mist/hardware/links
+    PYTHONPATH=tools python -m profile_build.fit_links --data DATA -o src/mist/hardware/links
 
 Sources: `op-profiles/prim_*_<op>_<n>gpus.csv` (MiB, ms; sentinels ≥ 1e6 dropped). data_size is
 the full buffer for all-reduce and reduce-scatter and the per-rank input for all-gather
-(see data/README.md §3.2). For H200/H100 no multi-GPU data exist: NVLink 4 datasheet figures.
+(see DATA/README.md §3.2). For H200/H100 no multi-GPU data exist: NVLink 4 datasheet figures.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from mist.hardware.collectives import OPS, datasheet_links, ring_factor
+from mist.units import MiB
 
-MIB = 1 << 20
 GPU_DIRS = {"a100-sxm4-40gb": ["op-profiles", "op-profiles-larger-models"], "l4": ["op-profiles"],
             "a10g": ["op-profiles"], "v100-sxm2-32gb": ["op-profiles"]}
 
@@ -31,7 +31,7 @@ def _points(folder: Path, op: str, n: int):
                 mb, ms = float(row[0]), float(row[1])
                 if mb >= 1e6 or ms >= 1e6:
                     continue
-                full = mb * MIB * (n if op == "all_gather" else 1)
+                full = mb * MiB * (n if op == "all_gather" else 1)
                 xs.append(full)
                 ys.append(ms / 1e3)
     return np.array(xs), np.array(ys)
@@ -50,7 +50,7 @@ def fit(xs, ys, op: str, n: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="../shared/data")
+    ap.add_argument("--data", required=True, help="the measurement data folder (holds gpus/)")
     ap.add_argument("-o", "--out", default="src/mist/hardware/links")
     a = ap.parse_args(argv)
     out = Path(a.out)

@@ -1,6 +1,6 @@
-"""Building GPU profiles from the shared measurement data (build time only; needs data/gpus/).
+"""Building GPU profiles from the raw measurement data set (build time only; needs DATA/gpus/).
 
-    python -m mist.hardware.build --data ../shared/data -o src/mist/hardware/profiles
+    PYTHONPATH=tools python -m profile_build --data DATA -o src/mist/hardware/profiles
 
 * h200: measured microbenchmarks (`h200`)
 * l4, a100-sxm4-40gb, a10g, v100-sxm2-32gb: Aceso op-profiles + op-db + overlap-bench (`aceso_fit`)
@@ -18,7 +18,7 @@ ALL = ("h200", "h100") + ACESO_GPUS
 
 
 def build_all(data, only=None) -> dict[str, GpuProfile]:
-    from mist.hardware.build import aceso_fit, derived, h200
+    from profile_build import aceso_fit, derived, h200
 
     data = Path(data)
     wanted = set(only or ALL)

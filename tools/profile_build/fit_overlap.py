@@ -1,9 +1,9 @@
 """Fit the interference factors and communication models from the Mist artifact's overlap benchmark.
 
-    python -m mist.hardware.fit_overlap --data ../shared/data -o src/mist/hardware/overlap
+    PYTHONPATH=tools python -m profile_build.fit_overlap --data DATA -o src/mist/hardware/overlap
 
 Input: `data/gpus/<gpu>/overlap-bench/bandwidth-<gpu>-n<nodes>-m<gpus>-intra<k>-inter<j>.json`
-(data/README.md §4; the merged file is skipped, it is the union of the per-layout files). Every value
+(DATA/README.md §4; the merged file is skipped, it is the union of the per-layout files). Every value
 is a string with a unit suffix; sizes are MiB, latency is ms (mean of 10 runs).
 
 Per GPU (l4, a100-sxm4-40gb, v100-sxm2-16gb):
@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
+from mist.hardware.collectives import load_links
 from mist.hardware.interference import (
     SUBSETS,
     InterferenceModel,
@@ -55,8 +56,9 @@ from mist.hardware.interference import (
     pairwise_additive,
     subset_key,
 )
+from mist.units import MiB
 
-MIB = float(1 << 20)
+MIB = float(MiB)   # the data's MiB sizes become float byte counts
 OVERLAP_GPUS = ("l4", "a100-sxm4-40gb", "v100-sxm2-16gb")
 STD_MAX = 0.1
 BOUNDS = (1.0, 50.0)
@@ -277,7 +279,7 @@ def read_p2p(path: Path):
         if gbps.shape == mb.shape and np.array_equal(gbps, mb):
             continue
         xs.append(mb * MIB)
-        ts.append(mb / gbps / 1e3)  # MB / (GB/s) = ms, the reading Aceso uses (data/README.md §3.3)
+        ts.append(mb / gbps / 1e3)  # MB / (GB/s) = ms, the reading Aceso uses (DATA/README.md §3.3)
     return np.concatenate(xs), np.concatenate(ts)
 
 
@@ -299,8 +301,8 @@ DOCUMENTED_INTERNODE = {
     # per node and direction; × 0.8 achievable; NCCL inter-node latency ~30 µs.
     "h100": (30e-6, 0.8 * 8 * 400e9 / 8, "datasheet: 8 × 400 Gb/s InfiniBand per node (1 NIC per GPU) × 0.8"),
     "h200": (30e-6, 0.8 * 8 * 400e9 / 8, "datasheet: 8 × 400 Gb/s InfiniBand per node (1 NIC per GPU) × 0.8"),
-    # Mist artifact hardware templates (mist-system.md §9.2): AG k of the (2 nodes × 8 GPUs) cell =
-    # node NIC traffic rate under the ring model; earlier environment, not our data.
+    # Mist artifact hardware templates: AG k of the (2 nodes × 8 GPUs) cell = node NIC traffic
+    # rate under the ring model; documented by the artifact, not measured in the data set.
     "l4": (1e-4, 3.32e9, "documented: Mist artifact L4 template, AG k(2 nodes × 8) = 3.32 GB/s as node NIC "
                          "rate (earlier L4 environment; no multi-node data in the shared files)"),
     "v100-sxm2-32gb": (1e-4, 9.69e9, "documented: Mist artifact V100-32GB template, AG k(2 nodes × 8) = "
@@ -398,7 +400,6 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
     intra_tab = {str(L.intra): [g2g[L.name]["alpha_s"], g2g[L.name]["busbw_Bps"]] for L in single}
 
     def intra_busbw(k):
-        from mist.hardware.collectives import load_links
         lm = load_links(gpu)
         if lm is not None and "all_gather" in lm.fits:
             tab = lm.fits["all_gather"]
@@ -427,7 +428,7 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="../shared/data")
+    ap.add_argument("--data", required=True, help="the measurement data folder (holds gpus/)")
     ap.add_argument("-o", "--out", default="src/mist/hardware/overlap")
     ap.add_argument("--gpus", nargs="*", default=list(OVERLAP_GPUS))
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-layout-out refits")

@@ -1,4 +1,4 @@
-"""Build the measured H200 profile from data/gpus/h200/*.json (data/README.md §2).
+"""Build the measured H200 profile from DATA/gpus/h200/*.json (DATA/README.md §2).
 
 GEMM: the 7×9×9 grid as measured, the 10 missing large points filled at the efficiency of their
 existing lower neighbours. Attention: the flash table, backward minus the per-backward()-call
@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 
 from mist.hardware.attention import AttentionTable
-from mist.hardware.build.common import (
+from mist.hardware.gemm import GemmTable
+from mist.hardware.host import HostOverhead
+from mist.hardware.memory_ops import CLASSES, MemoryOpModel
+from mist.hardware.profile import GpuProfile
+from profile_build.common import (
     DATASHEET,
     MEMORY_OP_FLOOR_S,
     fit_floor_plus_rate,
     fmt_rate,
     read_json,
 )
-from mist.hardware.gemm import GemmTable
-from mist.hardware.host import HostOverhead
-from mist.hardware.memory_ops import CLASSES, MemoryOpModel
-from mist.hardware.profile import GpuProfile
 
 MS = 1e-3
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mist.hardware.attention import AttentionTable
-from mist.hardware.build.common import read_json
+from profile_build.common import read_json
 
 FWD_GPU_BOUND_S = 0.1e-3  # H200 rows above these times are taken as GPU-bound
 BWD_GPU_BOUND_S = 0.3e-3

@@ -24,8 +24,11 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from mist.hardware.build import aceso, flash
-from mist.hardware.build.common import (
+from mist.hardware.gemm import GemmTable
+from mist.hardware.memory_ops import CLASSES, MemoryOpModel
+from mist.hardware.profile import GpuProfile
+from profile_build import aceso, flash
+from profile_build.common import (
     DATASHEET,
     GDDR6_24GB_USABLE_GIB,
     MEMORY_OP_FLOOR_S,
@@ -33,10 +36,7 @@ from mist.hardware.build.common import (
     GiB,
     fit_floor_plus_rate,
 )
-from mist.hardware.build.hostlink import fit_host_link
-from mist.hardware.gemm import GemmTable
-from mist.hardware.memory_ops import CLASSES, MemoryOpModel
-from mist.hardware.profile import GpuProfile
+from profile_build.hostlink import fit_host_link
 
 GRID_M = [2.0**i for i in range(7, 18)]  # 128 … 131072
 GRID_NK = [2.0**i for i in range(5, 18)]  # 32 … 131072

@@ -1,4 +1,4 @@
-"""Host link (pinned H2D / D2H / both at once) from the overlap-bench comm-only rows (README §4).
+"""Host link (pinned H2D / D2H / both at once) from the overlap-bench comm-only rows (DATA/README.md §4).
 
 These rows were run with all GPUs of a node copying at once, so they are per-GPU rates under a
 shared host link: what a node running data-parallel offloading sees, not one GPU alone.
@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mist.hardware.build.common import read_json
-
-MiB = 2**20
+from mist.units import MiB
+from profile_build.common import read_json
 
 
 def _num(text) -> float:

@@ -1,16 +1,16 @@
-"""CLI: python -m mist.hardware.build --data <shared>/data -o src/mist/hardware/profiles [--only h200,l4]"""
+"""CLI: PYTHONPATH=tools python -m profile_build --data DATA -o src/mist/hardware/profiles [--only h200,l4]"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from mist.hardware.build import ALL, build_all
+from profile_build import ALL, build_all
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mist.hardware.build", description=__doc__)
-    ap.add_argument("--data", required=True, type=Path, help="the shared data folder (holds gpus/)")
+    ap = argparse.ArgumentParser(prog="python -m profile_build", description=__doc__)
+    ap.add_argument("--data", required=True, type=Path, help="the measurement data folder (holds gpus/)")
     ap.add_argument("-o", "--out", required=True, type=Path, help="output folder for <name>.json")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ALL)}")
     args = ap.parse_args(argv)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from mist.hardware.attention import AttentionTable
-from mist.hardware.build.common import DATASHEET, GiB
 from mist.hardware.gemm import GemmTable
 from mist.hardware.memory_ops import MemoryOpModel
 from mist.hardware.profile import GpuProfile
+from profile_build.common import DATASHEET, GiB
 
 
 def scale_from(base: GpuProfile, name: str) -> GpuProfile:

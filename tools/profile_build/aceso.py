@@ -1,5 +1,5 @@
-"""Reading the Aceso op-profiles (`op-profiles*/gpt_<size>_mbs<b>_tp<t>_algo<k>.csv`, README §3.1)
-and describing each GPT-layer row as the kernels it runs.
+"""Reading the Aceso op-profiles (`op-profiles*/gpt_<size>_mbs<b>_tp<t>_algo<k>.csv`,
+DATA/README.md §3.1) and describing each GPT-layer row as the kernels it runs.
 
 Caveats applied here: times are µs (converted to s); values >= 1e6 are sentinels (missing);
 rows are fp16; TP communication is inside t > 1 rows, so only communication-free rows are used
@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-#: hidden size and attention heads per model-size tag (README §3.1, inferred from the sizes)
+#: hidden size and attention heads per model-size tag (DATA/README.md §3.1, inferred from the sizes)
 GPT_SHAPES = {
     "1_3B": (2048, 32),
     "2_6B": (2560, 32),
@@ -146,7 +146,7 @@ def row_terms(op: str, h: int, heads: int, seq: int, b: int, t: int, wgrad: bool
 
 
 def comm_free(op: str, t: int, algo: int, backward: bool) -> bool:
-    """Whether the row's time at TP degree t contains no collective (README §3.1 caveat 2)."""
+    """Whether the row's time at TP degree t contains no collective (DATA/README.md §3.1 caveat 2)."""
     if t == 1:
         return True
     if op in ("enc-attention-qkv", "enc-MLP-GEMM-1"):  # column-parallel with algo 0

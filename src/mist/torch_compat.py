@@ -1,0 +1,79 @@
+"""The private and experimental PyTorch APIs Mist depends on, in one place.
+
+PyTorch may change or drop these between releases without notice. Everything else in Mist imports
+them from here, and tests/test_torch_compat.py checks that each one exists and still behaves as
+Mist uses it, so a new PyTorch that breaks one fails there, by name, rather than somewhere deep in
+a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that test passed on.
+
+* `fused_adam_` (`torch._fused_adam_`): the fused AdamW kernel behind
+  `torch.optim.AdamW(fused=True)` (CUDA, and CPU since 2.4) — one pass over parameter, moments
+  and gradient instead of about eight elementwise kernels. `runtime.optimizer` calls it with
+  weight decay 0 (it applies the decoupled decay itself, on the matrices only) and falls back to
+  the same arithmetic in plain tensor ops where `HAS_FUSED_ADAM` is false.
+* `FakeTensorMode`, `unset_fake_temporarily` (`torch._subclasses.fake_tensor`): tensors with
+  shapes, dtypes and storages but no data; `analysis.tracer` builds and runs a layer under it.
+  `unset_fake_temporarily` makes a real tensor while the mode is active.
+* `ShapeEnv`, `DimDynamic`, `StatelessSymbolicContext` (`torch.fx.experimental.symbolic_shapes`):
+  symbolic sizes, so a traced tensor's size is a sympy expression (`size.node.expr`) in the
+  batch and sequence symbols. Imported on first use: they pull in sympy, which the runtime and
+  the CLI's start-up do not need.
+* `TorchDispatchMode` (`torch.utils._python_dispatch`): sees every aten call (`func`, its
+  arguments and outputs); the tracer records the ops with it.
+* `pytree` (`torch.utils._pytree`): `tree_leaves` flattens an aten call's nested arguments.
+* `storage_id` (`UntypedStorage._cdata`): the address of a tensor's storage object, which the
+  tracer uses to tell buffers apart (views share it, fake tensors have one each).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+#: PyTorch releases tests/test_torch_compat.py passed on (version without the local "+cpu" part).
+CHECKED_VERSIONS = ("2.13.0",)
+
+#: whether this PyTorch has the fused Adam kernel
+HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
+
+_SYMBOLIC_SHAPES = "torch.fx.experimental.symbolic_shapes"
+_LAZY = {"DimDynamic": _SYMBOLIC_SHAPES, "ShapeEnv": _SYMBOLIC_SHAPES,
+         "StatelessSymbolicContext": _SYMBOLIC_SHAPES}
+
+__all__ = ["CHECKED_VERSIONS", "HAS_FUSED_ADAM", "DimDynamic", "FakeTensorMode", "ShapeEnv",
+           "StatelessSymbolicContext", "TorchDispatchMode", "fused_adam_", "pytree", "storage_id",
+           "torch_release", "unset_fake_temporarily"]
+
+
+def __getattr__(name: str):
+    """The names of `_LAZY`, imported from their module on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_release() -> str:
+    """The running PyTorch's version without its local part ("2.13.0+cpu" -> "2.13.0")."""
+    return torch.__version__.split("+")[0]
+
+
+def fused_adam_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
+                lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """One Adam step in place on the fp32 tensors p (parameters), m and v (moments), with gradient
+    g and no weight decay; `step` counts from 1 (it sets the bias corrections)."""
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=p.device)]
+    torch._fused_adam_([p], [g], [m], [v], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                       weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identifier of the storage `t` lives in: equal for views of one buffer, distinct for
+    buffers alive at the same time."""
+    return t.untyped_storage()._cdata

@@ -25,6 +25,7 @@ from mist.models.collectives import TPGroup
 from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
+from mist.rules.offload_split import MIN_SPLIT_NUMEL
 from mist.specs.model import ModelSpec
 
 PARTS = ("block", "pre", "post")
@@ -230,8 +231,8 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
                                                        sympy.Integer(0))))
                if r.phase == "fwd" else r for r in _retarget(trace.records, target)]
     saved = sympy.expand(sum(trace.saved.values(), sympy.Integer(0)))
-    split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < 2)]
-    whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < 2}
+    split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < MIN_SPLIT_NUMEL)]
+    whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < MIN_SPLIT_NUMEL}
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
     fwd_live, bwd_live = live_bytes(trace)
     flops = {}

@@ -37,6 +37,7 @@ from mist.torch_compat import (
     StatelessSymbolicContext,
     TorchDispatchMode,
     pytree,
+    storage_id,
     unset_fake_temporarily,
 )
 
@@ -89,10 +90,6 @@ class _Expr:
         return self(t.untyped_storage().nbytes())
 
 
-def _sid(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 class Trace:
     """Raw result of one trace: records plus storage bookkeeping for the memory analysis."""
 
@@ -130,8 +127,8 @@ class _Recorder(TorchDispatchMode):
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if _is_tensor(a)]
         outs = [o for o in pytree.tree_leaves(out) if _is_tensor(o)]
         tr.keep.append((ins, outs))
-        in_sids = [_sid(t) for t in ins]
-        out_sids = [_sid(t) for t in outs]
+        in_sids = [storage_id(t) for t in ins]
+        out_sids = [storage_id(t) for t in outs]
         new = [(t, sid) for t, sid in zip(outs, out_sids) if sid not in set(in_sids) and sid not in tr.storage_bytes]
         if name in _FREE_OPS or (outs and not new and name not in ATTENTION_OPS and not name.endswith("_")):
             kind = VIEW
@@ -235,7 +232,7 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
     with mode:
         module = build(trace)
         for p in module.parameters():
-            trace.param_sids.add(_sid(p))
+            trace.param_sids.add(storage_id(p))
         inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n, unit_batch))
         subs = {}
         for t in inputs:  # every input is laid out [b, s, ...]
@@ -250,12 +247,12 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             subs[t.shape[1].node.expr] = S
         ex = _Expr(subs)
         for t in inputs:
-            trace.input_sids.add(_sid(t))
-            trace.storage_bytes[_sid(t)] = ex.storage_bytes(t)
+            trace.input_sids.add(storage_id(t))
+            trace.storage_bytes[storage_id(t)] = ex.storage_bytes(t)
 
         def pack(t):
             trace.keep.append(t)
-            sid = _sid(t)
+            sid = storage_id(t)
             if trace.phase == "fwd" and sid not in trace.param_sids:
                 trace.saved.setdefault(sid, ex.storage_bytes(t))
                 trace.saved_calls.append((ex.numel(t), t.element_size(), sid))
@@ -276,12 +273,12 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             stack.enter_context(_Recorder(trace, ex))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = forward(module, inputs)
-            trace.output_sids.add(_sid(out))
+            trace.output_sids.add(storage_id(out))
             trace.phase = "bwd"
             backward(out, inputs)
         for t in list(module.parameters()) + list(inputs):
             if t.grad is not None:
-                trace.grad_sids.add(_sid(t.grad))
+                trace.grad_sids.add(storage_id(t.grad))
     # Writing a gradient into a leaf's .grad is gradient accumulation, which the schedule
     # accounts for once per micro-batch and parameter, not a cost of the layer.
     for idx, _, outs in trace.uses:

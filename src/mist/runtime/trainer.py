@@ -87,59 +87,10 @@ class Trainer:
         self.dtype, autocast, fp16 = working_dtypes(plan)
         self.grad_dtype = grad_dtype(plan)
         self.scaler = LossScaler(fp16)
-        first, last = lay.index == 0, lay.index == plan.num_stages - 1
         self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group)
-        flash = t.flash_attention
-
-        # this stage's modules in fp32 on the CPU, seeded exactly like the single-process model
-        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer)
-        local = {}
-        for n, p in module.named_parameters():
-            local[module.full_name(n)] = p
-        init_stage_params(local, spec, lay.tp, groups.tp_rank, cfg.seed, flash)
-
+        self.module = self._build_module()
         self.memory = MemoryAccount()
-        comms = Comms(st.dp, groups.dp_rank, groups.dp_group, groups.kv_group, groups.kv_size)
-        copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        owners = module.owners()
-        seen: set[int] = set()
-        unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
-        # pipeline with tied embeddings: the word embedding has a copy on the first and on the last
-        # stage; their gradients are summed after each step over every rank holding the same
-        # vocabulary rows (`tied`: unit index → parameter indices; `FlatUnit.reduce_deferred`), and
-        # only the first stage's copy counts in the gradient norm
-        self.tied: dict[int, list[int]] = {}
-        pp_tied = spec.tie_embeddings and plan.num_stages > 1
-        for prefix, mod in module.unit_modules():
-            plist, infos = [], []
-            for n, p in mod.named_parameters():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                name = module.full_name(f"{prefix}.{n}")
-                info = _param_role(name, p, spec, lay.tp, groups.tp_rank)
-                if pp_tied and name == "embedding.word":
-                    self.tied.setdefault(len(unit_params), []).append(len(plist))
-                    if prefix == "head":
-                        info = replace(info, norm_skip=(0, p.numel()))
-                plist.append((name, p, owners[id(p)]))
-                infos.append(info)
-            unit_params.append((prefix, plist, infos))
-        self.units: list[FlatUnit] = []
-        for prefix, plist, infos in unit_params:
-            # offloading applies to the decoder blocks (the embedding and head are sharded like
-            # the stage but never offloaded, as the cost model assumes)
-            off = st.offload if prefix.startswith("blocks.") else Offload()
-            self.units.append(FlatUnit(
-                module.full_name(prefix), plist, infos, dtype=self.dtype, device=self.device,
-                comms=comms, zero=st.zero, weights=off.weights, grads=off.grads,
-                optimizer=off.optimizer, micro_batches=plan.micro_batches, memory=self.memory,
-                copy_stream=copy_stream, grad_dtype=self.grad_dtype))
-        if spec.tie_embeddings and first and last:
-            self.units[0].keep_until_backward = True
-        for k in self.tied:
-            self.units[k].defer_reduce = True
-        self.module = module
+        self.units = self._build_units(self._unit_params())
 
         def is_weight(x: torch.Tensor) -> bool:
             ptr = x.untyped_storage().data_ptr()
@@ -147,24 +98,91 @@ class Trainer:
 
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.timer = PhaseTimer(self.device)
-        self.runner = StageRunner(module, self.units, st.recompute_layers, st.recompute_attention,
+        self.runner = StageRunner(self.module, self.units, st.recompute_layers, st.recompute_attention,
                                   st.recompute_activation,
                                   st.offload.activations, self.saved, autocast)
-        if plan.num_stages > 1:
-            nxt = groups.stages[lay.index + 1] if not last else None
-            links = Links(tuple(groups.incoming(-1)), tuple(groups.outgoing(-1)),
-                          tuple(groups.incoming(1)), tuple(groups.outgoing(1)),
-                          rows=st.micro_batch, grad_scale=st.dp / nxt.dp if nxt else 1.0)
-            self.schedule = PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages, links,
-                                             self.device)
-        else:
-            self.schedule = GradAccumSchedule(plan.micro_batches)
+        self.schedule = self._build_schedule()
         self.optimizer = ShardedAdamW(self.units, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                                       scaler=self.scaler)
         self.data = make_data(cfg.data, spec.vocab_size, t.seq_len, t.global_batch, cfg.seed)
         self.history: list[dict] = []
         self.start_step = 0
+
+    # ------------------------------------------------------------ construction
+    def _build_module(self) -> StageModule:
+        """This stage's modules in fp32 on the CPU, seeded exactly like the single-process model."""
+        plan, lay = self.plan, self.groups.stage
+        spec, st, flash = plan.model, self.stage, plan.training.flash_attention
+        first, last = lay.index == 0, lay.index == plan.num_stages - 1
+        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer)
+        local = {}
+        for n, p in module.named_parameters():
+            local[module.full_name(n)] = p
+        init_stage_params(local, spec, lay.tp, self.groups.tp_rank, self.cfg.seed, flash)
+        return module
+
+    def _unit_params(self) -> list[tuple[str, list, list[ParamRole]]]:
+        """(prefix, [(name, parameter, owner)], roles) of every flat unit, each parameter once.
+
+        In a pipeline with tied embeddings the word embedding has a copy on the first and on the
+        last stage; their gradients are summed after each step over every rank holding the same
+        vocabulary rows (`self.tied`: unit index → parameter indices; `FlatUnit.reduce_deferred`),
+        and only the first stage's copy counts in the gradient norm."""
+        module, spec, lay = self.module, self.plan.model, self.groups.stage
+        owners = module.owners()
+        seen: set[int] = set()
+        unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
+        self.tied: dict[int, list[int]] = {}
+        pp_tied = spec.tie_embeddings and self.plan.num_stages > 1
+        for prefix, mod in module.unit_modules():
+            plist, infos = [], []
+            for n, p in mod.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = module.full_name(f"{prefix}.{n}")
+                info = _param_role(name, p, spec, lay.tp, self.groups.tp_rank)
+                if pp_tied and name == "embedding.word":
+                    self.tied.setdefault(len(unit_params), []).append(len(plist))
+                    if prefix == "head":
+                        info = replace(info, norm_skip=(0, p.numel()))
+                plist.append((name, p, owners[id(p)]))
+                infos.append(info)
+            unit_params.append((prefix, plist, infos))
+        return unit_params
+
+    def _build_units(self, unit_params) -> list[FlatUnit]:
+        plan, st, groups = self.plan, self.stage, self.groups
+        comms = Comms(st.dp, groups.dp_rank, groups.dp_group, groups.kv_group, groups.kv_size)
+        copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        units: list[FlatUnit] = []
+        for prefix, plist, infos in unit_params:
+            # offloading applies to the decoder blocks (the embedding and head are sharded like
+            # the stage but never offloaded, as the cost model assumes)
+            off = st.offload if prefix.startswith("blocks.") else Offload()
+            units.append(FlatUnit(
+                self.module.full_name(prefix), plist, infos, dtype=self.dtype, device=self.device,
+                comms=comms, zero=st.zero, weights=off.weights, grads=off.grads,
+                optimizer=off.optimizer, micro_batches=plan.micro_batches, memory=self.memory,
+                copy_stream=copy_stream, grad_dtype=self.grad_dtype))
+        if plan.model.tie_embeddings and plan.num_stages == 1:
+            units[0].keep_until_backward = True
+        for k in self.tied:
+            units[k].defer_reduce = True
+        return units
+
+    def _build_schedule(self) -> PipelineSchedule | GradAccumSchedule:
+        plan, groups, st = self.plan, self.groups, self.stage
+        lay = groups.stage
+        if plan.num_stages == 1:
+            return GradAccumSchedule(plan.micro_batches)
+        last = lay.index == plan.num_stages - 1
+        nxt = groups.stages[lay.index + 1] if not last else None
+        links = Links(tuple(groups.incoming(-1)), tuple(groups.outgoing(-1)),
+                      tuple(groups.incoming(1)), tuple(groups.outgoing(1)),
+                      rows=st.micro_batch, grad_scale=st.dp / nxt.dp if nxt else 1.0)
+        return PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages, links, self.device)
 
     # ------------------------------------------------------------ checkpoints
     def resume_from(self, path) -> None:

@@ -45,6 +45,7 @@ from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
 from mist.rules.grad_accumulation import accumulates_in_place_by_level
 from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
+from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.layer_terms import LayerTerms, layer_terms
 from mist.simulate.precision import Precision, default_precision
 from mist.simulate.states import unit_host_states, unit_states
@@ -392,7 +393,7 @@ class StageModel:
 
     # ------------------------------------------------------------------ stage
     def evaluate(self, st: StageInput) -> StageResult:
-        in_flight = (max(0, min(st.num_stages - 1 - st.index, st.G - 1)) if st.in_flight is None
+        in_flight = (earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None
                      else st.in_flight)
         comp = self.components(st)
         return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G)

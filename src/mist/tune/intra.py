@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mist.plan import Offload, StageStrategy
+from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN
 from mist.simulate.stage import StageComponents, StageInput, StageModel, compose
 from mist.tune.space import MAX_TP, SearchSpace, tp_degrees
@@ -166,7 +167,7 @@ class StageTables:
     def options(self, i: int, layers: int, tp_fixed: int | None = None) -> Options:
         """Frontier of stage i holding `layers` blocks."""
         first, last = i == 0, i == self.pp - 1
-        in_flight = max(0, min(self.pp - 1 - i, self.G - 1))
+        in_flight = earlier_in_flight(i, self.pp, self.G)
         cs = self._recompute_grid(layers)
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
         min_peak = min_host = np.inf

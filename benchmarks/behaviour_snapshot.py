@@ -57,8 +57,9 @@ def tuned() -> dict:
         cluster = ClusterSpec(gpu, 1, n)
         training = TrainingSpec(seq_len=seq, global_batch=16 * n, flash_attention=flash)
         r = run_space(space, get_preset(model), cluster, training, load_profile(gpu))
-        out[f"{model}|{gpu}|{n}|{space}"] = plain({"iteration_time_s": r.iteration_time_s,
-                                                   "plan": r.plan.to_dict() if r.plan else None})
+        out[f"{model}|{gpu}|{n}|{space}"] = plain(
+            {"iteration_time_s": r.iteration_time_s, "plan": r.plan.to_dict() if r.plan else None}
+        )
     return out
 
 
@@ -72,12 +73,18 @@ def main() -> int:
     print(f"{len(snap['simulate'])} plans simulated, {len(snap['tune'])} cases tuned -> {a.out}")
     if a.compare:
         old = json.loads(Path(a.compare).read_text())
-        diff = [f"{part}: {k}" for part in snap for k in sorted(set(snap[part]) | set(old[part]))
-                if snap[part].get(k) != old[part].get(k)]
+        diff = [
+            f"{part}: {k}"
+            for part in snap
+            for k in sorted(set(snap[part]) | set(old[part]))
+            if snap[part].get(k) != old[part].get(k)
+        ]
         for d in diff:
             print("differs", d)
-        print(f"| snapshot | entries | differing |\n|---|---|---|\n"
-              f"| {a.compare} vs {a.out} | {sum(map(len, snap.values()))} | {len(diff)} |")
+        print(
+            f"| snapshot | entries | differing |\n|---|---|---|\n"
+            f"| {a.compare} vs {a.out} | {sum(map(len, snap.values()))} | {len(diff)} |"
+        )
         return 1 if diff else 0
     return 0
 

@@ -32,23 +32,33 @@ def compare(a, b, min_us: float) -> tuple[list[tuple], dict]:
                 rows.append((key, ta, tb, tb / ta - 1.0))
     kept = [abs(r[3]) for r in rows if min(r[1], r[2]) * 1e6 >= min_us]
     every = [abs(r[3]) for r in rows]
-    summary = {"nodes": len(rows), "compared": len(kept),
-               "median_abs_diff": statistics.median(kept) if kept else float("nan"),
-               "within_10pct": sum(e <= 0.10 for e in kept),
-               "median_abs_diff_all": statistics.median(every) if every else float("nan"),
-               "within_10pct_all": sum(e <= 0.10 for e in every)}
+    summary = {
+        "nodes": len(rows),
+        "compared": len(kept),
+        "median_abs_diff": statistics.median(kept) if kept else float("nan"),
+        "within_10pct": sum(e <= 0.10 for e in kept),
+        "median_abs_diff_all": statistics.median(every) if every else float("nan"),
+        "within_10pct_all": sum(e <= 0.10 for e in every),
+    }
     return rows, summary
 
 
 def markdown(a, b, rows, summary, min_us: float) -> str:
-    out = [f"GEMM grid: `{a.name}` ({a.provenance}) vs `{b.name}` ({b.provenance}).", "",
-           "| m | n | k | A (µs) | B (µs) | B/A − 1 |", "|---|---|---|---|---|---|"]
+    out = [
+        f"GEMM grid: `{a.name}` ({a.provenance}) vs `{b.name}` ({b.provenance}).",
+        "",
+        "| m | n | k | A (µs) | B (µs) | B/A − 1 |",
+        "|---|---|---|---|---|---|",
+    ]
     for (m, n, k), ta, tb, d in rows:
         mark = "" if min(ta, tb) * 1e6 >= min_us else " (launch-bound)"
         out.append(f"| {m} | {n} | {k} | {ta * 1e6:.1f} | {tb * 1e6:.1f} | {d:+.1%}{mark} |")
-    out += ["", f"All {summary['nodes']} measured nodes: median |difference| {summary['median_abs_diff_all']:.1%}, "
-            f"{summary['within_10pct_all']} within 10 %. The {summary['compared']} nodes where both take ≥ {min_us:g} µs: "
-            f"median |difference| {summary['median_abs_diff']:.1%}, {summary['within_10pct']} within 10 %."]
+    out += [
+        "",
+        f"All {summary['nodes']} measured nodes: median |difference| {summary['median_abs_diff_all']:.1%}, "
+        f"{summary['within_10pct_all']} within 10 %. The {summary['compared']} nodes where both take ≥ {min_us:g} µs: "
+        f"median |difference| {summary['median_abs_diff']:.1%}, {summary['within_10pct']} within 10 %.",
+    ]
     return "\n".join(out) + "\n"
 
 

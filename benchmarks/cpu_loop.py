@@ -56,15 +56,16 @@ LIMIT_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 def mist(*args: str, timeout: float = 900) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mist", *args], capture_output=True, text=True, env=env,
-                       timeout=timeout, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "mist", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
     if r.returncode != 0:
         raise RuntimeError(f"mist {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return r.stdout
 
 
 def _json(text: str) -> dict:
-    return json.loads(text[text.index("{"):])
+    return json.loads(text[text.index("{") :])
 
 
 def plan_summary(plan: dict) -> str:
@@ -72,15 +73,33 @@ def plan_summary(plan: dict) -> str:
     for s in plan["stages"]:
         off = s["offload"]
         o = "/".join(f"{off[k]:g}" for k in ("weights", "grads", "optimizer", "activations"))
-        parts.append(f"[{s['layers']}L b{s['micro_batch']} dp{s['dp']} tp{s['tp']} z{s['zero']} "
-                     f"rc{s['recompute_layers']}" + (f" off {o}" if any(off.values()) else "") + "]")
+        parts.append(
+            f"[{s['layers']}L b{s['micro_batch']} dp{s['dp']} tp{s['tp']} z{s['zero']} "
+            f"rc{s['recompute_layers']}" + (f" off {o}" if any(off.values()) else "") + "]"
+        )
     return f"G {plan['micro_batches']} " + " ".join(parts)
 
 
 def tune(model: str, profile: str, extra: list[str], plan_path: Path) -> dict:
-    args = ["tune", "--model", str(MODELS / f"{model}.yaml"), "--gpu", profile, "--nodes", "1",
-            "--gpus-per-node", str(WORKERS), "--seq", str(SEQ), "--global-batch", str(BATCH),
-            "-o", str(plan_path), "--json", *extra]
+    args = [
+        "tune",
+        "--model",
+        str(MODELS / f"{model}.yaml"),
+        "--gpu",
+        profile,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        str(WORKERS),
+        "--seq",
+        str(SEQ),
+        "--global-batch",
+        str(BATCH),
+        "-o",
+        str(plan_path),
+        "--json",
+        *extra,
+    ]
     return _json(mist(*args))
 
 
@@ -106,19 +125,39 @@ def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, 
     else:
         res = tune(model, profile, extra, plan_path)
     t0 = time.perf_counter()
-    val = _json(mist("validate", str(plan_path), "--gpu", profile, "--local", "--steps", str(steps),
-                     "--no-drift", "--json"))
+    val = _json(
+        mist("validate", str(plan_path), "--gpu", profile, "--local", "--steps", str(steps), "--no-drift", "--json")
+    )
     pred, meas, err = val["predicted"], val["measured"], val["errors"]
     stages = []
     for ps, ms in zip(pred["stages"], meas["stages"]):
-        stages.append({k: {"predicted": ps[k], "measured": ms[k]}
-                       for k in ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes",
-                                 "stable_time_s", "delta_time_s") + HOST_KEYS})
-    return {"case": name, "model": model, "tune_args": extra, "plan": res["plan"],
-            "plan_summary": plan_summary(res["plan"]), "tuning_time_s": res["tuning_time_s"],
-            "predicted_step_s": pred["iteration_time_s"], "measured_step_s": meas["step_time_s"],
-            "measured_step_times_s": meas["step_times_s"], "step_time_error": err["step_time"],
-            "stages": stages, "validate_wall_s": time.perf_counter() - t0}
+        stages.append(
+            {
+                k: {"predicted": ps[k], "measured": ms[k]}
+                for k in (
+                    "peak_memory_bytes",
+                    "state_bytes",
+                    "saved_activation_peak_bytes",
+                    "stable_time_s",
+                    "delta_time_s",
+                )
+                + HOST_KEYS
+            }
+        )
+    return {
+        "case": name,
+        "model": model,
+        "tune_args": extra,
+        "plan": res["plan"],
+        "plan_summary": plan_summary(res["plan"]),
+        "tuning_time_s": res["tuning_time_s"],
+        "predicted_step_s": pred["iteration_time_s"],
+        "measured_step_s": meas["step_time_s"],
+        "measured_step_times_s": meas["step_times_s"],
+        "step_time_error": err["step_time"],
+        "stages": stages,
+        "validate_wall_s": time.perf_counter() - t0,
+    }
 
 
 def _mib(x: float) -> str:
@@ -127,39 +166,55 @@ def _mib(x: float) -> str:
 
 def markdown(rows: list[dict], profile: dict, steps: int) -> str:
     fp = profile.get("fingerprint", {})
-    out = [f"CPU loop on {fp.get('device', '?')} ({fp.get('cpu_count', '?')} cores, {WORKERS} worker processes of "
-           f"{fp.get('torch_threads', '?')} thread(s), torch {fp.get('torch', '?')}); profile `{profile['name']}` "
-           f"written by `mist profile --device cpu --processes {WORKERS}` in {fp.get('profile_seconds', '?')} s. "
-           f"Models: benchmarks/models/, seq {SEQ}, global batch {BATCH}, fp32. Step time: mean of steps 2–{steps} "
-           "of `mist validate`; errors are (predicted − measured) / measured.", "",
-           "| case | plan (tuned) | predicted step (s) | measured step (s) | error | T per stage pred/meas (ms) "
-           "| D per stage pred/meas (ms) | states pred/meas (MiB) | saved activations pred/meas (MiB) "
-           "| host: states + activations + CPU Adam gradients pred/meas (MiB) | peak pred/meas (MiB) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"CPU loop on {fp.get('device', '?')} ({fp.get('cpu_count', '?')} cores, {WORKERS} worker processes of "
+        f"{fp.get('torch_threads', '?')} thread(s), torch {fp.get('torch', '?')}); profile `{profile['name']}` "
+        f"written by `mist profile --device cpu --processes {WORKERS}` in {fp.get('profile_seconds', '?')} s. "
+        f"Models: benchmarks/models/, seq {SEQ}, global batch {BATCH}, fp32. Step time: mean of steps 2–{steps} "
+        "of `mist validate`; errors are (predicted − measured) / measured.",
+        "",
+        "| case | plan (tuned) | predicted step (s) | measured step (s) | error | T per stage pred/meas (ms) "
+        "| D per stage pred/meas (ms) | states pred/meas (MiB) | saved activations pred/meas (MiB) "
+        "| host: states + activations + CPU Adam gradients pred/meas (MiB) | peak pred/meas (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        st = " · ".join(f"{_mib(s['state_bytes']['predicted'])}/{_mib(s['state_bytes']['measured'])}"
-                        for s in r["stages"])
-        sa = " · ".join(f"{_mib(s['saved_activation_peak_bytes']['predicted'])}/"
-                        f"{_mib(s['saved_activation_peak_bytes']['measured'])}" for s in r["stages"])
+        st = " · ".join(
+            f"{_mib(s['state_bytes']['predicted'])}/{_mib(s['state_bytes']['measured'])}" for s in r["stages"]
+        )
+        sa = " · ".join(
+            f"{_mib(s['saved_activation_peak_bytes']['predicted'])}/"
+            f"{_mib(s['saved_activation_peak_bytes']['measured'])}"
+            for s in r["stages"]
+        )
         hb = lambda s, w: sum(s[k][w] for k in HOST_KEYS)  # noqa: E731
         ho = " · ".join(f"{_mib(hb(s, 'predicted'))}/{_mib(hb(s, 'measured'))}" for s in r["stages"])
-        pk = " · ".join(f"{_mib(s['peak_memory_bytes']['predicted'])}/{_mib(s['peak_memory_bytes']['measured'])}"
-                        for s in r["stages"])
-        ms = lambda k: " · ".join(f"{s[k]['predicted'] * 1e3:.0f}/{s[k]['measured'] * 1e3:.0f}"  # noqa: E731
-                                  for s in r["stages"])
-        out.append(f"| {r['case']} | {r['plan_summary']} | {r['predicted_step_s']:.3f} | "
-                   f"{r['measured_step_s']:.3f} | {r['step_time_error']:+.1%} | {ms('stable_time_s')} | "
-                   f"{ms('delta_time_s')} | {st} | {sa} | {ho} | {pk} |")
+        pk = " · ".join(
+            f"{_mib(s['peak_memory_bytes']['predicted'])}/{_mib(s['peak_memory_bytes']['measured'])}"
+            for s in r["stages"]
+        )
+
+        def ms(k):
+            return " · ".join(f"{s[k]['predicted'] * 1e3:.0f}/{s[k]['measured'] * 1e3:.0f}" for s in r["stages"])
+
+        out.append(
+            f"| {r['case']} | {r['plan_summary']} | {r['predicted_step_s']:.3f} | "
+            f"{r['measured_step_s']:.3f} | {r['step_time_error']:+.1%} | {ms('stable_time_s')} | "
+            f"{ms('delta_time_s')} | {st} | {sa} | {ho} | {pk} |"
+        )
     s = summary(rows)
-    out += ["", f"Step time: median |error| {s['median_abs_time_error']:.1%}, max {s['max_abs_time_error']:.1%} "
-            f"over {len(rows)} plans (target: median ≤ {TIME_TARGET_MEDIAN:.0%}, max ≤ {TIME_TARGET_MAX:.0%}: "
-            f"{'met' if s['time_target_met'] else 'NOT met'}). "
-            f"States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
-            f"saved activations on {s['activations_exact']}/{s['stage_count']}, host memory (each of its three "
-            f"terms) on {s['host_exact']}/{s['stage_count']}. The peak column compares the "
-            "simulator's peak (with operator temporaries) with the runtime's accounted peak (without them), "
-            "so it is an upper bound, not a byte match. T and D per stage: see `mist.runtime.phase_timer` "
-            "(with G = 1, D is 0 by definition)."]
+    out += [
+        "",
+        f"Step time: median |error| {s['median_abs_time_error']:.1%}, max {s['max_abs_time_error']:.1%} "
+        f"over {len(rows)} plans (target: median ≤ {TIME_TARGET_MEDIAN:.0%}, max ≤ {TIME_TARGET_MAX:.0%}: "
+        f"{'met' if s['time_target_met'] else 'NOT met'}). "
+        f"States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
+        f"saved activations on {s['activations_exact']}/{s['stage_count']}, host memory (each of its three "
+        f"terms) on {s['host_exact']}/{s['stage_count']}. The peak column compares the "
+        "simulator's peak (with operator temporaries) with the runtime's accounted peak (without them), "
+        "so it is an upper bound, not a byte match. T and D per stage: see `mist.runtime.phase_timer` "
+        "(with G = 1, D is 0 by definition).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -167,11 +222,15 @@ def summary(rows: list[dict]) -> dict:
     errs = [abs(r["step_time_error"]) for r in rows]
     stages = [s for r in rows for s in r["stages"]]
     exact = lambda k: sum(s[k]["predicted"] == s[k]["measured"] for s in stages)  # noqa: E731
-    return {"median_abs_time_error": statistics.median(errs), "max_abs_time_error": max(errs),
-            "time_target_met": statistics.median(errs) <= TIME_TARGET_MEDIAN and max(errs) <= TIME_TARGET_MAX,
-            "stage_count": len(stages), "states_exact": exact("state_bytes"),
-            "activations_exact": exact("saved_activation_peak_bytes"),
-            "host_exact": sum(all(s[k]["predicted"] == s[k]["measured"] for k in HOST_KEYS) for s in stages)}
+    return {
+        "median_abs_time_error": statistics.median(errs),
+        "max_abs_time_error": max(errs),
+        "time_target_met": statistics.median(errs) <= TIME_TARGET_MEDIAN and max(errs) <= TIME_TARGET_MAX,
+        "stage_count": len(stages),
+        "states_exact": exact("state_bytes"),
+        "activations_exact": exact("saved_activation_peak_bytes"),
+        "host_exact": sum(all(s[k]["predicted"] == s[k]["measured"] for k in HOST_KEYS) for s in stages),
+    }
 
 
 def main(argv=None) -> int:
@@ -187,20 +246,33 @@ def main(argv=None) -> int:
     profile = a.profile
     if profile is None:
         profile = str(out / "profiles" / "cpu-loop.json")
-        mist("profile", "--device", "cpu", "--processes", str(WORKERS), "--time-budget", str(a.profile_budget),
-             "-o", profile)
+        mist(
+            "profile",
+            "--device",
+            "cpu",
+            "--processes",
+            str(WORKERS),
+            "--time-budget",
+            str(a.profile_budget),
+            "-o",
+            profile,
+        )
     cases = [c for c in CASES if a.cases == "all" or c[0] in QUICK]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name, model, extra in cases:
             rows.append(run_case(name, model, extra, profile, a.steps, Path(d)))
             r = rows[-1]
-            print(f"{name:24s} predicted {r['predicted_step_s']:.3f} s measured {r['measured_step_s']:.3f} s "
-                  f"({r['step_time_error']:+.1%})", file=sys.stderr)
+            print(
+                f"{name:24s} predicted {r['predicted_step_s']:.3f} s measured {r['measured_step_s']:.3f} s "
+                f"({r['step_time_error']:+.1%})",
+                file=sys.stderr,
+            )
     prof = json.loads(Path(profile).read_text())
     (out / "cpu_loop.md").write_text(markdown(rows, prof, a.steps))
-    (out / "cpu_loop.json").write_text(json.dumps({"profile": profile, "summary": summary(rows), "cases": rows},
-                                                  indent=1))
+    (out / "cpu_loop.json").write_text(
+        json.dumps({"profile": profile, "summary": summary(rows), "cases": rows}, indent=1)
+    )
     print(markdown(rows, prof, a.steps))
     return 0
 

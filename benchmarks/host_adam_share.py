@@ -58,8 +58,10 @@ def main() -> None:
     for k in ranks:
         m = measure_host_adam(n, k)
         s = m["host_s_per_param"]
-        rows.append(f"| {k} | {m['host_threads']} | {s * NS:.2f} | {k / s / 1e9:.2f} | "
-                    f"{s / all_cores:.2f}× | {one_thread / s:.2f}× |")
+        rows.append(
+            f"| {k} | {m['host_threads']} | {s * NS:.2f} | {k / s / 1e9:.2f} | "
+            f"{s / all_cores:.2f}× | {one_thread / s:.2f}× |"
+        )
     fused, foreach = alone(n, cores), foreach_rate(n)
     lines = [
         "# Host AdamW shared by the ranks of a node",

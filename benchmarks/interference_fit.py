@@ -59,51 +59,82 @@ def main(argv=None):
         docs[gpu] = doc
         diff = np.abs(InterferenceModel.from_json(doc["interference"]).vector() - load_interference(gpu).vector()).max()
         same = all(doc["fit_errors"][k] == shipped["fit_errors"][k] for k in doc["fit_errors"])
-        notes.append(f"- {gpu}: refitted from {a.data} in {dt:.1f} s (incl. {len(doc['g2g_allgather'])} "
-                     f"leave-one-layout-out refits); max |factor − shipped| = {diff:.1e}; "
-                     f"errors identical to the shipped file: {same}")
+        notes.append(
+            f"- {gpu}: refitted from {a.data} in {dt:.1f} s (incl. {len(doc['g2g_allgather'])} "
+            f"leave-one-layout-out refits); max |factor − shipped| = {diff:.1e}; "
+            f"errors identical to the shipped file: {same}"
+        )
 
     out = ["# Interference model fit (overlap benchmark of the Mist artifact)", ""]
-    out += ["Absolute relative error of predicted vs measured latency on the mixed rows (≥ 2 active channels,",
-            "std/mean ≤ 0.1), **median / mean in %**. Standalone inputs: measured compute-alone time, predicted",
-            "G2G / C2G / G2C times. *Fitted*: 28 factors fitted on all layouts. *Leave-one-layout-out*: factors and",
-            "host-copy fits refitted without the held-out layout, predicting its rows. *Pairs additive*: fitted",
-            "pairs only, larger sets composed additively (how the H200 fallback is built). *Serial sum* = Σ X,",
-            "*max* = perfect overlap.", ""]
-    out += ["| GPU | layouts | rows | fitted | leave-one-layout-out | serial sum | max | pairs additive |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += [
+        "Absolute relative error of predicted vs measured latency on the mixed rows (≥ 2 active channels,",
+        "std/mean ≤ 0.1), **median / mean in %**. Standalone inputs: measured compute-alone time, predicted",
+        "G2G / C2G / G2C times. *Fitted*: 28 factors fitted on all layouts. *Leave-one-layout-out*: factors and",
+        "host-copy fits refitted without the held-out layout, predicting its rows. *Pairs additive*: fitted",
+        "pairs only, larger sets composed additively (how the H200 fallback is built). *Serial sum* = Σ X,",
+        "*max* = perfect overlap.",
+        "",
+    ]
+    out += [
+        "| GPU | layouts | rows | fitted | leave-one-layout-out | serial sum | max | pairs additive |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for gpu, d in docs.items():
         e = d["fit_errors"]
         loo = _e(e["leave_one_layout_out"]) if "leave_one_layout_out" in e else "–"
-        out.append(f"| {gpu} | {len(d['g2g_allgather'])} | {e['fitted']['rows']} | **{_e(e['fitted'])}** | {loo} | "
-                   f"{_e(e['serial_sum'])} | {_e(e['max'])} | {_e(e['pairs_additive'])} |")
+        out.append(
+            f"| {gpu} | {len(d['g2g_allgather'])} | {e['fitted']['rows']} | **{_e(e['fitted'])}** | {loo} | "
+            f"{_e(e['serial_sum'])} | {_e(e['max'])} | {_e(e['pairs_additive'])} |"
+        )
     out += ["", "Fitted error by number of active channels (median %):", ""]
     for gpu, d in docs.items():
         by = d["fit_errors"]["fitted"].get("median_by_active_channels", {})
-        out.append(f"- {gpu}: " + ", ".join(f"{k} channels {100 * v:.1f}" for k, v in by.items())
-                   + f"; rows dropped for std/mean > 0.1: {d['fit_errors']['fitted'].get('rows_dropped_std', '?')}")
+        out.append(
+            f"- {gpu}: "
+            + ", ".join(f"{k} channels {100 * v:.1f}" for k, v in by.items())
+            + f"; rows dropped for std/mean > 0.1: {d['fit_errors']['fitted'].get('rows_dropped_std', '?')}"
+        )
 
-    out += ["", "## Fitted communication bandwidths", "",
-            "G2G: all-gather, t = alpha + (P−1)/P·bytes/busbw, bytes = total output; all groups of the layout run",
-            "at once. GB/s = 10⁹ B/s.", "",
-            "| GPU | inter × intra | busbw (GB/s) | alpha (ms) | median fit error (%) |", "|---|---|---|---|---|"]
+    out += [
+        "",
+        "## Fitted communication bandwidths",
+        "",
+        "G2G: all-gather, t = alpha + (P−1)/P·bytes/busbw, bytes = total output; all groups of the layout run",
+        "at once. GB/s = 10⁹ B/s.",
+        "",
+        "| GPU | inter × intra | busbw (GB/s) | alpha (ms) | median fit error (%) |",
+        "|---|---|---|---|---|",
+    ]
     for gpu, d in docs.items():
         for f in d["g2g_allgather"].values():
-            out.append(f"| {gpu} | {f['inter']} × {f['intra']} | {_gb(f['busbw_Bps'])} | {1e3 * f['alpha_s']:.3f} | "
-                       f"{100 * f['median_rel_error']:.2f} |")
-    out += ["", "Host copies (per GPU, all 8 GPUs of the node copying at once) and the cross-node NIC model",
-            "t = alpha + G·(n−1)/n·bytes/B_nic + (k−1)/k·bytes/busbw_intra(k):", "",
-            "| GPU | C2G GB/s | G2C GB/s | B_nic per node GB/s | cross-node alpha (ms) | cross-node median error (%) |",
-            "|---|---|---|---|---|---|"]
+            out.append(
+                f"| {gpu} | {f['inter']} × {f['intra']} | {_gb(f['busbw_Bps'])} | {1e3 * f['alpha_s']:.3f} | "
+                f"{100 * f['median_rel_error']:.2f} |"
+            )
+    out += [
+        "",
+        "Host copies (per GPU, all 8 GPUs of the node copying at once) and the cross-node NIC model",
+        "t = alpha + G·(n−1)/n·bytes/B_nic + (k−1)/k·bytes/busbw_intra(k):",
+        "",
+        "| GPU | C2G GB/s | G2C GB/s | B_nic per node GB/s | cross-node alpha (ms) | cross-node median error (%) |",
+        "|---|---|---|---|---|---|",
+    ]
     for gpu, d in docs.items():
         h, x = d["host_links"], d.get("internode")
-        xs = (f"{_gb(x['nic_Bps_per_node'])} | {1e3 * x['alpha_s']:.3f} | {100 * x['median_rel_error']:.1f}"
-              if x else "– | – | –")
+        xs = (
+            f"{_gb(x['nic_Bps_per_node'])} | {1e3 * x['alpha_s']:.3f} | {100 * x['median_rel_error']:.1f}"
+            if x
+            else "– | – | –"
+        )
         out.append(f"| {gpu} | {_gb(h['c2g']['bw_Bps'])} | {_gb(h['g2c']['bw_Bps'])} | {xs} |")
 
-    out += ["", "## DP / cross-node link parameters shipped (overlap/dp_links.json)", "",
-            "| GPU | B_nic per node GB/s | source | p2p intra GB/s | source | p2p inter GB/s | source |",
-            "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "## DP / cross-node link parameters shipped (overlap/dp_links.json)",
+        "",
+        "| GPU | B_nic per node GB/s | source | p2p intra GB/s | source | p2p inter GB/s | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for gpu in ("a100-sxm4-40gb", "v100-sxm2-16gb", "l4", "a10g", "v100-sxm2-32gb", "h100", "h200"):
         dl = load_dp_links(gpu)
 
@@ -112,8 +143,11 @@ def main(argv=None):
             if not d:
                 return "– | –"
             return f"{_gb(d[key])} | {d['provenance'].split(':')[0]}"
-        out.append(f"| {gpu} | {cell('internode', 'nic_Bps_per_node')} | {cell('p2p_intra', 'bw_Bps')} | "
-                   f"{cell('p2p_inter', 'bw_Bps')} |")
+
+        out.append(
+            f"| {gpu} | {cell('internode', 'nic_Bps_per_node')} | {cell('p2p_intra', 'bw_Bps')} | "
+            f"{cell('p2p_inter', 'bw_Bps')} |"
+        )
 
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 10e-3, size=(1_000_000, 4)) * (rng.random((1_000_000, 4)) > 0.2)
@@ -122,8 +156,17 @@ def main(argv=None):
     t0 = time.perf_counter()
     overlap_time(x, m)
     dt = time.perf_counter() - t0
-    out += ["", f"`overlap_time` throughput: 10⁶ candidates in {1e3 * dt:.0f} ms (numpy, one core).", "",
-            "## Provenance", ""] + notes + [""]
+    out += (
+        [
+            "",
+            f"`overlap_time` throughput: 10⁶ candidates in {1e3 * dt:.0f} ms (numpy, one core).",
+            "",
+            "## Provenance",
+            "",
+        ]
+        + notes
+        + [""]
+    )
     text = "\n".join(out)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,9 @@ def _signed(errs) -> str:
 # ---------------------------------------------------------------------------- Aceso GPUs
 def aceso_loo(data: Path, base):
     eff = flash.h200_efficiency(base.attention, base.gemm.extra["plateau_flops"])
-    calib = flash.l4_flash_calibration(data / "gpus" / "l4" / "op-db", eff, base.attention.s_axis, base.attention.d_axis)
+    calib = flash.l4_flash_calibration(
+        data / "gpus" / "l4" / "op-db", eff, base.attention.s_axis, base.attention.d_axis
+    )
     errs = defaultdict(list)  # (gpu, class, dir) -> [rel err]
     by_size = defaultdict(list)  # (gpu, size) -> [rel err]
     for gpu in GPUS:
@@ -74,8 +76,13 @@ def aceso_loo(data: Path, base):
                 for op, cls in OP_CLASS.items():
                     if aceso.LAYER_OPS[op] != "linear" and r.algo != 0:
                         continue  # non-linear rows are identical in both algo files
-                    fwd_terms, bwd_terms = aceso.row_terms(op, r.hidden, r.heads, cfg["seq"], r.b, 1, cfg["wgrad_in_bwd"])
-                    for direction, terms, meas in (("fwd", fwd_terms, r.times[op][0]), ("bwd", bwd_terms, r.times[op][1])):
+                    fwd_terms, bwd_terms = aceso.row_terms(
+                        op, r.hidden, r.heads, cfg["seq"], r.b, 1, cfg["wgrad_in_bwd"]
+                    )
+                    for direction, terms, meas in (
+                        ("fwd", fwd_terms, r.times[op][0]),
+                        ("bwd", bwd_terms, r.times[op][1]),
+                    ):
                         if meas is None:
                             continue
                         e = aceso.predict(prof, terms, direction == "bwd") / meas - 1.0
@@ -215,12 +222,22 @@ def report(data: Path) -> str:
                 e = errs.get((gpu, cls, d))
                 if e:
                     lines.append(f"| {gpu} | {cls} | {d} | {_stats(e)} | {_signed(e)} |")
-    lines += ["", "### Per held-out size (all ops and directions)", "", "| GPU | held-out size | median % | mean % | n | bias % |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "### Per held-out size (all ops and directions)",
+        "",
+        "| GPU | held-out size | median % | mean % | n | bias % |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for (gpu, size), e in by_size.items():
         lines.append(f"| {gpu} | {size} | {_stats(e)} | {_signed(e)} |")
-    lines += ["", "### Summary per GPU", "", "| GPU | GEMM rows (linear + bmm) median % | memory-bound rows median % | all median % | all mean % |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "### Summary per GPU",
+        "",
+        "| GPU | GEMM rows (linear + bmm) median % | memory-bound rows median % | all median % | all mean % |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for gpu in GPUS:
         gemm_e = [x for (g, c, _), v in errs.items() if g == gpu and c in CLASS_ORDER[:6] for x in v]
         mem_e = [x for (g, c, _), v in errs.items() if g == gpu and c not in CLASS_ORDER[:6] for x in v]
@@ -250,7 +267,7 @@ def report(data: Path) -> str:
         "## H200: drop one table node, predict it from its neighbours",
         "",
         "GEMM grid: log-time midpoint of the two neighbours along each axis that has both (averaged over",
-        "axes), i.e. what an interpolated lookup returns with that node missing. \"≥ 50 µs\" excludes the",
+        'axes), i.e. what an interpolated lookup returns with that node missing. "≥ 50 µs" excludes the',
         "launch-floor region (~15 µs, where nodes differ only by timing noise). The fill rule is the",
         "constant-efficiency extrapolation from lower neighbours used for the 10 unmeasured large GEMMs.",
         "Attention: the same along b, heads and s (d has only two values), on the profile's tables",

@@ -51,8 +51,11 @@ def h200_cases():
 
 
 def all_cases(only=None):
-    groups = {"l4": lambda: paper_cases("l4", 2048), "a100": lambda: paper_cases("a100-sxm4-40gb", 4096),
-              "h200": h200_cases}
+    groups = {
+        "l4": lambda: paper_cases("l4", 2048),
+        "a100": lambda: paper_cases("a100-sxm4-40gb", 4096),
+        "h200": h200_cases,
+    }
     for key, gen in groups.items():
         if only and key not in only:
             continue
@@ -64,15 +67,23 @@ def run_case(c, budget, grad_dtype=None, dtype="bf16"):
     n = c["n"]
     warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
     cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
-    training = TrainingSpec(seq_len=c["seq"], global_batch=16 * n, flash_attention=c["flash"],
-                            param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype)
+    training = TrainingSpec(
+        seq_len=c["seq"],
+        global_batch=16 * n,
+        flash_attention=c["flash"],
+        param_dtype=dtype,
+        compute_dtype=dtype,
+        grad_dtype=grad_dtype,
+    )
     return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, SPACES)
 
 
 def markdown(rows) -> str:
-    head = ("| model | GPUs | seq | flash | full (ms) | vs Megatron | vs DeepSpeed | vs Aceso | vs Mist-paper "
-            "| vs Megatron (paper's tuning) | full tuning (s) | full plan |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| model | GPUs | seq | flash | full (ms) | vs Megatron | vs DeepSpeed | vs Aceso | vs Mist-paper "
+        "| vs Megatron (paper's tuning) | full tuning (s) | full plan |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for r in rows:
         sp = {s["space"]: s for s in r["spaces"]}
@@ -82,22 +93,33 @@ def markdown(rows) -> str:
             v = sp[name].get("speedup_of_full")
             return f"{v:.3f}×" if v else ("no fit" if sp[name]["iteration_time_s"] is None else "-")
 
-        case = (f"| {r['model']} | {r['nodes'] * r['gpus_per_node']}× {r['gpu']} | {r['seq_len']} | "
-                f"{'on' if r['flash_attention'] else 'off'} | ")
+        case = (
+            f"| {r['model']} | {r['nodes'] * r['gpus_per_node']}× {r['gpu']} | {r['seq_len']} | "
+            f"{'on' if r['flash_attention'] else 'off'} | "
+        )
         if full["iteration_time_s"]:
-            lines.append(case + f"{full['iteration_time_s'] * 1e3:.0f} | {sx('megatron')} | {sx('deepspeed')} | "
-                         f"{sx('aceso')} | {sx('mist-paper')} | {sx('megatron-paper')} | {full['tuning_time_s']:.1f} | "
-                         f"{full.get('plan_summary', '')} |")
+            lines.append(
+                case + f"{full['iteration_time_s'] * 1e3:.0f} | {sx('megatron')} | {sx('deepspeed')} | "
+                f"{sx('aceso')} | {sx('mist-paper')} | {sx('megatron-paper')} | {full['tuning_time_s']:.1f} | "
+                f"{full.get('plan_summary', '')} |"
+            )
         else:
             lines.append(case + "no fit | - | - | - | - | - | - | |")
     summary = []
     for name in ("megatron", "deepspeed", "aceso", "mist-paper", "megatron-paper"):
-        vals = [s["speedup_of_full"] for r in rows for s in r["spaces"]
-                if s["space"] == name and s.get("speedup_of_full")]
+        vals = [
+            s["speedup_of_full"] for r in rows for s in r["spaces"] if s["space"] == name and s.get("speedup_of_full")
+        ]
         if vals:
-            summary.append(f"| {name} | {statistics.mean(vals):.3f}× | {max(vals):.3f}× | {min(vals):.3f}× | {len(vals)} |")
+            summary.append(
+                f"| {name} | {statistics.mean(vals):.3f}× | {max(vals):.3f}× | {min(vals):.3f}× | {len(vals)} |"
+            )
     tt = [s["tuning_time_s"] for r in rows for s in r["spaces"] if s["space"] == "full"]
-    txt = head + "\n".join(lines) + "\n\n| baseline space | mean speedup of full | max | min | cases |\n|---|---|---|---|---|\n"
+    txt = (
+        head
+        + "\n".join(lines)
+        + "\n\n| baseline space | mean speedup of full | max | min | cases |\n|---|---|---|---|---|\n"
+    )
     txt += "\n".join(summary) + "\n"
     if tt:
         txt += f"\nFull-space tuning time: median {statistics.median(tt):.1f} s, max {max(tt):.1f} s over {len(tt)} cases.\n"
@@ -111,18 +133,24 @@ def preamble(grad_dtype, dtype="bf16", args="") -> str:
         grads = "gradients in bf16 for Mist, DeepSpeed and Aceso, in fp32 for Megatron-LM (as it runs bf16)"
     else:
         grads = f"gradients in {dtype} in every space"
-    return (f"# Benchmark suite (`benchmarks/suite.py{args}`)\n\n"
-            f"{dtype} parameters and compute; {grads}. Speedup = the baseline's best predicted iteration "
-            "time / Mist's full space's, under the same cost model.\n\n")
+    return (
+        f"# Benchmark suite (`benchmarks/suite.py{args}`)\n\n"
+        f"{dtype} parameters and compute; {grads}. Speedup = the baseline's best predicted iteration "
+        "time / Mist's full space's, under the same cost model.\n\n"
+    )
 
 
 def plot(rows, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['model']}\n{r['nodes'] * r['gpus_per_node']}×{r['gpu'].split('-')[0]}"
-              + ("" if r["flash_attention"] else "\nno-flash") for r in rows]
+    labels = [
+        f"{r['model']}\n{r['nodes'] * r['gpus_per_node']}×{r['gpu'].split('-')[0]}"
+        + ("" if r["flash_attention"] else "\nno-flash")
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
     w = 0.2
     for j, name in enumerate(("megatron", "deepspeed", "aceso", "mist-paper")):
@@ -146,8 +174,15 @@ def main(argv=None):
     ap.add_argument("--grad-dtype", choices=["fp32"], help="fp32 gradients in every space (default: each system's own)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="parameter and compute dtype")
     a = ap.parse_args(argv)
-    args = "".join(f" {k} {v}" for k, v in (("--only", " ".join(a.only or [])), ("--grad-dtype", a.grad_dtype),
-                                              ("--dtype", "" if a.dtype == "bf16" else a.dtype)) if v)
+    args = "".join(
+        f" {k} {v}"
+        for k, v in (
+            ("--only", " ".join(a.only or [])),
+            ("--grad-dtype", a.grad_dtype),
+            ("--dtype", "" if a.dtype == "bf16" else a.dtype),
+        )
+        if v
+    )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "suite" if not a.only else "suite-" + "-".join(a.only)
@@ -169,8 +204,11 @@ def main(argv=None):
         (out / f"{tag}.md").write_text(preamble(a.grad_dtype, a.dtype, args) + markdown(rows))
         plot(rows, out / f"{tag}.png")
         full = next(s for s in r["spaces"] if s["space"] == "full")
-        print(f"{c['model']:16s} {c['n']:3d}×{c['gpu']:15s} flash={c['flash']!s:5s} "
-              f"full={full['iteration_time_s']} wall {r['wall_s']:.0f}s", flush=True)
+        print(
+            f"{c['model']:16s} {c['n']:3d}×{c['gpu']:15s} flash={c['flash']!s:5s} "
+            f"full={full['iteration_time_s']} wall {r['wall_s']:.0f}s",
+            flush=True,
+        )
     print(markdown(rows))
 
 

@@ -24,13 +24,27 @@ NONE = (0.0,)
 
 
 def steps():
-    base = replace(SPACES["full"], name="base", seed_space=None, zero_levels=(0, 1), recompute="all_or_nothing",
-                   recompute_attention=(False,), recompute_activation=(False,), offload_weights=NONE,
-                   offload_grads=NONE, offload_optimizer=NONE, offload_activations=NONE)
+    base = replace(
+        SPACES["full"],
+        name="base",
+        seed_space=None,
+        zero_levels=(0, 1),
+        recompute="all_or_nothing",
+        recompute_attention=(False,),
+        recompute_activation=(False,),
+        offload_weights=NONE,
+        offload_grads=NONE,
+        offload_optimizer=NONE,
+        offload_activations=NONE,
+    )
     s1 = replace(base, name="+ZeRO-2/3", zero_levels=(0, 1, 2, 3))
     s2 = replace(s1, name="+checkpointing", recompute="any")
-    s2b = replace(s2, name="+selective recomputation", recompute_attention=SPACES["full"].recompute_attention,
-                 recompute_activation=SPACES["full"].recompute_activation)
+    s2b = replace(
+        s2,
+        name="+selective recomputation",
+        recompute_attention=SPACES["full"].recompute_attention,
+        recompute_activation=SPACES["full"].recompute_activation,
+    )
     s3 = replace(s2b, name="+optimizer offload", offload_optimizer=EIGHTHS)
     s4 = replace(s3, name="+activation offload", offload_activations=EIGHTHS)
     s5 = replace(s4, name="+gradient offload", offload_grads=EIGHTHS, wg_policy="always")
@@ -60,8 +74,10 @@ def main(argv=None):
         it = f"{r.iteration_time_s:.2f}" if r.plan else "no fit"
         rows.append(f"| {sp.name} | {r.candidates_evaluated:,} | {dt:.1f} | {it} |")
         print(rows[-1], flush=True)
-    text = (f"# Tuning time vs search space ({a.model}, {cluster.nodes}×{cluster.gpus_per_node} {a.gpu}, "
-            f"seq {a.seq}, batch {training.global_batch}; 2-core machine, traces cached)\n\n" + "\n".join(rows) + "\n")
+    text = (
+        f"# Tuning time vs search space ({a.model}, {cluster.nodes}×{cluster.gpus_per_node} {a.gpu}, "
+        f"seq {a.seq}, batch {training.global_batch}; 2-core machine, traces cached)\n\n" + "\n".join(rows) + "\n"
+    )
     Path(a.out).write_text(text)
     print(text)
 

@@ -49,15 +49,16 @@ def _best_of(fn, repeats: int) -> float:
 
 def cases():
     """(name, what is timed, target in s, setup returning the timed call)."""
+
     def simulate():
         plan, prof = load_plan(ROOT / "examples" / "llama-7b-8xl4-mixed.json"), load_profile("l4")
-        simulate_plan(plan, prof)   # trace (or read the cache) once
+        simulate_plan(plan, prof)  # trace (or read the cache) once
         return lambda: simulate_plan(plan, prof)
 
     def candidates():
         st = _test_module("tests/simulate/test_stage.py").many_candidates(20000)
         model = StageModel(get_preset("gpt3-1.3b"), load_profile("l4"), tp=1, flash=True, seq=2048)
-        model.evaluate(st)          # warm the traces
+        model.evaluate(st)  # warm the traces
         return lambda: model.evaluate(st)
 
     def dynamic_program():
@@ -65,10 +66,11 @@ def cases():
         opts = random_options(np.random.default_rng(1), 8, 48, 8)
         return lambda: best_split(opts, 48, 32)
 
-    return [("simulate one plan", "simulate_plan, llama-7b on 8 L4 (mixed stages), traces cached", 0.5, simulate),
-            ("price 20,000 stage candidates", "StageModel.evaluate, gpt3-1.3b on L4, one batch", 5.0, candidates),
-            ("inter-stage dynamic program", "best_split, 8 stages × 48 layers × ≤ 8 options, G 32", 20.0,
-             dynamic_program)]
+    return [
+        ("simulate one plan", "simulate_plan, llama-7b on 8 L4 (mixed stages), traces cached", 0.5, simulate),
+        ("price 20,000 stage candidates", "StageModel.evaluate, gpt3-1.3b on L4, one batch", 5.0, candidates),
+        ("inter-stage dynamic program", "best_split, 8 stages × 48 layers × ≤ 8 options, G 32", 20.0, dynamic_program),
+    ]
 
 
 def main(argv=None) -> int:
@@ -76,14 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="Time each call this often; report the fastest.")
     ap.add_argument("--out", help="Also write the table to this Markdown file.")
     a = ap.parse_args(argv)
-    rows = [f"| part | what is timed | seconds (best of {a.repeats}) | target (s) | within |",
-            "|---|---|---|---|---|"]
+    rows = [f"| part | what is timed | seconds (best of {a.repeats}) | target (s) | within |", "|---|---|---|---|---|"]
     for name, what, target, setup in cases():
         dt = _best_of(setup(), a.repeats)
         rows.append(f"| {name} | {what} | {dt:.3f} | {target:g} | {'yes' if dt < target else 'NO'} |")
         print(rows[-1], flush=True)
-    text = (f"# Speed of the planner's inner parts ({platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} cores)\n\n" + "\n".join(rows) + "\n")
+    text = (
+        f"# Speed of the planner's inner parts ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores)\n\n" + "\n".join(rows) + "\n"
+    )
     if a.out:
         Path(a.out).write_text(text)
     print(text)

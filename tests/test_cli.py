@@ -22,15 +22,22 @@ def run_ok(args, capsys):
 
 
 def test_estimate_json_has_required_keys_and_breakdown_sums(capsys):
-    out = run_ok(["estimate", "--model", "gpt3-1.3b", "--gpu", "h200", "--seq", "2048",
-                  "--micro-batch", "2", "--json"], capsys)
+    out = run_ok(
+        ["estimate", "--model", "gpt3-1.3b", "--gpu", "h200", "--seq", "2048", "--micro-batch", "2", "--json"], capsys
+    )
     r = json.loads(out)
-    for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms",
-              "saved_activation_bytes", "params"):
+    for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms", "saved_activation_bytes", "params"):
         assert k in r["layer"]
     m = r["model"]
-    for k in ("fwd_bwd_ms", "params", "weights_bytes", "grads_bytes", "optimizer_bytes",
-              "activation_peak_bytes", "peak_bytes"):
+    for k in (
+        "fwd_bwd_ms",
+        "params",
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activation_peak_bytes",
+        "peak_bytes",
+    ):
         assert k in m
     parts = m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["activation_peak_bytes"]
     assert parts == m["peak_bytes"]
@@ -43,8 +50,7 @@ def test_estimate_json_has_required_keys_and_breakdown_sums(capsys):
 def test_tp_adds_comm_and_recompute_adds_a_forward(capsys):
     base = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--json"], capsys))
     assert base["layer"]["fwd_comm_ms"] > 0 and base["layer"]["bwd_comm_ms"] > 0
-    full = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--recompute", "full",
-                              "--json"], capsys))
+    full = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--recompute", "full", "--json"], capsys))
     assert full["model"]["fwd_bwd_ms"] > base["model"]["fwd_bwd_ms"]
     assert full["layer"]["recompute_ms"] > 0
     assert full["model"]["activation_peak_bytes"] < base["model"]["activation_peak_bytes"]
@@ -56,15 +62,18 @@ def test_human_table(capsys):
     assert "decoder block" in out and "peak memory" in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "no-such-model"], "Unknown model"),
-    (["--gpu", "z9000"], "Unknown GPU"),
-    (["--seq", "-5"], "positive"),
-    (["--micro-batch", "0"], "--micro-batch must be between 1 and"),
-    (["--micro-batch", "99999999999"], "--micro-batch must be between 1 and"),
-    (["--recompute", "half"], "--recompute"),
-    (["--model", "gpt3-1.3b", "--tp", "3"], "does not divide"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "no-such-model"], "Unknown model"),
+        (["--gpu", "z9000"], "Unknown GPU"),
+        (["--seq", "-5"], "positive"),
+        (["--micro-batch", "0"], "--micro-batch must be between 1 and"),
+        (["--micro-batch", "99999999999"], "--micro-batch must be between 1 and"),
+        (["--recompute", "half"], "--recompute"),
+        (["--model", "gpt3-1.3b", "--tp", "3"], "does not divide"),
+    ],
+)
 def test_bad_input_is_one_sentence_exit_2(args, needle, capsys):
     code, out, err = run(["estimate", *args], capsys)
     assert code == 2
@@ -74,9 +83,20 @@ def test_bad_input_is_one_sentence_exit_2(args, needle, capsys):
 
 def test_bad_model_files_exit_2(tmp_path, capsys):
     bad_heads = tmp_path / "m.json"
-    bad_heads.write_text(json.dumps({"family": "llama", "num_layers": 2, "hidden_size": 64,
-                                     "num_heads": 6, "num_kv_heads": 4, "ffn_hidden_size": 128,
-                                     "vocab_size": 100, "tie_embeddings": False}))
+    bad_heads.write_text(
+        json.dumps(
+            {
+                "family": "llama",
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_heads": 6,
+                "num_kv_heads": 4,
+                "ffn_hidden_size": 128,
+                "vocab_size": 100,
+                "tie_embeddings": False,
+            }
+        )
+    )
     code, _, err = run(["estimate", "--model", str(bad_heads)], capsys)
     assert code == 2 and "divisible" in err
     missing = tmp_path / "n.yaml"
@@ -84,55 +104,77 @@ def test_bad_model_files_exit_2(tmp_path, capsys):
     code, _, err = run(["estimate", "--model", str(missing)], capsys)
     assert code == 2 and "missing" in err
     negative = tmp_path / "neg.json"
-    negative.write_text(json.dumps({"family": "gpt", "num_layers": -1, "hidden_size": 64,
-                                    "num_heads": 4, "num_kv_heads": 4, "ffn_hidden_size": 256,
-                                    "vocab_size": 100, "tie_embeddings": True}))
+    negative.write_text(
+        json.dumps(
+            {
+                "family": "gpt",
+                "num_layers": -1,
+                "hidden_size": 64,
+                "num_heads": 4,
+                "num_kv_heads": 4,
+                "ffn_hidden_size": 256,
+                "vocab_size": 100,
+                "tie_embeddings": True,
+            }
+        )
+    )
     code, _, err = run(["estimate", "--model", str(negative)], capsys)
     assert code == 2 and "positive" in err
 
 
 def test_console_entry_point_exit_code():
-    p = subprocess.run([sys.executable, "-m", "mist", "estimate", "--model", "nope"],
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "mist", "estimate", "--model", "nope"], capture_output=True, text=True)
     assert p.returncode == 2 and "Unknown model" in p.stderr
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["tune", "--nodes", "abc"], "Invalid value for '--nodes'"),
-    (["estimate", "--bogus"], "No such option: --bogus"),
-    (["nocmd"], "No such command 'nocmd'"),
-    (["simulate"], "Missing argument"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["tune", "--nodes", "abc"], "Invalid value for '--nodes'"),
+        (["estimate", "--bogus"], "No such option: --bogus"),
+        (["nocmd"], "No such command 'nocmd'"),
+        (["simulate"], "Missing argument"),
+    ],
+)
 def test_usage_errors_are_one_sentence_exit_2(args, needle, capsys):
     code, _, err = run(args, capsys)
     assert code == 2 and needle in err and "--help" in err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["tune", "-o", "/proc/mist-plan.json"], "--output /proc/mist-plan.json cannot be written"),
-    (["tune", "-o", "{tmp}"], "--output must end with .json, .yaml, .yml"),
-    (["tune", "-o", "{tmp}/no/such/plan.json"], "does not exist"),
-    (["tune", "--time-budget", "nan"], "--time-budget must be a positive number"),
-    (["compare", "--time-budget", "-1"], "--time-budget must be a positive number"),
-    (["tune", "--dtype", ""], "param_dtype must be one of"),
-    (["tune", "--grad-dtype", "bf16"], "--grad-dtype must be fp32 or the parameter dtype (fp16)"),
-    (["compare", "--dtype", "bf16", "--grad-dtype", "fp8"], "--grad-dtype must be fp32 or the parameter dtype (bf16)"),
-    (["tune", "--global-batch", "99999999999999999999"], "global_batch must be at most"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["tune", "-o", "/proc/mist-plan.json"], "--output /proc/mist-plan.json cannot be written"),
+        (["tune", "-o", "{tmp}"], "--output must end with .json, .yaml, .yml"),
+        (["tune", "-o", "{tmp}/no/such/plan.json"], "does not exist"),
+        (["tune", "--time-budget", "nan"], "--time-budget must be a positive number"),
+        (["compare", "--time-budget", "-1"], "--time-budget must be a positive number"),
+        (["tune", "--dtype", ""], "param_dtype must be one of"),
+        (["tune", "--grad-dtype", "bf16"], "--grad-dtype must be fp32 or the parameter dtype (fp16)"),
+        (
+            ["compare", "--dtype", "bf16", "--grad-dtype", "fp8"],
+            "--grad-dtype must be fp32 or the parameter dtype (bf16)",
+        ),
+        (["tune", "--global-batch", "99999999999999999999"], "global_batch must be at most"),
+    ],
+)
 def test_output_and_budget_checked_before_the_search(args, needle, tmp_path, capsys):
     code, _, err = run([a.format(tmp=tmp_path) for a in args], capsys)
     assert code == 2 and needle in err, err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []          # nothing written or left behind
+    assert list(tmp_path.iterdir()) == []  # nothing written or left behind
 
 
 def test_timeline_path_checked_before_simulating(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     main(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--global-batch", "8", "-o", str(plan), "--json"])
     capsys.readouterr()
-    for path, needle in ((tmp_path / "t.jpgx", "must end with .png, .svg, .pdf"),
-                         (tmp_path / "no" / "t.png", "does not exist"), ("", "needs a file path")):
+    for path, needle in (
+        (tmp_path / "t.jpgx", "must end with .png, .svg, .pdf"),
+        (tmp_path / "no" / "t.png", "does not exist"),
+        ("", "needs a file path"),
+    ):
         code, _, err = run(["simulate", str(plan), "--timeline", str(path)], capsys)
         assert code == 2 and needle in err, err
     svg = tmp_path / "t.svg"

@@ -38,9 +38,9 @@ def test_the_loop_covers_dp_pp_tp_and_memory_optimizations(loop):
     assert any(len(p["stages"]) == 2 for p in plans)
     assert any(s["dp"] == 2 for s in stages) and any(s["tp"] == 2 for s in stages)
     assert any(s["recompute_layers"] > 0 or any(v > 0 for v in s["offload"].values()) for s in stages)
-    for p in plans:   # tuned for this CPU profile, in its dtype
+    for p in plans:  # tuned for this CPU profile, in its dtype
         assert p["training"]["param_dtype"] == p["training"]["compute_dtype"] == "fp32"
-    assert md.count("\n| ") == len(plans) + 1   # header + one row per plan
+    assert md.count("\n| ") == len(plans) + 1  # header + one row per plan
 
 
 def test_states_and_saved_activations_match_the_runtime(loop):

@@ -37,8 +37,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 def faults(mode: str) -> tuple[str, int]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, env=env,
-                         check=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", STEPS, mode], capture_output=True, text=True, env=env, check=True, timeout=120
+    ).stdout.split()
     return out[0], int(out[1])
 
 
@@ -68,27 +69,31 @@ def test_host_threads_above_the_cores_are_refused(monkeypatch):
         monkeypatch.setenv(HOST_THREADS_ENV, str(many))
         with pytest.raises(MistInputError) as e:
             threads_per_worker(2)
-        assert str(e.value) == (f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this "
-                                f"process may use, got {many}.")
+        assert str(e.value) == (
+            f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this process may use, got {many}."
+        )
 
 
 def test_gpu_rank_threads_beat_torchruns_default():
     """torchrun exports OMP_NUM_THREADS=1 to every process of a multi-process node; a GPU rank
     still gets its share of the cores for the host AdamW."""
-    code = ("import torch; from mist.cpu_workers import setup_gpu_rank; "
-            "print(torch.get_num_threads()); setup_gpu_rank(2); print(torch.get_num_threads())")
+    code = (
+        "import torch; from mist.cpu_workers import setup_gpu_rank; "
+        "print(torch.get_num_threads()); setup_gpu_rank(2); print(torch.get_num_threads())"
+    )
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=120
+    ).stdout.split()
     assert out == ["1", "2"]
 
 
 def test_kept_heap_pages_stop_the_page_faults_of_repeated_temporaries():
     ok, kept = faults("keep")
     _, default = faults("default")
-    assert ok == "True"                      # glibc: mallopt took both settings
-    pages = 5 * (96 * 2**20) // 4096         # what fresh mappings fault in over 5 steps
-    assert default > pages // 2, default     # glibc's default maps them afresh every step
+    assert ok == "True"  # glibc: mallopt took both settings
+    pages = 5 * (96 * 2**20) // 4096  # what fresh mappings fault in over 5 steps
+    assert default > pages // 2, default  # glibc's default maps them afresh every step
     # kept in the heap: no faults, or (depending on where the interpreter's own small allocations
     # landed) the heap grows once past the 64 MiB temporary — never the every-step re-faulting
     assert kept <= (64 * 2**20) // 4096, kept

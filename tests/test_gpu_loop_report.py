@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed  # noqa: F401  (imported before forking the workers: fast start)
+import torch.distributed  # (imported before forking the workers: fast start)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
@@ -23,17 +23,27 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_loop  # noqa: E402
 import report_gpu_loop  # noqa: E402
 
-TINY = {"name": "tiny-llama", "family": "llama", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
-        "num_kv_heads": 2, "ffn_hidden_size": 128, "vocab_size": 128, "tie_embeddings": False}
-TINY_SETUP = gpu_loop.Setup(model=TINY, seq=16, global_batch=4, micro_batch=2, steps=3, dtype="fp32", gpu="cpu",
-                            device="cpu")
+TINY = {
+    "name": "tiny-llama",
+    "family": "llama",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "ffn_hidden_size": 128,
+    "vocab_size": 128,
+    "tie_embeddings": False,
+}
+TINY_SETUP = gpu_loop.Setup(
+    model=TINY, seq=16, global_batch=4, micro_batch=2, steps=3, dtype="fp32", gpu="cpu", device="cpu"
+)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("fetched")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # a tiny model: more threads only wait on each other
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
     try:
         res = gpu_loop.run_loop(out, TINY_SETUP, budget_s=120, skip=frozenset({"profile"}))
         slow = gpu_loop.make_plan(TINY, seq=16, global_batch=4, micro_batch=2, gpu="cpu", dtype="fp32")
@@ -69,8 +79,8 @@ def test_report_rows_and_predictions(report):
     step = md.split("## Step time (s)")[1].split("##")[0]
     rows = [ln for ln in step.splitlines() if ln.startswith("| ") and not ln.startswith("| plan")]
     assert [ln.split(" | ")[0][2:] for ln in rows] == [name for name, _ in gpu_loop.PLANS]
-    assert all(ln.count("%") == 2 for ln in rows)            # an error per profile
-    for row in data["plans"][:len(gpu_loop.PLANS)]:
+    assert all(ln.count("%") == 2 for ln in rows)  # an error per profile
+    for row in data["plans"][: len(gpu_loop.PLANS)]:
         assert sorted(row["predicted"]) == sorted(labels)
         for lb in labels:
             assert "error" not in row["predicted"][lb], row["predicted"][lb]

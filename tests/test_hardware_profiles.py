@@ -34,8 +34,15 @@ def test_every_shipped_profile_loads_and_predicts():
         assert p.name == name
         assert p.provenance and "\n" not in p.provenance
         assert isinstance(p.memory_bytes, int) and p.memory_bytes > 10 * 2**30
-        for field in ("peak_flops", "hbm_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "bidir_bandwidth",
-                      "adam_gpu_s_per_param", "adam_cpu_s_per_param"):
+        for field in (
+            "peak_flops",
+            "hbm_bandwidth",
+            "h2d_bandwidth",
+            "d2h_bandwidth",
+            "bidir_bandwidth",
+            "adam_gpu_s_per_param",
+            "adam_cpu_s_per_param",
+        ):
             assert getattr(p, field) > 0, (name, field)
         t = p.gemm_time(4096, 4096, 4096)
         assert 0 < t < 0.1
@@ -111,7 +118,8 @@ def test_profile_json_path_round_trip(tmp_path, h200):
     m = np.array([700, 3000, 50000])
     np.testing.assert_allclose(again.gemm_time(m, 5000, 1000), h200.gemm_time(m, 5000, 1000), rtol=1e-4)
     np.testing.assert_allclose(
-        again.attention_time(3, 24, 8, 3000, 96, True, True), h200.attention_time(3, 24, 8, 3000, 96, True, True),
+        again.attention_time(3, 24, 8, 3000, 96, True, True),
+        h200.attention_time(3, 24, 8, 3000, 96, True, True),
         rtol=1e-4,
     )
     assert again.memory_op_time("silu", 1e7, True) == pytest.approx(h200.memory_op_time("silu", 1e7, True))
@@ -131,13 +139,16 @@ def _one_sentence(msg: str) -> None:
     assert "\n" not in msg and msg.endswith(".") and "Traceback" not in msg
 
 
-@pytest.mark.parametrize("raw, fragment", [
-    (b"[]", "must hold a JSON object at the top level, got a list"),
-    (b"null", "must hold a JSON object at the top level, got null"),
-    (b"3", "must hold a JSON object at the top level, got a number"),
-    (b'{"format": "mist-gpu-profile", "name": "\xe9"}', "is not UTF-8 text"),
-    (b"{", "is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        (b"[]", "must hold a JSON object at the top level, got a list"),
+        (b"null", "must hold a JSON object at the top level, got null"),
+        (b"3", "must hold a JSON object at the top level, got a number"),
+        (b'{"format": "mist-gpu-profile", "name": "\xe9"}', "is not UTF-8 text"),
+        (b"{", "is not valid JSON"),
+    ],
+)
 def test_profile_file_that_is_not_a_json_object(tmp_path, raw, fragment):
     path = tmp_path / "p.json"
     path.write_bytes(raw)
@@ -154,6 +165,7 @@ def _set(*keys, value=None, delete=False):
             del d[keys[-1]]
         else:
             d[keys[-1]] = value
+
     return edit
 
 
@@ -189,11 +201,15 @@ BAD_PROFILES = [
     (_set("gemm", "times_s", value=[[1.0]]), "section 'gemm' is malformed"),
     (_set("attention", "fwd_s", value="x"), "section 'attention' is malformed"),
     (_set("memory_ops", "bandwidth", value=None), "section 'memory_ops': bandwidth must be a JSON object"),
-    (_set("memory_ops", "bandwidth", "elementwise", "fwd", value=0),
-     "section 'memory_ops': bandwidth elementwise.fwd must be a positive finite number"),
+    (
+        _set("memory_ops", "bandwidth", "elementwise", "fwd", value=0),
+        "section 'memory_ops': bandwidth elementwise.fwd must be a positive finite number",
+    ),
     (_set("links", value=3), "section 'links' must be a JSON object"),
-    (_set("dp_links", value={"internode": {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}}),
-     "section 'dp_links': internode.alpha_s must be a finite number >= 0"),
+    (
+        _set("dp_links", value={"internode": {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}}),
+        "section 'dp_links': internode.alpha_s must be a finite number >= 0",
+    ),
     (_set("interference", value={"factors": {"X+Y": [1, 2]}}), "section 'interference': factors has an unknown"),
     (_set("interference", value={"factors": 3}), "section 'interference': factors must be a JSON object"),
     (_set("version", value=99), "newer than this Mist"),

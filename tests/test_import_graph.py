@@ -149,7 +149,7 @@ def unexplained_lazy_imports() -> list[str]:
         text = path.read_text(encoding="utf-8")
         lines = text.splitlines()
         for run in _import_groups(ast.parse(text)):
-            where = "\n".join(lines[max(run[0].lineno - 2, 0): run[-1].end_lineno])
+            where = "\n".join(lines[max(run[0].lineno - 2, 0) : run[-1].end_lineno])
             if MARK in where:
                 continue
             for stmt in run:
@@ -179,12 +179,12 @@ def test_no_import_cycles():
 
 def test_every_function_local_import_says_why():
     assert unexplained_lazy_imports() == [], (
-        f"function-local imports need a '# {MARK} <reason>' comment (or belong at module level)")
+        f"function-local imports need a '# {MARK} <reason>' comment (or belong at module level)"
+    )
 
 
 def _heavy_after_import(module: str) -> str:
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in ('torch', 'scipy', 'matplotlib') if m in sys.modules))")
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'scipy', 'matplotlib') if m in sys.modules))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 

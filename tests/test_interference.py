@@ -25,14 +25,16 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline fitting scripts
 
 # ---- estimator --------------------------------------------------------------------------------
 
+
 def test_formulas_vector_1():
     m = InterferenceModel({"C+G2G": [1.2, 1.0]}, "test vector")
     assert float(overlap_time([6, 8, 0, 0], m)) == pytest.approx(8.0, abs=1e-12)
 
 
 def test_formulas_vector_2():
-    m = InterferenceModel({"C+G2G+C2G+G2C": [1.3, 1.0, 2.1, 2.1], "G2G+C2G+G2C": [1.0, 1.3, 1.3],
-                           "C2G+G2C": [1.25, 1.26]}, "test vector")
+    m = InterferenceModel(
+        {"C+G2G+C2G+G2C": [1.3, 1.0, 2.1, 2.1], "G2G+C2G+G2C": [1.0, 1.3, 1.3], "C2G+G2C": [1.25, 1.26]}, "test vector"
+    )
     t = float(overlap_time([5, 8, 6, 7], m))
     assert round(t, 4) == 11.2025
 
@@ -94,6 +96,7 @@ def test_pairwise_additive_composition():
 
 
 # ---- shipped fits and fallbacks -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("gpu", FITTED)
 def test_fitted_factors_beat_baselines(gpu):

@@ -15,10 +15,27 @@ GOOD = {
     "training": {"seq_len": 2048, "global_batch": 32, "flash_attention": True},
     "micro_batches": 8,
     "stages": [
-        {"layers": 13, "nodes": 1, "gpus_per_node": 2, "micro_batch": 2, "dp": 2, "tp": 1, "zero": 1,
-         "recompute_layers": 5, "offload": {"optimizer": 0.5}},
-        {"layers": 11, "nodes": 1, "gpus_per_node": 2, "micro_batch": 4, "dp": 1, "tp": 2, "zero": 0,
-         "recompute_layers": 0},
+        {
+            "layers": 13,
+            "nodes": 1,
+            "gpus_per_node": 2,
+            "micro_batch": 2,
+            "dp": 2,
+            "tp": 1,
+            "zero": 1,
+            "recompute_layers": 5,
+            "offload": {"optimizer": 0.5},
+        },
+        {
+            "layers": 11,
+            "nodes": 1,
+            "gpus_per_node": 2,
+            "micro_batch": 4,
+            "dp": 1,
+            "tp": 2,
+            "zero": 0,
+            "recompute_layers": 0,
+        },
     ],
 }
 
@@ -50,7 +67,7 @@ def test_good_plan_roundtrips(tmp_path):
 
 
 def test_gradient_dtype_roundtrips_and_is_omitted_when_default(tmp_path):
-    assert "grad_dtype" not in plan_from_dict(GOOD).to_dict()["training"]   # older plans read as before
+    assert "grad_dtype" not in plan_from_dict(GOOD).to_dict()["training"]  # older plans read as before
     p = plan_from_dict(mutate(training__grad_dtype="fp32"))
     assert p.training.grad_dtype == "fp32" and p.training.grad_bytes == 4
     f = tmp_path / "p.json"
@@ -72,43 +89,85 @@ def test_selective_recomputation_roundtrips_and_reads_in_the_summary(tmp_path):
     assert "recompute 0 + attention and MLP activation of the rest" in both.summary()
 
 
-@pytest.mark.parametrize("changes,needle", [
-    ({"stages__0__recompute_activation": "yes"}, "Stage 0 recompute_activation must be true or false"),
-    ({"stages__0__micro_batch": 3}, "not the global batch"),
-    ({"stages__1__tp": 1}, "does not equal"),
-    ({"stages__0__layers": 12}, "hold 23 layers"),
-    ({"cluster__gpus_per_node": 8}, "cluster has 8"),
-    ({"stages__0__recompute_layers": 14}, "exceeds"),
-    ({"stages__0__offload": {"optimizer": 1.5}}, "ratio in [0, 1]"),
-    ({"stages__0__offload": {"grads": -0.1}}, "ratio in [0, 1]"),
-    ({"cluster__nodes": 2, "cluster__gpus_per_node": 2, "stages__1__nodes": 2,
-      "stages__1__gpus_per_node": 1}, "does not cross a node"),
-    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 15, "num_kv_heads": 15,
-                "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}}, "divisible"),
-    ({"stages__0__zero": 4}, "zero must be"),
-    ({"micro_batches": 0}, "at least 1"),
-    ({"stages": []}, "non-empty"),
-    ({"cluster": KeyError}, "missing field 'cluster'"),
-    ({"stages__0__dp": KeyError}, "missing field(s) dp"),
-    ({"stages__0__pipeline": 3}, "unknown field"),
-    ({"model": "nope-7b"}, "Unknown model"),
-    ({"training__seq_len": 16384}, "learned positions"),
-    ({"training__flash_attention": "no"}, "flash_attention must be true or false"),
-    ({"training__grad_dtype": "fp16"}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
-    ({"training__grad_dtype": 4}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
-    ({"training__flash_attention": None}, "flash_attention must be true or false"),
-    ({"training__global_batch": 2**40}, "global_batch must be at most"),
-    ({"stages__0__zero": 1.0}, "zero must be 0, 1, 2 or 3"),
-    ({"stages__0__offload": 0}, "offload must map"),
-    ({"stages__0__offload": None}, "offload must map"),
-    ({"extra": 1}, "unknown field(s) extra"),
-    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16,
-                "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304, "colour": 1}},
-     "The model of plan has unknown field(s) colour"),
-    ({"model": {"family": "gpt", "num_layers": 24, "hidden_size": 2**33, "num_heads": 16,
-                "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}},
-     "at most 1,048,576"),
-])
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"stages__0__recompute_activation": "yes"}, "Stage 0 recompute_activation must be true or false"),
+        ({"stages__0__micro_batch": 3}, "not the global batch"),
+        ({"stages__1__tp": 1}, "does not equal"),
+        ({"stages__0__layers": 12}, "hold 23 layers"),
+        ({"cluster__gpus_per_node": 8}, "cluster has 8"),
+        ({"stages__0__recompute_layers": 14}, "exceeds"),
+        ({"stages__0__offload": {"optimizer": 1.5}}, "ratio in [0, 1]"),
+        ({"stages__0__offload": {"grads": -0.1}}, "ratio in [0, 1]"),
+        (
+            {"cluster__nodes": 2, "cluster__gpus_per_node": 2, "stages__1__nodes": 2, "stages__1__gpus_per_node": 1},
+            "does not cross a node",
+        ),
+        (
+            {
+                "model": {
+                    "family": "gpt",
+                    "num_layers": 24,
+                    "hidden_size": 2048,
+                    "num_heads": 15,
+                    "num_kv_heads": 15,
+                    "ffn_hidden_size": 8192,
+                    "vocab_size": 50304,
+                    "tie_embeddings": False,
+                }
+            },
+            "divisible",
+        ),
+        ({"stages__0__zero": 4}, "zero must be"),
+        ({"micro_batches": 0}, "at least 1"),
+        ({"stages": []}, "non-empty"),
+        ({"cluster": KeyError}, "missing field 'cluster'"),
+        ({"stages__0__dp": KeyError}, "missing field(s) dp"),
+        ({"stages__0__pipeline": 3}, "unknown field"),
+        ({"model": "nope-7b"}, "Unknown model"),
+        ({"training__seq_len": 16384}, "learned positions"),
+        ({"training__flash_attention": "no"}, "flash_attention must be true or false"),
+        ({"training__grad_dtype": "fp16"}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
+        ({"training__grad_dtype": 4}, "grad_dtype must be the parameter dtype (bf16) or fp32"),
+        ({"training__flash_attention": None}, "flash_attention must be true or false"),
+        ({"training__global_batch": 2**40}, "global_batch must be at most"),
+        ({"stages__0__zero": 1.0}, "zero must be 0, 1, 2 or 3"),
+        ({"stages__0__offload": 0}, "offload must map"),
+        ({"stages__0__offload": None}, "offload must map"),
+        ({"extra": 1}, "unknown field(s) extra"),
+        (
+            {
+                "model": {
+                    "family": "gpt",
+                    "num_layers": 24,
+                    "hidden_size": 2048,
+                    "num_heads": 16,
+                    "num_kv_heads": 16,
+                    "ffn_hidden_size": 8192,
+                    "vocab_size": 50304,
+                    "colour": 1,
+                }
+            },
+            "The model of plan has unknown field(s) colour",
+        ),
+        (
+            {
+                "model": {
+                    "family": "gpt",
+                    "num_layers": 24,
+                    "hidden_size": 2**33,
+                    "num_heads": 16,
+                    "num_kv_heads": 16,
+                    "ffn_hidden_size": 8192,
+                    "vocab_size": 50304,
+                    "tie_embeddings": False,
+                }
+            },
+            "at most 1,048,576",
+        ),
+    ],
+)
 def test_each_violation_has_its_message(changes, needle):
     with pytest.raises(MistInputError) as e:
         plan_from_dict(mutate(**changes))
@@ -118,9 +177,18 @@ def test_each_violation_has_its_message(changes, needle):
 
 
 def test_tp_must_divide_heads():
-    d = mutate(model={"family": "gpt", "num_layers": 24, "hidden_size": 2040, "num_heads": 15,
-                      "num_kv_heads": 15, "ffn_hidden_size": 8160, "vocab_size": 50304,
-                      "tie_embeddings": False})
+    d = mutate(
+        model={
+            "family": "gpt",
+            "num_layers": 24,
+            "hidden_size": 2040,
+            "num_heads": 15,
+            "num_kv_heads": 15,
+            "ffn_hidden_size": 8160,
+            "vocab_size": 50304,
+            "tie_embeddings": False,
+        }
+    )
     with pytest.raises(MistInputError, match="tp 2 does not divide the model's 15 attention heads"):
         plan_from_dict(d)
 
@@ -140,12 +208,22 @@ def test_bad_files(tmp_path):
 def test_placement_follows_the_runtime_layout():
     """Stages take consecutive ranks; on 2 nodes of 2 GPUs a 1×2 stage at ranks 1–2 would
     straddle both nodes, and a stage over 2 nodes must own them whole."""
-    base = mutate(cluster={"gpu": "l4", "nodes": 2, "gpus_per_node": 2}, micro_batches=16,
-                  training={"seq_len": 2048, "global_batch": 32})
+    base = mutate(
+        cluster={"gpu": "l4", "nodes": 2, "gpus_per_node": 2},
+        micro_batches=16,
+        training={"seq_len": 2048, "global_batch": 32},
+    )
 
     def stage(layers, n, g, tp=1):
-        return {"layers": layers, "nodes": n, "gpus_per_node": g, "micro_batch": 2 // (g * n // tp),
-                "dp": g * n // tp, "tp": tp}
+        return {
+            "layers": layers,
+            "nodes": n,
+            "gpus_per_node": g,
+            "micro_batch": 2 // (g * n // tp),
+            "dp": g * n // tp,
+            "tp": tp,
+        }
+
     ok = dict(base, stages=[stage(8, 1, 2), stage(8, 1, 1), stage(8, 1, 1)])
     assert plan_from_dict(ok).num_stages == 3
     straddle = dict(base, stages=[stage(8, 1, 1), stage(8, 1, 2, tp=2), stage(8, 1, 1)])
@@ -171,9 +249,19 @@ def test_yaml_plans(tmp_path):
     """YAML plans: any-case extension, exponent-only numbers, keys that are not strings, repeats."""
     import yaml
 
-    d = mutate(model={"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16,
-                      "num_kv_heads": 16, "ffn_hidden_size": 8192, "vocab_size": 50304,
-                      "tie_embeddings": False, "norm_eps": 1e-5})
+    d = mutate(
+        model={
+            "family": "gpt",
+            "num_layers": 24,
+            "hidden_size": 2048,
+            "num_heads": 16,
+            "num_kv_heads": 16,
+            "ffn_hidden_size": 8192,
+            "vocab_size": 50304,
+            "tie_embeddings": False,
+            "norm_eps": 1e-5,
+        }
+    )
     text = yaml.safe_dump(d, sort_keys=False).replace("1.0e-05", "1e-5")
     assert "norm_eps: 1e-5" in text
     f = tmp_path / "PLAN.YAML"
@@ -206,12 +294,23 @@ def test_relative_paths_are_read_from_the_plans_folder(tmp_path, monkeypatch):
     folder = tmp_path / "job"
     folder.mkdir()
     (folder / "l4.json").write_text((_profiles_dir() / "l4.json").read_text())
-    (folder / "m.json").write_text(json.dumps(
-        {"family": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16, "num_kv_heads": 16,
-         "ffn_hidden_size": 8192, "vocab_size": 50304, "tie_embeddings": False}))
+    (folder / "m.json").write_text(
+        json.dumps(
+            {
+                "family": "gpt",
+                "num_layers": 24,
+                "hidden_size": 2048,
+                "num_heads": 16,
+                "num_kv_heads": 16,
+                "ffn_hidden_size": 8192,
+                "vocab_size": 50304,
+                "tie_embeddings": False,
+            }
+        )
+    )
     d = mutate(model="m.json", cluster={"gpu": "l4.json", "nodes": 1, "gpus_per_node": 4})
     (folder / "plan.json").write_text(json.dumps(d))
-    monkeypatch.chdir(tmp_path)            # not the plan's folder
+    monkeypatch.chdir(tmp_path)  # not the plan's folder
     p = load_plan(folder / "plan.json")
     assert p.cluster.gpu == str(folder / "l4.json") and p.model.num_layers == 24
     out = tmp_path / "elsewhere" / "plan2.json"

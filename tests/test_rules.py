@@ -38,8 +38,13 @@ def test_rules_are_a_leaf_without_torch():
     """Every rule module imports only the standard library, numpy and other rules."""
     for path in RULES.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
                 assert top in ("__future__", "math", "numpy") or name.startswith("mist.rules"), (path, name)
@@ -79,7 +84,7 @@ def test_saved_tensor_split_is_what_the_runtime_packs(ratio):
     split = offload_split.splits_saved(numel, ratio) | (ratio == 0)
     full = float(sum(t.untyped_storage().nbytes() for t in tensors))
     whole = float((numel * elt)[~split].sum())
-    n, e = numel[split, None], elt[split, None]     # [tensors, one candidate]
+    n, e = numel[split, None], elt[split, None]  # [tensors, one candidate]
     kept = offload_split.kept_saved_bytes(n, e, whole, full, np.array([ratio]))
     host = offload_split.offloaded_saved_bytes(n, e, np.array([ratio]))
     assert kept[0] == mem.activations
@@ -108,9 +113,20 @@ def test_flat_unit_lengths_on_ints_and_arrays():
 def _unit(n, dp, rank, zero, G, wo=0.0, go=0.0, oo=0.0):
     lin = nn.Linear(n, 1, bias=False)
     params = [("w", lin.weight, [(lin, "weight")])]
-    return FlatUnit("u", params, [ParamRole(True)], dtype=torch.float32, device="cpu",
-                    comms=Comms(dp, rank, None), zero=zero, weights=wo, grads=go, optimizer=oo,
-                    micro_batches=G, memory=MemoryAccount())
+    return FlatUnit(
+        "u",
+        params,
+        [ParamRole(True)],
+        dtype=torch.float32,
+        device="cpu",
+        comms=Comms(dp, rank, None),
+        zero=zero,
+        weights=wo,
+        grads=go,
+        optimizer=oo,
+        micro_batches=G,
+        memory=MemoryAccount(),
+    )
 
 
 @pytest.mark.parametrize("n,dp,zero,G", [c for c in GRID if c[0] in (7, 1001)])
@@ -215,9 +231,19 @@ def test_pipeline_counts_on_arrays():
 
 # ------------------------------------------------------------------ seeded initialisation
 def test_seeded_init_follows_the_rule_on_both_sides():
-    spec = ModelSpec(family="gpt", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
-                     ffn_hidden_size=64, vocab_size=64, tie_embeddings=True, bias=True,
-                     max_position_embeddings=16, name="tiny-gpt")
+    spec = ModelSpec(
+        family="gpt",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        tie_embeddings=True,
+        bias=True,
+        max_position_embeddings=16,
+        name="tiny-gpt",
+    )
     model = CausalLM(spec, dtype=torch.float32)
     init_weights(model, 3)
     gen = torch.Generator().manual_seed(3)

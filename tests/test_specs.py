@@ -23,8 +23,7 @@ def one_sentence(msg: str) -> bool:
 
     (A message may start with a lower-case field name such as ``hidden_size``.)
     """
-    return ("\n" not in msg and msg == msg.strip() and msg[-1] in ".?"
-            and not re.search(r"[.?!]\s+[A-Z]", msg))
+    return "\n" not in msg and msg == msg.strip() and msg[-1] in ".?" and not re.search(r"[.?!]\s+[A-Z]", msg)
 
 
 def raises_one_sentence(fn, *args, match: str | None = None, **kw) -> str:
@@ -61,8 +60,7 @@ def test_paper_presets_follow_the_reference():
         assert g.family == "gpt" and g.ffn_hidden_size == 4 * g.hidden_size
         ll = get_preset(f"llama-{size}")
         assert ll.family == "llama" and ll.rotary_fraction == 0.25
-        assert (ll.num_layers, ll.hidden_size, ll.num_heads) == (
-            g.num_layers, g.hidden_size, g.num_heads)
+        assert (ll.num_layers, ll.hidden_size, ll.num_heads) == (g.num_layers, g.hidden_size, g.num_heads)
     dims = {n: (s.num_layers, s.hidden_size, s.num_heads) for n, s in PRESETS.items()}
     assert dims["gpt3-1.3b"] == (24, 2048, 16)
     assert dims["gpt3-2.7b"] == (32, 2560, 32)
@@ -71,13 +69,16 @@ def test_paper_presets_follow_the_reference():
     assert dims["gpt3-22b"] == (48, 6144, 64)
     assert dims["gpt3-40b"] == (48, 8192, 64)
     assert dims["llama-70b"] == (80, 8192, 64)
-    llama_ffn = [get_preset(f"llama-{s}").ffn_hidden_size
-                 for s in ("1.3b", "2.7b", "7b", "13b", "22b", "40b", "70b")]
+    llama_ffn = [get_preset(f"llama-{s}").ffn_hidden_size for s in ("1.3b", "2.7b", "7b", "13b", "22b", "40b", "70b")]
     assert llama_ffn == [5632, 6912, 11008, 13824, 16384, 22016, 28672]
     # Paper Falcon: GPT dims, parallel block, rotary 0.25; its 7B is renamed falcon-paper-7b.
-    for name, gpt in (("falcon-1.3b", "gpt3-1.3b"), ("falcon-2.7b", "gpt3-2.7b"),
-                      ("falcon-paper-7b", "gpt3-7b"), ("falcon-13b", "gpt3-13b"),
-                      ("falcon-22b", "gpt3-22b")):
+    for name, gpt in (
+        ("falcon-1.3b", "gpt3-1.3b"),
+        ("falcon-2.7b", "gpt3-2.7b"),
+        ("falcon-paper-7b", "gpt3-7b"),
+        ("falcon-13b", "gpt3-13b"),
+        ("falcon-22b", "gpt3-22b"),
+    ):
         f, g = get_preset(name), get_preset(gpt)
         assert f.family == "falcon" and f.parallel_block and f.rotary_fraction == 0.25
         assert replace(f, family="gpt", rotary_fraction=1.0, name=g.name) == g
@@ -90,14 +91,17 @@ def test_real_falcon_7b_is_not_the_paper_one():
     assert get_preset("falcon-paper-7b").hidden_size == 4096
 
 
-@pytest.mark.parametrize("name, params", [
-    ("llama2-7b", 6.74e9),
-    ("llama2-13b", 13.02e9),
-    ("llama2-70b", 68.98e9),
-    ("llama3-8b", 8.03e9),
-    ("llama3-70b", 70.55e9),
-    ("falcon-7b", 6.92e9),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("llama2-7b", 6.74e9),
+        ("llama2-13b", 13.02e9),
+        ("llama2-70b", 68.98e9),
+        ("llama3-8b", 8.03e9),
+        ("llama3-70b", 70.55e9),
+        ("falcon-7b", 6.92e9),
+    ],
+)
 def test_real_model_param_counts(name, params):
     assert get_preset(name).total_params() == pytest.approx(params, rel=2e-3)
 
@@ -109,8 +113,7 @@ def test_llama2_7b_exact_count():
 def test_gpt_1_3b_reference_vector():
     """Reference formula: biased GPT-1.3B, learned positions 2048, tied head, no final norm."""
     h, L, V = 2048, 24, 50304
-    spec = replace(get_preset("gpt3-1.3b"), bias=True, max_position_embeddings=2048,
-                   tie_embeddings=True)
+    spec = replace(get_preset("gpt3-1.3b"), bias=True, max_position_embeddings=2048, tie_embeddings=True)
     assert spec.num_layers == L
     assert spec.block_params() == 12 * h * h + 13 * h
     assert spec.embedding_params() == (V + 2048) * h
@@ -151,8 +154,16 @@ def _write(tmp_path: Path, name: str, data) -> str:
     return str(p)
 
 
-BASE = dict(family="gpt", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4,
-            ffn_hidden_size=1024, vocab_size=1000, tie_embeddings=True)
+BASE = dict(
+    family="gpt",
+    num_layers=2,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=4,
+    ffn_hidden_size=1024,
+    vocab_size=1000,
+    tie_embeddings=True,
+)
 
 
 def test_load_json_model_file(tmp_path):
@@ -170,25 +181,35 @@ def test_model_file_missing_fields(tmp_path):
 
 
 def test_model_file_unknown_field(tmp_path):
-    msg = raises_one_sentence(load_model, _write(tmp_path, "m.json", {**BASE, "hiden_size": 3}),
-                              match="unknown field")
+    msg = raises_one_sentence(load_model, _write(tmp_path, "m.json", {**BASE, "hiden_size": 3}), match="unknown field")
     assert "hiden_size" in msg and "hidden_size" in msg
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_layers", "24"), ("hidden_size", 256.0), ("tie_embeddings", "yes"),
-    ("bias", 1), ("rotary_fraction", "half"), ("norm_eps", True), ("family", 3),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_layers", "24"),
+        ("hidden_size", 256.0),
+        ("tie_embeddings", "yes"),
+        ("bias", 1),
+        ("rotary_fraction", "half"),
+        ("norm_eps", True),
+        ("family", 3),
+    ],
+)
 def test_model_file_wrong_type(tmp_path, field, value):
     path = _write(tmp_path, "m.json", {**BASE, field: value})
     raises_one_sentence(load_model, path, match=field)
 
 
-@pytest.mark.parametrize("text, suffix", [
-    ('{"family": "gpt",', ".json"),
-    ("family: [gpt\n", ".yaml"),
-    ("{{{ not: [valid", ".cfg"),
-])
+@pytest.mark.parametrize(
+    "text, suffix",
+    [
+        ('{"family": "gpt",', ".json"),
+        ("family: [gpt\n", ".yaml"),
+        ("{{{ not: [valid", ".cfg"),
+    ],
+)
 def test_broken_files_name_the_file(tmp_path, text, suffix):
     path = _write(tmp_path, "broken" + suffix, text)
     raises_one_sentence(load_model, path, match=re.escape(path))
@@ -198,20 +219,23 @@ def test_file_must_hold_a_mapping(tmp_path):
     raises_one_sentence(load_model, _write(tmp_path, "list.json", [1, 2]), match="mapping")
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(num_heads=4, num_kv_heads=3), "not divisible by num_kv_heads"),
-    (dict(hidden_size=250), "not divisible by num_heads"),
-    (dict(num_layers=-2), "num_layers must be positive"),
-    (dict(ffn_hidden_size=0), "ffn_hidden_size must be positive"),
-    (dict(family="llama", rotary_fraction=1.5), "rotary_fraction"),
-    (dict(family="llama", rotary_fraction=0.3), "odd number of rotary"),
-    (dict(family="bert"), "(?i)unknown model family"),
-    (dict(norm_eps=0.0), "norm_eps"),
-    (dict(norm_eps=float("inf")), "norm_eps must be a positive finite number"),
-    (dict(hidden_size=2**33, num_heads=2**13), "hidden_size must be at most 1,048,576"),
-    (dict(vocab_size=2**63), "vocab_size must be at most 16,777,216"),
-    (dict(num_layers=10**9), "num_layers must be at most 4,096"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "not divisible by num_kv_heads"),
+        (dict(hidden_size=250), "not divisible by num_heads"),
+        (dict(num_layers=-2), "num_layers must be positive"),
+        (dict(ffn_hidden_size=0), "ffn_hidden_size must be positive"),
+        (dict(family="llama", rotary_fraction=1.5), "rotary_fraction"),
+        (dict(family="llama", rotary_fraction=0.3), "odd number of rotary"),
+        (dict(family="bert"), "(?i)unknown model family"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(norm_eps=float("inf")), "norm_eps must be a positive finite number"),
+        (dict(hidden_size=2**33, num_heads=2**13), "hidden_size must be at most 1,048,576"),
+        (dict(vocab_size=2**63), "vocab_size must be at most 16,777,216"),
+        (dict(num_layers=10**9), "num_layers must be at most 4,096"),
+    ],
+)
 def test_invalid_models_one_sentence(tmp_path, change, match):
     raises_one_sentence(ModelSpec, **{**BASE, **change}, match=match)
     path = _write(tmp_path, "m.json", {**BASE, **change})
@@ -233,8 +257,17 @@ def test_check_tp():
 
 # ----------------------------------------------------------------- Hugging Face configs
 def dims(s: ModelSpec):
-    return (s.family, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads,
-            s.ffn_hidden_size, s.vocab_size, s.tie_embeddings, s.bias)
+    return (
+        s.family,
+        s.num_layers,
+        s.hidden_size,
+        s.num_heads,
+        s.num_kv_heads,
+        s.ffn_hidden_size,
+        s.vocab_size,
+        s.tie_embeddings,
+        s.bias,
+    )
 
 
 def test_hf_llama2():
@@ -268,8 +301,7 @@ def test_hf_falcon_variants():
     base = json.loads((HF / "falcon-7b.json").read_text())
     mha = load_model_dict({**base, "multi_query": False}, "x")
     assert mha.num_kv_heads == 71
-    old40 = {**base, "model_type": "RefinedWeb", "n_head": 128, "n_head_kv": 8,
-             "n_layer": 60, "hidden_size": 8192}
+    old40 = {**base, "model_type": "RefinedWeb", "n_head": 128, "n_head_kv": 8, "n_layer": 60, "hidden_size": 8192}
     old40.pop("multi_query")
     assert dims(load_model_dict(old40, "x"))[:6] == ("falcon", 60, 8192, 128, 8, 32768)
     rw = load_model_dict({**base, "parallel_attn": False, "alibi": True}, "x")
@@ -289,8 +321,7 @@ def test_hf_gpt_neox_pythia():
     assert s.rotary_fraction == 0.25 and s.max_position_embeddings == 2048
     # Real Pythia-160M: 162,322,944; our single-norm parallel block is 2h per layer short.
     assert s.total_params() == 162_322_944 - 12 * 2 * 768
-    seq = load_model_dict({**json.loads((HF / "pythia-160m.json").read_text()),
-                           "use_parallel_residual": False}, "x")
+    seq = load_model_dict({**json.loads((HF / "pythia-160m.json").read_text()), "use_parallel_residual": False}, "x")
     assert seq.family == "gpt"
 
 
@@ -312,24 +343,28 @@ def test_hf_detection_by_architectures_only():
 
 def test_hf_errors():
     cfg = json.loads((HF / "llama2-7b.json").read_text())
-    raises_one_sentence(load_model_dict, {"model_type": "bert", "hidden_size": 768}, "cfg.json",
-                        match="model_type 'bert'")
+    raises_one_sentence(
+        load_model_dict, {"model_type": "bert", "hidden_size": 768}, "cfg.json", match="model_type 'bert'"
+    )
     missing = {k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "vocab_size")}
-    raises_one_sentence(load_model_dict, missing, "cfg.json",
-                        match="missing field.*num_hidden_layers, vocab_size")
-    raises_one_sentence(load_model_dict, {**cfg, "num_key_value_heads": 5}, "cfg.json",
-                        match="cfg.json.*not divisible by num_kv_heads")
+    raises_one_sentence(load_model_dict, missing, "cfg.json", match="missing field.*num_hidden_layers, vocab_size")
+    raises_one_sentence(
+        load_model_dict, {**cfg, "num_key_value_heads": 5}, "cfg.json", match="cfg.json.*not divisible by num_kv_heads"
+    )
     raises_one_sentence(load_model_dict, {**cfg, "head_dim": 64}, "cfg.json", match="head_dim")
     no_type = {k: v for k, v in cfg.items() if k != "model_type"}
     for archs in ([{"a": 1}], [["LlamaForCausalLM"]], 3):
-        raises_one_sentence(load_model_dict, {**no_type, "architectures": archs}, "cfg.json",
-                            match="no supported model_type or architectures")
-    raises_one_sentence(load_model_dict, {**cfg, "head_dim": "128"}, "cfg.json",
-                        match="field head_dim must be an integer, got '128'")
-    raises_one_sentence(load_model_dict, {**cfg, "tie_word_embeddings": "no"}, "cfg.json",
-                        match="tie_word_embeddings")
-    raises_one_sentence(load_model_dict, {**cfg, "hidden_size": "4096"}, "cfg.json",
-                        match="integer")
+        raises_one_sentence(
+            load_model_dict,
+            {**no_type, "architectures": archs},
+            "cfg.json",
+            match="no supported model_type or architectures",
+        )
+    raises_one_sentence(
+        load_model_dict, {**cfg, "head_dim": "128"}, "cfg.json", match="field head_dim must be an integer, got '128'"
+    )
+    raises_one_sentence(load_model_dict, {**cfg, "tie_word_embeddings": "no"}, "cfg.json", match="tie_word_embeddings")
+    raises_one_sentence(load_model_dict, {**cfg, "hidden_size": "4096"}, "cfg.json", match="integer")
 
 
 def test_loading_does_not_need_transformers():

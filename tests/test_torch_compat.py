@@ -14,9 +14,13 @@ from mist import torch_compat as tc
 def test_running_torch_is_a_checked_version():
     release = tc.torch_release()
     if release not in tc.CHECKED_VERSIONS:
-        warnings.warn(f"PyTorch {release} is not among the versions mist.torch_compat was checked on "
-                      f"({', '.join(tc.CHECKED_VERSIONS)}); if the tests of tests/test_torch_compat.py "
-                      "pass, add it to CHECKED_VERSIONS.", UserWarning, stacklevel=1)
+        warnings.warn(
+            f"PyTorch {release} is not among the versions mist.torch_compat was checked on "
+            f"({', '.join(tc.CHECKED_VERSIONS)}); if the tests of tests/test_torch_compat.py "
+            "pass, add it to CHECKED_VERSIONS.",
+            UserWarning,
+            stacklevel=1,
+        )
     assert all(v.count(".") == 2 and "+" not in v for v in tc.CHECKED_VERSIONS)
 
 
@@ -49,8 +53,15 @@ def _check_fused_adam(device: torch.device) -> None:
         tc.fused_adam_(p, g, m, v, step=step, **hp)
 
     ref = p0.clone().requires_grad_(True)
-    opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                            weight_decay=0.0, foreach=False, fused=False)
+    opt = torch.optim.AdamW(
+        [ref],
+        lr=hp["lr"],
+        betas=(hp["beta1"], hp["beta2"]),
+        eps=hp["eps"],
+        weight_decay=0.0,
+        foreach=False,
+        fused=False,
+    )
     for g in grads:
         ref.grad = g.clone()
         opt.step()
@@ -87,8 +98,9 @@ def test_dispatch_mode_sees_aten_calls_and_pytree_flattens_them():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             leaves = tc.pytree.tree_leaves((args, kwargs or {}))
-            seen.append((func.namespace, func.overloadpacket.__name__,
-                         sum(isinstance(a, torch.Tensor) for a in leaves)))
+            seen.append(
+                (func.namespace, func.overloadpacket.__name__, sum(isinstance(a, torch.Tensor) for a in leaves))
+            )
             return out
 
     a, b = torch.ones(2, 3), torch.ones(3, 4)
@@ -114,7 +126,6 @@ def test_symbolic_shapes_stay_out_of_a_plain_import():
     import subprocess
     import sys
 
-    code = ("import sys, mist.torch_compat; "
-            "print('torch.fx.experimental.symbolic_shapes' in sys.modules)")
+    code = "import sys, mist.torch_compat; print('torch.fx.experimental.symbolic_shapes' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -36,8 +36,11 @@ def test_bools_are_not_numbers():
 def test_sequence_length_against_learned_positions():
     gpt = get_preset("gpt3-1.3b")
     gpt.check_seq_len(gpt.max_position_embeddings)
-    with pytest.raises(MistInputError, match=f"^Sequence length {gpt.max_position_embeddings + 1} exceeds the "
-                                             f"model's {gpt.max_position_embeddings} learned positions.$"):
+    with pytest.raises(
+        MistInputError,
+        match=f"^Sequence length {gpt.max_position_embeddings + 1} exceeds the "
+        f"model's {gpt.max_position_embeddings} learned positions.$",
+    ):
         gpt.check_seq_len(gpt.max_position_embeddings + 1)
     llama = get_preset("llama2-7b")
-    llama.check_seq_len(llama.max_position_embeddings * 4)   # rotary: no learned positions
+    llama.check_seq_len(llama.max_position_embeddings * 4)  # rotary: no learned positions

@@ -46,7 +46,7 @@ def test_a_dead_worker_ends_the_wait():
     q = CTX.Queue()
     procs = start_workers(CTX, _die, [(r, q) for r in range(2)])
     with pytest.raises(WorkerDied) as exc:
-        for _ in poll_messages(q, procs, interval_s=0.05):   # worker 0's message, if it comes first
+        for _ in poll_messages(q, procs, interval_s=0.05):  # worker 0's message, if it comes first
             pass
     _join(procs)
     assert (exc.value.index, exc.value.exitcode) == (1, 3)

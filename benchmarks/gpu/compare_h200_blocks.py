@@ -29,15 +29,33 @@ for r in meas["blocks"]:
     lay = est["layer"]
     add(r["model"], r["b"], "block fwd", r["fwd_ms"], lay["fwd_compute_ms"], "time", "ms")
     add(r["model"], r["b"], "block bwd", r["bwd_ms"], lay["bwd_compute_ms"], "time", "ms")
-    add(r["model"], r["b"], "block saved", r["saved_bytes"] / 2**20, lay["saved_activation_bytes"] / 2**20, "memory", "MiB")
+    add(
+        r["model"],
+        r["b"],
+        "block saved",
+        r["saved_bytes"] / 2**20,
+        lay["saved_activation_bytes"] / 2**20,
+        "memory",
+        "MiB",
+    )
 for r in meas["models"]:
     if "error" in r:
         continue
     est = estimate(get_preset(r["model"]), prof, 2048, 1, recompute="full" if r["recompute"] else "none")
-    add(r["model"], 1, "model fwd+bwd" + (" (full recompute)" if r["recompute"] else ""), r["fwd_bwd_ms"],
-        est["model"]["fwd_bwd_ms"], "time", "ms")
-text = (f"# mist estimate vs one H200 ({meas['device']}, torch {meas['torch']}), profile {prof.name}\n\n"
-        + "\n".join(rows) + "\n\n"
-        + f"Median |error|: time {statistics.median(errs['time']):.1%} over {len(errs['time'])}, "
-        + f"activation memory {statistics.median(errs['memory']):.1%} over {len(errs['memory'])}.\n")
+    add(
+        r["model"],
+        1,
+        "model fwd+bwd" + (" (full recompute)" if r["recompute"] else ""),
+        r["fwd_bwd_ms"],
+        est["model"]["fwd_bwd_ms"],
+        "time",
+        "ms",
+    )
+text = (
+    f"# mist estimate vs one H200 ({meas['device']}, torch {meas['torch']}), profile {prof.name}\n\n"
+    + "\n".join(rows)
+    + "\n\n"
+    + f"Median |error|: time {statistics.median(errs['time']):.1%} over {len(errs['time'])}, "
+    + f"activation memory {statistics.median(errs['memory']):.1%} over {len(errs['memory'])}.\n"
+)
 print(text)

@@ -46,12 +46,12 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 MODEL, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = "llama-1.3b", 2048, 8, 4, 5
-TOTAL_BUDGET_S = 460.0     # the whole run
-PROFILE_BUDGET_S = 240.0   # `mist profile --time-budget`
-PROFILE_GRACE_S = 90.0     # the profile subprocess is stopped at its budget + this
-BARE_RESERVE_S = 40.0      # kept for the bare loop while plans run
-MIN_PLAN_S = 25.0          # a plan is skipped when less than this is left for it
-PLAN_CAP_S = 150.0         # no plan runs longer than this
+TOTAL_BUDGET_S = 460.0  # the whole run
+PROFILE_BUDGET_S = 240.0  # `mist profile --time-budget`
+PROFILE_GRACE_S = 90.0  # the profile subprocess is stopped at its budget + this
+BARE_RESERVE_S = 40.0  # kept for the bare loop while plans run
+MIN_PLAN_S = 25.0  # a plan is skipped when less than this is left for it
+PLAN_CAP_S = 150.0  # no plan runs longer than this
 RESULT = "gpu_loop.json"
 PROFILE = "h200-profile.json"
 
@@ -100,6 +100,7 @@ def with_time_limit(seconds: float, fn):
     """fn() in the main thread, stopped after `seconds`: on SIGALRM the worker processes this
     process started (multiprocessing children: spawn_local's ranks) are terminated and TimeLimit
     is raised."""
+
     def on_alarm(signum, frame):
         for p in multiprocessing.active_children():
             p.terminate()
@@ -112,7 +113,7 @@ def with_time_limit(seconds: float, fn):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        for p in multiprocessing.active_children():   # reap what was terminated
+        for p in multiprocessing.active_children():  # reap what was terminated
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
@@ -122,16 +123,30 @@ def with_time_limit(seconds: float, fn):
 def environment() -> dict:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "host": platform.node(), "cpu_count": os.cpu_count(),
-           "modules": {m: importlib.util.find_spec(m) is not None
-                       for m in ("numpy", "scipy", "sympy", "yaml", "typer", "rich")}}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "modules": {
+            m: importlib.util.find_spec(m) is not None for m in ("numpy", "scipy", "sympy", "yaml", "typer", "rich")
+        },
+    }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name(0)
         env["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
-    for key, cmd in (("commit", ["git", "rev-parse", "HEAD"]),
-                     ("nvidia_smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
-                                     "power.limit", "--format=csv,noheader"])):
+    for key, cmd in (
+        ("commit", ["git", "rev-parse", "HEAD"]),
+        (
+            "nvidia_smi",
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                "--format=csv,noheader",
+            ],
+        ),
+    ):
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=15, cwd=ROOT)
             env[key] = r.stdout.strip() if r.returncode == 0 else None
@@ -141,19 +156,40 @@ def environment() -> dict:
 
 
 # ---------------------------------------------------------------------------- phase 1: profile
-def profile_command(path: Path, budget_s: float, device: str = "cuda", cli: bool | None = None) -> tuple[list[str], str]:
+def profile_command(
+    path: Path, budget_s: float, device: str = "cuda", cli: bool | None = None
+) -> tuple[list[str], str]:
     """`python -m mist profile …`; without typer/rich (the CLI's), the same measurement through
     `mist.profiling` directly."""
     if cli is None:
         cli = all(importlib.util.find_spec(m) is not None for m in ("typer", "rich"))
     if cli:
-        return ([sys.executable, "-m", "mist", "profile", "--device", device, "--processes", "1",
-                 "--time-budget", f"{budget_s:g}", "-o", str(path)], "mist profile")
-    code = ("import sys; from mist.profiling import run_profile, write_profile; "
-            "p = run_profile(device=sys.argv[3], processes=1, time_budget=float(sys.argv[1])); "
-            "print('wrote', write_profile(p, sys.argv[2])); print(p.summary())")
-    return ([sys.executable, "-c", code, f"{budget_s:g}", str(path), device],
-            "mist.profiling.run_profile (no typer/rich)")
+        return (
+            [
+                sys.executable,
+                "-m",
+                "mist",
+                "profile",
+                "--device",
+                device,
+                "--processes",
+                "1",
+                "--time-budget",
+                f"{budget_s:g}",
+                "-o",
+                str(path),
+            ],
+            "mist profile",
+        )
+    code = (
+        "import sys; from mist.profiling import run_profile, write_profile; "
+        "p = run_profile(device=sys.argv[3], processes=1, time_budget=float(sys.argv[1])); "
+        "print('wrote', write_profile(p, sys.argv[2])); print(p.summary())"
+    )
+    return (
+        [sys.executable, "-c", code, f"{budget_s:g}", str(path), device],
+        "mist.profiling.run_profile (no typer/rich)",
+    )
 
 
 def fresh(path: Path, since: float) -> bool:
@@ -161,7 +197,9 @@ def fresh(path: Path, since: float) -> bool:
     return path.exists() and path.stat().st_mtime >= since - 1
 
 
-def run_profile_phase(out: Path, budget_s: float, limit_s: float, device: str = "cuda", cli: bool | None = None) -> dict:
+def run_profile_phase(
+    out: Path, budget_s: float, limit_s: float, device: str = "cuda", cli: bool | None = None
+) -> dict:
     path = out / PROFILE
     cmd, via = profile_command(path, budget_s, device, cli)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)}
@@ -190,20 +228,47 @@ def run_profile_phase(out: Path, budget_s: float, limit_s: float, device: str = 
 
 
 # ---------------------------------------------------------------------------- phase 2: plans
-def make_plan(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH,
-              gpu: str = "h200", dtype: str = "bf16", flash: bool = True, **stage):
+def make_plan(
+    model=MODEL,
+    seq: int = SEQ,
+    global_batch: int = GLOBAL_BATCH,
+    micro_batch: int = MICRO_BATCH,
+    gpu: str = "h200",
+    dtype: str = "bf16",
+    flash: bool = True,
+    **stage,
+):
     """A one-GPU, one-stage plan of `model` (a preset name or a model mapping)."""
     from mist.plan import plan_from_dict
     from mist.specs.loading import load_model, load_model_dict
 
     spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
-    st = {"layers": spec.num_layers, "nodes": 1, "gpus_per_node": 1, "micro_batch": micro_batch, "dp": 1,
-          "tp": 1, "zero": 0, "recompute_layers": 0}
+    st = {
+        "layers": spec.num_layers,
+        "nodes": 1,
+        "gpus_per_node": 1,
+        "micro_batch": micro_batch,
+        "dp": 1,
+        "tp": 1,
+        "zero": 0,
+        "recompute_layers": 0,
+    }
     st.update(stage)
-    return plan_from_dict({"model": model, "cluster": {"gpu": gpu, "nodes": 1, "gpus_per_node": 1},
-                           "training": {"seq_len": seq, "global_batch": global_batch, "param_dtype": dtype,
-                                        "compute_dtype": dtype, "flash_attention": flash},
-                           "micro_batches": global_batch // micro_batch, "stages": [st]})
+    return plan_from_dict(
+        {
+            "model": model,
+            "cluster": {"gpu": gpu, "nodes": 1, "gpus_per_node": 1},
+            "training": {
+                "seq_len": seq,
+                "global_batch": global_batch,
+                "param_dtype": dtype,
+                "compute_dtype": dtype,
+                "flash_attention": flash,
+            },
+            "micro_batches": global_batch // micro_batch,
+            "stages": [st],
+        }
+    )
 
 
 def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cuda", **spawn_kw) -> dict:
@@ -213,8 +278,9 @@ def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cu
     row = {"name": name, "plan": plan.to_dict(), "steps": steps, "limit_s": round(limit_s, 1)}
     t0 = time.perf_counter()
     try:
-        res = with_time_limit(limit_s, lambda: spawn_local(plan, TrainConfig(steps=steps, log=False),
-                                                           device_type=device_type, **spawn_kw))
+        res = with_time_limit(
+            limit_s, lambda: spawn_local(plan, TrainConfig(steps=steps, log=False), device_type=device_type, **spawn_kw)
+        )
         row["status"], row["metrics"] = "ok", res["metrics"]
     except TimeLimit as e:
         row["status"], row["error"] = "timeout", str(e)
@@ -225,8 +291,16 @@ def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cu
 
 
 # ---------------------------------------------------------------------------- phase 3: bare loop
-def bare_loop(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH,
-              steps: int = STEPS, device: str = "cuda", dtype: str = "bf16", flash: bool = True) -> dict:
+def bare_loop(
+    model=MODEL,
+    seq: int = SEQ,
+    global_batch: int = GLOBAL_BATCH,
+    micro_batch: int = MICRO_BATCH,
+    steps: int = STEPS,
+    device: str = "cuda",
+    dtype: str = "bf16",
+    flash: bool = True,
+) -> dict:
     """The model in plain PyTorch: `dtype` working weights, fp32 master weights, fused AdamW,
     G = global_batch / micro_batch accumulated micro-batches per step."""
     import torch
@@ -277,12 +351,20 @@ def bare_loop(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, mic
         times.append(time.perf_counter() - t0)
         losses.append(float(total))
     steady = times[1:] or times
-    return {"status": "ok", "step_time_s": sum(steady) / len(steady), "median_step_s": statistics.median(steady),
-            "step_times_s": times, "losses": losses, "params": sum(q.numel() for q in params),
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,
-            "how": (f"{dtype} model, fp32 master weights, fused AdamW, {G} micro-batches of {micro_batch} "
-                    f"× seq {seq}; step time = mean of steps 2–{steps} (as the runtime's step_time_s)")}
+    return {
+        "status": "ok",
+        "step_time_s": sum(steady) / len(steady),
+        "median_step_s": statistics.median(steady),
+        "step_times_s": times,
+        "losses": losses,
+        "params": sum(q.numel() for q in params),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None,
+        "how": (
+            f"{dtype} model, fp32 master weights, fused AdamW, {G} micro-batches of {micro_batch} "
+            f"× seq {seq}; step time = mean of steps 2–{steps} (as the runtime's step_time_s)"
+        ),
+    }
 
 
 # ---------------------------------------------------------------------------- the run
@@ -290,13 +372,13 @@ def bare_loop(model=MODEL, seq: int = SEQ, global_batch: int = GLOBAL_BATCH, mic
 class Setup:
     """What the loop trains: the H200 defaults; the test runs the same loop with a tiny CPU setup."""
 
-    model: object = MODEL          # a preset name or a model mapping
+    model: object = MODEL  # a preset name or a model mapping
     seq: int = SEQ
     global_batch: int = GLOBAL_BATCH
     micro_batch: int = MICRO_BATCH
     steps: int = STEPS
     dtype: str = "bf16"
-    gpu: str = "h200"              # the plan's cluster.gpu
+    gpu: str = "h200"  # the plan's cluster.gpu
     device: str = "cuda"
 
 
@@ -313,8 +395,9 @@ def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float)
 
     spec = load_model(su.model) if isinstance(su.model, str) else load_model_dict(su.model, source="model")
     spawn_kw = {} if su.device == "cuda" else {"start_method": "fork", "threads": 1}
-    shape = dict(model=su.model, seq=su.seq, global_batch=su.global_batch, micro_batch=su.micro_batch,
-                 gpu=su.gpu, dtype=su.dtype)
+    shape = dict(
+        model=su.model, seq=su.seq, global_batch=su.global_batch, micro_batch=su.micro_batch, gpu=su.gpu, dtype=su.dtype
+    )
     for name, stage in PLANS:
         limit = min(PLAN_CAP_S, clock.left() - reserve_s)
         try:
@@ -323,8 +406,14 @@ def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float)
             res["plans"].append({"name": name, "status": "error", "error": error_text(e)})
             continue
         if limit < MIN_PLAN_S:
-            res["plans"].append({"name": name, "plan": plan.to_dict(), "status": "skipped",
-                                 "error": f"only {max(0.0, limit):.0f} s left in the loop's budget"})
+            res["plans"].append(
+                {
+                    "name": name,
+                    "plan": plan.to_dict(),
+                    "status": "skipped",
+                    "error": f"only {max(0.0, limit):.0f} s left in the loop's budget",
+                }
+            )
             save(out, res)
             log(out, f"plan {name}: skipped")
             continue
@@ -334,9 +423,15 @@ def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float)
         res["plans"][-1] = row
         save(out, res)
         m = row.get("metrics") or {}
-        log(out, f"plan {name}: {row['status']} in {row['wall_s']:.0f} s"
-            + (f", step {m['step_time_s']:.3f} s, peak {m['stages'][0]['peak_memory_bytes'] / 2**30:.2f} GiB"
-               if m else f": {str(row.get('error', ''))[-300:]}"))
+        log(
+            out,
+            f"plan {name}: {row['status']} in {row['wall_s']:.0f} s"
+            + (
+                f", step {m['step_time_s']:.3f} s, peak {m['stages'][0]['peak_memory_bytes'] / 2**30:.2f} GiB"
+                if m
+                else f": {str(row.get('error', ''))[-300:]}"
+            ),
+        )
 
 
 def bare_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
@@ -348,8 +443,10 @@ def bare_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
         res["bare_loop"] = {"status": "running", "started": now()}
         save(out, res)
         try:
-            res["bare_loop"] = with_time_limit(limit, lambda: bare_loop(su.model, su.seq, su.global_batch,
-                                                                        su.micro_batch, su.steps, su.device, su.dtype))
+            res["bare_loop"] = with_time_limit(
+                limit,
+                lambda: bare_loop(su.model, su.seq, su.global_batch, su.micro_batch, su.steps, su.device, su.dtype),
+            )
         except TimeLimit as e:
             res["bare_loop"] = {"status": "timeout", "error": str(e)}
         except Exception as e:  # noqa: BLE001 - recorded
@@ -358,18 +455,35 @@ def bare_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
     b["wall_s"] = time.perf_counter() - t0
     save(out, res)
     peak = b.get("peak_memory_bytes")
-    log(out, f"bare loop: {b['status']}" + (f", step {b['step_time_s']:.3f} s" if b["status"] == "ok" else
-                                            f": {str(b.get('error', ''))[-300:]}")
-        + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
+    log(
+        out,
+        f"bare loop: {b['status']}"
+        + (f", step {b['step_time_s']:.3f} s" if b["status"] == "ok" else f": {str(b.get('error', ''))[-300:]}")
+        + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
+    )
 
 
-def run_loop(out: Path, su: Setup = Setup(), budget_s: float = TOTAL_BUDGET_S,
-             profile_budget_s: float = PROFILE_BUDGET_S, skip: frozenset = frozenset()) -> dict:
+def run_loop(
+    out: Path,
+    su: Setup = Setup(),
+    budget_s: float = TOTAL_BUDGET_S,
+    profile_budget_s: float = PROFILE_BUDGET_S,
+    skip: frozenset = frozenset(),
+) -> dict:
     """The three phases into out/gpu_loop.json (saved after every step); returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(budget_s)
-    res = {"format": "mist-gpu-loop", "version": 1, "started": now(), "budget_s": budget_s,
-           "setup": asdict(su), "env": environment(), "profile": None, "plans": [], "bare_loop": None}
+    res = {
+        "format": "mist-gpu-loop",
+        "version": 1,
+        "started": now(),
+        "budget_s": budget_s,
+        "setup": asdict(su),
+        "env": environment(),
+        "profile": None,
+        "plans": [],
+        "bare_loop": None,
+    }
     save(out, res)
     log(out, f"{res['env'].get('device', su.device)} torch {res['env']['torch']}; budget {budget_s:.0f} s")
     reserve = 0.0 if "bare" in skip else BARE_RESERVE_S
@@ -402,14 +516,18 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_loop.py needs a CUDA GPU, and PyTorch sees none on this machine: nothing was run.",
-              file=sys.stderr)
+        print("gpu_loop.py needs a CUDA GPU, and PyTorch sees none on this machine: nothing was run.", file=sys.stderr)
         return 2
     if not os.environ.get("OUT"):
         print("gpu_loop.py writes its results under $OUT: set OUT to a folder.", file=sys.stderr)
         return 2
-    run_loop(Path(os.environ["OUT"]).resolve(), Setup(), a.budget, a.profile_budget,
-             frozenset(s.strip() for s in a.skip.split(",") if s.strip()))
+    run_loop(
+        Path(os.environ["OUT"]).resolve(),
+        Setup(),
+        a.budget,
+        a.profile_budget,
+        frozenset(s.strip() for s in a.skip.split(",") if s.strip()),
+    )
     return 0
 
 

@@ -15,9 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
-from mist.models import DecoderBlock, Embedding, Head  # noqa: E402
-from mist.models.checkpointing import run_block  # noqa: E402
-from mist.specs.presets import get_preset  # noqa: E402
+from mist.models import DecoderBlock, Embedding, Head
+from mist.models.checkpointing import run_block
+from mist.specs.presets import get_preset
 
 DEV, DT = "cuda", torch.bfloat16
 OUT = os.environ.get("OUT", ".")
@@ -90,8 +90,16 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "gpt3-7b", "llama3-8b", "
             torch.cuda.synchronize()
             m1 = torch.cuda.memory_allocated()
             saved = sum(v for k, v in seen.items() if k not in params)
-            res["blocks"].append({"model": name, "b": b, "fwd_ms": f_ms, "bwd_ms": b_ms,
-                                  "saved_bytes": saved, "alloc_delta_bytes": m1 - m0})
+            res["blocks"].append(
+                {
+                    "model": name,
+                    "b": b,
+                    "fwd_ms": f_ms,
+                    "bwd_ms": b_ms,
+                    "saved_bytes": saved,
+                    "alloc_delta_bytes": m1 - m0,
+                }
+            )
             del y, keep, seen, blk, x, g, fwd, bwd, pack  # the closures hold them too
             torch.cuda.empty_cache()
         except Exception as e:  # keep going: one failure must not cost the whole run
@@ -119,8 +127,15 @@ for name in ["gpt3-1.3b", "llama-1.3b", "falcon-1.3b", "llama3-8b"]:
                 head(xx, tok).backward()
 
             ms = ev_time(step, reps=5, warm=2)
-            res["models"].append({"model": name, "b": 1, "recompute": rc, "fwd_bwd_ms": ms,
-                                  "peak_alloc_bytes": torch.cuda.max_memory_allocated()})
+            res["models"].append(
+                {
+                    "model": name,
+                    "b": 1,
+                    "recompute": rc,
+                    "fwd_bwd_ms": ms,
+                    "peak_alloc_bytes": torch.cuda.max_memory_allocated(),
+                }
+            )
             del emb, blocks, head, step
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

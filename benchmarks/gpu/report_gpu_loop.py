@@ -43,8 +43,11 @@ def predict(plan_dict: dict, profile) -> dict:
         sim = simulate_plan(plan_from_dict(plan_dict), profile)
     except Exception as e:  # noqa: BLE001 - one plan's failure is reported, not fatal
         return {"error": error_text(e, 500)}
-    return {"step_time_s": sim["iteration_time_s"], "fits": sim["fits"],
-            "stages": [{k: s[k] for k in KEYS} for s in sim["stages"]]}
+    return {
+        "step_time_s": sim["iteration_time_s"],
+        "fits": sim["fits"],
+        "stages": [{k: s[k] for k in KEYS} for s in sim["stages"]],
+    }
 
 
 def add_predictions(data: dict, profiles: dict) -> dict:
@@ -89,8 +92,10 @@ def _stage_rows(ok: list[dict]):
 
 
 def time_table(ok: list[dict], labels: list[str]) -> list[str]:
-    out = [f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
-           "|---|---|" + "---|---|" * len(labels)]
+    out = [
+        f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
+        "|---|---|" + "---|---|" * len(labels),
+    ]
     for r in ok:
         m = r["metrics"]["step_time_s"]
         preds = [_pred(r, lb, None, "") for lb in labels]
@@ -99,20 +104,27 @@ def time_table(ok: list[dict], labels: list[str]) -> list[str]:
 
 
 def peak_table(ok: list[dict], labels: list[str]) -> list[str]:
-    out = [f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
-           "|---|---|" + "---|---|" * len(labels)]
+    out = [
+        f"| plan | measured | {' | '.join(f'predicted, {lb} | error' for lb in labels)} |",
+        "|---|---|" + "---|---|" * len(labels),
+    ]
     for r, i, s, name in _stage_rows(ok):
         m = s["peak_memory_bytes"]
         preds = [_pred(r, lb, i, KEYS[0]) for lb in labels]
-        out.append(f"| {name} | {m / 2**30:.2f} | "
-                   + " | ".join(f"{'–' if p is None else f'{p / 2**30:.2f}'} | {_err(p, m)}" for p in preds) + " |")
+        out.append(
+            f"| {name} | {m / 2**30:.2f} | "
+            + " | ".join(f"{'–' if p is None else f'{p / 2**30:.2f}'} | {_err(p, m)}" for p in preds)
+            + " |"
+        )
     return out
 
 
 def bytes_table(ok: list[dict], labels: list[str]) -> list[str]:
     head = " | ".join(f"predicted, {lb}" for lb in labels)
-    out = [f"| plan | state_bytes measured | {head} | saved_activation_peak_bytes measured | {head} |",
-           "|---|---|" + "---|" * len(labels) + "---|" + "---|" * len(labels)]
+    out = [
+        f"| plan | state_bytes measured | {head} | saved_activation_peak_bytes measured | {head} |",
+        "|---|---|" + "---|" * len(labels) + "---|" + "---|" * len(labels),
+    ]
     for r, i, s, name in _stage_rows(ok):
         cells = []
         for key in KEYS[1:]:
@@ -129,31 +141,57 @@ def markdown(data: dict, labels: list[str], profile_summary: str | None) -> str:
     ok = [r for r in data.get("plans", []) if r.get("status") == "ok"]
     model = setup.get("model", "?")
     model = model.get("name", "?") if isinstance(model, dict) else model
-    out = [f"# gpu_loop.py on {env.get('device', '?')} (torch {env.get('torch', '?')}, {data.get('started', '?')})", "",
-           f"{model}, seq {setup.get('seq', '?')}, global batch {setup.get('global_batch', '?')} "
-           f"= micro-batch {setup.get('micro_batch', '?')} × G {micro_batches(setup)}, {setup.get('dtype', '?')}, "
-           "flash attention; "
-           f"{setup.get('steps', '?')} steps per plan, step time = the runtime's mean of steps 2–N. Predictions "
-           "computed afterwards with `simulate_plan` (here, not on the device) with "
-           + " and ".join(f"`{lb}`" for lb in labels) + ". Errors: (predicted − measured) / measured.",
-           "", "## Step time (s)", "", *time_table(ok, labels),
-           "", "## Peak memory (GiB): the runtime's peak vs the simulator's", "", *peak_table(ok, labels),
-           "", "## Accounted bytes (the runtime's tensor accounting vs the simulator, to the byte)", "",
-           "Predicted (predicted − measured) in bytes; `+0` is an exact match.", "", *bytes_table(ok, labels),
-           "", "## Runtime overhead: bare PyTorch loop vs the plain plan", "", overhead_line(data)]
+    out = [
+        f"# gpu_loop.py on {env.get('device', '?')} (torch {env.get('torch', '?')}, {data.get('started', '?')})",
+        "",
+        f"{model}, seq {setup.get('seq', '?')}, global batch {setup.get('global_batch', '?')} "
+        f"= micro-batch {setup.get('micro_batch', '?')} × G {micro_batches(setup)}, {setup.get('dtype', '?')}, "
+        "flash attention; "
+        f"{setup.get('steps', '?')} steps per plan, step time = the runtime's mean of steps 2–N. Predictions "
+        "computed afterwards with `simulate_plan` (here, not on the device) with "
+        + " and ".join(f"`{lb}`" for lb in labels)
+        + ". Errors: (predicted − measured) / measured.",
+        "",
+        "## Step time (s)",
+        "",
+        *time_table(ok, labels),
+        "",
+        "## Peak memory (GiB): the runtime's peak vs the simulator's",
+        "",
+        *peak_table(ok, labels),
+        "",
+        "## Accounted bytes (the runtime's tensor accounting vs the simulator, to the byte)",
+        "",
+        "Predicted (predicted − measured) in bytes; `+0` is an exact match.",
+        "",
+        *bytes_table(ok, labels),
+        "",
+        "## Runtime overhead: bare PyTorch loop vs the plain plan",
+        "",
+        overhead_line(data),
+    ]
     bad = [r for r in data.get("plans", []) if r.get("status") != "ok"]
-    failed = [(r["name"], lb, r["predicted"][lb]["error"]) for r in ok for lb in labels
-              if "error" in (r["predicted"].get(lb) or {})]
+    failed = [
+        (r["name"], lb, r["predicted"][lb]["error"])
+        for r in ok
+        for lb in labels
+        if "error" in (r["predicted"].get(lb) or {})
+    ]
     if bad or failed:
         out += ["", "## Not measured / not predicted", ""]
         out += [f"- {r.get('name')}: {r.get('status')}: {last_line(r.get('error'))}" for r in bad]
         out += [f"- {name}: prediction with `{lb}` failed: {e}" for name, lb, e in failed]
     prof = data.get("profile") or {}
-    out += ["", "## Profile", "",
-            f"`mist profile` on the device: {prof.get('status', 'not run')}"
-            + (f", {prof['wall_s']:.0f} s wall" if isinstance(prof.get("wall_s"), (int, float)) else "")
-            + (f", {prof['profile_seconds']} s measuring" if prof.get("profile_seconds") is not None else "")
-            + (f"; error: {last_line(prof['error'])[-300:]}" if prof.get("error") else "") + "."]
+    out += [
+        "",
+        "## Profile",
+        "",
+        f"`mist profile` on the device: {prof.get('status', 'not run')}"
+        + (f", {prof['wall_s']:.0f} s wall" if isinstance(prof.get("wall_s"), (int, float)) else "")
+        + (f", {prof['profile_seconds']} s measuring" if prof.get("profile_seconds") is not None else "")
+        + (f"; error: {last_line(prof['error'])[-300:]}" if prof.get("error") else "")
+        + ".",
+    ]
     if profile_summary:
         out += ["", profile_summary]
     return "\n".join(out) + "\n"
@@ -163,12 +201,16 @@ def overhead_line(data: dict) -> str:
     bare = data.get("bare_loop") or {}
     plain = next((r for r in data.get("plans", []) if r.get("name") == PLAIN and r.get("status") == "ok"), None)
     if bare.get("status") != "ok" or plain is None:
-        return (f"Not available: bare loop {bare.get('status', 'not run')}, plain plan "
-                f"{'measured' if plain else 'not measured'}.")
+        return (
+            f"Not available: bare loop {bare.get('status', 'not run')}, plain plan "
+            f"{'measured' if plain else 'not measured'}."
+        )
     m = plain["metrics"]
     ts, tb = m["step_time_s"], bare["step_time_s"]
-    line = (f"Plain plan {ts:.3f} s per step vs bare loop {tb:.3f} s (median {bare['median_step_s']:.3f} s): "
-            f"runtime overhead {ts / tb - 1:+.1%}.")
+    line = (
+        f"Plain plan {ts:.3f} s per step vs bare loop {tb:.3f} s (median {bare['median_step_s']:.3f} s): "
+        f"runtime overhead {ts / tb - 1:+.1%}."
+    )
     pb, ps = bare.get("peak_memory_bytes"), m["stages"][0]["peak_memory_bytes"]
     if pb:
         line += f" Peak memory {ps / 2**30:.2f} GiB vs {pb / 2**30:.2f} GiB ({ps / pb - 1:+.1%})."

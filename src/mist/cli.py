@@ -23,8 +23,11 @@ from mist.tune.run import ALL_SPACES, run_space
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Mist: find and run the fastest distributed-training configuration that fits.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Mist: find and run the fastest distributed-training configuration that fits.",
+)
 err = Console(stderr=True)
 out = Console()
 
@@ -38,15 +41,31 @@ NodesOpt = Annotated[int, typer.Option(help="Nodes.")]
 GpnOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 SeqOpt = Annotated[int, typer.Option(help="Sequence length.")]
 BatchOpt = Annotated[int, typer.Option("--global-batch", help="Global batch (sequences).")]
-NoFlashOpt = Annotated[bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")]
+NoFlashOpt = Annotated[
+    bool, typer.Option("--no-flash", help="Materialise attention scores instead of flash attention.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-HostMemOpt = Annotated[float | None, typer.Option(
-    "--host-memory", help="Host RAM per node in GiB, for offloading (default: the GPU kind's typical node).")]
-DtypeOpt = Annotated[str | None, typer.Option(
-    "--dtype", help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).")]
-GradDtypeOpt = Annotated[str | None, typer.Option(
-    "--grad-dtype", help="Accumulate and reduce gradients in fp32 (as Megatron-LM does with bf16), or in the "
-                         "parameter dtype (default).")]
+HostMemOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--host-memory", help="Host RAM per node in GiB, for offloading (default: the GPU kind's typical node)."
+    ),
+]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        help="Parameter and compute dtype: bf16, fp16 or fp32 (default: the dtype the profile was measured in).",
+    ),
+]
+GradDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--grad-dtype",
+        help="Accumulate and reduce gradients in fp32 (as Megatron-LM does with bf16), or in the "
+        "parameter dtype (default).",
+    ),
+]
 
 
 @app.callback()
@@ -61,9 +80,12 @@ def estimate(
     seq: int = typer.Option(2048, help="Sequence length."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Micro-batch size."),
     tp: int = typer.Option(1, help="Tensor-parallel degree (one shard is estimated)."),
-    recompute: str = typer.Option("none", help="Activation recomputation: none, full (whole blocks), "
-                                  "attention (the attention core only), activation (the MLP activation "
-                                  "only) or attention+activation."),
+    recompute: str = typer.Option(
+        "none",
+        help="Activation recomputation: none, full (whole blocks), "
+        "attention (the attention core only), activation (the MLP activation "
+        "only) or attention+activation.",
+    ),
     no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -111,21 +133,23 @@ def simulate(
 
         res, lanes = simulate_with_timeline(p, profile)
         draw_timeline(lanes, timeline)
-        res["event_iteration_time_s"] = lanes.event_iteration_time_s   # printed with --timeline only
+        res["event_iteration_time_s"] = lanes.event_iteration_time_s  # printed with --timeline only
     if as_json:
         print(json.dumps(res, indent=1))
         return
     _print_simulation(p, res)
 
 
-def _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None,
-           grad_dtype=None):
+def _setup(
+    model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None, grad_dtype=None
+):
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
     profile = load_profile(gpu)
     dt = profile_dtype(profile) if dtype is None else dtype
-    training = TrainingSpec(seq_len=seq, global_batch=global_batch, flash_attention=not no_flash,
-                            param_dtype=dt, compute_dtype=dt)
+    training = TrainingSpec(
+        seq_len=seq, global_batch=global_batch, flash_attention=not no_flash, param_dtype=dt, compute_dtype=dt
+    )
     if grad_dtype is not None:
         if grad_dtype not in (dt, "fp32"):
             raise MistInputError(f"--grad-dtype must be fp32 or the parameter dtype ({dt}), got {grad_dtype!r}.")
@@ -161,8 +185,13 @@ def _progress_printer(enabled: bool):
     task = prog.add_task("tuning", total=None)
 
     def update(done, total, best):
-        prog.update(task, completed=done, total=total,
-                    description=f"tuning (best {best * 1e3:.0f} ms)" if best < float("inf") else "tuning")
+        prog.update(
+            task,
+            completed=done,
+            total=total,
+            description=f"tuning (best {best * 1e3:.0f} ms)" if best < float("inf") else "tuning",
+        )
+
     return prog, update
 
 
@@ -174,7 +203,9 @@ def tune(
     gpus_per_node: GpnOpt = 2,
     seq: SeqOpt = 2048,
     global_batch: BatchOpt = 32,
-    space: str = typer.Option("full", help="Search space: full, mist-paper, megatron, deepspeed, aceso, megatron-paper."),
+    space: str = typer.Option(
+        "full", help="Search space: full, mist-paper, megatron, deepspeed, aceso, megatron-paper."
+    ),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
     no_flash: NoFlashOpt = False,
@@ -183,7 +214,8 @@ def tune(
     pp: str | None = typer.Option(None, "--pp", help="Allowed pipeline depths, e.g. 2 or 1,2 (default: any)."),
     tp: str | None = typer.Option(None, "--tp", help="Allowed tensor-parallel degrees, e.g. 2 or 1,2 (default: any)."),
     memory_limit: float | None = typer.Option(
-        None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."),
+        None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."
+    ),
     host_memory: HostMemOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -196,12 +228,15 @@ def tune(
     limits = {"pp_values": _int_list("--pp", pp), "tp_values": _int_list("--tp", tp)}
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
-                                              host_memory, grad_dtype)
+    spec, cluster, training, profile = _setup(
+        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
+    )
     if memory_limit is not None:
         if not 0 < memory_limit * GiB <= profile.memory_bytes:
-            raise MistInputError(f"--memory-limit must lie in (0, {profile.memory_bytes / GiB:.2f}] GiB "
-                                 f"(the capacity of {profile.name}), got {memory_limit}.")
+            raise MistInputError(
+                f"--memory-limit must lie in (0, {profile.memory_bytes / GiB:.2f}] GiB "
+                f"(the capacity of {profile.name}), got {memory_limit}."
+            )
         profile = replace(profile, memory_bytes=int(memory_limit * GiB))
     prog, update = _progress_printer(not as_json)
     if prog is not None:
@@ -218,8 +253,10 @@ def tune(
         d.pop("infeasible_reason", None)
         print(json.dumps(d, indent=1))
         return
-    out.print(f"searched the {res.space} space in {res.tuning_time_s:.1f} s "
-              f"({res.candidates_evaluated:,} candidates evaluated)" + (f"; plan written to {output}" if output else ""))
+    out.print(
+        f"searched the {res.space} space in {res.tuning_time_s:.1f} s "
+        f"({res.candidates_evaluated:,} candidates evaluated)" + (f"; plan written to {output}" if output else "")
+    )
     _print_simulation(res.plan, res.predicted)
 
 
@@ -240,8 +277,9 @@ def compare(
 ):
     """Mist's plan against the best plan of each baseline's space, under the same cost model."""
     _check_budget(time_budget)
-    spec, cluster, training, profile = _setup(model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype,
-                                              host_memory, grad_dtype)
+    spec, cluster, training, profile = _setup(
+        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
+    )
     rows = compare_spaces(spec, cluster, training, profile, time_budget)
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -251,45 +289,66 @@ def compare(
         t.add_column(col, justify="right" if col != "plan" else "left")
     for r in rows["spaces"]:
         it = r["iteration_time_s"]
-        t.add_row(r["space"], f"{it * 1e3:.1f}" if it else "no fit",
-                  f"{r['throughput_samples_per_s']:.2f}" if it else "-",
-                  f"{r['speedup_of_full']:.3f}×" if r.get("speedup_of_full") else "-",
-                  f"{r['tuning_time_s']:.1f}", r.get("plan_summary", r.get("infeasible_reason") or ""))
+        t.add_row(
+            r["space"],
+            f"{it * 1e3:.1f}" if it else "no fit",
+            f"{r['throughput_samples_per_s']:.2f}" if it else "-",
+            f"{r['speedup_of_full']:.3f}×" if r.get("speedup_of_full") else "-",
+            f"{r['tuning_time_s']:.1f}",
+            r.get("plan_summary", r.get("infeasible_reason") or ""),
+        )
     out.print(t)
 
 
 def _print_simulation(p, r: dict) -> None:
     out.print(p.summary())
     out.print(f"profile: {r['profile']}")
-    out.print(f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
-              f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}")
+    out.print(
+        f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
+        f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}"
+    )
     t = Table(title="stages (times in ms per micro-batch; D once per iteration)")
     for col in ("stage", "T", "D", "compute", "recomp", "TP", "exposed", "p2p", "peak GiB", "host GiB", "fits"):
         t.add_column(col, justify="right")
 
     def ms(x):
         return f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.2f}"
+
     for i, s in enumerate(r["stages"]):
         tb = s["time_breakdown"]
-        t.add_row(str(i), ms(s["stable_time_s"]), ms(s["delta_time_s"]), ms(tb["compute_s"]),
-                  ms(tb["recompute_s"]), ms(tb["tp_comm_s"]), ms(max(tb["exposed_transfers_s"], 0.0)),
-                  ms(tb["p2p_s"]), f"{s['peak_memory_bytes'] / GiB:.2f}", f"{s['host_peak_bytes'] / GiB:.2f}",
-                  "yes" if s["fits"] else "[red]no[/]")
+        t.add_row(
+            str(i),
+            ms(s["stable_time_s"]),
+            ms(s["delta_time_s"]),
+            ms(tb["compute_s"]),
+            ms(tb["recompute_s"]),
+            ms(tb["tp_comm_s"]),
+            ms(max(tb["exposed_transfers_s"], 0.0)),
+            ms(tb["p2p_s"]),
+            f"{s['peak_memory_bytes'] / GiB:.2f}",
+            f"{s['host_peak_bytes'] / GiB:.2f}",
+            "yes" if s["fits"] else "[red]no[/]",
+        )
     out.print(t)
     h = r["host_memory"]
     if any(h["per_node_bytes"]):
         cap = h["capacity_per_node_bytes"]
-        out.print(f"host memory per node: {max(h['per_node_bytes']) / GiB:.1f} GiB at most"
-                  + (f" of {cap / GiB:.1f} GiB" if cap else "") + f" ({h['source']})")
+        out.print(
+            f"host memory per node: {max(h['per_node_bytes']) / GiB:.1f} GiB at most"
+            + (f" of {cap / GiB:.1f} GiB" if cap else "")
+            + f" ({h['source']})"
+        )
     for msg in r["memory_problems"]:
         out.print(f"[red]does not fit:[/] {msg}")
 
 
 def _print_estimate(r: dict) -> None:
     lay, mod = r["layer"], r["model"]
-    out.print(f"[bold]{r['model_name']}[/] on [bold]{r['gpu']}[/] — seq {r['seq_len']}, micro-batch "
-              f"{r['micro_batch']}, TP {r['tp']}, recompute {r['recompute']}, "
-              f"{'flash' if r['flash'] else 'non-flash'} attention")
+    out.print(
+        f"[bold]{r['model_name']}[/] on [bold]{r['gpu']}[/] — seq {r['seq_len']}, micro-batch "
+        f"{r['micro_batch']}, TP {r['tp']}, recompute {r['recompute']}, "
+        f"{'flash' if r['flash'] else 'non-flash'} attention"
+    )
     out.print(f"profile: {r['profile']}")
     t = Table(title="one decoder block (one TP shard)")
     t.add_column("quantity")
@@ -309,8 +368,11 @@ def _print_estimate(r: dict) -> None:
     m.add_row("parameters", f"{mod['params']:,}")
     for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes"):
         m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{mod[k] / GiB:.2f}")
-    m.add_row("peak memory (GiB)", f"{mod['peak_bytes'] / GiB:.2f} of {mod['capacity_bytes'] / GiB:.1f}"
-              + ("" if mod["fits"] else "  [red]does not fit[/]"))
+    m.add_row(
+        "peak memory (GiB)",
+        f"{mod['peak_bytes'] / GiB:.2f} of {mod['capacity_bytes'] / GiB:.1f}"
+        + ("" if mod["fits"] else "  [red]does not fit[/]"),
+    )
     out.print(m)
 
 
@@ -319,8 +381,12 @@ def train(
     plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
     steps: int = typer.Option(10, help="Training steps (optimizer updates)."),
     data: str = typer.Option("synthetic", help="'synthetic', a text file (byte-level tokens) or a .npy of token ids."),
-    metrics: str = typer.Option(None, "--metrics", help="Write step time, tokens/s, MFU, losses and per-stage peak memory to this JSON file."),
-    local: bool = typer.Option(False, "--local", help="Start the worker processes here (CPU/gloo without CUDA) instead of under torchrun."),
+    metrics: str = typer.Option(
+        None, "--metrics", help="Write step time, tokens/s, MFU, losses and per-stage peak memory to this JSON file."
+    ),
+    local: bool = typer.Option(
+        False, "--local", help="Start the worker processes here (CPU/gloo without CUDA) instead of under torchrun."
+    ),
     seed: int = typer.Option(0, help="Seed of the initialization and the synthetic data."),
     lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate (AdamW)."),
     min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decay ends at this fraction of --lr."),
@@ -330,35 +396,61 @@ def train(
     beta2: float = typer.Option(0.95, "--beta2", help="AdamW beta2."),
     eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
     clip: float = typer.Option(1.0, "--clip", help="Clip the global gradient norm to this (0: no clipping)."),
-    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Save a checkpoint (torch.distributed.checkpoint) here at the end of training."),
+    checkpoint_dir: str = typer.Option(
+        None, "--checkpoint-dir", help="Save a checkpoint (torch.distributed.checkpoint) here at the end of training."
+    ),
     checkpoint_every: int = typer.Option(None, "--checkpoint-every", help="Also save a checkpoint every N steps."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir (same plan)."),
-    stop_after: int = typer.Option(None, "--stop-after", help="End this run after N steps (checkpointed; the LR schedule still spans --steps)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the latest checkpoint in --checkpoint-dir (same plan)."
+    ),
+    stop_after: int = typer.Option(
+        None, "--stop-after", help="End this run after N steps (checkpointed; the LR schedule still spans --steps)."
+    ),
 ):
     """Run a plan on torch.distributed (under torchrun, or --local worker processes)."""
     # lazy: keeps torch out of the CLI start-up
     from mist.runtime import TrainConfig, train_command
 
-    cfg = TrainConfig(steps=steps, data=data, seed=seed, lr=lr, min_lr_ratio=min_lr_ratio,
-                      warmup_steps=warmup, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
-                      eps=eps, max_grad_norm=clip, metrics_path=metrics, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=checkpoint_every, resume=resume, stop_after=stop_after)
+    cfg = TrainConfig(
+        steps=steps,
+        data=data,
+        seed=seed,
+        lr=lr,
+        min_lr_ratio=min_lr_ratio,
+        warmup_steps=warmup,
+        weight_decay=weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        max_grad_norm=clip,
+        metrics_path=metrics,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        stop_after=stop_after,
+    )
     res = train_command(plan, cfg, local)
     if res is not None:
         mfu = f"{res['mfu']:.1%}" if res["mfu"] is not None else "n/a (CPU run)"
         peaks = ", ".join(f"{s['peak_memory_bytes'] / GiB:.3f}" for s in res["stages"])
-        out.print(f"step time {res['step_time_s'] * 1e3:.1f} ms · {res['tokens_per_s']:,.0f} tokens/s · "
-                  f"MFU {mfu} · peak memory per stage (GiB) {peaks} · final loss {res['losses'][-1]:.4f}"
-                  + (f"; metrics written to {metrics}" if metrics else ""))
+        out.print(
+            f"step time {res['step_time_s'] * 1e3:.1f} ms · {res['tokens_per_s']:,.0f} tokens/s · "
+            f"MFU {mfu} · peak memory per stage (GiB) {peaks} · final loss {res['losses'][-1]:.4f}"
+            + (f"; metrics written to {metrics}" if metrics else "")
+        )
 
 
 @app.command()
 def validate(
     plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
-    steps: int = typer.Option(3, "--steps", help="Training steps to run, at least 2 (the first is warm-up, not measured)."),
+    steps: int = typer.Option(
+        3, "--steps", help="Training steps to run, at least 2 (the first is warm-up, not measured)."
+    ),
     gpu: str = typer.Option(None, "--gpu", help="Profile to predict with (default: the plan's GPU)."),
     local: bool = typer.Option(False, "--local", help="Start the worker processes here instead of under torchrun."),
-    drift: bool = typer.Option(True, "--drift/--no-drift", help="Re-measure a few of the profile's own micro-benchmarks."),
+    drift: bool = typer.Option(
+        True, "--drift/--no-drift", help="Re-measure a few of the profile's own micro-benchmarks."
+    ),
     as_json: JsonOpt = False,
 ):
     """Run a plan and print predicted vs measured time and memory with signed relative errors."""
@@ -378,32 +470,44 @@ def validate(
         t.add_column(col, justify="right")
     fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
     t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
-    labels = {"stable_time": ("T, steady micro-batch (ms)", 1e-3), "delta_time": ("D, one-off per iteration (ms)", 1e-3),
-              "peak_memory": ("peak memory (MiB)", MiB), "state_memory": ("states (MiB)", MiB),
-              "saved_activations": ("saved activations (MiB)", MiB),
-              "host_states": ("host: offloaded states (MiB)", MiB),
-              "host_activations": ("host: offloaded activations (MiB)", MiB),
-              "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MiB)}
+    labels = {
+        "stable_time": ("T, steady micro-batch (ms)", 1e-3),
+        "delta_time": ("D, one-off per iteration (ms)", 1e-3),
+        "peak_memory": ("peak memory (MiB)", MiB),
+        "state_memory": ("states (MiB)", MiB),
+        "saved_activations": ("saved activations (MiB)", MiB),
+        "host_states": ("host: offloaded states (MiB)", MiB),
+        "host_activations": ("host: offloaded activations (MiB)", MiB),
+        "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MiB),
+    }
     for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
             label, unit = labels[name]
             mv = ms.get(key)
             if name.startswith("host") and not ps[key] and not mv:
-                continue   # nothing offloaded of this kind
-            t.add_row(f"stage {i} {label}", f"{ps[key] / unit:.3f}",
-                      "-" if mv is None else f"{mv / unit:.3f}", fmt(err[name][i]))
+                continue  # nothing offloaded of this kind
+            t.add_row(
+                f"stage {i} {label}",
+                f"{ps[key] / unit:.3f}",
+                "-" if mv is None else f"{mv / unit:.3f}",
+                fmt(err[name][i]),
+            )
     out.print(t)
     for w in r.get("warnings", []):
         out.print(f"[yellow]warning:[/] {w}")
     d = r.get("drift")
     if d and d.get("drifted"):
-        out.print(f"[yellow]warning:[/] this machine no longer matches the profile: its micro-benchmarks "
-                  f"run at {d.get('geomean_ratio', float('nan')):.2f}× the profiled times.")
+        out.print(
+            f"[yellow]warning:[/] this machine no longer matches the profile: its micro-benchmarks "
+            f"run at {d.get('geomean_ratio', float('nan')):.2f}× the profiled times."
+        )
 
 
 from mist.cli_profile import profile_command  # noqa: E402  (registered as `mist profile`)
 
-app.command("profile", help="Measure this machine's CPU or GPU and write a profile that --gpu accepts.")(profile_command)
+app.command("profile", help="Measure this machine's CPU or GPU and write a profile that --gpu accepts.")(
+    profile_command
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -420,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # usage errors (click-style): one sentence too, and exit code 2
         if not (hasattr(e, "exit_code") and hasattr(e, "format_message")):
             raise
-        if type(e).__name__ == "NoArgsIsHelpError":   # bare `mist` / `mist CMD`: the help is the answer
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `mist` / `mist CMD`: the help is the answer
             e.show()
             sys.exit(e.exit_code)
         print(f"error: {usage_sentence(e)}", file=sys.stderr)

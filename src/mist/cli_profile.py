@@ -14,8 +14,9 @@ from mist.errors import MistInputError
 from mist.userfiles import check_output_file
 
 
-def check_arguments(device: str, processes: int, time_budget: float, output: str | None = None,
-                    name: str | None = None) -> None:
+def check_arguments(
+    device: str, processes: int, time_budget: float, output: str | None = None, name: str | None = None
+) -> None:
     """MistInputError (one sentence) for arguments `mist profile` cannot run with; checked before any
     measuring, so that a run of minutes cannot fail at its end (e.g. on an unwritable --output)."""
     if device not in ("cpu", "cuda"):
@@ -31,8 +32,10 @@ def check_arguments(device: str, processes: int, time_budget: float, output: str
     if device == "cpu":
         cores = cpu_workers.host_cores()
         if processes > cores:
-            raise MistInputError(f"--processes {processes} is more than the {cores} CPU core(s) this process may "
-                                 "use on --device cpu (each process needs at least one core).")
+            raise MistInputError(
+                f"--processes {processes} is more than the {cores} CPU core(s) this process may "
+                "use on --device cpu (each process needs at least one core)."
+            )
     if device == "cuda":
         import torch  # lazy: keeps torch out of the CLI start-up
 
@@ -44,8 +47,9 @@ def check_arguments(device: str, processes: int, time_budget: float, output: str
 
 def profile_command(
     device: str = typer.Option("cpu", "--device", help="Device to measure: cpu or cuda."),
-    processes: int = typer.Option(2, "--processes",
-                                  help="Worker processes for the collectives (gloo on CPU, NCCL on CUDA: one GPU each)."),
+    processes: int = typer.Option(
+        2, "--processes", help="Worker processes for the collectives (gloo on CPU, NCCL on CUDA: one GPU each)."
+    ),
     output: str = typer.Option("profile.json", "-o", "--output", help="Profile JSON to write."),
     time_budget: float = typer.Option(180, "--time-budget", help="Seconds to spend measuring (about)."),
     name: str | None = typer.Option(None, "--name", help="Profile name (default cpu-<host> / cuda-<device>)."),
@@ -56,16 +60,23 @@ def profile_command(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     err = Console(stderr=True)
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as prog:
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as prog:
         task = prog.add_task(f"profiling {device}", total=1.0)
 
         def progress(frac: float, message: str) -> None:
             prog.update(task, completed=frac, description=f"profiling {device}: {message}")
 
-        profile = profiling.run_profile(device=device, processes=processes, time_budget=time_budget,
-                                        name=name, progress=progress)
+        profile = profiling.run_profile(
+            device=device, processes=processes, time_budget=time_budget, name=name, progress=progress
+        )
     path = profiling.write_profile(profile, output)
     out = Console()
     out.print(f"wrote {path}")

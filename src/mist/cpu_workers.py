@@ -30,7 +30,7 @@ from mist.errors import MistInputError
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_TRIM_THRESHOLD = 1 << 30   # return heap memory to the OS only past 1 GiB free at its top
+_TRIM_THRESHOLD = 1 << 30  # return heap memory to the OS only past 1 GiB free at its top
 
 
 HOST_THREADS_ENV = "MIST_HOST_THREADS"
@@ -56,8 +56,9 @@ def threads_per_worker(workers: int) -> int:
             raise MistInputError(f"{HOST_THREADS_ENV} must be a positive integer, got {fixed!r}.")
         cores = host_cores()
         if n > cores:
-            raise MistInputError(f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this "
-                                 f"process may use, got {n}.")
+            raise MistInputError(
+                f"{HOST_THREADS_ENV} must be between 1 and {cores}, the cores this process may use, got {n}."
+            )
         return n
     return max(1, host_cores() // max(1, int(workers)))
 

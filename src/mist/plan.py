@@ -51,7 +51,7 @@ class StageStrategy:
     zero: int = 0
     recompute_layers: int = 0
     offload: Offload = field(default_factory=Offload)
-    recompute_attention: bool = False   # the blocks not recomputed whole recompute their attention core
+    recompute_attention: bool = False  # the blocks not recomputed whole recompute their attention core
     recompute_activation: bool = False  # ... and their MLP activation (fc2 re-runs it in backward)
 
     @property
@@ -66,7 +66,7 @@ class Plan:
     training: TrainingSpec
     micro_batches: int
     stages: tuple[StageStrategy, ...]
-    model_ref: str | None = None   # the preset name or path the plan was written with
+    model_ref: str | None = None  # the preset name or path the plan was written with
 
     def __post_init__(self) -> None:
         check_plan(self)
@@ -102,17 +102,19 @@ class Plan:
 
     def summary(self) -> str:
         m, c, t = self.model, self.cluster, self.training
-        lines = [f"{m.name}: {m.num_layers} layers on {c.nodes}×{c.gpus_per_node} {c.gpu}, "
-                 f"seq {t.seq_len}, global batch {t.global_batch}, G = {self.micro_batches} micro-batches, "
-                 f"{'flash' if t.flash_attention else 'non-flash'} attention, {t.param_dtype}"
-                 + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")]
+        lines = [
+            f"{m.name}: {m.num_layers} layers on {c.nodes}×{c.gpus_per_node} {c.gpu}, "
+            f"seq {t.seq_len}, global batch {t.global_batch}, G = {self.micro_batches} micro-batches, "
+            f"{'flash' if t.flash_attention else 'non-flash'} attention, {t.param_dtype}"
+            + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")
+        ]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
-            lines.append(f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
-                         f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
-                         f"recompute {s.recompute_layers}"
-                         + _selective_text(s)
-                         + (f", offload {off}" if off else ""))
+            lines.append(
+                f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
+                f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
+                f"recompute {s.recompute_layers}" + _selective_text(s) + (f", offload {off}" if off else "")
+            )
         return "\n".join(lines)
 
 
@@ -150,24 +152,25 @@ def check_plan(p: Plan) -> None:
         if s.micro_batch * s.dp * p.micro_batches != B:
             raise MistInputError(
                 f"{where}: micro_batch {s.micro_batch} × dp {s.dp} × micro_batches {p.micro_batches} "
-                f"= {s.micro_batch * s.dp * p.micro_batches}, not the global batch {B}.")
+                f"= {s.micro_batch * s.dp * p.micro_batches}, not the global batch {B}."
+            )
         if s.dp * s.tp != s.gpus:
             raise MistInputError(
                 f"{where}: dp {s.dp} × tp {s.tp} = {s.dp * s.tp} does not equal its "
-                f"{s.nodes}×{s.gpus_per_node} = {s.gpus} GPUs.")
+                f"{s.nodes}×{s.gpus_per_node} = {s.gpus} GPUs."
+            )
         if s.recompute_layers > s.layers:
-            raise MistInputError(
-                f"{where}: recompute_layers {s.recompute_layers} exceeds its {s.layers} layers.")
+            raise MistInputError(f"{where}: recompute_layers {s.recompute_layers} exceeds its {s.layers} layers.")
         for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()):
             if not is_number(v) or not 0.0 <= v <= 1.0:
                 raise MistInputError(f"{where} offload.{k} must be a ratio in [0, 1], got {v!r}.")
         if p.model.num_heads % s.tp:
-            raise MistInputError(
-                f"{where}: tp {s.tp} does not divide the model's {p.model.num_heads} attention heads.")
+            raise MistInputError(f"{where}: tp {s.tp} does not divide the model's {p.model.num_heads} attention heads.")
         if s.tp > s.gpus_per_node or s.gpus_per_node % s.tp:
             raise MistInputError(
                 f"{where}: tp {s.tp} must divide its {s.gpus_per_node} GPUs per node "
-                "(tensor parallelism does not cross a node).")
+                "(tensor parallelism does not cross a node)."
+            )
         try:
             p.model.check_tp(s.tp)
         except MistInputError as e:
@@ -175,7 +178,8 @@ def check_plan(p: Plan) -> None:
         if s.gpus_per_node > p.cluster.gpus_per_node or s.nodes > p.cluster.nodes:
             raise MistInputError(
                 f"{where}: its mesh {s.nodes}×{s.gpus_per_node} does not fit the cluster's "
-                f"{p.cluster.nodes}×{p.cluster.gpus_per_node}.")
+                f"{p.cluster.nodes}×{p.cluster.gpus_per_node}."
+            )
     p.model.check_seq_len(p.training.seq_len)
     layers = sum(s.layers for s in p.stages)
     if layers != p.model.num_layers:
@@ -195,11 +199,13 @@ def _check_placement(p: Plan) -> None:
         if s.nodes == 1 and first // K != last // K:
             raise MistInputError(
                 f"Stage {i}: its {s.gpus} GPUs (ranks {first}–{last}, stages take consecutive ranks) "
-                f"straddle two nodes of {K} GPUs, but its mesh is 1×{s.gpus_per_node}.")
+                f"straddle two nodes of {K} GPUs, but its mesh is 1×{s.gpus_per_node}."
+            )
         if s.nodes > 1 and (s.gpus_per_node != K or first % K):
             raise MistInputError(
                 f"Stage {i}: a mesh over {s.nodes} nodes must own whole nodes ({K} GPUs each, starting "
-                f"at a node's first rank), but it is {s.nodes}×{s.gpus_per_node} from rank {first}.")
+                f"at a node's first rank), but it is {s.nodes}×{s.gpus_per_node} from rank {first}."
+            )
         first = last + 1
 
 
@@ -238,8 +244,9 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         ref = d["model"]
         model = load_model(ref)
     elif isinstance(d["model"], dict):
-        model = load_model_dict(d["model"], source=f"{source} model",
-                                label=f"The model of {source[:1].lower() + source[1:]}")
+        model = load_model_dict(
+            d["model"], source=f"{source} model", label=f"The model of {source[:1].lower() + source[1:]}"
+        )
     else:
         raise MistInputError(f"{source} field 'model' must be a preset name, a path or a model mapping.")
     cluster = _sub(d, "cluster", ClusterSpec, source)
@@ -262,8 +269,14 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         if missing:
             raise MistInputError(f"{where} is missing field(s) {', '.join(missing)}.")
         stages.append(StageStrategy(**sd, offload=Offload(**off)))
-    return Plan(model=model, cluster=cluster, training=training, micro_batches=d["micro_batches"],
-                stages=tuple(stages), model_ref=ref)
+    return Plan(
+        model=model,
+        cluster=cluster,
+        training=training,
+        micro_batches=d["micro_batches"],
+        stages=tuple(stages),
+        model_ref=ref,
+    )
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -271,7 +284,11 @@ def load_plan(path: str | Path) -> Plan:
     taken from the plan's folder when the file is there (else from the current folder)."""
     text = read_user_text(path, "Plan file")
     path = Path(path)
-    d = parse_yaml(text, path, "Plan file") if path.suffix.lower() in YAML_SUFFIXES else parse_json(text, path, "Plan file")
+    d = (
+        parse_yaml(text, path, "Plan file")
+        if path.suffix.lower() in YAML_SUFFIXES
+        else parse_json(text, path, "Plan file")
+    )
     if isinstance(d, dict):
         d = _beside(d, path.parent)
     return plan_from_dict(d, source=f"Plan file {path}")
@@ -279,15 +296,16 @@ def load_plan(path: str | Path) -> Plan:
 
 def _beside(d: dict, folder: Path) -> dict:
     """`d` with its relative model-file and profile paths resolved against `folder` where they exist."""
+
     def near(ref):
         if not isinstance(ref, str) or not ref.strip() or Path(ref).expanduser().is_absolute():
             return ref
         there = folder / ref
         return str(there) if there.exists() else ref
+
     d = dict(d)
     if isinstance(d.get("model"), str) and d["model"].strip().lower() not in PRESETS:
         d["model"] = near(d["model"])
     if isinstance(d.get("cluster"), dict) and str(d["cluster"].get("gpu", "")).lower().endswith(".json"):
         d["cluster"] = dict(d["cluster"], gpu=near(d["cluster"]["gpu"]))
     return d
-

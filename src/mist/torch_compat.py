@@ -44,12 +44,22 @@ CHECKED_VERSIONS = ("2.13.0",)
 HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
 
 _SYMBOLIC_SHAPES = "torch.fx.experimental.symbolic_shapes"
-_LAZY = {"DimDynamic": _SYMBOLIC_SHAPES, "ShapeEnv": _SYMBOLIC_SHAPES,
-         "StatelessSymbolicContext": _SYMBOLIC_SHAPES}
+_LAZY = {"DimDynamic": _SYMBOLIC_SHAPES, "ShapeEnv": _SYMBOLIC_SHAPES, "StatelessSymbolicContext": _SYMBOLIC_SHAPES}
 
-__all__ = ["CHECKED_VERSIONS", "HAS_FUSED_ADAM", "DimDynamic", "FakeTensorMode", "ShapeEnv",
-           "StatelessSymbolicContext", "TorchDispatchMode", "fused_adam_", "pytree", "storage_id",
-           "torch_release", "unset_fake_temporarily"]
+__all__ = [
+    "CHECKED_VERSIONS",
+    "HAS_FUSED_ADAM",
+    "DimDynamic",
+    "FakeTensorMode",
+    "ShapeEnv",
+    "StatelessSymbolicContext",
+    "TorchDispatchMode",
+    "fused_adam_",
+    "pytree",
+    "storage_id",
+    "torch_release",
+    "unset_fake_temporarily",
+]
 
 
 def __getattr__(name: str):
@@ -64,13 +74,36 @@ def torch_release() -> str:
     return torch.__version__.split("+")[0]
 
 
-def fused_adam_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
-                lr: float, beta1: float, beta2: float, eps: float) -> None:
+def fused_adam_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
     """One Adam step in place on the fp32 tensors p (parameters), m and v (moments), with gradient
     g and no weight decay; `step` counts from 1 (it sets the bias corrections)."""
     steps = [torch.tensor(float(step), dtype=torch.float32, device=p.device)]
-    torch._fused_adam_([p], [g], [m], [v], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                       weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+    torch._fused_adam_(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=0.0,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
 def storage_id(t: torch.Tensor) -> int:

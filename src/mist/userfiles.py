@@ -52,7 +52,7 @@ def check_output_file(path: str | Path, what: str, suffixes: tuple[str, ...] = (
         raise MistInputError(f"{what} must end with {', '.join(suffixes)}, got {str(path)!r}.")
     if p.is_dir():
         raise MistInputError(f"{what} {path} is a directory, not a file.")
-    if p.exists() and not p.is_file():       # a FIFO or a device: opening it could block
+    if p.exists() and not p.is_file():  # a FIFO or a device: opening it could block
         raise MistInputError(f"{what} {path} is not a regular file.")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
@@ -102,11 +102,12 @@ class _YamlLoader:  # built lazily so that importing this module does not import
                             try:
                                 repeated = key in seen
                                 seen.add(key)
-                            except TypeError:       # an unhashable key: the base class says so
+                            except TypeError:  # an unhashable key: the base class says so
                                 continue
                             if repeated and key != "<<":
                                 raise yaml.constructor.ConstructorError(
-                                    None, None, f"key {key!r} appears twice", key_node.start_mark)
+                                    None, None, f"key {key!r} appears twice", key_node.start_mark
+                                )
                     return super().construct_mapping(node, deep)
 
             # YAML 1.1 (PyYAML) reads `1e-5` as a string because it lacks a dot; users write
@@ -141,7 +142,7 @@ def parse_json(text: str, path, what: str):
         raise MistInputError(f"{what} {path} is not valid JSON (key {e.args[0]!r} appears twice).") from None
     except json.JSONDecodeError as e:
         raise MistInputError(f"{what} {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}).") from None
-    except (ValueError, RecursionError) as e:   # e.g. an integer too long to convert, nesting too deep
+    except (ValueError, RecursionError) as e:  # e.g. an integer too long to convert, nesting too deep
         reason = " ".join(str(e).split()).rstrip(".") or type(e).__name__
         raise MistInputError(f"{what} {path} is not valid JSON ({reason}).") from None
 

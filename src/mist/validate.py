@@ -15,14 +15,19 @@ from mist.runtime.config import TrainConfig
 from mist.runtime.launch import train_command
 from mist.simulate.plan_sim import simulate_plan
 
-MIN_STEPS = 2   # the first step warms up (allocations, caches); the measurement is of the later ones
+MIN_STEPS = 2  # the first step warms up (allocations, caches); the measurement is of the later ones
 
 # per-stage quantities compared: (error name, key in both the prediction and the metrics)
-STAGE_ERRORS = (("stable_time", "stable_time_s"), ("delta_time", "delta_time_s"),
-                ("peak_memory", "peak_memory_bytes"), ("state_memory", "state_bytes"),
-                ("saved_activations", "saved_activation_peak_bytes"),
-                ("host_states", "host_state_bytes"), ("host_activations", "host_activation_peak_bytes"),
-                ("host_optimizer_grads", "host_optimizer_grad_bytes"))
+STAGE_ERRORS = (
+    ("stable_time", "stable_time_s"),
+    ("delta_time", "delta_time_s"),
+    ("peak_memory", "peak_memory_bytes"),
+    ("state_memory", "state_bytes"),
+    ("saved_activations", "saved_activation_peak_bytes"),
+    ("host_states", "host_state_bytes"),
+    ("host_activations", "host_activation_peak_bytes"),
+    ("host_optimizer_grads", "host_optimizer_grad_bytes"),
+)
 
 
 def _rel(pred, meas):
@@ -36,8 +41,10 @@ def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> d
     pred = simulate_plan(plan, profile)
     # the runtime's step is one iteration: G micro-batches, the optimizer step included
     pairs = list(zip(pred["stages"], metrics.get("stages", [])))
-    errors = {"step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
-              **{name: [_rel(ps[key], ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS}}
+    errors = {
+        "step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
+        **{name: [_rel(ps[key], ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
+    }
     out = {"predicted": pred, "measured": metrics, "errors": errors, "warnings": mismatch(plan, profile)}
     if drift is not None:
         out["drift"] = drift
@@ -49,15 +56,19 @@ def mismatch(plan: Plan, profile) -> list[str]:
     fp = getattr(profile, "fingerprint", None) or {}
     k, world = fp.get("processes"), plan.cluster.world_size
     if fp.get("device_kind") == "cpu" and k and int(k) != world:
-        return [f"this CPU profile describes one device of a {k}-process run (its thread count, its busy "
-                f"neighbours), but the plan runs {world} processes: expect its times not to apply."]
+        return [
+            f"this CPU profile describes one device of a {k}-process run (its thread count, its busy "
+            f"neighbours), but the plan runs {world} processes: expect its times not to apply."
+        ]
     return []
 
 
 def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> dict:
     if not is_int(steps) or steps < MIN_STEPS:
-        raise MistInputError(f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
-                             f"is warm-up and only the later ones are measured, got {steps!r}.")
+        raise MistInputError(
+            f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
+            f"is warm-up and only the later ones are measured, got {steps!r}."
+        )
     plan = load_plan(plan_path)
     drift = None
     fp = getattr(profile, "fingerprint", None) or {}

@@ -16,7 +16,7 @@ import queue as queue_mod
 import time
 from collections.abc import Container, Iterator, Sequence
 
-POLL_S = 0.5   # how often an empty queue is checked for dead workers and the deadline
+POLL_S = 0.5  # how often an empty queue is checked for dead workers and the deadline
 
 
 class WorkerDied(Exception):
@@ -44,8 +44,9 @@ def start_workers(ctx, target, args: Sequence[tuple], daemon: bool | None = None
     return procs
 
 
-def poll_messages(q, procs: Sequence, *, finished: Container[int] = (), timeout_s: float | None = None,
-                  interval_s: float = POLL_S) -> Iterator:
+def poll_messages(
+    q, procs: Sequence, *, finished: Container[int] = (), timeout_s: float | None = None, interval_s: float = POLL_S
+) -> Iterator:
     """The messages the workers put on `q`, as they come, until the caller stops iterating.
 
     Raises WorkerDied when the queue stays empty for `interval_s` and a worker whose index is not

@@ -10,7 +10,7 @@ def test_cache_location(monkeypatch, tmp_path):
     assert disk_cache._dir().parent == tmp_path / "analysis"
     monkeypatch.setenv("MIST_CACHE_DIR", "off")
     assert disk_cache._dir() is None
-    monkeypatch.setenv("MIST_CACHE_DIR", "  ")           # empty: the default, not the current folder
+    monkeypatch.setenv("MIST_CACHE_DIR", "  ")  # empty: the default, not the current folder
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path / "home"))
     assert disk_cache._dir().parent == tmp_path / "home" / ".cache" / "mist" / "analysis"
 
@@ -18,6 +18,7 @@ def test_cache_location(monkeypatch, tmp_path):
 def test_no_home_folder_means_no_cache(monkeypatch):
     def homeless(cls):
         raise RuntimeError("Could not determine home directory.")
+
     monkeypatch.delenv("MIST_CACHE_DIR", raising=False)
     monkeypatch.setattr(Path, "home", classmethod(homeless))
     assert disk_cache._dir() is None and disk_cache._path(("key",)) is None

@@ -10,12 +10,37 @@ from mist.models.checkpointing import run_block_as
 from mist.specs.model import ModelSpec
 
 SPECS = {
-    "gpt": ModelSpec(family="gpt", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=8,
-                     ffn_hidden_size=512, vocab_size=256, max_position_embeddings=128),
-    "llama": ModelSpec(family="llama", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=4,
-                       ffn_hidden_size=352, vocab_size=256, rotary_fraction=0.25),
-    "falcon": ModelSpec(family="falcon", num_layers=2, hidden_size=128, num_heads=8, num_kv_heads=4,
-                        ffn_hidden_size=512, vocab_size=256, rotary_fraction=1.0, bias=True),
+    "gpt": ModelSpec(
+        family="gpt",
+        num_layers=2,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=8,
+        ffn_hidden_size=512,
+        vocab_size=256,
+        max_position_embeddings=128,
+    ),
+    "llama": ModelSpec(
+        family="llama",
+        num_layers=2,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=352,
+        vocab_size=256,
+        rotary_fraction=0.25,
+    ),
+    "falcon": ModelSpec(
+        family="falcon",
+        num_layers=2,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=512,
+        vocab_size=256,
+        rotary_fraction=1.0,
+        bias=True,
+    ),
 }
 SHAPES = [(1, 16), (2, 40), (3, 64)]
 
@@ -59,9 +84,18 @@ def run_part(spec, part, tp, flash, recompute, b, s):
 
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("flash,recompute", [(True, False), (False, False), (True, True),
-                                              (False, "attention"), (True, "attention"),
-                                              (True, "activation"), (False, "attention+activation")])
+@pytest.mark.parametrize(
+    "flash,recompute",
+    [
+        (True, False),
+        (False, False),
+        (True, True),
+        (False, "attention"),
+        (True, "attention"),
+        (True, "activation"),
+        (False, "attention+activation"),
+    ],
+)
 def test_block_saved_bytes_match_cpu(family, tp, flash, recompute):
     spec = SPECS[family]
     la = analyze_layer(spec, "block", tp=tp, flash=flash, dtype="fp32", target="cpu", recompute=recompute)
@@ -91,8 +125,15 @@ def test_checkpointed_block_keeps_only_its_input():
 
 def test_gpu_flash_block_matches_korthikanti_without_dropout():
     """GPT block, flash, no dropout, bf16: 32·sbh plus the fp32 log-sum-exp and norm statistics."""
-    spec = ModelSpec(family="gpt", num_layers=24, hidden_size=2048, num_heads=16, num_kv_heads=16,
-                     ffn_hidden_size=8192, vocab_size=50304)
+    spec = ModelSpec(
+        family="gpt",
+        num_layers=24,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=16,
+        ffn_hidden_size=8192,
+        vocab_size=50304,
+    )
     la = analyze_layer(spec, "block", tp=1, flash=True, dtype="bf16", target="cuda")
     b, s, h = 1, 2048, 2048
     sbh = s * b * h

@@ -35,8 +35,9 @@ def written(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prof = run_profile("cpu", processes=2, time_budget=20, name="cpu-test",
-                           progress=lambda f, msg: seen.append((f, msg)))
+        prof = run_profile(
+            "cpu", processes=2, time_budget=20, name="cpu-test", progress=lambda f, msg: seen.append((f, msg))
+        )
     finally:
         torch.set_num_threads(threads)
     path = tmp_path_factory.mktemp("prof") / "profile.json"
@@ -59,11 +60,14 @@ def _variant(path: Path, tmp_path: Path, edit, name="variant.json") -> Path:
 
 def _plan(spec, gpu: str, zero: int = 0) -> Plan:
     """2 stages, each dp 2 (1 node x 4 'GPUs' in all)."""
-    st = StageStrategy(layers=2, nodes=1, gpus_per_node=2, micro_batch=1, dp=2, tp=1, zero=zero,
-                       offload=Offload())
-    return Plan(model=spec, cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=4),
-                training=TrainingSpec(seq_len=SEQ, global_batch=8, param_dtype="fp32", compute_dtype="fp32"),
-                micro_batches=4, stages=(st, st))
+    st = StageStrategy(layers=2, nodes=1, gpus_per_node=2, micro_batch=1, dp=2, tp=1, zero=zero, offload=Offload())
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=4),
+        training=TrainingSpec(seq_len=SEQ, global_batch=8, param_dtype="fp32", compute_dtype="fp32"),
+        micro_batches=4,
+        stages=(st, st),
+    )
 
 
 def test_profile_written_and_loads(written):
@@ -74,8 +78,16 @@ def test_profile_written_and_loads(written):
     assert prof.fingerprint["device_kind"] == "cpu" and prof.fingerprint["torch"]
     # one device of a 2-process run: measured with the other device busy, at ⌊cores/2⌋ threads
     assert prof.fingerprint["busy_neighbours"] == 1 and prof.fingerprint["processes"] == 2
-    for k in ("memory_bytes", "peak_flops", "hbm_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
-              "bidir_bandwidth", "adam_gpu_s_per_param", "adam_cpu_s_per_param"):
+    for k in (
+        "memory_bytes",
+        "peak_flops",
+        "hbm_bandwidth",
+        "h2d_bandwidth",
+        "d2h_bandwidth",
+        "bidir_bandwidth",
+        "adam_gpu_s_per_param",
+        "adam_cpu_s_per_param",
+    ):
         assert math.isfinite(getattr(prof, k)) and getattr(prof, k) > 0, k
     assert prof.host.fwd_op_s > 0 and prof.host.bwd_op_s > 0
     assert prof.gemm_time(128, 128, 128) > 0 and prof.gemm_time(4096, 4096, 4096) > prof.gemm_time(256, 256, 256)
@@ -99,13 +111,14 @@ def test_estimate_uses_the_profiles_links(written, spec, tmp_path):
     r = estimate(spec, load_profile(path), SEQ, 2, tp=2)
     assert r["gpu"] == "cpu-test"
     assert 0 < r["model"]["fwd_bwd_ms"] < math.inf and r["layer"]["fwd_comm_ms"] > 0
-    assert json.loads(path.read_text())["links"]["sync_s"] >= 0   # measured, whatever this machine gives
+    assert json.loads(path.read_text())["links"]["sync_s"] >= 0  # measured, whatever this machine gives
 
     def slower(d):  # every TP collective 10x slower: alpha and sync x 10, bus bandwidth / 10
         for table in d["links"]["fits"].values():
             for n in table:
                 table[n] = [table[n][0] * 10.0, table[n][1] / 10.0]
         d["links"]["sync_s"] *= 10.0
+
     r2 = estimate(spec, load_profile(_variant(path, tmp_path, slower)), SEQ, 2, tp=2)
     assert r2["layer"]["fwd_comm_ms"] == pytest.approx(10 * r["layer"]["fwd_comm_ms"], rel=1e-6)
     assert r2["layer"]["fwd_compute_ms"] == pytest.approx(r["layer"]["fwd_compute_ms"], rel=1e-12)
@@ -123,6 +136,7 @@ def test_simulate_plan_with_profile_path(written, spec, tmp_path):
         for table in d["links"]["fits"].values():
             for n in table:
                 table[n] = [table[n][0] * 100.0, table[n][1] / 100.0]
+
     res_slow = simulate_plan(_plan(spec, str(path)), load_profile(_variant(path, tmp_path, slower)))
     assert res_slow["iteration_time_s"] > res["iteration_time_s"]
 
@@ -139,11 +153,14 @@ def test_simulate_plan_with_profile_path(written, spec, tmp_path):
         def both(d):
             edit(d)
             d["fingerprint"]["device_kind"] = "cuda"
+
         return both
 
     def zero3_time(edit, name):
-        return simulate_plan(_plan(spec, str(path), zero=3),
-                             load_profile(_variant(path, tmp_path, edit, name)))["iteration_time_s"]
+        return simulate_plan(_plan(spec, str(path), zero=3), load_profile(_variant(path, tmp_path, edit, name)))[
+            "iteration_time_s"
+        ]
+
     assert zero3_time(serial, "s.json") == pytest.approx(zero3_time(perfect, "p.json"), rel=1e-12)
     assert zero3_time(as_gpu(serial), "gs.json") > zero3_time(as_gpu(perfect), "gp.json")
 
@@ -153,6 +170,7 @@ def test_own_sections_win_over_the_shipped_files_of_the_name(written, tmp_path):
 
     def rename(d):
         d["name"] = "l4"
+
     prof = load_profile(_variant(path, tmp_path, rename))
     own = prof.collective_time("all_reduce", 64e6, 2, 1, 8)
     shipped = shipped_collective_time("l4", "all_reduce", 64e6, 2, 1, 8)
@@ -170,8 +188,13 @@ def test_tune_with_profile(written, spec):
 
     path, _ = written
     prof = load_profile(path)
-    res = tune(spec, ClusterSpec(gpu=str(path), nodes=1, gpus_per_node=2),
-               TrainingSpec(seq_len=SEQ, global_batch=8), prof, time_budget=20)
+    res = tune(
+        spec,
+        ClusterSpec(gpu=str(path), nodes=1, gpus_per_node=2),
+        TrainingSpec(seq_len=SEQ, global_batch=8),
+        prof,
+        time_budget=20,
+    )
     assert res.plan is not None
     assert 0 < res.iteration_time_s < math.inf
     again = simulate_plan(res.plan, prof)
@@ -196,21 +219,27 @@ def test_bad_sections_are_user_errors(written, tmp_path):
 
     def bad_links(d):
         d["links"]["fits"]["all_reduce"]["2"] = [0.0, -1.0]
+
     with pytest.raises(MistInputError, match="section 'links': bad fit all_reduce/2"):
         load_profile(_variant(path, tmp_path, bad_links))
 
     def bad_dp(d):
         d["dp_links"]["internode"] = {"alpha_s": "fast"}
-    with pytest.raises(MistInputError, match="section 'dp_links': internode.alpha_s must be a finite number >= 0, got 'fast'"):
+
+    with pytest.raises(
+        MistInputError, match="section 'dp_links': internode.alpha_s must be a finite number >= 0, got 'fast'"
+    ):
         load_profile(_variant(path, tmp_path, bad_dp, "b.json"))
 
     def nan_dp(d):
         d["dp_links"]["internode"] = {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}
+
     with pytest.raises(MistInputError, match="internode.alpha_s must be a finite number"):
         load_profile(_variant(path, tmp_path, nan_dp, "c.json"))
 
     def bad_sync(d):
         d["links"]["sync_s"] = float("inf")
+
     with pytest.raises(MistInputError, match="sync_s must be a finite number"):
         load_profile(_variant(path, tmp_path, bad_sync, "d.json"))
 
@@ -239,12 +268,15 @@ def test_cli_argument_errors():
             check_arguments("cuda", 2, 10)
 
 
-@pytest.mark.parametrize("output, fragment", [
-    ("/proc/x.json", "cannot be written"),
-    ("/nonexistent/d/x.json", "does not exist"),
-    ("/tmp", "must end with .json"),
-    ("DIR.json", "is a directory"),
-])
+@pytest.mark.parametrize(
+    "output, fragment",
+    [
+        ("/proc/x.json", "cannot be written"),
+        ("/nonexistent/d/x.json", "does not exist"),
+        ("/tmp", "must end with .json"),
+        ("DIR.json", "is a directory"),
+    ],
+)
 def test_cli_rejects_bad_arguments_before_measuring(tmp_path, capsys, monkeypatch, output, fragment):
     """Exit code 2 and one sentence, before any measuring (run_profile must not be reached)."""
     import mist.profiling as profiling
@@ -261,12 +293,15 @@ def test_cli_rejects_bad_arguments_before_measuring(tmp_path, capsys, monkeypatc
     assert len(err) == 1 and err[0].startswith("error: --output") and fragment in err[0], err
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--processes", "64"], "more than the"),
-    (["--name", ""], "--name must not be empty"),
-    (["--time-budget", "nan"], "--time-budget must be a positive finite number"),
-    (["--time-budget", "inf"], "--time-budget must be a positive finite number"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--processes", "64"], "more than the"),
+        (["--name", ""], "--name must not be empty"),
+        (["--time-budget", "nan"], "--time-budget must be a positive finite number"),
+        (["--time-budget", "inf"], "--time-budget must be a positive finite number"),
+    ],
+)
 def test_cli_argument_errors_exit_2(tmp_path, capsys, monkeypatch, args, fragment):
     import mist.profiling as profiling
     from mist.cli import main
@@ -296,8 +331,9 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "one.json"
     threads = torch.get_num_threads()
     try:
-        res = CliRunner().invoke(app, ["profile", "--processes", "1", "--time-budget", "5", "-o", str(out),
-                                       "--name", "one-proc"])
+        res = CliRunner().invoke(
+            app, ["profile", "--processes", "1", "--time-budget", "5", "-o", str(out), "--name", "one-proc"]
+        )
     finally:
         torch.set_num_threads(threads)
     assert res.exit_code == 0, res.output

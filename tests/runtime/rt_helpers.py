@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed  # noqa: F401  (imported before forking the workers: fast start)
+import torch.distributed  # (imported before forking the workers: fast start)
 
 from mist.models import CausalLM, init_weights
 from mist.plan import Offload, Plan, StageStrategy
@@ -19,15 +19,42 @@ SEQ = 16
 
 SPECS = {
     # GPT: LayerNorm, GELU, learned positions, biases, tied embeddings
-    "gpt": ModelSpec(family="gpt", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
-                     ffn_hidden_size=256, vocab_size=128, tie_embeddings=True, bias=True,
-                     max_position_embeddings=32, name="tiny-gpt"),
+    "gpt": ModelSpec(
+        family="gpt",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=4,
+        ffn_hidden_size=256,
+        vocab_size=128,
+        tie_embeddings=True,
+        bias=True,
+        max_position_embeddings=32,
+        name="tiny-gpt",
+    ),
     # Llama: RMSNorm, SwiGLU, rotary, grouped-query attention (2 KV heads for 4 query heads)
-    "llama": ModelSpec(family="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
-                       ffn_hidden_size=128, vocab_size=128, name="tiny-llama"),
+    "llama": ModelSpec(
+        family="llama",
+        num_layers=3,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        vocab_size=128,
+        name="tiny-llama",
+    ),
     # Falcon: parallel attention + MLP, one KV head (MQA: copied to both TP ranks), partial rotary
-    "falcon": ModelSpec(family="falcon", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1,
-                        ffn_hidden_size=256, vocab_size=128, rotary_fraction=0.5, name="tiny-falcon"),
+    "falcon": ModelSpec(
+        family="falcon",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=1,
+        ffn_hidden_size=256,
+        vocab_size=128,
+        rotary_fraction=0.5,
+        name="tiny-falcon",
+    ),
 }
 
 # Adam's update is lr·m/(√v + eps): with a tiny eps it turns rounding noise in gradients that are
@@ -35,25 +62,59 @@ SPECS = {
 # into full-size updates. eps = 1e-4 bounds that amplification (|Δupdate| ≤ lr·|Δg|/eps) while
 # typical gradients (~1e-3–1e-2 per element) still dominate it; the clip norm 0.5 is below every
 # step's gradient norm, so clipping is always active.
-CFG = dict(steps=3, lr=1e-2, warmup_steps=1, min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=0.5,
-           eps=1e-4, seed=3, log=False)
+CFG = dict(
+    steps=3, lr=1e-2, warmup_steps=1, min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=0.5, eps=1e-4, seed=3, log=False
+)
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def make_plan(family: str, *, dp=1, tp=1, zero=0, G=1, b=2, recompute=0, offload=None,
-              flash=True, param_dtype="fp32", compute_dtype=None, gpu="cpu",
-              recompute_attention=False, recompute_activation=False, grad_dtype=None) -> Plan:
+def make_plan(
+    family: str,
+    *,
+    dp=1,
+    tp=1,
+    zero=0,
+    G=1,
+    b=2,
+    recompute=0,
+    offload=None,
+    flash=True,
+    param_dtype="fp32",
+    compute_dtype=None,
+    gpu="cpu",
+    recompute_attention=False,
+    recompute_activation=False,
+    grad_dtype=None,
+) -> Plan:
     spec = SPECS[family]
     gpus = dp * tp
-    stage = StageStrategy(layers=spec.num_layers, nodes=1, gpus_per_node=gpus, micro_batch=b,
-                          dp=dp, tp=tp, zero=zero, recompute_layers=recompute,
-                          offload=Offload(**(offload or {})), recompute_attention=recompute_attention,
-                          recompute_activation=recompute_activation)
-    return Plan(model=spec, cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=gpus),
-                training=TrainingSpec(seq_len=SEQ, global_batch=b * dp * G, param_dtype=param_dtype,
-                                      compute_dtype=compute_dtype or param_dtype, flash_attention=flash,
-                                      grad_dtype=grad_dtype),
-                micro_batches=G, stages=(stage,))
+    stage = StageStrategy(
+        layers=spec.num_layers,
+        nodes=1,
+        gpus_per_node=gpus,
+        micro_batch=b,
+        dp=dp,
+        tp=tp,
+        zero=zero,
+        recompute_layers=recompute,
+        offload=Offload(**(offload or {})),
+        recompute_attention=recompute_attention,
+        recompute_activation=recompute_activation,
+    )
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=gpus),
+        training=TrainingSpec(
+            seq_len=SEQ,
+            global_batch=b * dp * G,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype or param_dtype,
+            flash_attention=flash,
+            grad_dtype=grad_dtype,
+        ),
+        micro_batches=G,
+        stages=(stage,),
+    )
 
 
 def run_plan(plan: Plan, **over) -> dict:
@@ -77,9 +138,13 @@ def reference(family: str, global_batch: int, flash: bool = True, **over) -> dic
     init_weights(model, c["seed"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=c["lr"], betas=(0.9, 0.95), eps=c["eps"], foreach=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=c["lr"],
+        betas=(0.9, 0.95),
+        eps=c["eps"],
+        foreach=False,
+    )
     data = SyntheticData(spec.vocab_size, SEQ, global_batch, c["seed"])
     losses, norms = [], []
     for step in range(c["steps"]):
@@ -94,8 +159,7 @@ def reference(family: str, global_batch: int, flash: bool = True, **over) -> dic
         opt.step()
         losses.append(loss.item())
         norms.append(norm.item())
-    out = {"losses": losses, "grad_norms": norms,
-           "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    out = {"losses": losses, "grad_norms": norms, "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
     _REF[key] = out
     return out
 

@@ -35,8 +35,12 @@ def test_resume_dp_zero1_offload(tmp_path, capsys):
     full, first, resumed, ck = _split_run(plan, tmp_path, checkpoint_every=2)
     _assert_same(full, first, resumed)
     # every 2 steps, and at the end of each run (3 and 6)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == \
-        ["step_00000002", "step_00000003", "step_00000004", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "step_00000002",
+        "step_00000003",
+        "step_00000004",
+        "step_00000006",
+    ]
 
     # a different plan refuses the checkpoint with one sentence
     other = make_plan("gpt", dp=2, zero=2, G=2, offload={"optimizer": 0.5})
@@ -57,11 +61,26 @@ def test_resume_dp_zero1_offload(tmp_path, capsys):
 
 def test_resume_pipeline(tmp_path):
     plan = make_plan("gpt", dp=1, G=2)
-    plan = type(plan)(model=plan.model, cluster=type(plan.cluster)(gpu="cpu", nodes=1, gpus_per_node=2),
-                      training=plan.training, micro_batches=2,
-                      stages=tuple(type(plan.stages[0])(
-                          layers=1, nodes=1, gpus_per_node=1, micro_batch=2, dp=1, tp=1, zero=0,
-                          recompute_layers=0, offload=plan.stages[0].offload) for _ in range(2)))
+    plan = type(plan)(
+        model=plan.model,
+        cluster=type(plan.cluster)(gpu="cpu", nodes=1, gpus_per_node=2),
+        training=plan.training,
+        micro_batches=2,
+        stages=tuple(
+            type(plan.stages[0])(
+                layers=1,
+                nodes=1,
+                gpus_per_node=1,
+                micro_batch=2,
+                dp=1,
+                tp=1,
+                zero=0,
+                recompute_layers=0,
+                offload=plan.stages[0].offload,
+            )
+            for _ in range(2)
+        ),
+    )
     full, first, resumed, _ = _split_run(plan, tmp_path)
     _assert_same(full, first, resumed)
 
@@ -104,9 +123,25 @@ def test_damaged_checkpoint(tmp_path, damaged):
     plan.save(path)
     src = Path(__file__).resolve().parents[2] / "src"
     env = {**os.environ, "PYTHONPATH": str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mist", "train", str(path), "--local", "--steps", "4",
-                        "--checkpoint-dir", str(ck), "--resume"], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mist",
+            "train",
+            str(path),
+            "--local",
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1, err

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------ one FlatUnit, dp 2
 
-G = 3                       # micro-batches
-SHAPES = ((5, 3), (8,))     # 23 elements: padded to Np = 24, shards of S = 12
+G = 3  # micro-batches
+SHAPES = ((5, 3), (8,))  # 23 elements: padded to Np = 24, shards of S = 12
 N = sum(int(np.prod(s)) for s in SHAPES)
 NP, S = 24, 12
 # (zero, gradient offload fraction)
@@ -46,7 +46,7 @@ def _coef(rank: int, g: int, shape) -> torch.Tensor:
     exact in fp32, while bf16 sums of them round."""
     gen = torch.Generator().manual_seed(1000 * rank + 10 * g + len(shape))
     k = torch.randint(-255, 256, shape, generator=gen)
-    return (k.to(torch.float32) * 2.0 ** -10).to(torch.bfloat16)
+    return (k.to(torch.float32) * 2.0**-10).to(torch.bfloat16)
 
 
 def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
@@ -57,9 +57,21 @@ def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
     params = [(n, getattr(mod, n), [(mod, n)]) for n in names]
     infos = [ParamRole(decay=len(s) > 1) for s in SHAPES]
     mem = MemoryAccount()
-    u = FlatUnit("unit", params, infos, dtype=torch.bfloat16, device="cpu",
-                 comms=Comms(2, rank, dist.group.WORLD), zero=zero, weights=0.0, grads=grads,
-                 optimizer=0.0, micro_batches=G, memory=mem, grad_dtype=grad_dtype)
+    u = FlatUnit(
+        "unit",
+        params,
+        infos,
+        dtype=torch.bfloat16,
+        device="cpu",
+        comms=Comms(2, rank, dist.group.WORLD),
+        zero=zero,
+        weights=0.0,
+        grads=grads,
+        optimizer=0.0,
+        micro_batches=G,
+        memory=mem,
+        grad_dtype=grad_dtype,
+    )
     persistent = mem.persistent
     for g in range(G):
         u.start_micro_batch(g, last=g == G - 1)
@@ -68,10 +80,17 @@ def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
         u.finish_micro_batch()
     og = u.opt_grad
     assert og is u.acc and mem.transient == 0
-    return {"dtype": str(og.dtype), "grad_views": u.grad_views, "in_place": u.in_place, "L": u.L,
-            "values": og.read(0, u.L, "cpu", torch.float32).clone().numpy(),
-            "acc_device_bytes": u.acc.device_bytes, "acc_dev_len": u.acc.dev_len,
-            "persistent": persistent, "peak_over_persistent": mem.peak - persistent}
+    return {
+        "dtype": str(og.dtype),
+        "grad_views": u.grad_views,
+        "in_place": u.in_place,
+        "L": u.L,
+        "values": og.read(0, u.L, "cpu", torch.float32).clone().numpy(),
+        "acc_device_bytes": u.acc.device_bytes,
+        "acc_dev_len": u.acc.dev_len,
+        "persistent": persistent,
+        "peak_over_persistent": mem.peak - persistent,
+    }
 
 
 def _unit_worker(rank: int, port: int, q) -> None:
@@ -79,8 +98,11 @@ def _unit_worker(rank: int, port: int, q) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         try:
-            out = {(z, go, str(gd)): _run_unit(rank, z, go, gd)
-                   for z, go in UNIT_CASES for gd in (torch.bfloat16, torch.float32)}
+            out = {
+                (z, go, str(gd)): _run_unit(rank, z, go, gd)
+                for z, go in UNIT_CASES
+                for gd in (torch.bfloat16, torch.float32)
+            }
         finally:
             dist.destroy_process_group()
         q.put(("ok", rank, out))
@@ -125,12 +147,12 @@ def _reference_flat() -> np.ndarray:
 @pytest.mark.parametrize("zero,grads", UNIT_CASES)
 def test_fp32_accumulator_holds_the_exact_sum_of_the_bf16_gradients(unit_results, zero, grads):
     want = _reference_flat()
-    assert np.all(want.astype(np.float32) == want)          # representable: the fp32 sum is exact
+    assert np.all(want.astype(np.float32) == want)  # representable: the fp32 sum is exact
     bf16_inexact = False
     for rank in range(2):
         fp32, bf16 = (unit_results[rank][(zero, grads, d)] for d in ("torch.float32", "torch.bfloat16"))
         lo = rank * S if zero >= 1 else 0
-        ref = want[lo:lo + fp32["L"]]
+        ref = want[lo : lo + fp32["L"]]
         # fp32: an fp32 buffer (never .grad views), exactly the sum; where it is the whole flat
         # gradient on the device, each .grad is added into it by a hook (nothing flattened),
         # otherwise the flat gradient is counted with its own bytes: Np fp32 elements
@@ -144,13 +166,13 @@ def test_fp32_accumulator_holds_the_exact_sum_of_the_bf16_gradients(unit_results
         assert bf16["dtype"] == "torch.bfloat16"
         assert bf16["grad_views"] == (zero <= 1 and grads == 0.0)
         assert bf16["peak_over_persistent"] == (0 if bf16["grad_views"] else NP * 2)
-        np.testing.assert_allclose(bf16["values"], ref, rtol=2 ** -6, atol=2 ** -10)
+        np.testing.assert_allclose(bf16["values"], ref, rtol=2**-6, atol=2**-10)
         bf16_inexact |= not np.array_equal(bf16["values"].astype(np.float64), ref)
         # the accumulator's device part: twice the bytes of the bf16 one, same elements
         assert fp32["acc_dev_len"] == bf16["acc_dev_len"]
         assert fp32["acc_device_bytes"] == 2 * bf16["acc_device_bytes"] == 4 * fp32["acc_dev_len"]
         assert fp32["persistent"] - bf16["persistent"] == 2 * fp32["acc_dev_len"]
-    assert bf16_inexact        # the values are chosen so that bf16 accumulation rounds
+    assert bf16_inexact  # the values are chosen so that bf16 accumulation rounds
 
 
 # ------------------------------------------------------------------ mist train, end to end
@@ -158,24 +180,32 @@ def test_fp32_accumulator_holds_the_exact_sum_of_the_bf16_gradients(unit_results
 SPECS.setdefault("gpt4", replace(SPECS["gpt"], num_layers=4, name="tiny-gpt4"))
 
 
-def _pp_plan(family: str, layers, *, dp=1, G=2, b=2, zero=0, dtype="bf16", grad_dtype="fp32",
-             gpu="cpu") -> Plan:
+def _pp_plan(family: str, layers, *, dp=1, G=2, b=2, zero=0, dtype="bf16", grad_dtype="fp32", gpu="cpu") -> Plan:
     spec = SPECS[family]
-    sts = tuple(StageStrategy(layers=n, nodes=1, gpus_per_node=dp, micro_batch=b, dp=dp, tp=1, zero=zero,
-                              offload=Offload()) for n in layers)
-    return Plan(model=spec, cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=dp * len(layers)),
-                training=TrainingSpec(seq_len=SEQ, global_batch=b * dp * G, param_dtype=dtype,
-                                      compute_dtype=dtype, grad_dtype=grad_dtype),
-                micro_batches=G, stages=sts)
+    sts = tuple(
+        StageStrategy(layers=n, nodes=1, gpus_per_node=dp, micro_batch=b, dp=dp, tp=1, zero=zero, offload=Offload())
+        for n in layers
+    )
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec(gpu=gpu, nodes=1, gpus_per_node=dp * len(layers)),
+        training=TrainingSpec(
+            seq_len=SEQ, global_batch=b * dp * G, param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype
+        ),
+        micro_batches=G,
+        stages=sts,
+    )
 
 
 E2E = [
     # ZeRO 1 with G > 1: bf16 gradients would accumulate in place in .grad views; fp32 flattens
-    ("llama", "dp2-zero1-G2", lambda: make_plan("llama", dp=2, zero=1, G=2, param_dtype="bf16",
-                                                grad_dtype="fp32")),
+    ("llama", "dp2-zero1-G2", lambda: make_plan("llama", dp=2, zero=1, G=2, param_dtype="bf16", grad_dtype="fp32")),
     # ZeRO 2, half of the blocks' gradient accumulators on the host (fp32 there too)
-    ("falcon", "dp2-zero2-G2-grads0.5", lambda: make_plan("falcon", dp=2, zero=2, G=2, param_dtype="bf16",
-                                                          grad_dtype="fp32", offload=dict(grads=0.5))),
+    (
+        "falcon",
+        "dp2-zero2-G2-grads0.5",
+        lambda: make_plan("falcon", dp=2, zero=2, G=2, param_dtype="bf16", grad_dtype="fp32", offload=dict(grads=0.5)),
+    ),
     # fp16 with dynamic loss scaling: the scaled fp16 gradients summed in fp32
     ("gpt", "dp2-zero0-G2-fp16", lambda: make_plan("gpt", dp=2, G=2, param_dtype="fp16", grad_dtype="fp32")),
     # pipeline, tied embeddings on the first and the last stage (summed in fp32 after the step)
@@ -207,9 +237,18 @@ def test_fp32_gradients_with_16bit_weights_track_fp32(family, name, make):
 
 STATES = [
     ("gpt-dp2-zero1-G2", lambda gd: make_plan("gpt", dp=2, zero=1, G=2, param_dtype="bf16", grad_dtype=gd)),
-    ("llama-dp2-zero2-G2-offload", lambda gd: make_plan("llama", dp=2, zero=2, G=2, param_dtype="bf16",
-                                                        grad_dtype=gd,
-                                                        offload=dict(grads=0.5, weights=0.5, optimizer=0.5))),
+    (
+        "llama-dp2-zero2-G2-offload",
+        lambda gd: make_plan(
+            "llama",
+            dp=2,
+            zero=2,
+            G=2,
+            param_dtype="bf16",
+            grad_dtype=gd,
+            offload=dict(grads=0.5, weights=0.5, optimizer=0.5),
+        ),
+    ),
     ("gpt-pp2-zero0", lambda gd: _pp_plan("gpt", (1, 1), grad_dtype=gd)),
 ]
 
@@ -234,5 +273,5 @@ def test_device_states_match_the_simulator_with_fp32_gradients(name, make):
             assert ms["host_state_bytes"] == ps["host_state_bytes"], (gd, i)
     for (m32, p32), (m16, p16) in zip(zip(*runs["fp32"]), zip(*runs[None])):
         g32, g16 = p32["memory_breakdown"]["grads_bytes"], p16["memory_breakdown"]["grads_bytes"]
-        assert g16 > 0 and g32 == 2 * g16            # 4 bytes against 2 for the same elements
+        assert g16 > 0 and g32 == 2 * g16  # 4 bytes against 2 for the same elements
         assert m32["state_bytes"] - m16["state_bytes"] == g32 - g16

@@ -6,7 +6,7 @@ import pytest
 from mist.runtime.handoff import Piece, incoming, outgoing
 from mist.runtime.layout import StageLayout, tied_segments
 
-B = 12   # samples per global micro-batch
+B = 12  # samples per global micro-batch
 
 
 def stage(index, first_rank, dp, tp):
@@ -33,10 +33,10 @@ MESHES = [(1, 1), (2, 1), (1, 2), (3, 1), (2, 2), (4, 1), (1, 4), (6, 2), (3, 4)
 def test_every_receiver_gets_exactly_its_rows(send_mesh, recv_mesh):
     snd = stage(0, 0, *send_mesh)
     rcv = stage(1, snd.dp * snd.tp, *recv_mesh)
-    got = {}       # (sender, receiver) → global rows, as the receiver expects them
+    got = {}  # (sender, receiver) → global rows, as the receiver expects them
     for d, t, r in positions(rcv):
         pieces = incoming(rcv, d, t, snd)
-        assert pieces[0].lo == 0 and pieces[-1].hi == rcv.micro_batch          # tiles its rows
+        assert pieces[0].lo == 0 and pieces[-1].hi == rcv.micro_batch  # tiles its rows
         assert all(p.hi == q.lo for p, q in zip(pieces, pieces[1:]))
         for p in pieces:
             assert p.rank in snd.ranks and (p.rank - snd.first_rank) % snd.tp == t % snd.tp
@@ -48,8 +48,9 @@ def test_every_receiver_gets_exactly_its_rows(send_mesh, recv_mesh):
     assert sent == got
 
 
-@pytest.mark.parametrize("first,last", [((2, 1), (2, 1)), ((1, 2), (2, 1)), ((2, 2), (1, 4)),
-                                        ((1, 2), (1, 3)), ((3, 1), (1, 2))])
+@pytest.mark.parametrize(
+    "first,last", [((2, 1), (2, 1)), ((1, 2), (2, 1)), ((2, 2), (1, 4)), ((1, 2), (1, 3)), ((3, 1), (1, 2))]
+)
 def test_tied_segments_cover_every_shard_with_all_of_its_holders(first, last):
     V = 24
     a = stage(0, 0, *first)
@@ -60,7 +61,7 @@ def test_tied_segments_cover_every_shard_with_all_of_its_holders(first, last):
         for _d, t, r in positions(s):
             lo, hi = t * V // s.tp, (t + 1) * V // s.tp
             mine = [(a_, b_) for a_, b_, ranks in segs if r in ranks]
-            assert mine[0][0] == lo and mine[-1][1] == hi                       # tiles its shard
+            assert mine[0][0] == lo and mine[-1][1] == hi  # tiles its shard
             assert all(p[1] == q[0] for p, q in zip(mine, mine[1:]))
     for _lo, _hi, ranks in segs:
         assert len(ranks) == a.dp + z.dp

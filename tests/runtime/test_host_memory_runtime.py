@@ -19,23 +19,43 @@ KEYS = ("host_state_bytes", "host_activation_peak_bytes", "host_optimizer_grad_b
 
 def _plan(stages, G, gpus):
     spec = SPECS["llama"]
-    return Plan(model=spec, cluster=ClusterSpec("cpu", 1, gpus),
-                training=TrainingSpec(seq_len=SEQ, global_batch=8, param_dtype="fp32", compute_dtype="fp32"),
-                micro_batches=G, stages=tuple(stages))
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec("cpu", 1, gpus),
+        training=TrainingSpec(seq_len=SEQ, global_batch=8, param_dtype="fp32", compute_dtype="fp32"),
+        micro_batches=G,
+        stages=tuple(stages),
+    )
 
 
 def _stage(layers, gpus, b, zero=0, recompute=0, **offload):
-    return StageStrategy(layers=layers, nodes=1, gpus_per_node=gpus, micro_batch=b, dp=gpus, tp=1, zero=zero,
-                         recompute_layers=recompute, offload=Offload(**offload))
+    return StageStrategy(
+        layers=layers,
+        nodes=1,
+        gpus_per_node=gpus,
+        micro_batch=b,
+        dp=gpus,
+        tp=1,
+        zero=zero,
+        recompute_layers=recompute,
+        offload=Offload(**offload),
+    )
 
 
 PLANS = {
     # every kind at once, ZeRO-1 over dp 2, a recomputed block, two micro-batches
-    "dp2": _plan([_stage(3, 2, 2, zero=1, recompute=1, weights=0.5, grads=0.75, optimizer=0.5,
-                         activations=0.5)], G=2, gpus=2),
+    "dp2": _plan(
+        [_stage(3, 2, 2, zero=1, recompute=1, weights=0.5, grads=0.75, optimizer=0.5, activations=0.5)], G=2, gpus=2
+    ),
     # a pipeline: stage 0 holds 1 earlier micro-batch in flight; ZeRO-3 with G = 1 on stage 1
-    "pp2": _plan([_stage(2, 1, 4, optimizer=1.0, activations=0.375),
-                  _stage(1, 1, 4, zero=3, recompute=1, weights=0.25, grads=0.5, activations=1.0)], G=2, gpus=2),
+    "pp2": _plan(
+        [
+            _stage(2, 1, 4, optimizer=1.0, activations=0.375),
+            _stage(1, 1, 4, zero=3, recompute=1, weights=0.25, grads=0.5, activations=1.0),
+        ],
+        G=2,
+        gpus=2,
+    ),
 }
 
 
@@ -59,14 +79,16 @@ def test_selective_recomputation_saved_bytes_match_the_prediction(flash):
     device and the offloaded ones equal the prediction to the byte."""
     from dataclasses import replace
 
-    st = replace(_stage(3, 2, 2, zero=1, recompute=1, activations=0.5), recompute_activation=True,
-                 recompute_attention=not flash)
+    st = replace(
+        _stage(3, 2, 2, zero=1, recompute=1, activations=0.5), recompute_activation=True, recompute_attention=not flash
+    )
     plan = _plan([st], G=2, gpus=2)
     plan = replace(plan, training=replace(plan.training, flash_attention=flash))
     pred = simulate_plan(plan, load_profile(str(CPU_PROFILE)))["stages"][0]
-    plain = simulate_plan(replace(plan, stages=(replace(st, recompute_activation=False,
-                                                        recompute_attention=False),)),
-                          load_profile(str(CPU_PROFILE)))["stages"][0]
+    plain = simulate_plan(
+        replace(plan, stages=(replace(st, recompute_activation=False, recompute_attention=False),)),
+        load_profile(str(CPU_PROFILE)),
+    )["stages"][0]
     meas = run_plan(plan, steps=2)["metrics"]["stages"][0]
     for k in ("saved_activation_peak_bytes", "host_activation_peak_bytes", "state_bytes"):
         assert pred[k] == meas[k], k

@@ -27,14 +27,23 @@ CASES = [
     ("falcon", "recompute2-zero1", dict(dp=2, zero=1, recompute=2)),
     # attention recomputation of the other blocks (non-flash: the materialised scores are dropped)
     ("llama", "attention-recompute1-tp2-nonflash", dict(tp=2, recompute=1, recompute_attention=True, flash=False)),
-    ("gpt", "attention-recompute-activations0.5-nonflash", dict(dp=2, recompute_attention=True, flash=False,
-                                                                offload=dict(activations=0.5))),
+    (
+        "gpt",
+        "attention-recompute-activations0.5-nonflash",
+        dict(dp=2, recompute_attention=True, flash=False, offload=dict(activations=0.5)),
+    ),
     # MLP activation recomputation of the other blocks (fc2 re-runs it in backward)
     ("gpt", "activation-recompute1-dp2", dict(dp=2, recompute=1, recompute_activation=True)),
-    ("llama", "activation-recompute-tp2-activations0.5", dict(tp=2, recompute_activation=True,
-                                                              offload=dict(activations=0.5))),
-    ("falcon", "attention+activation-recompute-tp2-nonflash", dict(tp=2, recompute_attention=True,
-                                                                   recompute_activation=True, flash=False)),
+    (
+        "llama",
+        "activation-recompute-tp2-activations0.5",
+        dict(tp=2, recompute_activation=True, offload=dict(activations=0.5)),
+    ),
+    (
+        "falcon",
+        "attention+activation-recompute-tp2-nonflash",
+        dict(tp=2, recompute_attention=True, recompute_activation=True, flash=False),
+    ),
     # G > 1 micro-batches (ZeRO 0/1 reduce once at the last, ZeRO 2 every micro-batch)
     ("gpt", "G4", dict(G=4)),
     ("llama", "G2-zero2", dict(G=2, dp=2, zero=2)),
@@ -49,14 +58,27 @@ CASES = [
     ("gpt", "activations0.5-tp2", dict(tp=2, offload=dict(activations=0.5))),
     ("llama", "activations1.0-recompute1", dict(dp=2, zero=2, recompute=1, offload=dict(activations=1.0))),
     # everything at once
-    *[(f, "mixed", dict(dp=2, tp=2, zero=3, G=2, recompute=1,
-                        offload=dict(weights=0.5, grads=0.5, optimizer=0.5, activations=0.5)))
-      for f in FAMILIES],
-    ("llama", "mixed-zero1-all-offloaded", dict(dp=2, zero=1, G=2, recompute=1,
-                                                offload=dict(weights=1.0, grads=1.0, optimizer=1.0,
-                                                             activations=1.0))),
-    ("falcon", "zero2-weights1.0-tp2xdp2-nonflash", dict(dp=2, tp=2, zero=2, flash=False,
-                                                         offload=dict(weights=1.0))),
+    *[
+        (
+            f,
+            "mixed",
+            dict(
+                dp=2,
+                tp=2,
+                zero=3,
+                G=2,
+                recompute=1,
+                offload=dict(weights=0.5, grads=0.5, optimizer=0.5, activations=0.5),
+            ),
+        )
+        for f in FAMILIES
+    ],
+    (
+        "llama",
+        "mixed-zero1-all-offloaded",
+        dict(dp=2, zero=1, G=2, recompute=1, offload=dict(weights=1.0, grads=1.0, optimizer=1.0, activations=1.0)),
+    ),
+    ("falcon", "zero2-weights1.0-tp2xdp2-nonflash", dict(dp=2, tp=2, zero=2, flash=False, offload=dict(weights=1.0))),
 ]
 
 
@@ -65,7 +87,7 @@ def test_matches_single_process(family, name, kw):
     plan = make_plan(family, **kw)
     res = run_plan(plan)
     ref = reference(family, plan.training.global_batch, plan.training.flash_attention)
-    assert all(n > CFG["max_grad_norm"] for n in ref["grad_norms"])   # clipping is exercised
+    assert all(n > CFG["max_grad_norm"] for n in ref["grad_norms"])  # clipping is exercised
     compare(family, res, ref)
     stage = res["metrics"]["stages"][0]
     off = kw.get("offload", {})
@@ -90,8 +112,15 @@ def test_updates_are_large_against_the_tolerance():
 
 
 def test_two_runs_give_identical_losses_and_weights():
-    plan = make_plan("falcon", dp=2, tp=2, zero=3, G=2, recompute=1,
-                     offload=dict(weights=0.5, grads=0.5, optimizer=0.5, activations=0.5))
+    plan = make_plan(
+        "falcon",
+        dp=2,
+        tp=2,
+        zero=3,
+        G=2,
+        recompute=1,
+        offload=dict(weights=0.5, grads=0.5, optimizer=0.5, activations=0.5),
+    )
     a, b = run_plan(plan), run_plan(plan)
     assert a["metrics"]["losses"] == b["metrics"]["losses"]
     assert a["metrics"]["grad_norms"] == b["metrics"]["grad_norms"]
@@ -116,8 +145,9 @@ def test_low_precision_tracks_fp32(dtypes):
 
 def test_offloading_and_zero3_lower_the_accounted_peak():
     base = run_plan(make_plan("gpt"))["metrics"]["stages"][0]
-    off = run_plan(make_plan("gpt", offload=dict(weights=1.0, grads=1.0, optimizer=1.0,
-                                                 activations=1.0)))["metrics"]["stages"][0]
+    off = run_plan(make_plan("gpt", offload=dict(weights=1.0, grads=1.0, optimizer=1.0, activations=1.0)))["metrics"][
+        "stages"
+    ][0]
     assert off["peak_memory_bytes"] < base["peak_memory_bytes"]
     assert off["host_state_bytes"] > 0 and base["host_state_bytes"] == 0
     assert "accounted" in base["peak_memory_source"]

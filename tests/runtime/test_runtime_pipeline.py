@@ -26,20 +26,38 @@ def pp_plan(family: str, stages: list[dict], *, dp=1, tp=1, G=2, b=2) -> Plan:
     sts = []
     for s in stages:
         sdp, stp = s.get("dp", dp), s.get("tp", tp)
-        sts.append(StageStrategy(layers=s["layers"], nodes=1, gpus_per_node=sdp * stp,
-                                 micro_batch=s.get("b", b * dp // sdp), dp=sdp, tp=stp,
-                                 zero=s.get("zero", 0), recompute_layers=s.get("recompute", 0),
-                                 offload=Offload(**s.get("offload", {}))))
+        sts.append(
+            StageStrategy(
+                layers=s["layers"],
+                nodes=1,
+                gpus_per_node=sdp * stp,
+                micro_batch=s.get("b", b * dp // sdp),
+                dp=sdp,
+                tp=stp,
+                zero=s.get("zero", 0),
+                recompute_layers=s.get("recompute", 0),
+                offload=Offload(**s.get("offload", {})),
+            )
+        )
     gpus = sum(s.gpus for s in sts)
-    return Plan(model=spec, cluster=ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=gpus),
-                training=TrainingSpec(seq_len=SEQ, global_batch=b * dp * G, param_dtype="fp32",
-                                      compute_dtype="fp32"),
-                micro_batches=G, stages=tuple(sts))
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=gpus),
+        training=TrainingSpec(seq_len=SEQ, global_batch=b * dp * G, param_dtype="fp32", compute_dtype="fp32"),
+        micro_batches=G,
+        stages=tuple(sts),
+    )
 
 
 L = lambda *n: [dict(layers=k) for k in n]  # noqa: E731
-MIXED = lambda a, b: [dict(layers=a, zero=1, recompute=a),  # noqa: E731
-                      dict(layers=b, offload=dict(optimizer=1.0))]
+
+
+def MIXED(a, b):
+    return [
+        dict(layers=a, zero=1, recompute=a),
+        dict(layers=b, offload=dict(optimizer=1.0)),
+    ]
+
 
 CASES = [
     # uneven layers (GPT: tied embeddings across the first and the last stage)
@@ -67,11 +85,16 @@ CASES = [
     ("gpt", "tp2|dp2", dict(stages=[dict(layers=1, tp=2), dict(layers=1, dp=2, b=1)], G=2)),
     ("falcon", "dp2b1|dp1b2", dict(stages=[dict(layers=1, dp=2, b=1), dict(layers=1)], G=2)),
     ("gpt", "dp3b1|dp1b3", dict(stages=[dict(layers=1, dp=3, b=1), dict(layers=1)], b=3, G=2)),
-    ("gpt", "dp2-zero2-recompute|tp2-zero3", dict(
-        stages=[dict(layers=1, dp=2, b=1, zero=2, recompute=1), dict(layers=1, tp=2, zero=3)], G=3)),
-    ("llama", "pp3-dp1|dp2-zero1-recompute|tp2", dict(
-        stages=[dict(layers=1), dict(layers=1, dp=2, b=1, zero=1, recompute=1), dict(layers=1, tp=2)],
-        G=3)),
+    (
+        "gpt",
+        "dp2-zero2-recompute|tp2-zero3",
+        dict(stages=[dict(layers=1, dp=2, b=1, zero=2, recompute=1), dict(layers=1, tp=2, zero=3)], G=3),
+    ),
+    (
+        "llama",
+        "pp3-dp1|dp2-zero1-recompute|tp2",
+        dict(stages=[dict(layers=1), dict(layers=1, dp=2, b=1, zero=1, recompute=1), dict(layers=1, tp=2)], G=3),
+    ),
 ]
 
 

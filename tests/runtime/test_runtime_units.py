@@ -22,16 +22,16 @@ from mist.runtime.trainer import model_flops_per_step
 def _stage_shards(spec, tp, seed, first_layer=0, layers=None, first=True, last=True):
     out = []
     for r in range(tp):
-        m = StageModule(spec, TPGroup(tp, r), True, first, last,
-                        spec.num_layers if layers is None else layers, first_layer)
+        m = StageModule(
+            spec, TPGroup(tp, r), True, first, last, spec.num_layers if layers is None else layers, first_layer
+        )
         local = {m.full_name(n): p for n, p in m.named_parameters()}
         init_stage_params(local, spec, tp, r, seed)
         out.append(local)
     return out
 
 
-@pytest.mark.parametrize("family,tp", [("gpt", 1), ("gpt", 2), ("gpt", 4), ("llama", 2),
-                                       ("falcon", 2), ("falcon", 4)])
+@pytest.mark.parametrize("family,tp", [("gpt", 1), ("gpt", 2), ("gpt", 4), ("llama", 2), ("falcon", 2), ("falcon", 4)])
 def test_tp_shards_reassemble_the_seeded_full_model(family, tp):
     """Each rank's slices of the streamed init, put back with the same indices, are exactly the
     single-process `init_weights` model (every row/column covered; KV copies identical)."""
@@ -84,7 +84,7 @@ def test_global_batch_split_is_layout_independent():
 
 def test_token_files(tmp_path):
     txt = tmp_path / "a.txt"
-    txt.write_bytes(bytes(range(256)) * 3)          # byte-level: any bytes are tokens
+    txt.write_bytes(bytes(range(256)) * 3)  # byte-level: any bytes are tokens
     assert byte_tokens(b"\x00\x7f\xff", 128).tolist() == [0, 127, 127]
     d = TokenFileData(txt, 300, 16, 4)
     b = d.global_batch(0)
@@ -150,8 +150,19 @@ def test_adamw_matches_torch(impl):
     for i, g in enumerate(grads):
         ref.grad = g.clone()
         opt.step()
-        adamw_(p, m, v, g.clone(), step=i + 1, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
-               weight_decay=0.1, decay_ranges=[(0, 50)])
+        adamw_(
+            p,
+            m,
+            v,
+            g.clone(),
+            step=i + 1,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            decay_ranges=[(0, 50)],
+        )
     if impl == "fused":
         assert torch.equal(p, ref.detach())
     else:

@@ -42,31 +42,48 @@ def test_local_run_writes_metrics(tmp_path):
     plan = _plan_file(tmp_path, gpu="l4", zero=1, G=2, recompute=1, offload={"optimizer": 0.5})
     metrics = tmp_path / "m.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mist", "train", str(plan), "--local", "--steps", "3",
-                        "--metrics", str(metrics), "--lr", "1e-2", "--seed", "1"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mist",
+            "train",
+            str(plan),
+            "--local",
+            "--steps",
+            "3",
+            "--metrics",
+            str(metrics),
+            "--lr",
+            "1e-2",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "no CUDA device" in r.stdout and "step 3/3" in r.stdout
     m = json.loads(metrics.read_text())
     for k in ("step_time_s", "tokens_per_s", "mfu", "losses", "stages"):
         assert k in m
     assert len(m["losses"]) == 3 and m["losses"][-1] < m["losses"][0]
-    assert m["mfu"] is None                      # measured on CPU: no GPU peak applies
+    assert m["mfu"] is None  # measured on CPU: no GPU peak applies
     assert m["step_time_s"] > 0 and m["tokens_per_s"] > 0
     assert len(m["stages"]) == 1 and m["stages"][0]["peak_memory_bytes"] > 0
 
 
 def test_world_size_mismatch(tmp_path, capsys, monkeypatch):
     plan = _plan_file(tmp_path)
-    err = _fail(["train", str(plan)], capsys, monkeypatch,
-                {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"})
+    err = _fail(["train", str(plan)], capsys, monkeypatch, {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"})
     assert "needs 2 processes" in err and "started 3" in err
 
 
 def test_gpu_plan_without_cuda_under_torchrun(tmp_path, capsys, monkeypatch):
     plan = _plan_file(tmp_path, gpu="h200")
-    err = _fail(["train", str(plan)], capsys, monkeypatch,
-                {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    err = _fail(["train", str(plan)], capsys, monkeypatch, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert "no CUDA device" in err and "--local" in err
 
 
@@ -93,9 +110,26 @@ def test_pipeline_plan_runs_from_the_cli(tmp_path):
     """A pipeline whose stages differ in dp (1 and 2) and micro-batch runs end to end."""
     metrics = tmp_path / "m.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mist", "train", str(_pp_plan_file(tmp_path, dp1=2)), "--local",
-                        "--steps", "3", "--metrics", str(metrics), "--lr", "1e-2"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mist",
+            "train",
+            str(_pp_plan_file(tmp_path, dp1=2)),
+            "--local",
+            "--steps",
+            "3",
+            "--metrics",
+            str(metrics),
+            "--lr",
+            "1e-2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "step 3/3" in r.stdout
     m = json.loads(metrics.read_text())
@@ -130,7 +164,7 @@ def test_which_device_a_plan_runs_on():
     assert device_type_for(make_plan("gpt", gpu="cpu"), local=False) == ("cpu", None)
     assert device_type_for(make_plan("gpt", gpu=cpu_profile), local=False) == ("cpu", None)
     if torch.cuda.is_available():
-        return   # the GPU plan's device: test_a_gpu_plan_runs_on_the_gpus
+        return  # the GPU plan's device: test_a_gpu_plan_runs_on_the_gpus
     with pytest.raises(MistInputError, match="no CUDA device"):
         device_type_for(make_plan("gpt", gpu="l4"), local=False)
     dev, note = device_type_for(make_plan("gpt", gpu="l4"), local=True)
@@ -143,8 +177,7 @@ def test_a_gpu_plan_runs_on_the_gpus():
 
 
 def test_bad_host_threads(tmp_path, capsys, monkeypatch):
-    err = _fail(["train", str(_plan_file(tmp_path)), "--local"], capsys, monkeypatch,
-                {"MIST_HOST_THREADS": "many"})
+    err = _fail(["train", str(_plan_file(tmp_path)), "--local"], capsys, monkeypatch, {"MIST_HOST_THREADS": "many"})
     assert "MIST_HOST_THREADS must be a positive integer" in err
 
 
@@ -154,20 +187,26 @@ def test_bad_host_threads(tmp_path, capsys, monkeypatch):
 @pytest.fixture
 def no_workers(monkeypatch):
     """Each of these errors must be found before any worker process starts."""
+
     def refuse(*a, **kw):
         raise AssertionError("a worker process was started")
+
     monkeypatch.setattr("mist.runtime.launch.spawn_local", refuse)
 
 
-@pytest.mark.parametrize("path,msg", [
-    ("/proc/m.json", "cannot be written"),
-    ("{tmp}/no/such/folder/m.json", "does not exist"),
-    ("{tmp}", "is a directory, not a file"),
-    ("", "needs a file path"),
-])
+@pytest.mark.parametrize(
+    "path,msg",
+    [
+        ("/proc/m.json", "cannot be written"),
+        ("{tmp}/no/such/folder/m.json", "does not exist"),
+        ("{tmp}", "is a directory, not a file"),
+        ("", "needs a file path"),
+    ],
+)
 def test_unwritable_metrics_fail_before_training(tmp_path, capsys, no_workers, path, msg):
-    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1",
-                 "--metrics", path.format(tmp=tmp_path)], capsys)
+    err = _fail(
+        ["train", str(_plan_file(tmp_path)), "--local", "--steps", "1", "--metrics", path.format(tmp=tmp_path)], capsys
+    )
     assert "--metrics" in err and msg in err
 
 
@@ -178,8 +217,9 @@ def test_unusable_checkpoint_dir_fails_before_training(tmp_path, capsys, no_work
     err = _fail(["train", plan, "--local", "--steps", "1", "--checkpoint-dir", plan], capsys)
     assert "is a file, not a folder" in err
     # --resume from a folder that does not exist: no checkpoint, and no folder made for it
-    err = _fail(["train", plan, "--local", "--steps", "2", "--checkpoint-dir", str(tmp_path / "new"),
-                 "--resume"], capsys)
+    err = _fail(
+        ["train", plan, "--local", "--steps", "2", "--checkpoint-dir", str(tmp_path / "new"), "--resume"], capsys
+    )
     assert "no checkpoint" in err and not (tmp_path / "new").exists()
 
 
@@ -195,8 +235,9 @@ def test_largest_seed_is_accepted():
     assert len(res["metrics"]["losses"]) == 1
 
 
-@pytest.mark.parametrize("option", ["--lr", "--eps", "--weight-decay", "--clip", "--beta1", "--beta2",
-                                    "--min-lr-ratio"])
+@pytest.mark.parametrize(
+    "option", ["--lr", "--eps", "--weight-decay", "--clip", "--beta1", "--beta2", "--min-lr-ratio"]
+)
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_hyperparameters_must_be_finite(tmp_path, capsys, no_workers, option, value):
     err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1", option, value], capsys)
@@ -204,10 +245,13 @@ def test_hyperparameters_must_be_finite(tmp_path, capsys, no_workers, option, va
 
 
 def test_hyperparameter_ranges_name_the_option():
-    for kw, msg in ((dict(weight_decay=-0.1), "--weight-decay must not be negative"),
-                    (dict(max_grad_norm=-1.0), "--clip must not be negative"),
-                    (dict(eps=0.0), "--eps must be positive"), (dict(lr=0.0), "--lr must be positive"),
-                    (dict(beta2=1.0), "--beta2 must lie in [0, 1)")):
+    for kw, msg in (
+        (dict(weight_decay=-0.1), "--weight-decay must not be negative"),
+        (dict(max_grad_norm=-1.0), "--clip must not be negative"),
+        (dict(eps=0.0), "--eps must be positive"),
+        (dict(lr=0.0), "--lr must be positive"),
+        (dict(beta2=1.0), "--beta2 must lie in [0, 1)"),
+    ):
         with pytest.raises(MistInputError) as e:
             TrainConfig(steps=1, **kw)
         assert msg in str(e.value)
@@ -216,20 +260,25 @@ def test_hyperparameter_ranges_name_the_option():
 def test_stop_after_beyond_steps(tmp_path, capsys, no_workers):
     err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1", "--stop-after", "5"], capsys)
     assert "--stop-after 5 exceeds --steps 1" in err
-    TrainConfig(steps=5, stop_after=5, checkpoint_dir="ck")          # equal is fine
-    TrainConfig(steps=5, warmup_steps=10)                            # a warm-up past the steps too
+    TrainConfig(steps=5, stop_after=5, checkpoint_dir="ck")  # equal is fine
+    TrainConfig(steps=5, warmup_steps=10)  # a warm-up past the steps too
 
 
-@pytest.mark.parametrize("env,msg", [
-    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'abc'"),
-    ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE must be an integer, got 'x'"),
-    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be at least 1"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK must be at least 0, got -1"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE must be at least 1, got 0"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK must be below WORLD_SIZE 2, got 2"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
-     "LOCAL_RANK must be below LOCAL_WORLD_SIZE 2, got 2"),
-])
+@pytest.mark.parametrize(
+    "env,msg",
+    [
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'abc'"),
+        ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE must be an integer, got 'x'"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be at least 1"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK must be at least 0, got -1"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE must be at least 1, got 0"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK must be below WORLD_SIZE 2, got 2"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK must be below LOCAL_WORLD_SIZE 2, got 2",
+        ),
+    ],
+)
 def test_bad_torchrun_variables(tmp_path, capsys, monkeypatch, env, msg):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -240,8 +289,12 @@ def test_bad_torchrun_variables(tmp_path, capsys, monkeypatch, env, msg):
 def test_too_many_host_threads(tmp_path, capsys, monkeypatch, no_workers):
     from mist.cpu_workers import host_cores
 
-    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1"], capsys, monkeypatch,
-                {"MIST_HOST_THREADS": "100000"})
+    err = _fail(
+        ["train", str(_plan_file(tmp_path)), "--local", "--steps", "1"],
+        capsys,
+        monkeypatch,
+        {"MIST_HOST_THREADS": "100000"},
+    )
     assert f"MIST_HOST_THREADS must be between 1 and {host_cores()}" in err and "got 100000" in err
 
 
@@ -260,22 +313,24 @@ def _data_files(tmp_path):
     (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
 
 
-@pytest.mark.parametrize("name,msg", [
-    ("", "is a directory, not a file"),
-    ("empty.txt", "holds 0 tokens, fewer than one sequence"),
-    ("empty.npy", "is not a readable .npy array"),
-    ("garbage.npy", "is not a readable .npy array"),
-    ("float.npy", "must hold a 1-D array of integer token ids, not an array of shape (100,) and dtype float32"),
-    ("matrix.npy", "not an array of shape (4, 100)"),
-    ("big.npy", "outside the model's vocabulary [0, 128)"),
-    ("neg.npy", "outside the model's vocabulary"),
-    ("objects.npy", "is not a readable .npy array"),
-    ("archive.npy", "is an .npz archive"),
-])
+@pytest.mark.parametrize(
+    "name,msg",
+    [
+        ("", "is a directory, not a file"),
+        ("empty.txt", "holds 0 tokens, fewer than one sequence"),
+        ("empty.npy", "is not a readable .npy array"),
+        ("garbage.npy", "is not a readable .npy array"),
+        ("float.npy", "must hold a 1-D array of integer token ids, not an array of shape (100,) and dtype float32"),
+        ("matrix.npy", "not an array of shape (4, 100)"),
+        ("big.npy", "outside the model's vocabulary [0, 128)"),
+        ("neg.npy", "outside the model's vocabulary"),
+        ("objects.npy", "is not a readable .npy array"),
+        ("archive.npy", "is an .npz archive"),
+    ],
+)
 def test_bad_data_files(tmp_path, capsys, no_workers, name, msg):
     _data_files(tmp_path)
-    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1",
-                 "--data", str(tmp_path / name)], capsys)
+    err = _fail(["train", str(_plan_file(tmp_path)), "--local", "--steps", "1", "--data", str(tmp_path / name)], capsys)
     assert msg in err
 
 

@@ -17,10 +17,15 @@ def test_validate_json_reports_signed_relative_errors(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "mist", "validate", str(path), "--local", "--steps", "2",
-                        "--no-drift", "--json"], capture_output=True, text=True, env=env, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-m", "mist", "validate", str(path), "--local", "--steps", "2", "--no-drift", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout[r.stdout.index("{"):])
+    out = json.loads(r.stdout[r.stdout.index("{") :])
     pred, meas, err = out["predicted"], out["measured"], out["errors"]
     for k in ("iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "mfu", "fits", "stages"):
         assert k in pred
@@ -47,15 +52,38 @@ def test_validate_table_shows_host_memory_of_offloading(tmp_path):
     plan = make_plan("gpt", dp=2, zero=1, G=2, offload=dict(optimizer=0.5, activations=0.5))
     path = tmp_path / "plan.json"
     plan.save(path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "COLUMNS": "200",
+    }
     prof = ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"
-    r = subprocess.run([sys.executable, "-m", "mist", "validate", str(path), "--gpu", str(prof), "--local",
-                        "--steps", "2", "--no-drift"], capture_output=True, text=True, env=env, timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mist",
+            "validate",
+            str(path),
+            "--gpu",
+            str(prof),
+            "--local",
+            "--steps",
+            "2",
+            "--no-drift",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     rows = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") >= 4}
-    for label in ("host: offloaded states (MiB)", "host: offloaded activations (MiB)",
-                  "host: CPU Adam gradients (MiB)"):
+    for label in (
+        "host: offloaded states (MiB)",
+        "host: offloaded activations (MiB)",
+        "host: CPU Adam gradients (MiB)",
+    ):
         assert rows[f"stage 0 {label}"].rstrip(" │").endswith("+0.0%"), rows.get(f"stage 0 {label}")
 
 
@@ -69,5 +97,7 @@ def test_validate_needs_a_step_after_the_warm_up(tmp_path, capsys, steps):
         main(["validate", str(path), "--local", "--no-drift", "--steps", steps])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1
-    assert err == (f"error: mist validate needs --steps of at least 2, because the first step is warm-up "
-                   f"and only the later ones are measured, got {steps}.")
+    assert err == (
+        f"error: mist validate needs --steps of at least 2, because the first step is warm-up "
+        f"and only the later ones are measured, got {steps}."
+    )

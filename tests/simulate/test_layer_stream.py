@@ -15,8 +15,7 @@ from mist.specs.presets import get_preset
 
 def _kernels(prof, la, ph, b, s):
     ops = la.op_values(ph, np.array([float(b)]), np.array([float(s)]))
-    return np.array([float(np.ravel(kernel_time(prof, op, ph == "bwd"))[0])
-                     for op in ops if op.kind != COLLECTIVE])
+    return np.array([float(np.ravel(kernel_time(prof, op, ph == "bwd"))[0]) for op in ops if op.kind != COLLECTIVE])
 
 
 @pytest.mark.parametrize("model,b", [("llama-1.3b", 1), ("gpt3-1.3b", 1), ("llama3-8b", 4)])
@@ -35,7 +34,7 @@ def test_closed_form_is_the_stream_over_repeated_blocks(model, b, ph):
 
 def test_blocks_that_leave_the_gpu_waiting_alone_are_cheaper_together():
     prof = load_profile("h200")
-    spec = get_preset("llama-1.3b")   # at b = 1 its forward alternates host- and GPU-bound stretches
+    spec = get_preset("llama-1.3b")  # at b = 1 its forward alternates host- and GPU-bound stretches
     la = analyze_layer(spec, "block", tp=1, flash=True, dtype="bf16", target="cuda")
     pt = phase_time(prof, None, la, "fwd", 1, 2048)
     assert float(pt.lead) > 0.05 * float(pt.compute)

@@ -31,8 +31,9 @@ def test_simulate_json_keys_and_sums(name, capsys, tmp_path):
         assert sum(s["memory_breakdown"].values()) == pytest.approx(s["peak_memory_bytes"], abs=8)
         assert sum(s["time_breakdown"].values()) == pytest.approx(s["stable_time_s"], rel=1e-9)
     assert 0 < r["mfu"] < 1
-    assert r["throughput_samples_per_s"] == pytest.approx(load_plan(EXAMPLES / name).training.global_batch
-                                                         / r["iteration_time_s"])
+    assert r["throughput_samples_per_s"] == pytest.approx(
+        load_plan(EXAMPLES / name).training.global_batch / r["iteration_time_s"]
+    )
 
 
 def test_one_plan_simulates_alike_from_the_trace_cache():

@@ -17,14 +17,28 @@ def l4_model():
 
 
 def stage(**kw):
-    base = dict(first=True, last=False, index=0, num_stages=2, layers=np.array([12]),
-                recompute=np.array([0]), b=np.array([2]), dp=np.array([2]), tp=1, zero=np.array([1]),
-                offload_weights=np.array([0.0]), offload_grads=np.array([0.0]),
-                offload_optimizer=np.array([0.0]), offload_activations=np.array([0.0]), G=8,
-                nodes=1, gpus_per_node=2, cluster_gpus_per_node=4)
+    base = dict(
+        first=True,
+        last=False,
+        index=0,
+        num_stages=2,
+        layers=np.array([12]),
+        recompute=np.array([0]),
+        b=np.array([2]),
+        dp=np.array([2]),
+        tp=1,
+        zero=np.array([1]),
+        offload_weights=np.array([0.0]),
+        offload_grads=np.array([0.0]),
+        offload_optimizer=np.array([0.0]),
+        offload_activations=np.array([0.0]),
+        G=8,
+        nodes=1,
+        gpus_per_node=2,
+        cluster_gpus_per_node=4,
+    )
     arrays = ("layers", "recompute", "b", "dp", "zero", *OFFLOADS)
-    base.update({k: (np.array([v]) if k in arrays
-                     and not isinstance(v, np.ndarray) else v) for k, v in kw.items()})
+    base.update({k: (np.array([v]) if k in arrays and not isinstance(v, np.ndarray) else v) for k, v in kw.items()})
     return StageInput(**base)
 
 
@@ -33,8 +47,9 @@ def one(r, field):
 
 
 def test_breakdowns_sum(l4_model):
-    offloaded = dict(zero=3, offload_weights=0.5, offload_grads=0.5, offload_optimizer=0.75,
-                     offload_activations=0.25, recompute=4)
+    offloaded = dict(
+        zero=3, offload_weights=0.5, offload_grads=0.5, offload_optimizer=0.75, offload_activations=0.25, recompute=4
+    )
     for kw in ({}, offloaded, dict(last=True, first=False, index=1)):
         r = l4_model.evaluate(stage(**kw))
         assert sum(float(v[0]) for v in r.time_breakdown.values()) == pytest.approx(one(r, "T"), rel=1e-9)
@@ -107,8 +122,9 @@ def test_fp32_gradients_cost_memory_and_time(l4_model):
     added every micro-batch (autograd cannot accumulate into another dtype in place)."""
     from mist.simulate.precision import Precision
 
-    wide = StageModel(SPEC, load_profile("l4"), tp=1, flash=True, seq=2048,
-                      precision=Precision(weight_bytes=2, grad_bytes=4))
+    wide = StageModel(
+        SPEC, load_profile("l4"), tp=1, flash=True, seq=2048, precision=Precision(weight_bytes=2, grad_bytes=4)
+    )
     for kw in ({}, dict(zero=0), dict(zero=2)):
         a, b = l4_model.evaluate(stage(**kw)), wide.evaluate(stage(**kw))
         ma, mb = a.memory_breakdown, b.memory_breakdown
@@ -116,7 +132,7 @@ def test_fp32_gradients_cost_memory_and_time(l4_model):
         assert one_of(mb, "weights_bytes") == one_of(ma, "weights_bytes")
         assert one(b, "peak") > one(a, "peak")
         assert one(b, "T") > one(a, "T")
-        if kw.get("zero", 1) <= 1:           # the one reduction after the last micro-batch moves fp32
+        if kw.get("zero", 1) <= 1:  # the one reduction after the last micro-batch moves fp32
             assert one(b, "last_extra") > one(a, "last_extra")
         # (the optimizer step reads an fp32 gradient in place: no conversion copy)
         assert one(b, "first_extra") < one(a, "first_extra")
@@ -143,14 +159,20 @@ def test_without_data_parallelism_the_one_offs_are_the_optimizer_step_and_the_gr
     a = l4_model.evaluate(stage(dp=1, b=4, zero=0))
     prof = l4_model.profile
     # gradients accumulate in place in each unit's bf16 buffer, zeroed once per iteration
-    reset = (12 * prof.memory_op_time("copy", 2 * SPEC.block_params(), True)
-             + prof.memory_op_time("copy", 2 * SPEC.embedding_params(), True))
+    reset = 12 * prof.memory_op_time("copy", 2 * SPEC.block_params(), True) + prof.memory_op_time(
+        "copy", 2 * SPEC.embedding_params(), True
+    )
     assert float(a.delta_breakdown["last_microbatch_reduction_s"][0]) == pytest.approx(float(reset), rel=0.02)
     # the AdamW kernel plus the runtime's passes around it: gradient to fp32 and scaled, master cast
     # into the bf16 weights (per unit)
     units = [SPEC.block_params()] * 12 + [SPEC.embedding_params()]
-    step = sum(prof.memory_op_time("copy", 6 * n, False) + prof.memory_op_time("mul", 8 * n, False)
-               + prof.adam_gpu_s_per_param * n + prof.memory_op_time("copy", 6 * n, False) for n in units)
+    step = sum(
+        prof.memory_op_time("copy", 6 * n, False)
+        + prof.memory_op_time("mul", 8 * n, False)
+        + prof.adam_gpu_s_per_param * n
+        + prof.memory_op_time("copy", 6 * n, False)
+        for n in units
+    )
     assert float(a.delta_breakdown["first_microbatch_optimizer_s"][0]) == pytest.approx(float(step), rel=0.02)
 
 
@@ -167,9 +189,14 @@ def test_vectorized_matches_scalar(l4_model):
 def many_candidates(n: int) -> StageInput:
     """n random candidate stages in one input (benchmarks/unit_speed.py times evaluating them)."""
     rng = np.random.default_rng(0)
-    return stage(zero=rng.integers(0, 4, n), offload_weights=rng.choice([0, .5, 1], n),
-                 offload_grads=rng.choice([0, .5, 1], n), offload_optimizer=rng.random(n),
-                 offload_activations=rng.random(n), recompute=rng.integers(0, 13, n))
+    return stage(
+        zero=rng.integers(0, 4, n),
+        offload_weights=rng.choice([0, 0.5, 1], n),
+        offload_grads=rng.choice([0, 0.5, 1], n),
+        offload_optimizer=rng.random(n),
+        offload_activations=rng.random(n),
+        recompute=rng.integers(0, 13, n),
+    )
 
 
 def test_many_candidates_at_once(l4_model):

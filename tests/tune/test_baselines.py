@@ -50,7 +50,7 @@ def test_stage_mesh_and_split():
     assert stage_mesh(ClusterSpec("l4", 1, 8), 4) == (1, 2)
     assert stage_mesh(ClusterSpec("l4", 4, 8), 2) == (2, 8)
     assert stage_mesh(ClusterSpec("l4", 2, 8), 4) == (1, 4)
-    assert stage_mesh(ClusterSpec("l4", 3, 8), 2) is None       # 3 nodes cannot be halved
+    assert stage_mesh(ClusterSpec("l4", 3, 8), 2) is None  # 3 nodes cannot be halved
     assert stage_mesh(ClusterSpec("l4", 1, 8), 3) is None
     assert even_split(24, 4) == [6, 6, 6, 6]
     assert even_split(26, 4) == [7, 7, 6, 6]
@@ -126,11 +126,11 @@ def test_megatron_space_rules(prof):
             continue
         S = len(stages)
         s0 = stages[0]
-        assert all(s == s0 for s in stages)                             # uniform split, same strategy
+        assert all(s == s0 for s in stages)  # uniform split, same strategy
         assert is_pow2(S) and is_pow2(s0.dp) and is_pow2(s0.tp)
         assert S * s0.dp * s0.tp == cluster.world_size
         assert s0.layers * S == model.num_layers
-        assert s0.recompute_layers in (0, s0.layers)                     # all or nothing
+        assert s0.recompute_layers in (0, s0.layers)  # all or nothing
         assert s0.zero == (1 if s0.dp > 1 else 0)
         assert s0.offload.as_tuple() == (0, 0, 0, 0)
         assert s0.micro_batch in (1, 2, 4, 8)
@@ -149,10 +149,10 @@ def test_megatron_accumulates_bf16_gradients_in_fp32(results, prof):
     """Megatron-LM with bf16 parameters keeps fp32 gradients: 2 + 4 + 12/dp bytes per parameter."""
     p = results["megatron"].plan
     assert p.training.param_dtype == "bf16" and p.training.grad_dtype == "fp32"
-    assert short_summary(p).startswith(f"G {p.micro_batches}, fp32 grads, ")   # what `mist compare` shows
+    assert short_summary(p).startswith(f"G {p.micro_batches}, fp32 grads, ")  # what `mist compare` shows
     st = simulate_plan(p, prof)["stages"][0]
     mem, s = st["memory_breakdown"], p.stages[0]
-    assert s.zero <= 1 and p.micro_batches > 1           # the whole gradient buffer is kept
+    assert s.zero <= 1 and p.micro_batches > 1  # the whole gradient buffer is kept
     assert mem["grads_bytes"] == 2 * mem["weights_bytes"]
     shards = s.dp if s.zero == 1 else 1
     assert mem["optimizer_bytes"] == pytest.approx(6 * mem["weights_bytes"] / shards, rel=1e-9)
@@ -165,8 +165,13 @@ def test_megatron_accumulates_bf16_gradients_in_fp32(results, prof):
 
 def test_megatron_keeps_fp16_gradients_in_fp16(small, prof):
     model, cluster, training = small
-    fp16 = TrainingSpec(seq_len=training.seq_len, global_batch=training.global_batch, param_dtype="fp16",
-                        compute_dtype="fp16", flash_attention=training.flash_attention)
+    fp16 = TrainingSpec(
+        seq_len=training.seq_len,
+        global_batch=training.global_batch,
+        param_dtype="fp16",
+        compute_dtype="fp16",
+        flash_attention=training.flash_attention,
+    )
     assert tune_megatron(model, cluster, fp16, prof).plan.training.grad_dtype is None
 
 
@@ -182,14 +187,14 @@ def test_deepspeed_space_rules(results):
         for s in stages:
             off = s.offload
             if any(off.as_tuple()):
-                assert S == 1                                            # offload only without PP
+                assert S == 1  # offload only without PP
                 kinds.add("infinity" if off.weights else "offload")
             if off.weights or off.grads:
                 assert s.zero == 3 and off.weights == off.grads == off.optimizer == 1.0
             if s.dp == 1:
                 assert s.zero == 0
             if S > 1:
-                assert s.zero <= 1                                       # no ZeRO-2/3 with PP
+                assert s.zero <= 1  # no ZeRO-2/3 with PP
             assert s.recompute_layers in (0, s.layers)
             assert s.micro_batch in (1, 2, 4, 8, 16)
             assert s.micro_batch * s.dp * G == B
@@ -214,8 +219,7 @@ def test_aceso_never_worse_than_its_balanced_start(small, results, prof):
             if sim["fits"]:
                 starts.append(sim["iteration_time_s"])
                 ev = bl._Evaluator(model, cluster, training, prof)
-                _, c = bl._aceso_walk(ev, G, stages, time.monotonic() + 30,
-                                      tp_degrees(model, mesh[1]))
+                _, c = bl._aceso_walk(ev, G, stages, time.monotonic() + 30, tp_degrees(model, mesh[1]))
                 assert c.fits and c.time <= sim["iteration_time_s"] * (1 + 1e-12)
     assert starts
     assert results["aceso"].predicted["iteration_time_s"] <= min(starts) * (1 + 1e-12)
@@ -236,7 +240,7 @@ def test_aceso_restores_fit_from_an_oversized_start(prof):
 def test_aceso_respects_a_tiny_time_budget(small, prof):
     r = tune_aceso(*small, prof, time_budget=0.01)
     assert r.tuning_time_s < 2.0
-    assert r.plan is not None      # every configuration's balanced start is still costed
+    assert r.plan is not None  # every configuration's balanced start is still costed
 
 
 # ------------------------------------------------------------------ nothing fits

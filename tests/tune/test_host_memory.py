@@ -59,13 +59,27 @@ def _offload_plan(host_gib=None):
     cluster = {"gpu": "l4", "nodes": 1, "gpus_per_node": 2}
     if host_gib is not None:
         cluster["host_memory_gib"] = host_gib
-    return plan_from_dict({
-        "model": "gpt3-2.7b", "cluster": cluster,
-        "training": {"seq_len": 2048, "global_batch": 8},
-        "micro_batches": 4,
-        "stages": [{"layers": 32, "nodes": 1, "gpus_per_node": 2, "micro_batch": 1, "dp": 2, "tp": 1,
-                    "zero": 1, "recompute_layers": 32,
-                    "offload": {"weights": 0.5, "grads": 1.0, "optimizer": 1.0, "activations": 0.5}}]})
+    return plan_from_dict(
+        {
+            "model": "gpt3-2.7b",
+            "cluster": cluster,
+            "training": {"seq_len": 2048, "global_batch": 8},
+            "micro_batches": 4,
+            "stages": [
+                {
+                    "layers": 32,
+                    "nodes": 1,
+                    "gpus_per_node": 2,
+                    "micro_batch": 1,
+                    "dp": 2,
+                    "tp": 1,
+                    "zero": 1,
+                    "recompute_layers": 32,
+                    "offload": {"weights": 0.5, "grads": 1.0, "optimizer": 1.0, "activations": 0.5},
+                }
+            ],
+        }
+    )
 
 
 def test_simulate_checks_every_node_against_its_ram():
@@ -73,15 +87,16 @@ def test_simulate_checks_every_node_against_its_ram():
     roomy = simulate_plan(_offload_plan(), prof)
     h = roomy["host_memory"]
     st = roomy["stages"][0]
-    assert st["host_peak_bytes"] == (st["host_state_bytes"] + st["host_optimizer_grad_bytes"]
-                                     + st["host_activation_peak_bytes"])
+    assert st["host_peak_bytes"] == (
+        st["host_state_bytes"] + st["host_optimizer_grad_bytes"] + st["host_activation_peak_bytes"]
+    )
     # ZeRO-1 over 2.7B parameters: 12 bytes of optimizer state per parameter, half on each GPU
     assert 0.45 * 2.7e9 * 12 < st["host_state_bytes"] < 0.75 * 2.7e9 * 16
     assert h["per_node_bytes"] == [2 * st["host_peak_bytes"]] and h["fits"] and roomy["fits"]
     tight = simulate_plan(_offload_plan(host_gib=h["per_node_bytes"][0] / GiB * 0.9), prof)
     assert not tight["fits"] and not tight["host_memory"]["fits"]
     assert any("host memory" in m for m in tight["memory_problems"])
-    assert all(s["fits"] for s in tight["stages"])   # the GPUs themselves are fine
+    assert all(s["fits"] for s in tight["stages"])  # the GPUs themselves are fine
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +112,7 @@ def test_tuners_keep_offloading_within_the_host_memory(squeezed, space):
     free = run_space(space, model, ClusterSpec("l4", 1, 2), training, prof)
     assert free.plan is not None
     used = free.predicted["host_memory"]["per_node_bytes"][0]
-    assert used > 1 * GiB   # offloading is what makes it fit
+    assert used > 1 * GiB  # offloading is what makes it fit
     budget = used / GiB * 0.6
     held = run_space(space, model, ClusterSpec("l4", 1, 2, host_memory_gib=budget), training, prof)
     if held.plan is not None:

@@ -17,8 +17,12 @@ from mist.tune.search import g_values, stage_meshes
 
 @pytest.fixture(scope="module")
 def case():
-    return (get_preset("gpt3-1.3b"), ClusterSpec("l4", 1, 4),
-            TrainingSpec(seq_len=2048, global_batch=64, flash_attention=True), load_profile("l4"))
+    return (
+        get_preset("gpt3-1.3b"),
+        ClusterSpec("l4", 1, 4),
+        TrainingSpec(seq_len=2048, global_batch=64, flash_attention=True),
+        load_profile("l4"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +71,22 @@ def test_meshes_and_g_values():
 
 def test_tune_cli_json_and_plan_file(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    main(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--gpus-per-node", "2", "--global-batch", "32",
-          "--json", "-o", str(out)])
+    main(
+        [
+            "tune",
+            "--model",
+            "gpt3-1.3b",
+            "--gpu",
+            "l4",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "32",
+            "--json",
+            "-o",
+            str(out),
+        ]
+    )
     r = json.loads(capsys.readouterr().out)
     for k in ("plan", "predicted", "tuning_time_s", "candidates_evaluated"):
         assert k in r
@@ -98,12 +116,15 @@ def test_attention_recompute_is_searched_without_flash_and_resimulates():
     args = (spec, prof, 2048)
     rest = (full, 1, 8, 1, 2, 2, 32, False)
     assert StageTables(*args, True, *rest).selective_choices() == [(False, False), (False, True)]
-    assert StageTables(*args, False, *rest).selective_choices() == [(False, False), (False, True),
-                                                                    (True, False), (True, True)]
+    assert StageTables(*args, False, *rest).selective_choices() == [
+        (False, False),
+        (False, True),
+        (True, False),
+        (True, True),
+    ]
     paper = StageTables(*args, False, get_space("mist-paper"), *rest[1:]).selective_choices()
     assert paper == [(False, False)]
-    forced = replace(full, name="forced", recompute_attention=(True,), recompute_activation=(False,),
-                     seed_space=None)
+    forced = replace(full, name="forced", recompute_attention=(True,), recompute_activation=(False,), seed_space=None)
     training = TrainingSpec(seq_len=2048, global_batch=32, flash_attention=False)
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert r.plan is not None
@@ -134,8 +155,9 @@ def test_activation_recompute_is_searched_and_resimulates():
     training = TrainingSpec(seq_len=2048, global_batch=128)
     cluster = ClusterSpec("l4", 1, 8)
     full = tune(spec, cluster, training, prof, "full")
-    without = tune(spec, cluster, training, prof, replace(get_space("full"), name="no-act",
-                                                           recompute_activation=(False,)))
+    without = tune(
+        spec, cluster, training, prof, replace(get_space("full"), name="no-act", recompute_activation=(False,))
+    )
     assert any(s.recompute_activation for s in full.plan.stages)
     assert full.iteration_time_s < without.iteration_time_s
     assert simulate_plan(full.plan, prof)["iteration_time_s"] == full.predicted["iteration_time_s"]

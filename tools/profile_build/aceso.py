@@ -91,9 +91,7 @@ def read_profiles(gpu_dir: Path, folders) -> list[OpProfile]:
                     r["op_name"]: (_seconds(r["forward-compute"]), _seconds(r["backward-compute"]))
                     for r in csv.DictReader(fh)
                 }
-            out.append(
-                OpProfile(m["size"], int(m["b"]), int(m["t"]), int(m["algo"]), folder, times)
-            )
+            out.append(OpProfile(m["size"], int(m["b"]), int(m["t"]), int(m["algo"]), folder, times))
     return out
 
 
@@ -153,8 +151,13 @@ def comm_free(op: str, t: int, algo: int, backward: bool) -> bool:
         return algo == 0 and not backward
     if op in ("enc-attention-dense", "enc-MLP-GEMM-2"):  # row-parallel: forward all-reduce
         return False
-    if op in ("enc-attention-score", "enc-attention-context", "enc-attention-softmax",
-              "enc-attention-dropout", "enc-MLP-gelu"):
+    if op in (
+        "enc-attention-score",
+        "enc-attention-context",
+        "enc-attention-softmax",
+        "enc-attention-dropout",
+        "enc-MLP-gelu",
+    ):
         return True
     return False  # layernorms/dropouts around the block may carry sequence-parallel comm
 

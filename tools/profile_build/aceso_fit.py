@@ -64,7 +64,7 @@ def _fwd_gemm_samples(profiles, seq, wgrad):
             if op in BMM_ROWS and p.algo != 0:  # algo only changes linears: avoid duplicates
                 continue
             fwd_terms, _ = aceso.row_terms(op, p.hidden, p.heads, seq, p.b, p.t, wgrad)
-            (_, m, n, k, batch), = fwd_terms
+            ((_, m, n, k, batch),) = fwd_terms
             out.append((m, n, k, batch, fwd_s))
     return np.array(out, float)
 
@@ -92,14 +92,16 @@ def gemm_table(coef, t0: float, roofline_bw: float, source: str, extra: dict) ->
     times = t0 + _features(m, n, k, 1.0) @ coef
     inv = lambda v: (1.0 / v) if v > 0 else None  # noqa: E731
     extra = dict(extra)
-    extra.update({
-        "model": "t = t0 + 2MNK/R + 2(NK/bw_w + MK/bw_x + MN/bw_y)",
-        "t0_s": t0,
-        "R_flops": inv(coef[0]),
-        "bw_w": inv(coef[1]),
-        "bw_x": inv(coef[2]),
-        "bw_y": inv(coef[3]),
-    })
+    extra.update(
+        {
+            "model": "t = t0 + 2MNK/R + 2(NK/bw_w + MK/bw_x + MN/bw_y)",
+            "t0_s": t0,
+            "R_flops": inv(coef[0]),
+            "bw_w": inv(coef[1]),
+            "bw_x": inv(coef[2]),
+            "bw_y": inv(coef[3]),
+        }
+    )
     return GemmTable(GRID_M, GRID_NK, GRID_NK, times, t0, roofline_bw, source=source, extra=extra)
 
 
@@ -204,7 +206,10 @@ def build(
     bw, src = fit_memory_classes(profiles, seq, sheet["hbm"])
     bw["rmsnorm"], src["rmsnorm"] = bw["layernorm"], "proxy: layernorm class (no RMSNorm rows)"
     bw["swiglu"], src["swiglu"] = bw["gelu"], "proxy: bias-gelu class (no SwiGLU rows)"
-    bw["cross_entropy"], src["cross_entropy"] = bw["softmax"], "proxy: softmax class (post-process row mixes the LM-head GEMM)"
+    bw["cross_entropy"], src["cross_entropy"] = (
+        bw["softmax"],
+        "proxy: softmax class (post-process row mixes the LM-head GEMM)",
+    )
     measured = ("layernorm", "softmax", "dropout", "gelu", "binary")
     bw["elementwise"] = {d: float(np.median([bw[c][d] for c in measured])) for d in ("fwd", "bwd")}
     src["elementwise"] = "generic fallback: median of the fitted classes"
@@ -272,8 +277,10 @@ def build(
             f"{sheet['peak_flops'] / 1e12:.0f} TFLOP/s",
             "hbm_bandwidth": f"datasheet: {sheet.get('sheet', sheet['label'])} {sheet['hbm'] / 1e9:.0f} GB/s",
             "host_link": link["source"],
-            "adam": ("scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); H200 host CPU AdamW "
-                     "(CPU, host unknown: 16 threads of one process, foreach)"),
+            "adam": (
+                "scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); H200 host CPU AdamW "
+                "(CPU, host unknown: 16 threads of one process, foreach)"
+            ),
             "gemm": gemm.source,
             "attention": attention.source,
             "memory_ops": "fitted: op-profile memory-bound rows (see memory_ops.sources)",

@@ -12,8 +12,17 @@ from mist.hardware.datasheet import DATASHEET
 from mist.hardware.fitting import fit_floor_plus_rate
 from mist.units import GiB
 
-__all__ = ["DATASHEET", "GDDR6_24GB_USABLE_GIB", "GiB", "MEMORY_OP_FLOOR_S", "PCIE_EFFICIENCY",
-           "fit_floor_plus_rate", "fmt_rate", "geomean", "read_json"]
+__all__ = [
+    "DATASHEET",
+    "GDDR6_24GB_USABLE_GIB",
+    "GiB",
+    "MEMORY_OP_FLOOR_S",
+    "PCIE_EFFICIENCY",
+    "fit_floor_plus_rate",
+    "fmt_rate",
+    "geomean",
+    "read_json",
+]
 
 #: Usable memory of the GDDR6 24 GB cards: the Mist artifact's L4 hardware template (22.488 GiB,
 #: what nvidia-smi reports with ECC on).

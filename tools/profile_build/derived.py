@@ -29,16 +29,25 @@ def scale_from(base: GpuProfile, name: str) -> GpuProfile:
     m, n, k = np.meshgrid(g.m_axis, g.n_axis, g.k_axis, indexing="ij")
     traffic = g.element_bytes * (m * k + n * k + m * n) / copy_bw
     gemm = GemmTable(
-        g.m_axis, g.n_axis, g.k_axis,
+        g.m_axis,
+        g.n_axis,
+        g.k_axis,
         np.maximum(g.times_s / flops_ratio, traffic),
-        g.floor_s, copy_bw,
+        g.floor_s,
+        copy_bw,
         source=f"roofline: {base.name} GEMM table / peak ratio {flops_ratio:.2f}, bounded by operand traffic at "
         f"{copy_bw / 1e12:.2f} TB/s",
     )
     a = base.attention
     attention = AttentionTable(
-        a.b_axis, a.heads_axis, a.s_axis, a.d_axis, a.fwd_s / flops_ratio, a.bwd_s / flops_ratio,
-        a.fwd_floor_s, a.bwd_floor_s,
+        a.b_axis,
+        a.heads_axis,
+        a.s_axis,
+        a.d_axis,
+        a.fwd_s / flops_ratio,
+        a.bwd_s / flops_ratio,
+        a.fwd_floor_s,
+        a.bwd_floor_s,
         source=f"roofline: {base.name} flash table / peak ratio {flops_ratio:.2f} (compute-bound)",
     )
     mo = base.memory_ops
@@ -50,9 +59,7 @@ def scale_from(base: GpuProfile, name: str) -> GpuProfile:
     ratio = base.memory_bytes / (base_sheet["memory_gib"] * GiB)
     return GpuProfile(
         name=name,
-        provenance=(
-            f"roofline: datasheet {sheet['label']} figures scaled from measured {base.name} (no measurements)"
-        ),
+        provenance=(f"roofline: datasheet {sheet['label']} figures scaled from measured {base.name} (no measurements)"),
         measured=False,
         memory_bytes=int(sheet["memory_gib"] * GiB * ratio),
         peak_flops=sheet["peak_flops"],

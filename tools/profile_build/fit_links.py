@@ -19,8 +19,12 @@ import numpy as np
 from mist.hardware.collectives import OPS, datasheet_links, ring_factor
 from mist.units import MiB
 
-GPU_DIRS = {"a100-sxm4-40gb": ["op-profiles", "op-profiles-larger-models"], "l4": ["op-profiles"],
-            "a10g": ["op-profiles"], "v100-sxm2-32gb": ["op-profiles"]}
+GPU_DIRS = {
+    "a100-sxm4-40gb": ["op-profiles", "op-profiles-larger-models"],
+    "l4": ["op-profiles"],
+    "a10g": ["op-profiles"],
+    "v100-sxm2-32gb": ["op-profiles"],
+}
 
 
 def _points(folder: Path, op: str, n: int):
@@ -70,16 +74,29 @@ def main(argv=None):
                 alpha, bw, err = fit(x, y, op, n)
                 fits.setdefault(op, {})[str(n)] = [alpha, bw]
                 errs[f"{op}/{n}"] = round(err, 4)
-        doc = {"gpu": gpu, "provenance": f"measured: Mist artifact collectives of {gpu} "
-               "(prim_*.csv, one node), ring alpha-beta fit", "fits": fits, "median_rel_error": errs}
+        doc = {
+            "gpu": gpu,
+            "provenance": f"measured: Mist artifact collectives of {gpu} (prim_*.csv, one node), ring alpha-beta fit",
+            "fits": fits,
+            "median_rel_error": errs,
+        }
         (out / f"{gpu}.json").write_text(json.dumps(doc, indent=1))
-        print(gpu, {k: round(v[1] / 1e9, 1) for k, v in fits.get("all_reduce", {}).items()}, "GB/s busbw AR;",
-              "median fit error", max(errs.values()) if errs else None)
+        print(
+            gpu,
+            {k: round(v[1] / 1e9, 1) for k, v in fits.get("all_reduce", {}).items()},
+            "GB/s busbw AR;",
+            "median fit error",
+            max(errs.values()) if errs else None,
+        )
     # NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction; NCCL ring reaches ~80 %.
     for gpu in ("h200", "h100"):
-        lm = datasheet_links(gpu, busbw=0.8 * 450e9, alpha=20e-6,
-                             provenance="datasheet: NVLink 4 (450 GB/s per direction) × 0.8 ring "
-                                        "efficiency, 20 µs latency; no measurements")
+        lm = datasheet_links(
+            gpu,
+            busbw=0.8 * 450e9,
+            alpha=20e-6,
+            provenance="datasheet: NVLink 4 (450 GB/s per direction) × 0.8 ring "
+            "efficiency, 20 µs latency; no measurements",
+        )
         (out / f"{gpu}.json").write_text(json.dumps(lm.to_json(), indent=1))
 
 

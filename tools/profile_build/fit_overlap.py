@@ -58,7 +58,7 @@ from mist.hardware.interference import (
 )
 from mist.units import MiB
 
-MIB = float(MiB)   # the data's MiB sizes become float byte counts
+MIB = float(MiB)  # the data's MiB sizes become float byte counts
 OVERLAP_GPUS = ("l4", "a100-sxm4-40gb", "v100-sxm2-16gb")
 STD_MAX = 0.1
 BOUNDS = (1.0, 50.0)
@@ -103,7 +103,7 @@ def parse_layout(path: Path) -> Layout:
     m = _NAME.search(path.name)
     if m is None:
         raise ValueError(f"not a per-layout overlap-bench file: {path}")
-    (gpu, rows), = json.loads(path.read_text()).items()
+    ((gpu, rows),) = json.loads(path.read_text()).items()
     n, mib, lat, rs = [], [], [], []
     for r in rows.values():
         n.append(int(_num(r["compute_n"])))
@@ -112,8 +112,9 @@ def parse_layout(path: Path) -> Layout:
         rs.append(_num(r["std/mean"]))
         if int(_num(r["intra_group_size"])) != int(m["k"]) or int(_num(r["inter_group_size"])) != int(m["j"]):
             raise ValueError(f"{path}: row layout disagrees with the file name")
-    return Layout(gpu, int(m["n"]), int(m["m"]), int(m["k"]), int(m["j"]), np.array(n), np.array(mib),
-                  np.array(lat), np.array(rs))
+    return Layout(
+        gpu, int(m["n"]), int(m["m"]), int(m["k"]), int(m["j"]), np.array(n), np.array(mib), np.array(lat), np.array(rs)
+    )
 
 
 def load_layouts(data: Path, gpu: str) -> list[Layout]:
@@ -123,6 +124,7 @@ def load_layouts(data: Path, gpu: str) -> list[Layout]:
 
 
 # ---- alpha-beta fits --------------------------------------------------------------------------
+
 
 def fit_alpha_beta(nbytes, t, factor=1.0):
     """t = alpha + factor·bytes/bw, least squares on relative residuals, alpha ≥ 0.
@@ -148,8 +150,14 @@ def fit_g2g(L: Layout) -> dict:
     sel = _single(L, 1)
     P = L.group
     alpha, bw, err = fit_alpha_beta(L.mib[sel, 0] * MIB, L.lat[sel], (P - 1) / P)
-    return {"inter": L.inter, "intra": L.intra, "alpha_s": _sig(alpha), "busbw_Bps": _sig(bw),
-            "median_rel_error": round(err, 4), "points": int(sel.sum())}
+    return {
+        "inter": L.inter,
+        "intra": L.intra,
+        "alpha_s": _sig(alpha),
+        "busbw_Bps": _sig(bw),
+        "median_rel_error": round(err, 4),
+        "points": int(sel.sum()),
+    }
 
 
 def fit_host(layouts: list[Layout], ch: int) -> dict:
@@ -157,11 +165,17 @@ def fit_host(layouts: list[Layout], ch: int) -> dict:
     b = np.concatenate([L.mib[_single(L, ch), ch - 1] * MIB for L in layouts])
     t = np.concatenate([L.lat[_single(L, ch)] for L in layouts])
     alpha, bw, err = fit_alpha_beta(b, t)
-    return {"alpha_s": _sig(alpha), "bw_Bps": _sig(bw), "median_rel_error": round(err, 4),
-            "points": int(len(t)), "concurrent_gpus": layouts[0].gpus_per_node}
+    return {
+        "alpha_s": _sig(alpha),
+        "bw_Bps": _sig(bw),
+        "median_rel_error": round(err, 4),
+        "points": int(len(t)),
+        "concurrent_gpus": layouts[0].gpus_per_node,
+    }
 
 
 # ---- standalone inputs and mixed rows ---------------------------------------------------------
+
 
 def mixed_rows(L: Layout, g2g: dict, c2g: dict, g2c: dict):
     """(X, measured) for the rows with ≥ 2 active channels and std/mean ≤ 0.1 (X: (rows, 4) s)."""
@@ -186,6 +200,7 @@ def rel_errors(pred, meas) -> dict:
 
 # ---- interference fit -------------------------------------------------------------------------
 
+
 def _mask_of(X) -> np.ndarray:
     return ((X > 0) * (1 << np.arange(4))).sum(1)
 
@@ -208,8 +223,9 @@ def fit_factors(X, y, gpu: str, provenance: str) -> InterferenceModel:
 
             best = None
             for start in (float(len(s)), 1.05):
-                r = least_squares(resid, np.full(len(s), start), bounds=BOUNDS, x_scale=1.0,
-                                  diff_step=1e-3, max_nfev=400)
+                r = least_squares(
+                    resid, np.full(len(s), start), bounds=BOUNDS, x_scale=1.0, diff_step=1e-3, max_nfev=400
+                )
                 if best is None or r.cost < best.cost:
                     best = r
             table[mk, cols] = best.x
@@ -228,6 +244,7 @@ def _stack(layouts, g2g, c2g, g2c):
 
 
 # ---- cross-node NIC model ---------------------------------------------------------------------
+
 
 def internode_volume(nbytes, n, k, groups):
     """Bytes through one node's NIC (each direction) for `groups` concurrent ring all-gathers of
@@ -258,13 +275,19 @@ def fit_internode(layouts: list[Layout], intra_busbw) -> dict | None:
     pred = alpha + v / bw + ti
     e = np.abs(pred / t - 1)
     per = {name: round(float(np.median(e[np.array(tags) == name])), 4) for name in dict.fromkeys(tags)}
-    return {"alpha_s": _sig(alpha), "nic_Bps_per_node": _sig(bw), "median_rel_error": round(float(np.median(e)), 4),
-            "median_rel_error_per_layout": per, "points": int(t.size),
-            "model": "t = alpha + G·(n−1)/n·bytes/B_nic + (k−1)/k·bytes/busbw_intra(k); G = gpus_per_node/k "
-                     "concurrent groups per node (ring all-gather, bytes = total output)"}
+    return {
+        "alpha_s": _sig(alpha),
+        "nic_Bps_per_node": _sig(bw),
+        "median_rel_error": round(float(np.median(e)), 4),
+        "median_rel_error_per_layout": per,
+        "points": int(t.size),
+        "model": "t = alpha + G·(n−1)/n·bytes/B_nic + (k−1)/k·bytes/busbw_intra(k); G = gpus_per_node/k "
+        "concurrent groups per node (ring all-gather, bytes = total output)",
+    }
 
 
 # ---- p2p ----------------------------------------------------------------------------------------
+
 
 def read_p2p(path: Path):
     """(bytes, seconds) of a p2p_*.csv: a row of sizes (MB = MiB), then a row of GB/s (≈ MB/ms). All
@@ -286,13 +309,20 @@ def read_p2p(path: Path):
 def fit_p2p(path: Path) -> dict:
     b, t = read_p2p(path)
     alpha, bw, err = fit_alpha_beta(b, t)
-    return {"alpha_s": _sig(alpha), "bw_Bps": _sig(bw), "median_rel_error": round(err, 4),
-            "provenance": f"measured: {path.parent.parent.name}/{path.parent.name}/{path.name} "
-                          "(Aceso p2p profile, Mist artifact), alpha-beta fit"}
+    return {
+        "alpha_s": _sig(alpha),
+        "bw_Bps": _sig(bw),
+        "median_rel_error": round(err, 4),
+        "provenance": f"measured: {path.parent.parent.name}/{path.parent.name}/{path.name} "
+        "(Aceso p2p profile, Mist artifact), alpha-beta fit",
+    }
 
 
 P2P_SOURCES = {  # gpu -> op-profile folder holding p2p files (the two A100 folders hold identical files)
-    "a100-sxm4-40gb": "op-profiles", "l4": "op-profiles", "a10g": "op-profiles", "v100-sxm2-32gb": "op-profiles",
+    "a100-sxm4-40gb": "op-profiles",
+    "l4": "op-profiles",
+    "a10g": "op-profiles",
+    "v100-sxm2-32gb": "op-profiles",
 }
 
 # Cross-node figures without overlap-bench measurements (B_nic = NIC bytes/s per node, each direction).
@@ -303,10 +333,17 @@ DOCUMENTED_INTERNODE = {
     "h200": (30e-6, 0.8 * 8 * 400e9 / 8, "datasheet: 8 × 400 Gb/s InfiniBand per node (1 NIC per GPU) × 0.8"),
     # Mist artifact hardware templates: AG k of the (2 nodes × 8 GPUs) cell = node NIC traffic
     # rate under the ring model; documented by the artifact, not measured in the data set.
-    "l4": (1e-4, 3.32e9, "documented: Mist artifact L4 template, AG k(2 nodes × 8) = 3.32 GB/s as node NIC "
-                         "rate (earlier L4 environment; no multi-node data in the shared files)"),
-    "v100-sxm2-32gb": (1e-4, 9.69e9, "documented: Mist artifact V100-32GB template, AG k(2 nodes × 8) = "
-                                     "9.69 GB/s as node NIC rate"),
+    "l4": (
+        1e-4,
+        3.32e9,
+        "documented: Mist artifact L4 template, AG k(2 nodes × 8) = 3.32 GB/s as node NIC "
+        "rate (earlier L4 environment; no multi-node data in the shared files)",
+    ),
+    "v100-sxm2-32gb": (
+        1e-4,
+        9.69e9,
+        "documented: Mist artifact V100-32GB template, AG k(2 nodes × 8) = 9.69 GB/s as node NIC rate",
+    ),
 }
 DATASHEET_P2P_INTRA = {  # NVLink 4: 450 GB/s per direction × 0.8, 20 µs (as links/h200.json)
     "h100": (20e-6, 0.8 * 450e9, "datasheet: NVLink 4, 450 GB/s per direction × 0.8, 20 µs"),
@@ -323,10 +360,13 @@ def build_dp_links(data: Path, fitted_internode: dict, g2g_intra: dict) -> dict:
         e = {}
         if gpu in fitted_internode and fitted_internode[gpu]:
             f = fitted_internode[gpu]
-            e["internode"] = {"alpha_s": f["alpha_s"], "nic_Bps_per_node": f["nic_Bps_per_node"],
-                              "median_rel_error": f["median_rel_error"],
-                              "provenance": f"measured: overlap-bench multi-node all-gather rows of {gpu} "
-                                            "(Mist artifact), per-node NIC ring model fit"}
+            e["internode"] = {
+                "alpha_s": f["alpha_s"],
+                "nic_Bps_per_node": f["nic_Bps_per_node"],
+                "median_rel_error": f["median_rel_error"],
+                "provenance": f"measured: overlap-bench multi-node all-gather rows of {gpu} "
+                "(Mist artifact), per-node NIC ring model fit",
+            }
         elif gpu in DOCUMENTED_INTERNODE:
             a, bw, prov = DOCUMENTED_INTERNODE[gpu]
             e["internode"] = {"alpha_s": a, "nic_Bps_per_node": _sig(bw), "provenance": prov}
@@ -339,13 +379,18 @@ def build_dp_links(data: Path, fitted_internode: dict, g2g_intra: dict) -> dict:
             a, bw, prov = DATASHEET_P2P_INTRA[gpu]
             e["p2p_intra"] = {"alpha_s": a, "bw_Bps": _sig(bw), "provenance": prov}
         if gpu == "a10g" and "internode" not in e and "p2p_inter" in e:
-            e["internode"] = {"alpha_s": e["p2p_inter"]["alpha_s"], "nic_Bps_per_node": e["p2p_inter"]["bw_Bps"],
-                              "provenance": "inferred: node NIC rate taken as the single-pair inter-node p2p "
-                                            "bandwidth (a10g p2p_inter_node.csv), a lower bound"}
+            e["internode"] = {
+                "alpha_s": e["p2p_inter"]["alpha_s"],
+                "nic_Bps_per_node": e["p2p_inter"]["bw_Bps"],
+                "provenance": "inferred: node NIC rate taken as the single-pair inter-node p2p "
+                "bandwidth (a10g p2p_inter_node.csv), a lower bound",
+            }
         if gpu in g2g_intra:
-            e["intra_allgather"] = {"fits": g2g_intra[gpu],
-                                    "provenance": f"measured: overlap-bench single-node G2G rows of {gpu} "
-                                                  "(all groups of the node active), {k: [alpha_s, busbw_Bps]}"}
+            e["intra_allgather"] = {
+                "fits": g2g_intra[gpu],
+                "provenance": f"measured: overlap-bench single-node G2G rows of {gpu} "
+                "(all groups of the node active), {k: [alpha_s, busbw_Bps]}",
+            }
         out[gpu] = e
     return out
 
@@ -353,11 +398,11 @@ def build_dp_links(data: Path, fitted_internode: dict, g2g_intra: dict) -> dict:
 def dumps(doc) -> str:
     """Indented JSON with lists of numbers kept on one line (small, diff-friendly files)."""
     text = json.dumps(doc, indent=1, ensure_ascii=False)
-    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]",
-                  text) + "\n"
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text) + "\n"
 
 
 # ---- per-GPU driver -----------------------------------------------------------------------------
+
 
 def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
     layouts = load_layouts(data, gpu)
@@ -367,24 +412,30 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
     c2g, g2c = fit_host(layouts, 2), fit_host(layouts, 3)
     X, y = _stack(layouts, g2g, c2g, g2c)
     names = ", ".join(L.name for L in layouts)
-    prov = (f"measured: Mist artifact overlap benchmark of {gpu} ({names}); 28 factors by relative "
-            "least squares (pairs → triples → four-set, bounds [1, 50]) on the mixed rows with std/mean ≤ 0.1; "
-            "standalone inputs = measured compute-alone and predicted comm times")
+    prov = (
+        f"measured: Mist artifact overlap benchmark of {gpu} ({names}); 28 factors by relative "
+        "least squares (pairs → triples → four-set, bounds [1, 50]) on the mixed rows with std/mean ≤ 0.1; "
+        "standalone inputs = measured compute-alone and predicted comm times"
+    )
     model = fit_factors(X, y, gpu, prov)
     pred = overlap_time(X, model)
     k_act = (X > 0).sum(1)
-    errs = {"fitted": rel_errors(pred, y),
-            "serial_sum": rel_errors(X.sum(1), y),
-            "max": rel_errors(X.max(1), y),
-            "pairs_additive": rel_errors(overlap_time(X, _pairs_additive(model)), y)}
+    errs = {
+        "fitted": rel_errors(pred, y),
+        "serial_sum": rel_errors(X.sum(1), y),
+        "max": rel_errors(X.max(1), y),
+        "pairs_additive": rel_errors(overlap_time(X, _pairs_additive(model)), y),
+    }
     errs["fitted"]["median_by_active_channels"] = {
-        str(k): rel_errors(pred[k_act == k], y[k_act == k])["median"] for k in (2, 3, 4) if (k_act == k).any()}
-    errs["fitted"]["rows_dropped_std"] = int(sum(
-        ((L.active().sum(1) >= 2) & (L.rel_std > STD_MAX)).sum() for L in layouts))
+        str(k): rel_errors(pred[k_act == k], y[k_act == k])["median"] for k in (2, 3, 4) if (k_act == k).any()
+    }
+    errs["fitted"]["rows_dropped_std"] = int(
+        sum(((L.active().sum(1) >= 2) & (L.rel_std > STD_MAX)).sum() for L in layouts)
+    )
     if loo and len(layouts) > 1:
         preds, meas, per = [], [], {}
         for i, L in enumerate(layouts):
-            train = layouts[:i] + layouts[i + 1:]
+            train = layouts[:i] + layouts[i + 1 :]
             tc2g, tg2c = fit_host(train, 2), fit_host(train, 3)
             Xt, yt = _stack(train, g2g, tc2g, tg2c)
             m = fit_factors(Xt, yt, gpu, "leave-one-layout-out")
@@ -411,11 +462,14 @@ def fit_gpu(data: Path, gpu: str, loo: bool = True) -> dict:
     doc = {
         "gpu": gpu,
         "provenance": f"measured: Mist artifact overlap benchmark, data/gpus/{gpu}/overlap-bench "
-                      f"({len(layouts)} per-layout files); fitted by mist.hardware.fit_overlap",
+        f"({len(layouts)} per-layout files); fitted by mist.hardware.fit_overlap",
         "units": "seconds, bytes, bytes/s (MiB sizes of the data converted with 2^20)",
         "interference": model.to_json(),
-        "host_links": {"c2g": c2g, "g2c": g2c,
-                       "note": "per-GPU rates with all GPUs of the node copying at once (shared PCIe/host links)"},
+        "host_links": {
+            "c2g": c2g,
+            "g2c": g2c,
+            "note": "per-GPU rates with all GPUs of the node copying at once (shared PCIe/host links)",
+        },
         "g2g_allgather": g2g,
         "fit_errors": errs,
     }

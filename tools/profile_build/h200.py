@@ -261,12 +261,13 @@ def build(data: Path) -> GpuProfile:
         sources={
             "memory_bytes": "measured: torch total_mem (system.json info)",
             "peak_flops": "datasheet: H200 SXM dense bf16 989 TFLOP/s",
-            "hbm_bandwidth": "datasheet: 4.8 TB/s (measured d2d copy reaches "
-            f"{copy_bw / 1e12:.2f} TB/s read+write)",
+            "hbm_bandwidth": f"datasheet: 4.8 TB/s (measured d2d copy reaches {copy_bw / 1e12:.2f} TB/s read+write)",
             "host_link": "measured: pinned 1 GiB h2d/d2h and bidirectional copies (system.json)",
-            "adam": ("measured: fused AdamW on GPU (268M fp32 params); foreach AdamW on 16 host threads, "
-                     "one process on a one-GPU machine (not shared with other ranks; the runtime's host "
-                     "step is fused)"),
+            "adam": (
+                "measured: fused AdamW on GPU (268M fp32 params); foreach AdamW on 16 host threads, "
+                "one process on a one-GPU machine (not shared with other ranks; the runtime's host "
+                "step is fused)"
+            ),
             "gemm": gemm.source,
             "attention": attention.source,
             "memory_ops": "measured: H200 elementwise.json (see memory_ops.sources)",

@@ -34,7 +34,7 @@ def _dir() -> Path | None:
     if not d:
         try:
             d = str(Path.home() / ".cache" / "mist")
-        except RuntimeError:     # no home folder (HOME unset and no passwd entry): no cache
+        except RuntimeError:  # no home folder (HOME unset and no passwd entry): no cache
             return None
     if d.lower() == "off":
         return None

@@ -35,8 +35,10 @@ TARGETS = ("cuda", "cpu")
 # traced here keeps the same tensors for backward (q, k, v, output and the fp32 log-sum-exp of
 # b·heads·s); only the name differs. (The meta device would pick the math path instead and keep
 # the b·heads·s² scores, which a GPU never does for these shapes.)
-_CUDA_NAMES = {FLASH_CPU: "_scaled_dot_product_flash_attention",
-               FLASH_CPU_BWD: "_scaled_dot_product_flash_attention_backward"}
+_CUDA_NAMES = {
+    FLASH_CPU: "_scaled_dot_product_flash_attention",
+    FLASH_CPU_BWD: "_scaled_dot_product_flash_attention_backward",
+}
 
 
 @dataclass
@@ -49,18 +51,18 @@ class LayerAnalysis:
     target: str
     recompute: bool | str
     records: list[OpRecord]
-    params: int                        # parameters of this shard
-    saved_bytes: sympy.Expr            # activations kept for backward (unique storages)
+    params: int  # parameters of this shard
+    saved_bytes: sympy.Expr  # activations kept for backward (unique storages)
     output_bytes: sympy.Expr
-    fwd_live: list                     # live activation bytes at each forward op (peak = max)
-    bwd_live: list                     # ... at each backward / recompute op
-    flops: dict = field(default_factory=dict)   # phase -> sympy FLOPs
+    fwd_live: list  # live activation bytes at each forward op (peak = max)
+    bwd_live: list  # ... at each backward / recompute op
+    flops: dict = field(default_factory=dict)  # phase -> sympy FLOPs
     # per-tensor view of the saved activations (see `saved_split`): numels and element sizes of
     # the tensors an offloading pack hook splits, and the storages it keeps whole (numel < 2)
     saved_numels: list = field(default_factory=list)
     saved_elts: list = field(default_factory=list)
     saved_whole: sympy.Expr = sympy.Integer(0)
-    unit_batch: LayerAnalysis | None = None   # the exact b = 1 trace (memory at b = 1)
+    unit_batch: LayerAnalysis | None = None  # the exact b = 1 trace (memory at b = 1)
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -120,7 +122,7 @@ class LayerAnalysis:
         ops = self.ops(phase)
         exprs, keys = [], []
         for r in ops:
-            for f in (fields(r.params) if r.params is not None else ()):
+            for f in fields(r.params) if r.params is not None else ():
                 v = getattr(r.params, f.name)
                 if isinstance(v, sympy.Basic):
                     exprs.append(v)
@@ -143,12 +145,18 @@ class LayerAnalysis:
 def _retarget(records: list[OpRecord], target: str) -> list[OpRecord]:
     if target != "cuda":
         return records
-    return [replace(r, op=_CUDA_NAMES[r.op]) if r.kind == ATTENTION and r.op in _CUDA_NAMES else r
-            for r in records]
+    return [replace(r, op=_CUDA_NAMES[r.op]) if r.kind == ATTENTION and r.op in _CUDA_NAMES else r for r in records]
 
 
-def analyze_layer(spec: ModelSpec, part: str = "block", tp: int = 1, flash: bool = True,
-                  dtype: str = "bf16", target: str = "cuda", recompute: bool | str = False) -> LayerAnalysis:
+def analyze_layer(
+    spec: ModelSpec,
+    part: str = "block",
+    tp: int = 1,
+    flash: bool = True,
+    dtype: str = "bf16",
+    target: str = "cuda",
+    recompute: bool | str = False,
+) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
     block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
     "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`)."""
@@ -226,10 +234,17 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         return m
 
     trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)
-    records = [replace(r, saved_bytes=sympy.expand(sum((trace.saved[sid] for sid in trace.saved
-                                                        if trace.producer.get(sid) == r.index),
-                                                       sympy.Integer(0))))
-               if r.phase == "fwd" else r for r in _retarget(trace.records, target)]
+    records = [
+        replace(
+            r,
+            saved_bytes=sympy.expand(
+                sum((trace.saved[sid] for sid in trace.saved if trace.producer.get(sid) == r.index), sympy.Integer(0))
+            ),
+        )
+        if r.phase == "fwd"
+        else r
+        for r in _retarget(trace.records, target)
+    ]
     saved = sympy.expand(sum(trace.saved.values(), sympy.Integer(0)))
     split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < MIN_SPLIT_NUMEL)]
     whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < MIN_SPLIT_NUMEL}
@@ -241,12 +256,25 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
     params = sum(p.numel() for p in holder["m"].parameters())
     if part == "post" and spec.tie_embeddings:
         params -= holder["m"].weight.numel()  # the tied table is the embedding's
-    return LayerAnalysis(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target,
-                         recompute=recompute, records=records, params=params, saved_bytes=saved,
-                         output_bytes=out_bytes, fwd_live=fwd_live, bwd_live=bwd_live,
-                         flops={k: sympy.expand(v) for k, v in flops.items()},
-                         saved_numels=[sympy.expand(n) for n, _ in split], saved_elts=[e for _, e in split],
-                         saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))))
+    return LayerAnalysis(
+        spec=spec,
+        part=part,
+        tp=tp,
+        flash=flash,
+        dtype=dtype,
+        target=target,
+        recompute=recompute,
+        records=records,
+        params=params,
+        saved_bytes=saved,
+        output_bytes=out_bytes,
+        fwd_live=fwd_live,
+        bwd_live=bwd_live,
+        flops={k: sympy.expand(v) for k, v in flops.items()},
+        saved_numels=[sympy.expand(n) for n, _ in split],
+        saved_elts=[e for _, e in split],
+        saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))),
+    )
 
 
 def warm(spec: ModelSpec, tps, flash: bool, dtype: str = "bf16", target: str = "cuda") -> None:

@@ -46,17 +46,52 @@ HINT_B, HINT_S = 3, 37
 
 FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 FLASH_CPU_BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
-ATTENTION_OPS = {FLASH_CPU, FLASH_CPU_BWD, "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_backward",
-                 "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_efficient_attention_backward"}
+ATTENTION_OPS = {
+    FLASH_CPU,
+    FLASH_CPU_BWD,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+}
 # Pure metadata / aliasing operators that launch no kernel.
-_FREE_OPS = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze",
-             "squeeze", "slice", "select", "split", "split_with_sizes", "unbind", "alias",
-             "as_strided", "reshape", "_reshape_alias", "chunk", "lift_fresh", "empty",
-             "empty_like", "zeros_like", "ones_like", "new_empty", "new_empty_strided",
-             "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
-             "is_same_size", "_local_scalar_dense", "expand_as"}
+_FREE_OPS = {
+    "detach",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "alias",
+    "as_strided",
+    "reshape",
+    "_reshape_alias",
+    "chunk",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_strided",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "dim",
+    "is_same_size",
+    "_local_scalar_dense",
+    "expand_as",
+}
 
 
 def _is_tensor(x) -> bool:
@@ -99,7 +134,7 @@ class Trace:
         self.uses: list[tuple[int, list[int], list[int]]] = []  # (record index, input sids, output sids)
         self.storage_bytes: dict[int, sympy.Expr] = {}
         self.producer: dict[int, int] = {}
-        self.saved: dict[int, sympy.Expr] = {}       # sid -> bytes, kept for backward by the forward
+        self.saved: dict[int, sympy.Expr] = {}  # sid -> bytes, kept for backward by the forward
         # every tensor handed to autograd's pack hook by the forward (not parameters), one entry per
         # call: (numel, element size, sid) — what a per-tensor activation offload splits
         self.saved_calls: list[tuple[sympy.Expr, int, int]] = []
@@ -151,12 +186,22 @@ class _Recorder(TorchDispatchMode):
             flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
         elif kind == ATTENTION:
             params = _attention_params(name, args, kwargs, ex)
-            dense = 4 * params.b * params.heads * params.s ** 2 * params.d
+            dense = 4 * params.b * params.heads * params.s**2 * params.d
             flops = sympy.expand(dense * (2 if "backward" in name else 1))
-        tr.records.append(OpRecord(index=idx, phase=tr.phase, op=name, kind=kind,
-                                   shapes_in=tuple(ex.shape(t) for t in ins),
-                                   shapes_out=tuple(ex.shape(t) for t in outs),
-                                   bytes_read=read, bytes_written=written, flops=flops, params=params))
+        tr.records.append(
+            OpRecord(
+                index=idx,
+                phase=tr.phase,
+                op=name,
+                kind=kind,
+                shapes_in=tuple(ex.shape(t) for t in ins),
+                shapes_out=tuple(ex.shape(t) for t in outs),
+                bytes_read=read,
+                bytes_written=written,
+                flops=flops,
+                params=params,
+            )
+        )
         tr.uses.append((idx, in_sids, out_sids))
         return out
 
@@ -201,8 +246,9 @@ def _attention_params(name: str, args, kwargs, ex: _Expr) -> AttentionParams:
     return AttentionParams(b=b, heads=hq, kv_heads=hk, s=s, d=d, causal=causal)
 
 
-def _symbolic(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int,
-              unit_batch: bool = False) -> torch.Tensor:
+def _symbolic(
+    mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, dynamic_dims: int, unit_batch: bool = False
+) -> torch.Tensor:
     """A fake tensor whose first `dynamic_dims` sizes are symbols (example values from `shape`);
     with `unit_batch` the batch dimension is the constant 1 instead."""
     if unit_batch:
@@ -240,8 +286,10 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             if not all(isinstance(d, torch.SymInt) for d in lead):
                 # a PyTorch that silently specializes the example sizes would give constants
                 # for every b and s: refuse rather than predict from the example shapes
-                raise RuntimeError(f"PyTorch {torch.__version__} did not keep the traced batch/sequence "
-                                   "sizes symbolic; Mist's analysis needs symbolic shapes")
+                raise RuntimeError(
+                    f"PyTorch {torch.__version__} did not keep the traced batch/sequence "
+                    "sizes symbolic; Mist's analysis needs symbolic shapes"
+                )
             if not unit_batch:
                 subs[t.shape[0].node.expr] = B
             subs[t.shape[1].node.expr] = S
@@ -262,10 +310,19 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
             trace.keep.append(t)
             idx = len(trace.records)
             nbytes = ex.nbytes(t)
-            trace.records.append(OpRecord(index=idx, phase=trace.phase, op=op, kind=COLLECTIVE,
-                                          shapes_in=(ex.shape(t),), shapes_out=(ex.shape(t),),
-                                          bytes_read=nbytes, bytes_written=nbytes,
-                                          params=CollectiveParams(bytes=nbytes, group=group)))
+            trace.records.append(
+                OpRecord(
+                    index=idx,
+                    phase=trace.phase,
+                    op=op,
+                    kind=COLLECTIVE,
+                    shapes_in=(ex.shape(t),),
+                    shapes_out=(ex.shape(t),),
+                    bytes_read=nbytes,
+                    bytes_written=nbytes,
+                    params=CollectiveParams(bytes=nbytes, group=group),
+                )
+            )
             trace.uses.append((idx, [], []))
 
         with ExitStack() as stack:

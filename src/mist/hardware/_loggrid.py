@@ -46,9 +46,7 @@ class LogGrid:
         # lazy: keeps scipy out of `import mist.hardware` (CLI start-up, spawned profiler processes)
         from scipy.interpolate import RegularGridInterpolator
 
-        self._interp = RegularGridInterpolator(
-            self._log_axes, np.log2(times), method="linear", bounds_error=True
-        )
+        self._interp = RegularGridInterpolator(self._log_axes, np.log2(times), method="linear", bounds_error=True)
 
     def __call__(self, *coords) -> np.ndarray:
         """Time (s) at the given coordinates (arrays broadcast); zero where any coordinate <= 0."""

@@ -15,7 +15,14 @@ DATASHEET = {
     "a100-sxm4-40gb": dict(peak_flops=312e12, hbm=1.555e12, memory_gib=40, pcie_total=64e9, label="A100 SXM4 40GB"),
     "l4": dict(peak_flops=121e12, hbm=300e9, memory_gib=24, pcie_total=64e9, label="L4"),
     # A10G: NVIDIA publishes no sheet; A10 figures, to be read as an upper bound.
-    "a10g": dict(peak_flops=125e12, hbm=600e9, memory_gib=24, pcie_total=64e9, label="A10G", sheet="A10 figures, an upper bound for A10G"),
+    "a10g": dict(
+        peak_flops=125e12,
+        hbm=600e9,
+        memory_gib=24,
+        pcie_total=64e9,
+        label="A10G",
+        sheet="A10 figures, an upper bound for A10G",
+    ),
     # V100: fp16 tensor peak (no bf16 on V100).
     "v100-sxm2-32gb": dict(peak_flops=125e12, hbm=900e9, memory_gib=32, pcie_total=32e9, label="V100 SXM2 32GB"),
 }

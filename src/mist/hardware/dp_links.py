@@ -97,8 +97,10 @@ class DpLinks:
         """Latency of one collective phase inside a node (max over AG, RS and half an AR): the floor
         of a cross-node phase, which cannot start up faster than an intra-node one."""
         try:
-            vals = [float(self._intra_collective(op, 0.0, n)) / (2.0 if op == "all_reduce" else 1.0)
-                    for op in ("all_gather", "reduce_scatter", "all_reduce")]
+            vals = [
+                float(self._intra_collective(op, 0.0, n)) / (2.0 if op == "all_reduce" else 1.0)
+                for op in ("all_gather", "reduce_scatter", "all_reduce")
+            ]
         except ValueError:
             return 0.0
         return max(vals)
@@ -123,8 +125,16 @@ class DpLinks:
         return alpha + nbytes / bw
 
     # ---- public ------------------------------------------------------------------------------
-    def time(self, op: str, nbytes, group_size: int, nodes_spanned: int = 1, gpus_per_node: int = 8,
-             *, concurrent_groups: int | None = None) -> np.ndarray:
+    def time(
+        self,
+        op: str,
+        nbytes,
+        group_size: int,
+        nodes_spanned: int = 1,
+        gpus_per_node: int = 8,
+        *,
+        concurrent_groups: int | None = None,
+    ) -> np.ndarray:
         """Seconds for `op` on `nbytes` (see module docstring); vectorized over nbytes."""
         if op not in OPS:
             raise ValueError(f"unknown op '{op}'; known: {', '.join(OPS)}")
@@ -179,8 +189,11 @@ def load_dp_links(gpu: str) -> DpLinks:
     return dp_links_from_parts(key, intra, e)
 
 
-_PARTS = {"internode": ("alpha_s", "nic_Bps_per_node"), "p2p_intra": ("alpha_s", "bw_Bps"),
-          "p2p_inter": ("alpha_s", "bw_Bps")}
+_PARTS = {
+    "internode": ("alpha_s", "nic_Bps_per_node"),
+    "p2p_intra": ("alpha_s", "bw_Bps"),
+    "p2p_inter": ("alpha_s", "bw_Bps"),
+}
 
 
 def shipped_parts(gpu: str) -> dict:
@@ -203,17 +216,29 @@ def dp_links_from_parts(gpu: str, intra: LinkModel | None, e: dict) -> DpLinks:
     if "intra_allgather" in e and not isinstance(e["intra_allgather"].get("fits"), dict):
         raise ValueError("dp_links part 'intra_allgather' needs 'fits': {k: [alpha_s, busbw_Bps]}")
     ag = e.get("intra_allgather", {}).get("fits")
-    prov = {part: e[part].get("provenance", "")
-            for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather") if part in e}
+    prov = {
+        part: e[part].get("provenance", "")
+        for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather")
+        if part in e
+    }
     if intra is not None:
         prov["intra"] = intra.provenance
     return DpLinks(gpu, intra, ag, e.get("internode"), e.get("p2p_intra"), e.get("p2p_inter"), prov)
 
 
-def collective_time(gpu: str, op: str, nbytes, group_size: int, nodes_spanned: int = 1,
-                    gpus_per_node: int = 8, *, concurrent_groups: int | None = None) -> np.ndarray:
+def collective_time(
+    gpu: str,
+    op: str,
+    nbytes,
+    group_size: int,
+    nodes_spanned: int = 1,
+    gpus_per_node: int = 8,
+    *,
+    concurrent_groups: int | None = None,
+) -> np.ndarray:
     """Seconds for collective `op` ("all_gather", "reduce_scatter", "all_reduce", "all_to_all" or
     "p2p") of `nbytes` over `group_size` GPUs spread evenly over `nodes_spanned` nodes of
     `gpus_per_node` GPUs. Vectorized over nbytes. See the module docstring for the model."""
-    return load_dp_links(gpu).time(op, nbytes, group_size, nodes_spanned, gpus_per_node,
-                                   concurrent_groups=concurrent_groups)
+    return load_dp_links(gpu).time(
+        op, nbytes, group_size, nodes_spanned, gpus_per_node, concurrent_groups=concurrent_groups
+    )

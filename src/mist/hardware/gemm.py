@@ -37,9 +37,7 @@ class GemmTable:
     def __post_init__(self) -> None:
         self.times_s = np.array(self.times_s, dtype=float)
         self.times_s.flags.writeable = False
-        self._grid = LogGrid(
-            [self.m_axis, self.n_axis, self.k_axis], self.times_s, (1.0, 1.0, 1.0), self.floor_s
-        )
+        self._grid = LogGrid([self.m_axis, self.n_axis, self.k_axis], self.times_s, (1.0, 1.0, 1.0), self.floor_s)
 
     def time(self, m, n, k, batch=1) -> np.ndarray:
         """Seconds for `batch` GEMMs of shape (m, n, k); numpy-broadcast over all arguments."""

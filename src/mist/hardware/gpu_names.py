@@ -36,7 +36,7 @@ OVERLAP_ALIASES = {"v100-16gb": "v100-sxm2-16gb", "v100-sxm2-16": "v100-sxm2-16g
 def _plain(name: str) -> str:
     key = str(name).strip().lower().replace("_", "-").replace(" ", "-")
     if key.startswith("nvidia-"):
-        key = key[len("nvidia-"):]
+        key = key[len("nvidia-") :]
     return key
 
 

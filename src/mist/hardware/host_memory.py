@@ -46,4 +46,4 @@ def node_usage(stage_gpus: list[int], per_gpu_bytes: list[float], gpus_per_node:
     """Host bytes of each node: stages take consecutive ranks in plan order (as the runtime lays
     them out, `mist.runtime.layout`), node j holds ranks [j·K, (j+1)·K)."""
     ranks = [b for n, b in zip(stage_gpus, per_gpu_bytes) for _ in range(n)]
-    return [sum(ranks[j:j + gpus_per_node]) for j in range(0, len(ranks), gpus_per_node)]
+    return [sum(ranks[j : j + gpus_per_node]) for j in range(0, len(ranks), gpus_per_node)]

@@ -52,9 +52,7 @@ CHANNELS = ("C", "G2G", "C2G", "G2C")
 _IDX = {c: i for i, c in enumerate(CHANNELS)}
 
 #: The 11 channel sets with ≥ 2 members, as index tuples: 6 pairs, 4 triples, then the four-set.
-SUBSETS: tuple[tuple[int, ...], ...] = tuple(
-    s for k in (2, 3, 4) for s in combinations(range(len(CHANNELS)), k)
-)
+SUBSETS: tuple[tuple[int, ...], ...] = tuple(s for k in (2, 3, 4) for s in combinations(range(len(CHANNELS)), k))
 N_FACTORS = sum(len(s) for s in SUBSETS)  # 28
 
 
@@ -139,19 +137,29 @@ class InterferenceModel:
     @classmethod
     def serial(cls, gpu: str = "", provenance: str | None = None) -> InterferenceModel:
         """f_A[c] = |A|: equal sharing among the active channels, so overlap_time(X) = Σ X exactly."""
-        return cls({subset_key(s): [float(len(s))] * len(s) for s in SUBSETS},
-                   provenance or "fallback: serial sum (f_A[c] = |A|, equal sharing → Σ X exactly)", gpu)
+        return cls(
+            {subset_key(s): [float(len(s))] * len(s) for s in SUBSETS},
+            provenance or "fallback: serial sum (f_A[c] = |A|, equal sharing → Σ X exactly)",
+            gpu,
+        )
 
     @classmethod
     def perfect(cls, gpu: str = "", provenance: str | None = None) -> InterferenceModel:
         """f = 1 everywhere: perfect overlap, overlap_time(X) = max(X)."""
-        return cls({subset_key(s): [1.0] * len(s) for s in SUBSETS},
-                   provenance or "bound: perfect overlap (all f = 1 → max X)", gpu)
+        return cls(
+            {subset_key(s): [1.0] * len(s) for s in SUBSETS},
+            provenance or "bound: perfect overlap (all f = 1 → max X)",
+            gpu,
+        )
 
     # ---- (de)serialization -------------------------------------------------------------------
     def to_json(self) -> dict:
-        d = {"gpu": self.gpu, "provenance": self.provenance, "channels": list(CHANNELS),
-             "factors": {k: [round(v, 5) for v in vals] for k, vals in self.factors.items()}}
+        d = {
+            "gpu": self.gpu,
+            "provenance": self.provenance,
+            "channels": list(CHANNELS),
+            "factors": {k: [round(v, 5) for v in vals] for k, vals in self.factors.items()},
+        }
         if self.extra:
             d["extra"] = self.extra
         return d
@@ -207,6 +215,7 @@ def overlap_time(x, factors) -> np.ndarray:
 
 
 # ---- shipped fits and fallbacks --------------------------------------------------------------
+
 
 def _overlap_dir():
     return resources.files("mist.hardware") / "overlap"
@@ -266,8 +275,10 @@ def h200_fallback() -> InterferenceModel:
     pairs = {
         "C+C2G": [max(1.0, m["gemm_vs_h2d"]["gemm_slowdown"]), max(1.0, m["gemm_vs_h2d"]["copy_slowdown"])],
         "C+G2C": [max(1.0, m["gemm_vs_d2h"]["gemm_slowdown"]), max(1.0, m["gemm_vs_d2h"]["copy_slowdown"])],
-        "C2G+G2C": [m["bidir"]["both_ms"] / m["bidir"]["h2d_alone_ms"],
-                    m["bidir"]["both_ms"] / m["bidir"]["d2h_alone_ms"]],
+        "C2G+G2C": [
+            m["bidir"]["both_ms"] / m["bidir"]["h2d_alone_ms"],
+            m["bidir"]["both_ms"] / m["bidir"]["d2h_alone_ms"],
+        ],
     }
     a100 = load_overlap_doc("a100-sxm4-40gb")
     if a100 is not None:
@@ -278,10 +289,12 @@ def h200_fallback() -> InterferenceModel:
         borrowed = {k: list(v) for k, v in doc["defaults"]["factors"].items()}
         src = "mild defaults (A100 fit file missing)"
     pairs.update(borrowed)
-    prov = ("fallback for h200: measured pairs {C,C2G}, {C,G2C} (GEMM vs pinned H2D/D2H) and "
-            "{C2G,G2C} (bidirectional pinned copy) from data/gpus/h200/system.json; {C,G2G}, "
-            f"{{G2G,C2G}}, {{G2G,G2C}} {src}; GEMM-vs-D2D point dropped (HBM upper bound, not a "
-            "G2G proxy); triples and four-set composed pairwise-additively")
+    prov = (
+        "fallback for h200: measured pairs {C,C2G}, {C,G2C} (GEMM vs pinned H2D/D2H) and "
+        "{C2G,G2C} (bidirectional pinned copy) from data/gpus/h200/system.json; {C,G2G}, "
+        f"{{G2G,C2G}}, {{G2G,G2C}} {src}; GEMM-vs-D2D point dropped (HBM upper bound, not a "
+        "G2G proxy); triples and four-set composed pairwise-additively"
+    )
     model = pairwise_additive(pairs, prov, "h200")
     model.extra = {"dropped_upper_bound_gemm_vs_d2d": m["gemm_vs_d2d"]}
     return model
@@ -303,5 +316,6 @@ def load_interference(gpu: str) -> InterferenceModel:
         return InterferenceModel.from_json(doc["interference"])
     if key == "h200":
         return h200_fallback()
-    return InterferenceModel.serial(key, f"fallback for {key}: no overlap measurements; serial sum "
-                                         "(f_A[c] = |A| → Σ X), a safe upper bound")
+    return InterferenceModel.serial(
+        key, f"fallback for {key}: no overlap measurements; serial sum (f_A[c] = |A| → Σ X), a safe upper bound"
+    )

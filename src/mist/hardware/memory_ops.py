@@ -126,9 +126,7 @@ class MemoryOpModel:
     def to_dict(self) -> dict:
         return {
             "floor_s": float(self.floor_s),
-            "bandwidth": {
-                c: {"fwd": float(v["fwd"]), "bwd": float(v["bwd"])} for c, v in self.bandwidth.items()
-            },
+            "bandwidth": {c: {"fwd": float(v["fwd"]), "bwd": float(v["bwd"])} for c, v in self.bandwidth.items()},
             "sources": dict(self.sources),
         }
 

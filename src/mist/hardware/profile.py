@@ -85,10 +85,15 @@ class GpuProfile:
         this name (`collectives.load_links`); None when neither exists."""
         if self.links is None:
             return load_links(self.name)
-        return self._cached("links", lambda: LinkModel(str(self.links.get("gpu", self.name)),
-                                                       str(self.links.get("provenance", "")),
-                                                       self.links["fits"],
-                                                       float(self.links.get("sync_s", 0.0))))
+        return self._cached(
+            "links",
+            lambda: LinkModel(
+                str(self.links.get("gpu", self.name)),
+                str(self.links.get("provenance", "")),
+                self.links["fits"],
+                float(self.links.get("sync_s", 0.0)),
+            ),
+        )
 
     def dp_link_model(self):
         """DP / cross-node / p2p model (`dp_links.DpLinks`): built from the own `links` and
@@ -100,16 +105,18 @@ class GpuProfile:
         def build():
             parts = self.dp_links if self.dp_links is not None else shipped_parts(self.name)
             return dp_links_from_parts(self.name, self.link_model(), parts)
+
         return self._cached("dp_links", build)
 
-    def collective_time(self, op, nbytes, group_size, nodes_spanned=1, gpus_per_node=8, *,
-                        concurrent_groups=None):
+    def collective_time(self, op, nbytes, group_size, nodes_spanned=1, gpus_per_node=8, *, concurrent_groups=None):
         """Seconds of a DP / cross-node collective or p2p message (see `dp_links.collective_time`)."""
         if self.links is None and self.dp_links is None:
-            return collective_time(self.name, op, nbytes, group_size, nodes_spanned, gpus_per_node,
-                                   concurrent_groups=concurrent_groups)
-        return self.dp_link_model().time(op, nbytes, group_size, nodes_spanned, gpus_per_node,
-                                         concurrent_groups=concurrent_groups)
+            return collective_time(
+                self.name, op, nbytes, group_size, nodes_spanned, gpus_per_node, concurrent_groups=concurrent_groups
+            )
+        return self.dp_link_model().time(
+            op, nbytes, group_size, nodes_spanned, gpus_per_node, concurrent_groups=concurrent_groups
+        )
 
     def interference_model(self):
         """Compute/communication interference factors: the own `interference` section, else the

@@ -20,9 +20,17 @@ from mist.hardware.memory_ops import MemoryOpModel
 
 FORMAT = "mist-gpu-profile"
 VERSION = 1
-SCALARS = ("memory_bytes", "peak_flops", "hbm_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
-           "bidir_bandwidth", "adam_gpu_s_per_param", "adam_cpu_s_per_param")
-SECTIONS = ("links", "dp_links", "interference")   # optional: the profile's own collective/overlap models
+SCALARS = (
+    "memory_bytes",
+    "peak_flops",
+    "hbm_bandwidth",
+    "h2d_bandwidth",
+    "d2h_bandwidth",
+    "bidir_bandwidth",
+    "adam_gpu_s_per_param",
+    "adam_cpu_s_per_param",
+)
+SECTIONS = ("links", "dp_links", "interference")  # optional: the profile's own collective/overlap models
 
 
 def profile_fields(d: dict, source: str = "GPU profile") -> dict:
@@ -54,13 +62,15 @@ def profile_fields(d: dict, source: str = "GPU profile") -> dict:
     if host_memory is not None:
         _check_number(source, "host_memory_per_gpu", host_memory, positive=True)
         if host_memory > 2**50:
-            raise MistInputError(f"{source}: host_memory_per_gpu must be at most 2**50 bytes (1 PiB), "
-                                 f"got {_show(host_memory)}.")
+            raise MistInputError(
+                f"{source}: host_memory_per_gpu must be at most 2**50 bytes (1 PiB), got {_show(host_memory)}."
+            )
         host_memory = float(host_memory)
     for k, kind in (("sources", dict), ("fingerprint", dict), ("notes", list)):
         if not isinstance(d.get(k, kind()), kind):
-            raise MistInputError(f"{source}: {k} must be a JSON {'object' if kind is dict else 'list'}, "
-                                 f"got {_kind(d[k])}.")
+            raise MistInputError(
+                f"{source}: {k} must be a JSON {'object' if kind is dict else 'list'}, got {_kind(d[k])}."
+            )
     if not all(isinstance(n, str) for n in d.get("notes", [])):
         raise MistInputError(f"{source}: notes must be a list of strings.")
     return dict(
@@ -78,7 +88,6 @@ def profile_fields(d: dict, source: str = "GPU profile") -> dict:
         **_sections(d, source),
         **scalars,
     )
-
 
 
 def _sections(d: dict, source: str = "GPU profile") -> dict:
@@ -171,8 +180,7 @@ def _section(d: dict, key: str, source: str, build):
 def _axes(sec: dict, where: str, keys) -> None:
     for k in keys:
         axis = sec[k]
-        if not isinstance(axis, list) or len(axis) < 2 or not all(_is_number(x) and _finite(x) and x > 0
-                                                                  for x in axis):
+        if not isinstance(axis, list) or len(axis) < 2 or not all(_is_number(x) and _finite(x) and x > 0 for x in axis):
             raise MistInputError(f"{where}: {k} must be a list of at least 2 positive finite numbers.")
 
 
@@ -219,8 +227,10 @@ def _fit_table(table, where: str, what: str) -> None:
     for n, ab in table.items():
         ok = isinstance(ab, list) and len(ab) == 2 and all(_is_number(x) and _finite(x) for x in ab)
         if not ok or not (str(n).isdigit() and int(n) >= 2 and ab[0] >= 0 and ab[1] > 0):
-            raise MistInputError(f"{where}: bad fit {what}/{n}: need a group size >= 2 and "
-                                 f"[alpha_s >= 0, busbw_Bps > 0], got {_show(ab)}.")
+            raise MistInputError(
+                f"{where}: bad fit {what}/{n}: need a group size >= 2 and "
+                f"[alpha_s >= 0, busbw_Bps > 0], got {_show(ab)}."
+            )
 
 
 def _links(sec: dict, where: str, name: str):
@@ -256,6 +266,7 @@ def _interference(sec: dict, where: str) -> None:
         raise MistInputError(f"{where}: factors must be a JSON object of channel sets, got {_kind(factors)}.")
     for key in factors:
         if not all(c.strip() in CHANNELS for c in str(key).split("+")):
-            raise MistInputError(f"{where}: factors has an unknown channel set {str(key)[:40]!r} "
-                                 f"(channels: {', '.join(CHANNELS)}).")
+            raise MistInputError(
+                f"{where}: factors has an unknown channel set {str(key)[:40]!r} (channels: {', '.join(CHANNELS)})."
+            )
     InterferenceModel.from_json(sec)

@@ -6,5 +6,4 @@ from mist.models.collectives import TPGroup, observe_collectives
 from mist.models.embedding import Embedding
 from mist.models.head import Head
 
-__all__ = ["DecoderBlock", "CausalLM", "Embedding", "Head", "TPGroup", "observe_collectives",
-           "init_weights"]
+__all__ = ["DecoderBlock", "CausalLM", "Embedding", "Head", "TPGroup", "observe_collectives", "init_weights"]

@@ -36,14 +36,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate-half rotary on the first cos.shape[-1] dims of x[b, heads, s, d]."""
     r = cos.shape[-1]
     xr, xp = (x[..., :r], x[..., r:]) if r < x.shape[-1] else (x, None)
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
     rot = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
     return rot if xp is None else torch.cat((rot, xp), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup, flash: bool, dtype: torch.dtype,
-                 device=None, reduce: bool = True):
+    def __init__(self, spec: ModelSpec, tp: TPGroup, flash: bool, dtype: torch.dtype, device=None, reduce: bool = True):
         super().__init__()
         spec.check_tp(tp.size)
         self.spec, self.tp, self.flash = spec, tp, flash
@@ -52,10 +51,10 @@ class Attention(nn.Module):
         # KV heads split across ranks; with fewer KV heads than ranks each rank keeps one copy.
         self.kv_heads = max(spec.num_kv_heads // tp.size, 1)
         kv_total = self.kv_heads * tp.size
-        self.qkv = ColumnParallelLinear(spec.hidden_size, (spec.num_heads + 2 * kv_total) * d,
-                                        tp, spec.bias, dtype, device)
-        self.dense = RowParallelLinear(spec.hidden_size, spec.hidden_size, tp, spec.bias,
-                                       dtype, device, reduce=reduce)
+        self.qkv = ColumnParallelLinear(
+            spec.hidden_size, (spec.num_heads + 2 * kv_total) * d, tp, spec.bias, dtype, device
+        )
+        self.dense = RowParallelLinear(spec.hidden_size, spec.hidden_size, tp, spec.bias, dtype, device, reduce=reduce)
         self.core = AttentionCore(flash)
         self.recompute_core = False
 

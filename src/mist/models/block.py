@@ -17,8 +17,14 @@ from mist.specs.model import ModelSpec
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, flash: bool = True,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPGroup | None = None,
+        flash: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         tp = tp or TPGroup()
         self.spec, self.tp = spec, tp

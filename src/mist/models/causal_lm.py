@@ -31,8 +31,15 @@ def init_weights(module: nn.Module, seed: int, std: float = INIT_STD) -> None:
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, flash: bool = True,
-                 dtype: torch.dtype = torch.bfloat16, device=None, num_layers: int | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPGroup | None = None,
+        flash: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        num_layers: int | None = None,
+    ):
         super().__init__()
         tp = tp or TPGroup()
         self.spec = spec

@@ -38,7 +38,7 @@ class _ActLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gw = gx = None
         if ctx.needs_input_grad[1]:
-            with torch.enable_grad():   # the re-run, as `mist.analysis` labels it (no graph: x is detached)
+            with torch.enable_grad():  # the re-run, as `mist.analysis` labels it (no graph: x is detached)
                 a = ctx.act(x.detach())
             # under autocast the linear ran in g's dtype (its inputs cast to it, as here)
             gw = g.reshape(-1, g.shape[-1]).t().matmul(a.reshape(-1, a.shape[-1]).to(g.dtype))
@@ -76,8 +76,9 @@ def run_block_as(block: torch.nn.Module, x: torch.Tensor, recompute) -> torch.Te
     return run_block(block, x, recompute is True, attention="attention" in sel, activation="activation" in sel)
 
 
-def run_block(block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False,
-              activation: bool = False) -> torch.Tensor:
+def run_block(
+    block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False, activation: bool = False
+) -> torch.Tensor:
     block.attn.recompute_core = attention and not recompute
     block.mlp.recompute_act = activation and not recompute
     if not recompute:

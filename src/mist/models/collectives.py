@@ -64,8 +64,7 @@ def all_reduce_(x: torch.Tensor, tp: TPGroup, op: str = "sum") -> torch.Tensor:
         return x
     _announce("all_reduce", x, tp)
     if tp.group is not None:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                        group=tp.group)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp.group)
     return x
 
 

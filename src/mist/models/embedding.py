@@ -13,13 +13,14 @@ from mist.specs.model import ModelSpec
 class Embedding(VocabShard):
     """Each TP rank holds vocab_size/tp rows; out-of-shard tokens give zeros, then all-reduce."""
 
-    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__(spec, tp)
         self.word = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))
-        self.position = (nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size,
-                                                  dtype=dtype, device=device))
-                         if spec.family == "gpt" else None)
+        self.position = (
+            nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size, dtype=dtype, device=device))
+            if spec.family == "gpt"
+            else None
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:

@@ -55,8 +55,7 @@ def vocab_parallel_cross_entropy(logits, target, vocab_start: int, tp: TPGroup):
 class Head(VocabShard):
     """norm → logits (local vocabulary shard) → mean cross-entropy."""
 
-    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__(spec, tp)
         self.norm = make_norm(spec.family, spec.hidden_size, spec.norm_eps, dtype, device)
         # With tied embeddings the runtime points `weight` at the embedding's word table.

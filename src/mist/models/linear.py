@@ -24,14 +24,12 @@ def _shard(n: int, tp: TPGroup, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W split by output rows; the input gradient is all-reduced in backward."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool,
-                 dtype: torch.dtype, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool, dtype: torch.dtype, device=None):
         super().__init__()
         self.tp = tp
         self.out_local = _shard(out_features, tp, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features, dtype=dtype, device=device))
-        self.bias = (nn.Parameter(torch.empty(self.out_local, dtype=dtype, device=device))
-                     if bias else None)
+        self.bias = nn.Parameter(torch.empty(self.out_local, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
@@ -45,14 +43,21 @@ class RowParallelLinear(nn.Module):
     pre-activation and `act` is applied here and re-run in backward instead of kept.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool,
-                 dtype: torch.dtype, device=None, reduce: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        bias: bool,
+        dtype: torch.dtype,
+        device=None,
+        reduce: bool = True,
+    ):
         super().__init__()
         self.tp, self.reduce = tp, reduce
         self.in_local = _shard(in_features, tp, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype, device=device))
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
-                     if bias else None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor, act=None) -> torch.Tensor:
         y = F.linear(x, self.weight) if act is None else act_linear(x, self.weight, act)

@@ -49,14 +49,12 @@ class Activation(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device=None,
-                 reduce: bool = True):
+    def __init__(self, spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device=None, reduce: bool = True):
         super().__init__()
         self.gated = spec.gated_mlp
         f = spec.ffn_hidden_size
         # SwiGLU: gate and up projections fused into one column-parallel GEMM ([gate | up] per rank).
-        self.fc1 = ColumnParallelLinear(spec.hidden_size, 2 * f if self.gated else f, tp,
-                                        spec.bias, dtype, device)
+        self.fc1 = ColumnParallelLinear(spec.hidden_size, 2 * f if self.gated else f, tp, spec.bias, dtype, device)
         self.fc2 = RowParallelLinear(f, spec.hidden_size, tp, spec.bias, dtype, device, reduce=reduce)
         self.act = Activation(self.gated)
         self.recompute_act = False

@@ -50,8 +50,7 @@ def run_workers(processes: int, cfg: dict, progress=None, timeout_s: float = 600
     fd, init_file = tempfile.mkstemp(prefix="mist-profile-pg-")
     os.close(fd)
     os.unlink(init_file)  # the FileStore creates it
-    procs = start_workers(ctx, _worker, [(r, processes, init_file, cfg, q) for r in range(processes)],
-                          daemon=True)
+    procs = start_workers(ctx, _worker, [(r, processes, init_file, cfg, q) for r in range(processes)], daemon=True)
     result, error = None, None
     try:
         for msg in poll_messages(q, procs, timeout_s=timeout_s):
@@ -110,5 +109,8 @@ def fit_p2p(rows) -> dict:
     if not np.isfinite(bw):
         bw = float(b[-1] / t[-1])
     pred = alpha + b / bw
-    return {"alpha_s": float(alpha), "bw_Bps": float(bw),
-            "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4)}
+    return {
+        "alpha_s": float(alpha),
+        "bw_Bps": float(bw),
+        "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4),
+    }

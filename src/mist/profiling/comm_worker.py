@@ -25,7 +25,7 @@ from mist.hardware.collectives import OPS
 from mist.models.dtypes import torch_dtype
 from mist.profiling.overlap import concurrent, factors_from_finish
 
-SYNC_BURST_S = 0.05   # compute before each timed collective of the synchronization cost
+SYNC_BURST_S = 0.05  # compute before each timed collective of the synchronization cost
 SYNC_REPS = 20
 
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have those
@@ -44,15 +44,16 @@ class Rank:
             torch.cuda.set_device(rank)
             self.dev = torch.device("cuda", rank)
         else:
-            setup_cpu_worker(int(cfg["threads"]))   # as `mist train` runs its CPU ranks
+            setup_cpu_worker(int(cfg["threads"]))  # as `mist train` runs its CPU ranks
             self.dev = torch.device("cpu")
         self.dtype = torch_dtype(cfg["dtype"])
         self.esize = torch.tensor([], dtype=self.dtype).element_size()
         self.deadline = float(cfg["deadline"])  # time.time() based (shared by the processes)
-        self.steps, self.step = 1, 0    # progress: steps done of `steps`
+        self.steps, self.step = 1, 0  # progress: steps done of `steps`
         kw: dict = {"device_id": self.dev} if self.cuda else {}
-        dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, **kw)
+        dist.init_process_group(
+            "nccl" if self.cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, **kw
+        )
 
     def sync(self) -> None:
         if self.cuda:
@@ -111,8 +112,14 @@ def run(rank: int, world: int, init_file: str, cfg: dict, q) -> dict:  # pragma:
     ops = tuple(cfg.get("ops", OPS))
     order = [world] + sorted((n for n in groups if n < world), reverse=True)
     me.steps = len(order) * len(ops) + 2
-    result: dict = {"collectives": {op: {} for op in ops}, "p2p": [], "interference": None, "world": world,
-              "backend": "nccl" if me.cuda else "gloo", "skipped": []}
+    result: dict = {
+        "collectives": {op: {} for op in ops},
+        "p2p": [],
+        "interference": None,
+        "world": world,
+        "backend": "nccl" if me.cuda else "gloo",
+        "skipped": [],
+    }
     _collectives(me, world, groups[world], ops, sizes, target, result)
     result["p2p"] = _p2p(me, sizes if cfg.get("p2p", True) else [], target)
     me.advance("send/recv")
@@ -170,6 +177,7 @@ def _p2p(me: Rank, sizes: list[int], target: float) -> list:
             elif me.rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+
         rtt = me.measure(pingpong, {0, 1}, target)
         rows.append([buf.numel() * me.esize, rtt / 2])
     return rows
@@ -202,16 +210,18 @@ def _sync_cost(me: Rank, target: float) -> tuple[float, str]:
         me.sync()
         if i >= 2:
             waits.append(time.perf_counter() - t1)
-    mean = torch.tensor([float(np.mean(waits))], dtype=torch.float64 if not me.cuda else torch.float32,
-                        device=me.dev)
+    mean = torch.tensor([float(np.mean(waits))], dtype=torch.float64 if not me.cuda else torch.float32, device=me.dev)
     dist.all_reduce(mean)
-    how = (f"all_reduce of {world} elements after a {SYNC_BURST_S * 1e3:.0f} ms GEMM burst in every "
-           f"process, mean over {SYNC_REPS} calls and the processes, less its back-to-back time")
+    how = (
+        f"all_reduce of {world} elements after a {SYNC_BURST_S * 1e3:.0f} ms GEMM burst in every "
+        f"process, mean over {SYNC_REPS} calls and the processes, less its back-to-back time"
+    )
     return max(0.0, float(mean.item()) / world - back_to_back), how
 
 
 def _loop(me: Rank, fn, n_calls: int, stream):
     """A function running fn n_calls times (on CUDA on `stream`, then waiting for it)."""
+
     def run_loop():
         if me.cuda:
             with torch.cuda.stream(stream):
@@ -221,6 +231,7 @@ def _loop(me: Rank, fn, n_calls: int, stream):
         else:
             for _ in range(n_calls):
                 fn()
+
     return run_loop
 
 
@@ -258,8 +269,16 @@ def _interference(me: Rank, inter: dict) -> dict:
     ec, eg = concurrent(run_c, run_g, 2, before=dist.barrier)
     xc, xg = float(np.median(alone["C"])), float(np.median(alone["G2G"]))
     fc, fg = factors_from_finish(xc, xg, ec, eg)
-    return {"factors": [fc, fg], "alone_s": [xc, xg], "together_s": [ec, eg],
-            "gemm": [m, n, k], "all_gather_bytes": count * me.esize,
-            "how": ("GEMM loop in each process while another thread of it runs an "
-                    "all-gather loop over all processes" + (" on its own CUDA stream" if me.cuda else "")
-                    + "; finish-time method")}
+    return {
+        "factors": [fc, fg],
+        "alone_s": [xc, xg],
+        "together_s": [ec, eg],
+        "gemm": [m, n, k],
+        "all_gather_bytes": count * me.esize,
+        "how": (
+            "GEMM loop in each process while another thread of it runs an "
+            "all-gather loop over all processes"
+            + (" on its own CUDA stream" if me.cuda else "")
+            + "; finish-time method"
+        ),
+    }

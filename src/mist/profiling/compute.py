@@ -25,6 +25,7 @@ from mist.profiling.timing import Device, time_op, wall_of
 
 # ---------------------------------------------------------------------------- grid filling
 
+
 def sweep(order, point, store, deadline: float, min_done: int, tick=None) -> None:
     """Measure grid points in `order` into `store[idx] = point(idx)` until the deadline (after at
     least `min_done` points), reporting progress through `tick(fraction)`."""
@@ -34,6 +35,7 @@ def sweep(order, point, store, deadline: float, min_done: int, tick=None) -> Non
         store[idx] = point(idx)
         if tick:
             tick((done + 1) / len(order))
+
 
 def fill_missing(t: np.ndarray, work: np.ndarray) -> list[tuple]:
     """Fill NaN entries of `t` in place at the mean log-efficiency (work / time) of their finite
@@ -112,7 +114,7 @@ def cold_weights(n: int, k: int, dev: Device, rand, cache: dict) -> list:
         cache["pool"] = rand(1, COLD_BYTES // dev.element_bytes).view(-1)
     pool = cache["pool"]
     copies = min(COLD_COPIES, pool.numel() // size)
-    return [pool[c * size:(c + 1) * size].view(n, k) for c in range(copies)]
+    return [pool[c * size : (c + 1) * size].view(n, k) for c in range(copies)]
 
 
 def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
@@ -124,7 +126,12 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     ms = ns = ks = [int(a) for a in axes]
     shape = (len(ms), len(ns), len(ks))
     t = np.full(shape, np.nan)
-    work = 2.0 * np.array(ms, float)[:, None, None] * np.array(ns, float)[None, :, None] * np.array(ks, float)[None, None, :]
+    work = (
+        2.0
+        * np.array(ms, float)[:, None, None]
+        * np.array(ns, float)[None, :, None]
+        * np.array(ks, float)[None, None, :]
+    )
     order = sorted(np.ndindex(*shape), key=lambda i: work[i])
     xs, ws = {}, {}
     g = torch.Generator(device=dev.torch_device).manual_seed(0)
@@ -147,9 +154,15 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
     measured = int(np.isfinite(t).sum())
     filled = fill_missing(t, work)
     rates = work / t
-    return {"axes": [ms, ns, ks], "times_s": t, "measured": measured, "rechecked": rechecked,
-            "filled": [[ms[a], ns[b], ks[c]] for a, b, c in filled],
-            "best_flops": float(np.max(rates[np.isfinite(rates)])), "floor_s": float(t[0, 0, 0])}
+    return {
+        "axes": [ms, ns, ks],
+        "times_s": t,
+        "measured": measured,
+        "rechecked": rechecked,
+        "filled": [[ms[a], ns[b], ks[c]] for a, b, c in filled],
+        "best_flops": float(np.max(rates[np.isfinite(rates)])),
+        "floor_s": float(t[0, 0, 0]),
+    }
 
 
 # ---------------------------------------------------------------------------- attention
@@ -172,11 +185,14 @@ def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline:
     work = 2.0 * mesh[0] * mesh[1] * mesh[2] ** 2 * mesh[3]
     order = sorted(np.ndindex(*shape), key=lambda i: work[i])
     g = torch.Generator(device=dev.torch_device).manual_seed(1)
+
     def point(idx):
         """Times fwd and bwd at idx (bwd kept as the faster of old and new); returns fwd."""
         b, h, s, d = (axes[a][idx[a]] for a in range(4))
-        q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(b, h, s, d, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
+            for _ in range(3)
+        )
         tf = time_op(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, target_s=0.01)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         dy = torch.randn_like(out)
@@ -192,9 +208,16 @@ def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline:
     measured = int(np.isfinite(fwd).sum())
     filled = fill_missing(fwd, work)
     fill_missing(bwd, work)
-    return {"axes": dict(zip(keys, axes)), "fwd_s": fwd, "bwd_s": bwd, "measured": measured, "rechecked": rechecked,
-            "filled": [[axes[a][i[a]] for a in range(4)] for i in filled],
-            "fwd_floor_s": float(fwd[(0,) * 4]), "bwd_floor_s": float(bwd[(0,) * 4])}
+    return {
+        "axes": dict(zip(keys, axes)),
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+        "measured": measured,
+        "rechecked": rechecked,
+        "filled": [[axes[a][i[a]] for a in range(4)] for i in filled],
+        "fwd_floor_s": float(fwd[(0,) * 4]),
+        "bwd_floor_s": float(bwd[(0,) * 4]),
+    }
 
 
 # ---------------------------------------------------------------------------- host overheads
@@ -212,13 +235,19 @@ def measure_host(dev: Device) -> dict:
     x = torch.randn(8, 8, device=dev.torch_device, dtype=torch.float32).to(dev.dtype).requires_grad_()
     w = torch.ones(8, device=dev.torch_device, dtype=dev.dtype, requires_grad=True)
     N = 200
-    ops = {"add": lambda: x + x, "mul": lambda: x * 1.0001, "gelu": lambda: gelu(x),
-           "layer_norm": lambda: F.layer_norm(x, (8,), w)}
+    ops = {
+        "add": lambda: x + x,
+        "mul": lambda: x * 1.0001,
+        "gelu": lambda: gelu(x),
+        "layer_norm": lambda: F.layer_norm(x, (8,), w),
+    }
     per_op = {}
     for name, op in ops.items():
+
         def loop(op=op):
             for _ in range(N):
                 op()
+
         loop()
         per_op[name] = float(np.median([wall_of(loop, dev) for _ in range(5)])) / N
     h_fwd = float(np.median(list(per_op.values())))
@@ -231,14 +260,20 @@ def measure_host(dev: Device) -> dict:
 
         def back(y=y, g=g):
             torch.autograd.grad(y, x, g, retain_graph=True)
+
         back()
         ts.append(float(np.median([wall_of(back, dev) for _ in range(15)])))
     a = np.stack([np.ones(len(ns)), np.array(ns, float)], axis=1)
     (e_call, h_bwd), *_ = np.linalg.lstsq(a, np.array(ts), rcond=None)
     h_bwd = max(float(h_bwd), 1e-7)
     e_call = max(float(e_call), 0.0)
-    return {"fwd_op_s": h_fwd, "bwd_op_s": h_bwd, "backward_call_s": e_call, "per_op_fwd_s": per_op,
-            "backward_chain": {"ops": ns, "seconds": ts}}
+    return {
+        "fwd_op_s": h_fwd,
+        "bwd_op_s": h_bwd,
+        "backward_call_s": e_call,
+        "per_op_fwd_s": per_op,
+        "backward_chain": {"ops": ns, "seconds": ts},
+    }
 
 
 def measure_op_floor(dev: Device) -> float:
@@ -293,8 +328,9 @@ def _ce_bytes(element_bytes: int) -> tuple[float, float]:
     return up + 12.0, 20.0 + up
 
 
-def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s: float, cap_Bps: float,
-                       deadline: float, tick=None) -> dict:
+def measure_memory_ops(
+    dev: Device, sizes_bytes, backward_call_s: float, floor_s: float, cap_Bps: float, deadline: float, tick=None
+) -> dict:
     """Effective bandwidth per class (fwd, bwd) over the sizes T (bytes of one [m, h] tensor,
     h = 1024 on a CPU, 4096 on CUDA).
 
@@ -334,8 +370,11 @@ def measure_memory_ops(dev: Device, sizes_bytes, backward_call_s: float, floor_s
                 tick(done / steps)
     ce_f, ce_b = _ce_bytes(e)
     bandwidth, fits = _fit_memory_ops(dev, rows, {**io, "cross_entropy": (ce_f, ce_b)}, floor_s, cap_Bps)
-    return {"bandwidth": bandwidth, "fits": fits, "io_units": {**{k: list(v) for k, v in io.items()},
-                                                               "cross_entropy_per_logit": [ce_f, ce_b]}}
+    return {
+        "bandwidth": bandwidth,
+        "fits": fits,
+        "io_units": {**{k: list(v) for k, v in io.items()}, "cross_entropy_per_logit": [ce_f, ce_b]},
+    }
 
 
 def _memory_op(cls: str, m: int, h: int, rnd):
@@ -352,12 +391,14 @@ def _memory_op(cls: str, m: int, h: int, rnd):
     if cls == "rmsnorm":
         wt = rnd(h)
         return (lambda: F.rms_norm(x, (h,), wt)), (x, wt)
-    if cls == "gelu":   # the model's own activation call
+    if cls == "gelu":  # the model's own activation call
         return (lambda: gelu(x)), (x,)
     if cls == "swiglu":
+
         def f():
             a, b = x.chunk(2, dim=-1)
             return F.silu(a) * b
+
         return f, (x,)
     if cls == "dropout":
         return (lambda: F.dropout(x, 0.1, training=True)), (x,)
@@ -396,8 +437,7 @@ def _time_memory_class(dev: Device, rnd, cls: str, T: float, h: int, backward_ca
         return units, tf, tf
     out = f()
     dy = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-    tb = time_op(lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True),
-                 dev, target_s=0.01)
+    tb = time_op(lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True), dev, target_s=0.01)
     if dev.kind == "cpu":
         tb = max(tb - backward_call_s, 0.5 * tb)
     return units, tf, tb
@@ -421,8 +461,12 @@ def _fit_memory_ops(dev: Device, rows: dict, io: dict, floor_s: float, cap_Bps: 
             rate = min(rate, cap)
             bw[key] = float(rate)
             pred = floor_s + x / rate
-            fits[f"{cls}/{key}"] = {"bytes": x.tolist(), "seconds": t.tolist(), "capped": bool(capped),
-                                    "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4)}
+            fits[f"{cls}/{key}"] = {
+                "bytes": x.tolist(),
+                "seconds": t.tolist(),
+                "capped": bool(capped),
+                "median_rel_error": round(float(np.median(np.abs(pred / t - 1))), 4),
+            }
         bandwidth[cls] = bw
     return bandwidth, fits
 
@@ -453,10 +497,17 @@ def measure_copies(dev: Device, nbytes: int) -> dict:
                 d_a.copy_(host_a, non_blocking=True)
             with torch.cuda.stream(s2):
                 host_b.copy_(d_b, non_blocking=True)
+
         both()
         bidir = float(np.min([wall_of(both, dev) for _ in range(5)]))
-        return {"h2d_Bps": nbytes / h2d, "d2h_Bps": nbytes / d2h, "bidir_Bps": 2 * nbytes / bidir,
-                "copy_Bps": 2 * nbytes / d2d, "bytes": nbytes, "kind": "pinned host <-> device"}
+        return {
+            "h2d_Bps": nbytes / h2d,
+            "d2h_Bps": nbytes / d2h,
+            "bidir_Bps": 2 * nbytes / bidir,
+            "copy_Bps": 2 * nbytes / d2d,
+            "bytes": nbytes,
+            "kind": "pinned host <-> device",
+        }
     src, dst = torch.ones(n), torch.empty(n)
     src2, dst2 = torch.ones(n), torch.empty(n)
     t = time_op(lambda: dst.copy_(src), dev, target_s=0.1, stat="min")
@@ -466,10 +517,17 @@ def measure_copies(dev: Device, nbytes: int) -> dict:
         th.start()
         dst.copy_(src)
         th.join()
+
     both()
     bidir = float(np.min([wall_of(both, dev) for _ in range(5)]))
-    return {"h2d_Bps": nbytes / t, "d2h_Bps": nbytes / t, "bidir_Bps": 2 * nbytes / bidir,
-            "copy_Bps": 2 * nbytes / t, "bytes": nbytes, "kind": "host memcpy (CPU: no device link)"}
+    return {
+        "h2d_Bps": nbytes / t,
+        "d2h_Bps": nbytes / t,
+        "bidir_Bps": 2 * nbytes / bidir,
+        "copy_Bps": 2 * nbytes / t,
+        "bytes": nbytes,
+        "kind": "host memcpy (CPU: no device link)",
+    }
 
 
 def _adam_rate(dev: Device, device, n: int) -> float:
@@ -480,8 +538,22 @@ def _adam_rate(dev: Device, device, n: int) -> float:
 
     p, m, v = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
     g = torch.full_like(p, 1e-3)
-    step = lambda: adamw_(p, m, v, g, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,  # noqa: E731
-                          weight_decay=0.1, decay_ranges=[(0, n)])
+
+    def step():
+        return adamw_(
+            p,
+            m,
+            v,
+            g,
+            step=1,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            decay_ranges=[(0, n)],
+        )
+
     d = Device("cuda" if device.type == "cuda" else "cpu", "fp32", dev.index)
     return time_op(step, d, target_s=0.1, min_reps=3, max_reps=20) / n
 
@@ -512,11 +584,12 @@ def measure_adam(dev: Device, params: int, host_params: int, host_ranks: int = 1
     import torch  # lazy: keeps torch out of `import mist.profiling`
 
     if dev.kind == "cuda":
-        return {"device_s_per_param": _adam_rate(dev, dev.torch_device, params),
-                **measure_host_adam(host_params, host_ranks)}
+        return {
+            "device_s_per_param": _adam_rate(dev, dev.torch_device, params),
+            **measure_host_adam(host_params, host_ranks),
+        }
     s = _adam_rate(dev, torch.device("cpu"), host_params)
-    return {"device_s_per_param": s, "host_s_per_param": s, "host_threads": torch.get_num_threads(),
-            "host_ranks": 1}
+    return {"device_s_per_param": s, "host_s_per_param": s, "host_threads": torch.get_num_threads(), "host_ranks": 1}
 
 
 # ---------------------------------------------------------------------------- capacity, fingerprint
@@ -531,7 +604,9 @@ def memory_capacity(dev: Device) -> tuple[int, str]:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "measured: available host RAM (/proc/meminfo MemAvailable), CPU run"
+                    return int(
+                        line.split()[1]
+                    ) * 1024, "measured: available host RAM (/proc/meminfo MemAvailable), CPU run"
     except OSError:
         pass
     pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -571,6 +646,10 @@ def fingerprint(dev: Device, processes: int) -> dict:
     }
     if dev.kind == "cuda":
         props = torch.cuda.get_device_properties(dev.index)
-        fp.update(cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
-                  sm_count=props.multi_processor_count, device_count=torch.cuda.device_count())
+        fp.update(
+            cuda=torch.version.cuda,
+            capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            device_count=torch.cuda.device_count(),
+        )
     return fp

@@ -30,8 +30,14 @@ from mist.profiling.timing import Device, time_op, warm_up
 from mist.units import MiB
 
 
-def check(profile, device: str | None = None, quick: bool = True, processes: int = 1,
-          threshold: float = 0.10, attempts: int = 3) -> dict:
+def check(
+    profile,
+    device: str | None = None,
+    quick: bool = True,
+    processes: int = 1,
+    threshold: float = 0.10,
+    attempts: int = 3,
+) -> dict:
     """Re-measure a few of the profile's micro-benchmarks here; see the module docstring."""
     import torch  # lazy: keeps torch out of `import mist.profiling`
 
@@ -43,7 +49,7 @@ def check(profile, device: str | None = None, quick: bool = True, processes: int
     if kind == "cpu" and fp.get("torch_threads"):
         torch.set_num_threads(int(fp["torch_threads"]))
     if kind == "cpu":
-        keep_heap_pages()   # the heap settings the profile was measured with
+        keep_heap_pages()  # the heap settings the profile was measured with
     try:
         return _check(profile, dev, quick, processes, threshold, attempts)
     finally:
@@ -80,8 +86,13 @@ def _closest(what: str, measure, predicted: float, threshold: float, attempts: i
         if predicted > 0 and abs(tries[-1] / predicted - 1) <= threshold:
             break
     best = min(tries, key=lambda t: abs(np.log(t / predicted))) if predicted > 0 else tries[0]
-    return {"what": what, "measured_s": best, "predicted_s": predicted,
-            "ratio": best / predicted if predicted > 0 else float("inf"), "attempts_s": tries}
+    return {
+        "what": what,
+        "measured_s": best,
+        "predicted_s": predicted,
+        "ratio": best / predicted if predicted > 0 else float("inf"),
+        "attempts_s": tries,
+    }
 
 
 def _compute_checks(profile, dev: Device, quick, add) -> None:
@@ -100,16 +111,19 @@ def _compute_checks(profile, dev: Device, quick, add) -> None:
         warm_up(dev, 0.3 if quick else 1.0)
         g = torch.Generator(device=dev.torch_device).manual_seed(0)
         with torch.no_grad():
+
             def rand(r, c):
                 return torch.randn(r, c, generator=g, device=dev.torch_device).to(dev.dtype)
 
-            cache: dict = {}   # cold weights, as the profile timed them
+            cache: dict = {}  # cold weights, as the profile timed them
             for m, n, k in measured_gemm_points(profile, 3 if quick else 6):
                 x = rand(m, k)
                 ws = itertools.cycle(cold_weights(n, k, dev, rand, cache))
-                add(f"gemm {m}x{n}x{k}",
+                add(
+                    f"gemm {m}x{n}x{k}",
                     lambda x=x, ws=ws: time_op(lambda: F.linear(x, next(ws)), dev, target_s=0.05 if quick else 0.15),
-                    profile.gemm_time(m, n, k))
+                    profile.gemm_time(m, n, k),
+                )
 
         fits = fp.get("memory_op_fits", {}).get("gelu/fwd")
         nbytes = int(max(fits["bytes"])) if fits else (256 if kind == "cuda" else 4) * MiB * 2
@@ -117,9 +131,11 @@ def _compute_checks(profile, dev: Device, quick, add) -> None:
         h = 1024
         rows = max(1, T // (h * dev.element_bytes))
         x = torch.randn(rows, h, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
-        add(f"gelu fwd {2 * rows * h * dev.element_bytes / MiB:.1f} MiB",
+        add(
+            f"gelu fwd {2 * rows * h * dev.element_bytes / MiB:.1f} MiB",
             lambda: time_op(lambda: gelu(x), dev, target_s=0.05 if quick else 0.15),
-            profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes))
+            profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes),
+        )
 
 
 def _all_reduce_check(profile, dev: Device, processes: int, add) -> list[str]:
@@ -132,9 +148,18 @@ def _all_reduce_check(profile, dev: Device, processes: int, add) -> list[str]:
         return ["all_reduce: the profile has no link model"]
     kind = dev.kind
     size = (64 if kind == "cuda" else 4) * MiB
-    cfg = {"device": kind, "dtype": dev.dtype_name, "group_sizes": [], "sizes": [size], "target_s": 0.05,
-           "ops": ["all_reduce"], "p2p": False, "interference": None, "deadline": 0.0,
-           "threads": threads_per_worker(processes) if kind == "cpu" else 4}
+    cfg = {
+        "device": kind,
+        "dtype": dev.dtype_name,
+        "group_sizes": [],
+        "sizes": [size],
+        "target_s": 0.05,
+        "ops": ["all_reduce"],
+        "p2p": False,
+        "interference": None,
+        "deadline": 0.0,
+        "threads": threads_per_worker(processes) if kind == "cpu" else 4,
+    }
     try:
         res = run_workers(processes, cfg, timeout_s=120)
         nb, sec = res["collectives"]["all_reduce"][str(processes)][0]
@@ -146,8 +171,12 @@ def _all_reduce_check(profile, dev: Device, processes: int, add) -> list[str]:
                 return first
             r = run_workers(processes, cfg, timeout_s=120)
             return r["collectives"]["all_reduce"][str(processes)][0][1]
-        add(f"all_reduce {nb / MiB:.1f} MiB over {processes}", measure_ar,
-            float(links.time("all_reduce", nb, processes)))
+
+        add(
+            f"all_reduce {nb / MiB:.1f} MiB over {processes}",
+            measure_ar,
+            float(links.time("all_reduce", nb, processes)),
+        )
     except RuntimeError as exc:
         return [f"all_reduce: {str(exc).splitlines()[0]}"]
     return []

@@ -33,8 +33,19 @@ def _busy(ready, stop, threads: int, work: str, size: int) -> None:  # pragma: n
         step = 0
         while True:
             step += 1
-            adamw_(p, m, v, g, step=step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                   weight_decay=0.1, decay_ranges=[(0, size)])
+            adamw_(
+                p,
+                m,
+                v,
+                g,
+                step=step,
+                lr=1e-4,
+                beta1=0.9,
+                beta2=0.95,
+                eps=1e-8,
+                weight_decay=0.1,
+                decay_ranges=[(0, size)],
+            )
             ready.set()
             if stop.is_set():
                 return
@@ -70,9 +81,10 @@ class Neighbours:
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
         readies = [ctx.Event() for _ in range(self.count)]
-        self._procs = [ctx.Process(target=_busy, args=(r, self._stop, self.threads, self.work, self.size),
-                                  daemon=True)
-                       for r in readies]
+        self._procs = [
+            ctx.Process(target=_busy, args=(r, self._stop, self.threads, self.work, self.size), daemon=True)
+            for r in readies
+        ]
         for p in self._procs:
             p.start()
         for r in readies:

@@ -49,6 +49,7 @@ def concurrent(run_a, run_b, repeats: int = 2, before=None) -> tuple[float, floa
             t0 = time.perf_counter()
             run_b()
             ends["b"] = time.perf_counter() - t0
+
         th = threading.Thread(target=side)
         th.start()
         go.wait()
@@ -80,9 +81,11 @@ def pair(run_a, run_b, repeats: int = 2) -> dict:
 def _loop(fn, count, dev: Device, stream=None):
     """A callable running `fn` `count` times and waiting for its own work (its stream on CUDA)."""
     if dev.kind != "cuda":
+
         def run():
             for _ in range(count):
                 fn()
+
         return run
     import torch  # lazy: keeps torch out of `import mist.profiling`
 
@@ -92,6 +95,7 @@ def _loop(fn, count, dev: Device, stream=None):
             for _ in range(count):
                 fn()
         s.synchronize()
+
     return run_cuda
 
 
@@ -132,8 +136,9 @@ def measure_local_pairs(dev: Device, gemm_shape, copy_bytes: int, target_s: floa
         out["C+C2G"] = pair(run_c, run_h2d)
         out["C+G2C"] = pair(run_c, run_d2h)
         out["C2G+G2C"] = pair(run_h2d, run_d2h)
-        out["how"] = ("CUDA: GEMM loop vs pinned H2D / D2H copy loops on separate streams, and H2D vs D2H; "
-                      "finish-time method")
+        out["how"] = (
+            "CUDA: GEMM loop vs pinned H2D / D2H copy loops on separate streams, and H2D vs D2H; finish-time method"
+        )
         return out
     src_a, dst_a = torch.ones(nel), torch.empty(nel)
     src_b, dst_b = torch.ones(nel), torch.empty(nel)
@@ -145,6 +150,8 @@ def measure_local_pairs(dev: Device, gemm_shape, copy_bytes: int, target_s: floa
     out["C+C2G"] = pair(run_c, run_a)
     out["C+G2C"] = dict(out["C+C2G"], note="same measurement as C+C2G (CPU: both directions are a host memcpy)")
     out["C2G+G2C"] = pair(run_a, run_b)
-    out["how"] = ("CPU: GEMM loop vs a host memcpy loop in another thread (standing in for H2D and D2H), "
-                  "and memcpy vs memcpy; finish-time method")
+    out["how"] = (
+        "CPU: GEMM loop vs a host memcpy loop in another thread (standing in for H2D and D2H), "
+        "and memcpy vs memcpy; finish-time method"
+    )
     return out

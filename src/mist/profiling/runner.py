@@ -34,8 +34,16 @@ from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Budget, Device, warm_up
 from mist.units import GiB, MiB
 
-SHARES = {"host": 0.03, "gemm": 0.30, "attention": 0.12, "copies": 0.05, "memory_ops": 0.12,
-          "adam": 0.03, "overlap": 0.08, "collectives": 0.27}
+SHARES = {
+    "host": 0.03,
+    "gemm": 0.30,
+    "attention": 0.12,
+    "copies": 0.05,
+    "memory_ops": 0.12,
+    "adam": 0.03,
+    "overlap": 0.08,
+    "collectives": 0.27,
+}
 
 
 @dataclass
@@ -65,36 +73,60 @@ def settings_for(kind: str, time_budget: float) -> Settings:
             return Settings(
                 gemm_axes=[256, 512, 1024, 2048, 4096],
                 attention={"b": [1, 2], "heads": [8, 16], "s": [512, 1024, 2048], "d": [64, 128]},
-                memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB], copy_bytes=256 * MiB,
-                adam_params=16 * 2**20, adam_host_params=4 * 2**20,
-                coll_sizes=[1 * MiB, 16 * MiB, 128 * MiB], coll_target_s=0.02,
-                overlap_gemm=[4096, 4096, 4096], overlap_copy_bytes=64 * MiB, overlap_ag_bytes=64 * MiB,
-                overlap_target_s=0.05)
+                memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB],
+                copy_bytes=256 * MiB,
+                adam_params=16 * 2**20,
+                adam_host_params=4 * 2**20,
+                coll_sizes=[1 * MiB, 16 * MiB, 128 * MiB],
+                coll_target_s=0.02,
+                overlap_gemm=[4096, 4096, 4096],
+                overlap_copy_bytes=64 * MiB,
+                overlap_ag_bytes=64 * MiB,
+                overlap_target_s=0.05,
+            )
         return Settings(
             gemm_axes=[128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             attention={"b": [1, 4], "heads": [8, 16, 32], "s": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128]},
-            memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB], copy_bytes=1 * GiB,
-            adam_params=64 * 2**20, adam_host_params=16 * 2**20,
-            coll_sizes=[1 * MiB, 8 * MiB, 64 * MiB, 512 * MiB], coll_target_s=0.05,
-            overlap_gemm=[8192, 8192, 8192], overlap_copy_bytes=256 * MiB, overlap_ag_bytes=256 * MiB,
-            overlap_target_s=0.2)
+            memory_sizes=[16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB],
+            copy_bytes=1 * GiB,
+            adam_params=64 * 2**20,
+            adam_host_params=16 * 2**20,
+            coll_sizes=[1 * MiB, 8 * MiB, 64 * MiB, 512 * MiB],
+            coll_target_s=0.05,
+            overlap_gemm=[8192, 8192, 8192],
+            overlap_copy_bytes=256 * MiB,
+            overlap_ag_bytes=256 * MiB,
+            overlap_target_s=0.2,
+        )
     if quick:
         return Settings(
             gemm_axes=[32, 64, 128, 256],
             attention={"b": [1, 2], "heads": [2, 4], "s": [64, 128], "d": [32, 64]},
-            memory_sizes=[256 * 1024, 1 * MiB, 4 * MiB], copy_bytes=64 * MiB,
-            adam_params=1 * 2**20, adam_host_params=1 * 2**20,
-            coll_sizes=[64 * 1024, 1 * MiB, 4 * MiB], coll_target_s=0.02,
-            overlap_gemm=[256, 256, 256], overlap_copy_bytes=4 * MiB, overlap_ag_bytes=1 * MiB,
-            overlap_target_s=0.1)
+            memory_sizes=[256 * 1024, 1 * MiB, 4 * MiB],
+            copy_bytes=64 * MiB,
+            adam_params=1 * 2**20,
+            adam_host_params=1 * 2**20,
+            coll_sizes=[64 * 1024, 1 * MiB, 4 * MiB],
+            coll_target_s=0.02,
+            overlap_gemm=[256, 256, 256],
+            overlap_copy_bytes=4 * MiB,
+            overlap_ag_bytes=1 * MiB,
+            overlap_target_s=0.1,
+        )
     return Settings(
         gemm_axes=[64, 128, 256, 512, 1024, 2048],
         attention={"b": [1, 2, 4], "heads": [2, 4, 8], "s": [128, 256, 512, 1024], "d": [32, 64]},
-        memory_sizes=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB], copy_bytes=256 * MiB,
-        adam_params=4 * 2**20, adam_host_params=4 * 2**20,
-        coll_sizes=[64 * 1024, 512 * 1024, 4 * MiB, 16 * MiB], coll_target_s=0.05,
-        overlap_gemm=[512, 512, 512], overlap_copy_bytes=16 * MiB, overlap_ag_bytes=4 * MiB,
-        overlap_target_s=0.25)
+        memory_sizes=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB],
+        copy_bytes=256 * MiB,
+        adam_params=4 * 2**20,
+        adam_host_params=4 * 2**20,
+        coll_sizes=[64 * 1024, 512 * 1024, 4 * MiB, 16 * MiB],
+        coll_target_s=0.05,
+        overlap_gemm=[512, 512, 512],
+        overlap_copy_bytes=16 * MiB,
+        overlap_ag_bytes=4 * MiB,
+        overlap_target_s=0.25,
+    )
 
 
 def default_name(kind: str) -> str:
@@ -119,8 +151,15 @@ def known_gpu(device: str) -> str | None:
     return None
 
 
-def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 180.0, name: str | None = None,
-                progress=None, dtype: str | None = None, settings: Settings | None = None):
+def run_profile(
+    device: str = "cpu",
+    processes: int = 2,
+    time_budget: float = 180.0,
+    name: str | None = None,
+    progress=None,
+    dtype: str | None = None,
+    settings: Settings | None = None,
+):
     """Measure this machine's `device` and return a `GpuProfile` (not written; see `write_profile`).
 
     progress(fraction in [0, 1], message) is called as the phases advance."""
@@ -138,10 +177,11 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
 
         def tick(frac, msg=None):
             report(min(1.0, (i + min(max(frac, 0.0), 1.0)) / len(phases)), msg or phase)
+
         return tick
 
     threads = torch.get_num_threads()
-    if kind == "cpu":   # one device of a K-process CPU run: ⌊cores / K⌋ threads, its heap settings
+    if kind == "cpu":  # one device of a K-process CPU run: ⌊cores / K⌋ threads, its heap settings
         setup_cpu_worker(threads_per_worker(processes))
     try:
         return _measure(kind, dev, st, budget, processes, report, ticker, name)
@@ -153,13 +193,13 @@ def run_profile(device: str = "cpu", processes: int = 2, time_budget: float = 18
 class ComputeMeasurements:
     """The single-process micro-benchmarks, each as its `mist.profiling.compute` function returns it."""
 
-    host: dict             # measure_host: per-op host overheads and the backward()-call cost
-    op_floor_s: float      # measure_op_floor: the smallest kernel's time
-    gemm: dict             # measure_gemm: the F.linear grid
-    attention: dict        # measure_attention: the attention grid
-    copies: dict           # measure_copies: device, host-link and bidirectional copy rates
-    memory_ops: dict       # measure_memory_ops: bandwidth per class and the fits
-    adam: dict             # measure_adam: AdamW seconds per parameter on the device and the host
+    host: dict  # measure_host: per-op host overheads and the backward()-call cost
+    op_floor_s: float  # measure_op_floor: the smallest kernel's time
+    gemm: dict  # measure_gemm: the F.linear grid
+    attention: dict  # measure_attention: the attention grid
+    copies: dict  # measure_copies: device, host-link and bidirectional copy rates
+    memory_ops: dict  # measure_memory_ops: bandwidth per class and the fits
+    adam: dict  # measure_adam: AdamW seconds per parameter on the device and the host
 
 
 @dataclass(frozen=True)
@@ -170,11 +210,11 @@ class Measurements:
     device: Device
     processes: int
     compute: ComputeMeasurements
-    overlap_local: dict              # overlap.measure_local_pairs: the in-process interference pairs
-    capacity: tuple[int, str]        # memory bytes, and where that number comes from
-    comm: dict | None                # comm.run_workers (None: collectives not measured)
-    comm_error: str | None           # why the collective workers failed, if they did
-    fingerprint: dict                # compute.fingerprint plus busy_neighbours and profile_seconds
+    overlap_local: dict  # overlap.measure_local_pairs: the in-process interference pairs
+    capacity: tuple[int, str]  # memory bytes, and where that number comes from
+    comm: dict | None  # comm.run_workers (None: collectives not measured)
+    comm_error: str | None  # why the collective workers failed, if they did
+    fingerprint: dict  # compute.fingerprint plus busy_neighbours and profile_seconds
     notes: tuple[str, ...]
 
 
@@ -193,9 +233,18 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
     fp["busy_neighbours"] = busy.count
     fp["profile_seconds"] = round(budget.elapsed(), 1)
     report(1.0, "done")
-    meas = Measurements(settings=st, device=dev, processes=processes, compute=tables,
-                        overlap_local=overlap_local, capacity=capacity, comm=comm, comm_error=comm_error,
-                        fingerprint=fp, notes=tuple(notes))
+    meas = Measurements(
+        settings=st,
+        device=dev,
+        processes=processes,
+        compute=tables,
+        overlap_local=overlap_local,
+        capacity=capacity,
+        comm=comm,
+        comm_error=comm_error,
+        fingerprint=fp,
+        notes=tuple(notes),
+    )
     return assemble(meas, name or default_name(kind))
 
 
@@ -215,23 +264,37 @@ def _measure_compute(kind, dev, st, budget, ticker) -> ComputeMeasurements:
     gemm = compute.measure_gemm(dev, st.gemm_axes, budget.phase_deadline("gemm"), lambda f: tick(f, "GEMM grid"))
     tick_a = ticker("attention")
     tick_a(0.0, "attention")
-    attention = compute.measure_attention(dev, st.attention, call, budget.phase_deadline("attention"),
-                                          lambda f: tick_a(f, "attention"))
+    attention = compute.measure_attention(
+        dev, st.attention, call, budget.phase_deadline("attention"), lambda f: tick_a(f, "attention")
+    )
     ticker("copies")(0.0, "copies")
     budget.phase_deadline("copies")
     copies = compute.measure_copies(dev, st.copy_bytes)
     tick_m = ticker("memory_ops")
     tick_m(0.0, "memory-bound ops")
-    memory_ops = compute.measure_memory_ops(dev, st.memory_sizes, call, op_floor_s, copies["copy_Bps"],
-                                            budget.phase_deadline("memory_ops"),
-                                            lambda f: tick_m(f, "memory-bound ops"))
+    memory_ops = compute.measure_memory_ops(
+        dev,
+        st.memory_sizes,
+        call,
+        op_floor_s,
+        copies["copy_Bps"],
+        budget.phase_deadline("memory_ops"),
+        lambda f: tick_m(f, "memory-bound ops"),
+    )
     ticker("adam")(0.0, "AdamW")
     budget.phase_deadline("adam")
     # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
     host_ranks = max(1, torch.cuda.device_count()) if kind == "cuda" else 1
     adam = compute.measure_adam(dev, st.adam_params, st.adam_host_params, host_ranks)
-    return ComputeMeasurements(host=host, op_floor_s=op_floor_s, gemm=gemm, attention=attention, copies=copies,
-                               memory_ops=memory_ops, adam=adam)
+    return ComputeMeasurements(
+        host=host,
+        op_floor_s=op_floor_s,
+        gemm=gemm,
+        attention=attention,
+        copies=copies,
+        memory_ops=memory_ops,
+        adam=adam,
+    )
 
 
 def _measure_collectives(kind, dev, st, budget, processes, tick) -> tuple[dict | None, str | None, list[str]]:
@@ -242,8 +305,10 @@ def _measure_collectives(kind, dev, st, budget, processes, tick) -> tuple[dict |
     notes = []
     if kind == "cuda" and processes > torch.cuda.device_count():
         workers = torch.cuda.device_count()
-        notes.append(f"{processes} processes asked, {workers} GPU(s) visible: NCCL needs one GPU per "
-                     f"process, so collectives ran over {workers}")
+        notes.append(
+            f"{processes} processes asked, {workers} GPU(s) visible: NCCL needs one GPU per "
+            f"process, so collectives ran over {workers}"
+        )
     if workers < 2:
         budget.phase_deadline("collectives")
         if kind == "cuda":
@@ -254,13 +319,14 @@ def _measure_collectives(kind, dev, st, budget, processes, tick) -> tuple[dict |
     tick(0.0, f"collectives over {workers} processes (starting)")
     deadline = budget.phase_deadline("collectives")
     cfg = {
-        "device": kind, "dtype": dev.dtype_name,
+        "device": kind,
+        "dtype": dev.dtype_name,
         "threads": threads_per_worker(workers) if kind == "cpu" else 4,
         "group_sizes": [n for n in (2, 4, 8, 16, 32) if n < workers],
-        "sizes": st.coll_sizes, "target_s": st.coll_target_s,
+        "sizes": st.coll_sizes,
+        "target_s": st.coll_target_s,
         "deadline": time.time() + max(0.0, deadline - time.perf_counter()),
-        "interference": {"gemm": st.overlap_gemm, "ag_bytes": st.overlap_ag_bytes,
-                         "target_s": st.overlap_target_s},
+        "interference": {"gemm": st.overlap_gemm, "ag_bytes": st.overlap_ag_bytes, "target_s": st.overlap_target_s},
     }
     try:
         comm = run_workers(workers, cfg, lambda f, m: tick(f, m), timeout_s=max(120.0, 4 * budget.remaining() + 60))
@@ -285,9 +351,11 @@ def assemble(meas: Measurements, name: str) -> GpuProfile:
     interference = _interference_section(meas, name, known, where)
     notes = list(meas.notes) + link_notes
     if kind == "cpu":
-        notes.append(f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
-                     "H2D/D2H are a host memcpy; plans should use the same dtype (training param_dtype and "
-                     "compute_dtype) for the times to apply")
+        notes.append(
+            f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
+            "H2D/D2H are a host memcpy; plans should use the same dtype (training param_dtype and "
+            "compute_dtype) for the times to apply"
+        )
     cp, adam = c.copies, c.adam
     return GpuProfile(
         name=name,
@@ -301,26 +369,40 @@ def assemble(meas: Measurements, name: str) -> GpuProfile:
         bidir_bandwidth=float(cp["bidir_Bps"]),
         adam_gpu_s_per_param=float(adam["device_s_per_param"]),
         adam_cpu_s_per_param=float(adam["host_s_per_param"]),
-        gemm=gemm, attention=attention, memory_ops=memory_ops, host=host_model,
+        gemm=gemm,
+        attention=attention,
+        memory_ops=memory_ops,
+        host=host_model,
         sources={
             "memory_bytes": cap_src,
             "peak_flops": peak_src,
             "hbm_bandwidth": hbm_src,
-            "host_link": (f"measured: {cp['kind']}, {cp['bytes'] / MiB:.0f} MiB"
-                          + ("" if kind == "cuda" else " (no device link on a CPU: labelled stand-in)")),
-            "adam": ("measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the GPU and on "
-                     f"the host with {adam['host_threads']} thread(s), as one of {adam['host_ranks']} GPU ranks "
-                     "stepping on the host at once" if kind == "cuda"
-                     else "measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the CPU (device = host)"),
-            "gemm": gemm.source, "attention": attention.source,
-            "memory_ops": "measured by mist profile (see memory_ops.sources)", "host": host_model.source,
-            "links": links["provenance"], "dp_links": "; ".join(f"{k}: {v.get('provenance', '')}"
-                                                                for k, v in dp_links.items() if isinstance(v, dict)),
+            "host_link": (
+                f"measured: {cp['kind']}, {cp['bytes'] / MiB:.0f} MiB"
+                + ("" if kind == "cuda" else " (no device link on a CPU: labelled stand-in)")
+            ),
+            "adam": (
+                "measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the GPU and on "
+                f"the host with {adam['host_threads']} thread(s), as one of {adam['host_ranks']} GPU ranks "
+                "stepping on the host at once"
+                if kind == "cuda"
+                else "measured: the runtime's AdamW step (mist.runtime.optimizer.adamw_) on the CPU (device = host)"
+            ),
+            "gemm": gemm.source,
+            "attention": attention.source,
+            "memory_ops": "measured by mist profile (see memory_ops.sources)",
+            "host": host_model.source,
+            "links": links["provenance"],
+            "dp_links": "; ".join(
+                f"{k}: {v.get('provenance', '')}" for k, v in dp_links.items() if isinstance(v, dict)
+            ),
             "interference": interference["provenance"],
         },
         fingerprint=_profile_fingerprint(meas),
         notes=notes,
-        links=links, dp_links=dp_links, interference=interference,
+        links=links,
+        dp_links=dp_links,
+        interference=interference,
         host_memory_per_gpu=_host_ram_per_gpu() if kind == "cuda" else None,
     )
 
@@ -329,26 +411,44 @@ def _gemm_table(meas: Measurements) -> GemmTable:
     dev, g = meas.device, meas.compute.gemm
     plateau = g["best_flops"]
     ms, ns, ks = g["axes"]
-    return GemmTable(ms, ns, ks, g["times_s"], g["floor_s"], meas.compute.copies["copy_Bps"],
-                     element_bytes=dev.element_bytes,
-                     source=(f"measured by mist profile: F.linear {dev.dtype_name} grid {len(ms)}x{len(ns)}x{len(ks)} "
-                             f"({ms[0]}..{ms[-1]}), {g['measured']} points timed, {len(g['filled'])} filled at their "
-                             f"lower neighbours' efficiency; best {plateau / 1e12:.3g} TFLOP/s"),
-                     extra={"filled": g["filled"], "plateau_flops": plateau})
+    return GemmTable(
+        ms,
+        ns,
+        ks,
+        g["times_s"],
+        g["floor_s"],
+        meas.compute.copies["copy_Bps"],
+        element_bytes=dev.element_bytes,
+        source=(
+            f"measured by mist profile: F.linear {dev.dtype_name} grid {len(ms)}x{len(ns)}x{len(ks)} "
+            f"({ms[0]}..{ms[-1]}), {g['measured']} points timed, {len(g['filled'])} filled at their "
+            f"lower neighbours' efficiency; best {plateau / 1e12:.3g} TFLOP/s"
+        ),
+        extra={"filled": g["filled"], "plateau_flops": plateau},
+    )
 
 
 def _attention_table(meas: Measurements) -> AttentionTable:
     dev, a = meas.device, meas.compute.attention
     ax = a["axes"]
-    return AttentionTable(ax["b"], ax["heads"], ax["s"], ax["d"], a["fwd_s"], a["bwd_s"],
-                          a["fwd_floor_s"], a["bwd_floor_s"],
-                          source=(f"measured by mist profile: scaled_dot_product_attention(is_causal=True) "
-                                  f"{dev.dtype_name} (PyTorch's default fused kernel, as the models call it), "
-                                  f"{a['measured']} points timed, {len(a['filled'])} filled; backward = "
-                                  "autograd.grad time" + (" minus the backward()-call cost" if dev.kind == "cpu"
-                                                          else " (back-to-back CUDA events)")),
-                          extra={"filled": a["filled"],
-                                 "backward_call_subtracted_s": meas.compute.host["backward_call_s"]})
+    return AttentionTable(
+        ax["b"],
+        ax["heads"],
+        ax["s"],
+        ax["d"],
+        a["fwd_s"],
+        a["bwd_s"],
+        a["fwd_floor_s"],
+        a["bwd_floor_s"],
+        source=(
+            f"measured by mist profile: scaled_dot_product_attention(is_causal=True) "
+            f"{dev.dtype_name} (PyTorch's default fused kernel, as the models call it), "
+            f"{a['measured']} points timed, {len(a['filled'])} filled; backward = "
+            "autograd.grad time"
+            + (" minus the backward()-call cost" if dev.kind == "cpu" else " (back-to-back CUDA events)")
+        ),
+        extra={"filled": a["filled"], "backward_call_subtracted_s": meas.compute.host["backward_call_s"]},
+    )
 
 
 def _memory_op_model(meas: Measurements) -> MemoryOpModel:
@@ -356,9 +456,12 @@ def _memory_op_model(meas: Measurements) -> MemoryOpModel:
     bw = dict(mo["bandwidth"])
     core = ("layernorm", "rmsnorm", "gelu", "swiglu", "dropout", "binary")
     bw["elementwise"] = {d: float(np.median([bw[c][d] for c in core])) for d in ("fwd", "bwd")}
-    src = {c: f"measured by mist profile: {c} fwd/bwd at {len(meas.settings.memory_sizes)} sizes, "
-              f"t = floor + io_bytes / bw (aten-level bytes, {meas.device.dtype_name}; fit errors in "
-              "fingerprint.memory_op_fits)" for c in mo["bandwidth"]}
+    src = {
+        c: f"measured by mist profile: {c} fwd/bwd at {len(meas.settings.memory_sizes)} sizes, "
+        f"t = floor + io_bytes / bw (aten-level bytes, {meas.device.dtype_name}; fit errors in "
+        "fingerprint.memory_op_fits)"
+        for c in mo["bandwidth"]
+    }
     src["binary"] = "measured by mist profile: elementwise multiply fwd (3T) and its backward (two multiplies, 6T)"
     src["copy"] = "measured by mist profile: clone (read + write); backward = forward (no backward kernel)"
     src["elementwise"] = "generic fallback: median of the measured layernorm/rmsnorm/gelu/swiglu/dropout/binary classes"
@@ -368,11 +471,20 @@ def _memory_op_model(meas: Measurements) -> MemoryOpModel:
 def _host_model(meas: Measurements) -> HostOverhead:
     host = meas.compute.host
     return HostOverhead(
-        fwd_op_s=host["fwd_op_s"], bwd_op_s=host["bwd_op_s"], backward_call_s=host["backward_call_s"],
-        source=("measured by mist profile: median per-op time of loops of tiny add/mul/gelu/layer_norm with "
-                "autograd recording; autograd.grad over chains of 1..64 tiny ops fitted as E + n*h_bwd"
-                + ("; on a CPU the host runs the kernels itself, so kernel times include dispatch and "
-                   "stream_time reduces to their serial sum" if meas.device.kind == "cpu" else "")))
+        fwd_op_s=host["fwd_op_s"],
+        bwd_op_s=host["bwd_op_s"],
+        backward_call_s=host["backward_call_s"],
+        source=(
+            "measured by mist profile: median per-op time of loops of tiny add/mul/gelu/layer_norm with "
+            "autograd recording; autograd.grad over chains of 1..64 tiny ops fitted as E + n*h_bwd"
+            + (
+                "; on a CPU the host runs the kernels itself, so kernel times include dispatch and "
+                "stream_time reduces to their serial sum"
+                if meas.device.kind == "cpu"
+                else ""
+            )
+        ),
+    )
 
 
 def _peak_and_bandwidth(meas: Measurements, known: str | None) -> tuple:
@@ -381,12 +493,23 @@ def _peak_and_bandwidth(meas: Measurements, known: str | None) -> tuple:
     copy_bw = meas.compute.copies["copy_Bps"]
     if dev.kind == "cuda" and known:
         label = DATASHEET[known]["label"]
-        return (DATASHEET[known]["peak_flops"], f"datasheet: {label} dense bf16/fp16", DATASHEET[known]["hbm"],
-                f"datasheet: {label} (measured device copy {copy_bw / 1e12:.2f} TB/s read+write)")
-    hbm_src = ("measured: host memcpy read+write bandwidth (CPU run)" if dev.kind == "cpu"
-               else "measured: device-to-device copy, read+write")
-    return (meas.compute.gemm["best_flops"], f"measured: best GEMM rate of the grid ({dev.dtype_name})",
-            copy_bw, hbm_src)
+        return (
+            DATASHEET[known]["peak_flops"],
+            f"datasheet: {label} dense bf16/fp16",
+            DATASHEET[known]["hbm"],
+            f"datasheet: {label} (measured device copy {copy_bw / 1e12:.2f} TB/s read+write)",
+        )
+    hbm_src = (
+        "measured: host memcpy read+write bandwidth (CPU run)"
+        if dev.kind == "cpu"
+        else "measured: device-to-device copy, read+write"
+    )
+    return (
+        meas.compute.gemm["best_flops"],
+        f"measured: best GEMM rate of the grid ({dev.dtype_name})",
+        copy_bw,
+        hbm_src,
+    )
 
 
 def _profile_fingerprint(meas: Measurements) -> dict:
@@ -424,11 +547,16 @@ def _link_sections(meas: Measurements, name: str, known: str | None, where: str)
     if comm is not None:
         fits, errors = fit_links(comm["collectives"])
         sizes = sorted(int(n) for op in fits for n in fits[op])
-        links = {"gpu": name, "provenance": (f"measured by mist profile: {comm['backend']} all_reduce/all_gather/"
-                                             f"reduce_scatter over {comm['world']} processes on {where}, ring "
-                                             "alpha-busbw fit" + ("; larger groups use the largest measured group's fit"
-                                                                  if sizes else "")),
-                 "fits": fits, "median_rel_error": errors}
+        links = {
+            "gpu": name,
+            "provenance": (
+                f"measured by mist profile: {comm['backend']} all_reduce/all_gather/"
+                f"reduce_scatter over {comm['world']} processes on {where}, ring "
+                "alpha-busbw fit" + ("; larger groups use the largest measured group's fit" if sizes else "")
+            ),
+            "fits": fits,
+            "median_rel_error": errors,
+        }
         if comm.get("sync_s") is not None:
             links["sync_s"] = float(comm["sync_s"])
             links["provenance"] += f"; sync_s: {comm['sync_how']}"
@@ -437,17 +565,25 @@ def _link_sections(meas: Measurements, name: str, known: str | None, where: str)
         largest = str(max(int(n) for n in fits.get("all_gather", {str(comm["world"]): 0})))
         ag_alpha, ag_bw = fits.get("all_gather", {}).get(largest, [p2p["alpha_s"], p2p["bw_Bps"]])
         if dev.kind == "cpu":
-            internode = {"alpha_s": float(max(ag_alpha, p2p["alpha_s"])), "nic_Bps_per_node": float(p2p["bw_Bps"]),
-                         "provenance": ("assumed: another machine reached at this machine's measured loopback gloo "
-                                        "send/recv rate (a CPU 'node' is this machine; cross-node not measured)")}
+            internode = {
+                "alpha_s": float(max(ag_alpha, p2p["alpha_s"])),
+                "nic_Bps_per_node": float(p2p["bw_Bps"]),
+                "provenance": (
+                    "assumed: another machine reached at this machine's measured loopback gloo "
+                    "send/recv rate (a CPU 'node' is this machine; cross-node not measured)"
+                ),
+            }
         else:
             internode = _cuda_internode(known)
         dp_links = {"internode": internode, "p2p_intra": p2p}
         return links, dp_links, notes
     if known and load_links(known) is not None:
         lm = load_links(known)
-        links = {"gpu": name, "provenance": f"borrowed (not measured here): shipped {known} link model — {lm.provenance}",
-                 "fits": lm.fits}
+        links = {
+            "gpu": name,
+            "provenance": f"borrowed (not measured here): shipped {known} link model — {lm.provenance}",
+            "fits": lm.fits,
+        }
         parts = shipped_parts(known)
         dp_links = {}
         for part in ("internode", "p2p_intra", "p2p_inter", "intra_allgather"):
@@ -466,11 +602,19 @@ def _link_sections(meas: Measurements, name: str, known: str | None, where: str)
         part = assumed["cuda"]
         alpha, bw = part["alpha_s"], cp["h2d_Bps"]
     why = part["provenance"]
-    links = {"gpu": name, "provenance": why,
-             "fits": {op: {str(n): [alpha, bw] for n in assumed["group_sizes"]} for op in OPS}}
-    dp_links = {"p2p_intra": {"alpha_s": alpha, "bw_Bps": bw, "provenance": why},
-                "internode": (_cuda_internode(known) if dev.kind == "cuda" else
-                              {"alpha_s": alpha, "nic_Bps_per_node": bw, "provenance": why})}
+    links = {
+        "gpu": name,
+        "provenance": why,
+        "fits": {op: {str(n): [alpha, bw] for n in assumed["group_sizes"]} for op in OPS},
+    }
+    dp_links = {
+        "p2p_intra": {"alpha_s": alpha, "bw_Bps": bw, "provenance": why},
+        "internode": (
+            _cuda_internode(known)
+            if dev.kind == "cuda"
+            else {"alpha_s": alpha, "nic_Bps_per_node": bw, "provenance": why}
+        ),
+    }
     notes.append("links/dp_links assumed from the copy rates (collectives not measured)")
     return links, dp_links, notes
 
@@ -479,8 +623,11 @@ def _cuda_internode(known: str | None) -> dict:
     if known:
         part = shipped_parts(known).get("internode")
         if part:
-            return dict(part, provenance=f"borrowed from shipped {known} (a single machine cannot measure the "
-                                         f"network): {part.get('provenance', '')}")
+            return dict(
+                part,
+                provenance=f"borrowed from shipped {known} (a single machine cannot measure the "
+                f"network): {part.get('provenance', '')}",
+            )
     part = assumed_links()["cuda_internode"]  # links/_assumed.json
     return {k: part[k] for k in ("alpha_s", "nic_Bps_per_node", "provenance")}
 
@@ -501,8 +648,10 @@ def _interference_section(meas: Measurements, name: str, known: str | None, wher
         for key in ("C+G2G", "G2G+C2G", "G2G+G2C"):
             factors[key] = shipped[key]
         extra_src = f"; {{C,G2G}}, {{G2G,C2G}}, {{G2G,G2C}} borrowed from the shipped {known} model (not measured here)"
-    prov = (f"measured by mist profile on {where}: pairs {', '.join(measured)} ({local['how']}){extra_src}; "
-            "all other channel sets serial sum (f_A[c] = |A|, not measured)")
+    prov = (
+        f"measured by mist profile on {where}: pairs {', '.join(measured)} ({local['how']}){extra_src}; "
+        "all other channel sets serial sum (f_A[c] = |A|, not measured)"
+    )
     model = InterferenceModel(factors, prov, name, extra={"pairs": detail})
     return model.to_json()
 

@@ -62,8 +62,15 @@ def one_call_s(fn, dev: Device, warmup: int = 1) -> float:
     return max(time.perf_counter() - t0, 1e-7)
 
 
-def time_op(fn, dev: Device, target_s: float = 0.02, min_reps: int = 3, max_reps: int = 200,
-            warmup: int = 1, stat: str = "median") -> float:
+def time_op(
+    fn,
+    dev: Device,
+    target_s: float = 0.02,
+    min_reps: int = 3,
+    max_reps: int = 200,
+    warmup: int = 1,
+    stat: str = "median",
+) -> float:
     """Median (or with stat="min" the best, STREAM-style for bandwidths) seconds of one call of
     `fn` on `dev` (see module docstring)."""
     pick = np.min if stat == "min" else np.median

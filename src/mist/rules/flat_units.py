@@ -81,5 +81,8 @@ def unit_lengths(n, dp, zero, micro_batches) -> tuple:
     """(weight, gradient, optimizer) buffer elements of a unit of `n` parameters on one rank."""
     shard = shard_len(n, dp)
     padded = shard * dp
-    return (weight_len(shard, padded, zero), grad_len(shard, padded, zero, micro_batches),
-            optimizer_len(shard, padded, zero))
+    return (
+        weight_len(shard, padded, zero),
+        grad_len(shard, padded, zero, micro_batches),
+        optimizer_len(shard, padded, zero),
+    )

@@ -15,7 +15,7 @@ same weights.
 from __future__ import annotations
 
 INIT_STD = 0.02
-NORM_WEIGHTS = ("norm1.weight", "norm2.weight", "norm.weight")   # name endings of norm weights
+NORM_WEIGHTS = ("norm1.weight", "norm2.weight", "norm.weight")  # name endings of norm weights
 
 
 def draws_normal(ndim):

@@ -18,7 +18,7 @@ import numpy as np
 
 from mist.rules.values import round_half_even
 
-MIN_SPLIT_NUMEL = 2   # saved tensors with fewer elements are never split
+MIN_SPLIT_NUMEL = 2  # saved tensors with fewer elements are never split
 
 
 def host_elements(n, ratio):

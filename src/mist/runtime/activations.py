@@ -36,13 +36,13 @@ class SavedTensorManager:
     def __init__(self, device: torch.device, memory: MemoryAccount, is_weight):
         self.device = torch.device(device)
         self.memory = memory
-        self.is_weight = is_weight          # callable: tensor → True for a view of a weight buffer
+        self.is_weight = is_weight  # callable: tensor → True for a view of a weight buffer
         self.ratio = 0.0
         self.cuda = self.device.type == "cuda"
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._seen: set[int] = set()
-        self.offloaded_bytes = 0      # every tail moved to the host so far (cumulative)
-        self.host_bytes = 0           # tails in host memory now (until their backward unpacks them)
+        self.offloaded_bytes = 0  # every tail moved to the host so far (cumulative)
+        self.host_bytes = 0  # tails in host memory now (until their backward unpacks them)
         self.host_peak = 0
 
     def hooks(self):
@@ -96,8 +96,7 @@ class SavedTensorManager:
         self.host_bytes -= packed.tail.numel() * packed.tail.element_size()
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
-        out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype,
-                          device=packed.device)
-        out[:packed.head.numel()].copy_(packed.head)
-        out[packed.head.numel():].copy_(packed.tail, non_blocking=packed.event is not None)
+        out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype, device=packed.device)
+        out[: packed.head.numel()].copy_(packed.head)
+        out[packed.head.numel() :].copy_(packed.tail, non_blocking=packed.event is not None)
         return out.view(packed.shape)

@@ -28,8 +28,7 @@ def split_point(length: int, ratio: float) -> int:
 class SplitBuffer:
     """A logical flat tensor of `length` elements: [0, dev_len) on `device`, the rest on the host."""
 
-    def __init__(self, length: int, ratio: float, dtype: torch.dtype, device: torch.device,
-                 zero: bool = True):
+    def __init__(self, length: int, ratio: float, dtype: torch.dtype, device: torch.device, zero: bool = True):
         self.length, self.dtype, self.device = length, dtype, torch.device(device)
         self.dev_len = split_point(length, ratio)
         alloc = torch.zeros if zero else torch.empty
@@ -58,8 +57,7 @@ class SplitBuffer:
             out.append(("host", a - self.dev_len, b - self.dev_len, a - lo))
         return out
 
-    def read(self, lo: int, hi: int, where: torch.device | str, dtype: torch.dtype | None = None
-             ) -> torch.Tensor:
+    def read(self, lo: int, hi: int, where: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Elements [lo, hi) as one tensor on `where` (a view when they already lie there)."""
         where = torch.device(where)
         dtype = dtype or self.dtype
@@ -72,20 +70,20 @@ class SplitBuffer:
             return src.to(where, dtype)
         out = torch.empty(hi - lo, dtype=dtype, device=where)
         for name, a, b, o in parts:
-            out[o:o + b - a].copy_(getattr(self, name)[a:b])
+            out[o : o + b - a].copy_(getattr(self, name)[a:b])
         return out
 
     def write(self, lo: int, src: torch.Tensor) -> None:
         """Copy the 1-D tensor `src` (any device/dtype) into elements [lo, lo + len(src))."""
         for name, a, b, o in self.pieces(lo, lo + src.numel()):
-            getattr(self, name)[a:b].copy_(src[o:o + b - a])
+            getattr(self, name)[a:b].copy_(src[o : o + b - a])
 
     def add_(self, src: torch.Tensor) -> None:
         """Accumulate a full-length device tensor: head on the device, tail on the host."""
         if self.dev_len:
-            self.dev.add_(src[:self.dev_len])
+            self.dev.add_(src[: self.dev_len])
         if self.host.numel():
-            self.host.add_(src[self.dev_len:].to("cpu"))
+            self.host.add_(src[self.dev_len :].to("cpu"))
 
     def copy_(self, src: torch.Tensor) -> None:
         self.write(0, src)

@@ -66,7 +66,7 @@ def meta_template() -> dict[str, torch.Tensor]:
         "meta.data_seed": torch.zeros((), dtype=torch.int64),
         "meta.loss_scale": torch.zeros((), dtype=torch.float64),
         "meta.loss_scale_good": torch.zeros((), dtype=torch.int64),
-        "meta.lr_schedule": torch.zeros(4, dtype=torch.float64),   # lr, warmup, total, min ratio
+        "meta.lr_schedule": torch.zeros(4, dtype=torch.float64),  # lr, warmup, total, min ratio
         "meta.plan_hash": torch.zeros(32, dtype=torch.uint8),
     }
 
@@ -90,15 +90,17 @@ def _quiet():
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)    # "assuming ... a single process": meant
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": meant
             yield
     finally:
         logging.disable(previous)
 
 
 def _unreadable(path, e: BaseException) -> MistInputError:
-    return MistInputError(f"The checkpoint in {path} cannot be read ({_failure(e)}); it is damaged or "
-                          "incomplete, so resume from an intact one or train without --resume.")
+    return MistInputError(
+        f"The checkpoint in {path} cannot be read ({_failure(e)}); it is damaged or "
+        "incomplete, so resume from an intact one or train without --resume."
+    )
 
 
 def read_meta(path: str | Path) -> dict[str, torch.Tensor]:
@@ -121,11 +123,15 @@ def check_resume(plan: Plan, cfg) -> tuple[Path, int]:
     path, step = latest_checkpoint(cfg.checkpoint_dir)
     meta = read_meta(path)
     if bytes(meta["meta.plan_hash"].tolist()).hex() != plan_hash(plan):
-        raise MistInputError(f"Checkpoint {path} was written by a different plan; resume it with "
-                             "the plan it was trained with (or use a new --checkpoint-dir).")
+        raise MistInputError(
+            f"Checkpoint {path} was written by a different plan; resume it with "
+            "the plan it was trained with (or use a new --checkpoint-dir)."
+        )
     if step >= cfg.steps:
-        raise MistInputError(f"Checkpoint {path} already finished {step} of --steps {cfg.steps}; "
-                             "nothing is left to train (raise --steps to continue).")
+        raise MistInputError(
+            f"Checkpoint {path} already finished {step} of --steps {cfg.steps}; "
+            "nothing is left to train (raise --steps to continue)."
+        )
     return path, step
 
 
@@ -147,17 +153,18 @@ def save(trainer, root: str | Path, step: int) -> Path:
     for u in trainer.units:
         for what, buf in _buffers(u):
             sd[_unit_key(trainer, u, what)] = buf.read(0, buf.length, "cpu").clone()
-    sd.update({
-        "meta.step": torch.tensor(step, dtype=torch.int64),
-        "meta.optimizer_step": torch.tensor(opt.step_count, dtype=torch.int64),
-        "meta.data_step": torch.tensor(step, dtype=torch.int64),
-        "meta.data_seed": torch.tensor(cfg.seed, dtype=torch.int64),
-        "meta.loss_scale": torch.tensor(trainer.scaler.scale, dtype=torch.float64),
-        "meta.loss_scale_good": torch.tensor(trainer.scaler._good, dtype=torch.int64),
-        "meta.lr_schedule": torch.tensor([cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio],
-                                         dtype=torch.float64),
-        "meta.plan_hash": _hash_tensor(plan_hash(trainer.plan)),
-    })
+    sd.update(
+        {
+            "meta.step": torch.tensor(step, dtype=torch.int64),
+            "meta.optimizer_step": torch.tensor(opt.step_count, dtype=torch.int64),
+            "meta.data_step": torch.tensor(step, dtype=torch.int64),
+            "meta.data_seed": torch.tensor(cfg.seed, dtype=torch.int64),
+            "meta.loss_scale": torch.tensor(trainer.scaler.scale, dtype=torch.float64),
+            "meta.loss_scale_good": torch.tensor(trainer.scaler._good, dtype=torch.int64),
+            "meta.lr_schedule": torch.tensor([cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio], dtype=torch.float64),
+            "meta.plan_hash": _hash_tensor(plan_hash(trainer.plan)),
+        }
+    )
     path = step_dir(root, step)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(sd, checkpoint_id=str(path))
@@ -182,7 +189,7 @@ def load(trainer, path: str | Path) -> int:
     for u in trainer.units:
         for what, buf in _buffers(u):
             buf.copy_(sd[_unit_key(trainer, u, what)].to(buf.device))
-        u.update_weights()          # working weights from the restored master (collective for ZeRO 1/2)
+        u.update_weights()  # working weights from the restored master (collective for ZeRO 1/2)
     trainer.optimizer.step_count = int(sd["meta.optimizer_step"])
     trainer.scaler.scale = float(sd["meta.loss_scale"])
     trainer.scaler._good = int(sd["meta.loss_scale_good"])

@@ -16,7 +16,7 @@ import torch
 from mist.errors import MistInputError
 from mist.userfiles import check_input_file
 
-_SEED_MOD = 2**64   # torch.Generator seeds are 64-bit (the same values as before for small seeds)
+_SEED_MOD = 2**64  # torch.Generator seeds are 64-bit (the same values as before for small seeds)
 
 
 class SyntheticData:
@@ -56,15 +56,19 @@ def _load_npy(path: Path, vocab: int) -> np.ndarray:
     except (ValueError, OSError, EOFError) as e:
         why = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__
         raise MistInputError(f"Data file {path} is not a readable .npy array ({why}).") from None
-    if not isinstance(tokens, np.ndarray):           # an .npz archive under a .npy name
+    if not isinstance(tokens, np.ndarray):  # an .npz archive under a .npy name
         getattr(tokens, "close", lambda: None)()
         raise MistInputError(f"Data file {path} is an .npz archive, not a .npy array of token ids.")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise MistInputError(f"Data file {path} must hold a 1-D array of integer token ids, not an array "
-                             f"of shape {tuple(tokens.shape)} and dtype {tokens.dtype}.")
+        raise MistInputError(
+            f"Data file {path} must hold a 1-D array of integer token ids, not an array "
+            f"of shape {tuple(tokens.shape)} and dtype {tokens.dtype}."
+        )
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise MistInputError(f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}) "
-                             f"(they range over [{int(tokens.min())}, {int(tokens.max())}]).")
+        raise MistInputError(
+            f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}) "
+            f"(they range over [{int(tokens.min())}, {int(tokens.max())}])."
+        )
     return tokens
 
 
@@ -86,7 +90,8 @@ class TokenFileData:
             tokens = byte_tokens(data, vocab)
         if tokens.size < seq_len + 1:
             raise MistInputError(
-                f"Data file {path} holds {tokens.size} tokens, fewer than one sequence of {seq_len + 1}.")
+                f"Data file {path} holds {tokens.size} tokens, fewer than one sequence of {seq_len + 1}."
+            )
         self.tokens, self.vocab, self.seq_len, self.B = tokens, vocab, seq_len, global_batch
 
     def global_batch(self, step: int) -> torch.Tensor:
@@ -94,7 +99,7 @@ class TokenFileData:
         rows = []
         for i in range(self.B):
             start = ((step * self.B + i) * s) % (n - s)
-            rows.append(np.asarray(self.tokens[start:start + s + 1], dtype=np.int64))
+            rows.append(np.asarray(self.tokens[start : start + s + 1], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 
 
@@ -114,9 +119,13 @@ def split_micro_batches(batch: torch.Tensor, G: int, dp: int, dp_rank: int):
     out = []
     for g in range(G):
         lo = g * per_mb + dp_rank * b
-        seqs = batch[lo:lo + b]
+        seqs = batch[lo : lo + b]
         # compact copies: a view would keep the whole global batch's storage alive (with b = 1
         # `.contiguous()` returns the view itself) and be saved for backward as such
-        out.append((seqs[:, :-1].clone(memory_format=torch.contiguous_format),
-                    seqs[:, 1:].clone(memory_format=torch.contiguous_format)))
+        out.append(
+            (
+                seqs[:, :-1].clone(memory_format=torch.contiguous_format),
+                seqs[:, 1:].clone(memory_format=torch.contiguous_format),
+            )
+        )
     return out

@@ -57,13 +57,13 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 @dataclass
 class ParamInfo:
-    name: str                    # full-model name
+    name: str  # full-model name
     shape: torch.Size
     offset: int
     numel: int
-    decay: bool                  # AdamW weight decay applies (matrices, not norms/biases)
-    norm_skip: tuple | None      # local flat range [a, b) that this rank does not count in the norm
-    kv_range: tuple | None       # local flat range holding KV-head copies (grads summed over the KV group)
+    decay: bool  # AdamW weight decay applies (matrices, not norms/biases)
+    norm_skip: tuple | None  # local flat range [a, b) that this rank does not count in the norm
+    kv_range: tuple | None  # local flat range holding KV-head copies (grads summed over the KV group)
 
 
 def _shift(rng, offset):
@@ -103,10 +103,24 @@ class Comms:
 
 
 class FlatUnit:
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list]], infos: list[ParamRole], *,
-                 dtype: torch.dtype, device: torch.device, comms: Comms, zero: int,
-                 weights: float, grads: float, optimizer: float, micro_batches: int,
-                 memory: MemoryAccount, copy_stream=None, grad_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter, list]],
+        infos: list[ParamRole],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        comms: Comms,
+        zero: int,
+        weights: float,
+        grads: float,
+        optimizer: float,
+        micro_batches: int,
+        memory: MemoryAccount,
+        copy_stream=None,
+        grad_dtype: torch.dtype | None = None,
+    ):
         """`params`: (full name, fp32 parameter with the initial values, owners [(module, attr)]);
         `infos`: per parameter its `ParamRole` (decay, norm_skip, kv_range); `grad_dtype`: the
         gradient buffers' dtype (None: the working `dtype`)."""
@@ -134,9 +148,11 @@ class FlatUnit:
         off = 0
         for (pname, p, _), extra in zip(params, infos):
             n = p.numel()
-            self.infos.append(ParamInfo(pname, p.shape, off, n, extra.decay,
-                                        _shift(extra.norm_skip, off),
-                                        _shift(extra.kv_range, off)))
+            self.infos.append(
+                ParamInfo(
+                    pname, p.shape, off, n, extra.decay, _shift(extra.norm_skip, off), _shift(extra.kv_range, off)
+                )
+            )
             off += n
         dp = self.comms.dp
         self.N = off
@@ -150,9 +166,9 @@ class FlatUnit:
         range; the working buffer `full` (cast), and the weights' store unless `full` persists."""
         init = torch.zeros(self.Np, dtype=torch.float32)
         for (_, p, _), info in zip(params, self.infos):
-            init[info.offset:info.offset + info.numel].copy_(p.detach().reshape(-1))
+            init[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
         self.master = SplitBuffer(self.L, optimizer, torch.float32, self.device, zero=False)
-        self.master.copy_(init[self.opt_lo:self.opt_lo + self.L])
+        self.master.copy_(init[self.opt_lo : self.opt_lo + self.L])
         self.exp_avg = SplitBuffer(self.L, optimizer, torch.float32, self.device)
         self.exp_avg_sq = SplitBuffer(self.L, optimizer, torch.float32, self.device)
 
@@ -165,20 +181,20 @@ class FlatUnit:
             n = flat_units.weight_len(self.shard_len, self.Np, self.zero)
             lo = self.comms.dp_rank * self.shard_len if flat_units.shards_weights(self.zero) else 0
             self.store = SplitBuffer(n, weights, self.dtype, self.device, zero=False)
-            self.store.copy_(self.full[lo:lo + n])
+            self.store.copy_(self.full[lo : lo + n])
 
     def _bind_params(self, params) -> None:
         """The parameters become views of the flat buffer (every owner of a shared parameter too)."""
         self.params: list[nn.Parameter] = []
         for (_, _, owners), info in zip(params, self.infos):
-            view = self.full[info.offset:info.offset + info.numel].view(info.shape)
+            view = self.full[info.offset : info.offset + info.numel].view(info.shape)
             newp = nn.Parameter(view, requires_grad=True)
             for mod, attr in owners:
                 setattr(mod, attr, newp)
             self.params.append(newp)
         self.materialized = True
         self._counted = False
-        self.keep_until_backward = False   # e.g. a tied embedding also used by the head
+        self.keep_until_backward = False  # e.g. a tied embedding also used by the head
         self._event = None
         if not self.persistent:
             self.release()
@@ -191,7 +207,7 @@ class FlatUnit:
         n = flat_units.grad_len(self.shard_len, self.Np, self.zero, self.G)
         self.acc = SplitBuffer(n, grads, self.grad_dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
-        self._update = None   # a deferred optimizer step (see `defer_update`)
+        self._update = None  # a deferred optimizer step (see `defer_update`)
         # When that buffer is the whole flat gradient and lives on the device, every micro-batch is
         # accumulated into it in place and it is reduced once, after the step's last micro-batch
         # (`rules.grad_accumulation`): in the working dtype the parameters' .grad are views of it
@@ -223,8 +239,7 @@ class FlatUnit:
         # on the first and last stage were summed
         self.defer_reduce = False
         for p, info in zip(self.params, self.infos):
-            p.register_post_accumulate_grad_hook(
-                lambda p, info=info: self._on_grad(p, info))
+            p.register_post_accumulate_grad_hook(lambda p, info=info: self._on_grad(p, info))
 
     # ------------------------------------------------------------ weights
     @property
@@ -309,10 +324,10 @@ class FlatUnit:
                     p.grad = self._acc_view(info)
 
     def _acc_view(self, info: ParamInfo) -> torch.Tensor:
-        return self.acc.dev[info.offset:info.offset + info.numel].view(info.shape)
+        return self.acc.dev[info.offset : info.offset + info.numel].view(info.shape)
 
     def _on_grad(self, p: torch.Tensor, info: ParamInfo) -> None:
-        if self.in_place and not self.grad_views:     # fp32 buffer: add this gradient, drop it
+        if self.in_place and not self.grad_views:  # fp32 buffer: add this gradient, drop it
             self._acc_view(info).add_(p.grad)
             p.grad = None
         if self.defer_reduce:
@@ -348,7 +363,7 @@ class FlatUnit:
         flat = None if self.in_place else self._flat_grad()
         for i in tied:
             info = self.infos[i]
-            g = self._acc_view(info) if flat is None else flat[info.offset:info.offset + info.numel].view(info.shape)
+            g = self._acc_view(info) if flat is None else flat[info.offset : info.offset + info.numel].view(info.shape)
             if scale != 1.0:
                 g.mul_(scale)
             for lo, hi, group in segments:
@@ -362,7 +377,7 @@ class FlatUnit:
         flat = torch.zeros(self.Np, dtype=self.grad_dtype, device=self.device)
         for p, info in zip(self.params, self.infos):
             if p.grad is not None:
-                flat[info.offset:info.offset + info.numel].copy_(p.grad.reshape(-1))
+                flat[info.offset : info.offset + info.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
         self.memory.add_transient(self.grad_full_bytes)
         return flat
@@ -447,15 +462,15 @@ class FlatUnit:
         elif self.zero == 0:
             target = self.full if self.persistent else None
             if target is not None:
-                target[:m.dev_len].copy_(m.dev)
-                target[m.dev_len:].copy_(m.host)
+                target[: m.dev_len].copy_(m.dev)
+                target[m.dev_len :].copy_(m.host)
             else:
                 self.store.write(0, m.dev.to(self.dtype))
                 self.store.write(m.dev_len, m.host.to(self.dtype))
         else:
             shard = torch.empty(self.shard_len, dtype=self.dtype, device=self.device)
-            shard[:m.dev_len].copy_(m.dev)
-            shard[m.dev_len:].copy_(m.host)
+            shard[: m.dev_len].copy_(m.dev)
+            shard[m.dev_len :].copy_(m.host)
             out = self.full if self.persistent else torch.empty(self.Np, dtype=self.dtype, device=self.device)
             if self.comms.dp_group is None:
                 out.copy_(shard)

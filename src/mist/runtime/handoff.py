@@ -71,8 +71,10 @@ def incoming(mine: StageLayout, dp_rank: int, tp_rank: int, sender: StageLayout)
     """What rank (dp_rank, tp_rank) of stage `mine` receives from stage `sender`, in row order
     (rows in the receiver's tensor)."""
     base = dp_rank * mine.micro_batch
-    return [Piece(sender.tp_ranks(e)[tp_rank % sender.tp], a - base, b - base)
-            for e, a, b in _overlaps(mine, dp_rank, sender)]
+    return [
+        Piece(sender.tp_ranks(e)[tp_rank % sender.tp], a - base, b - base)
+        for e, a, b in _overlaps(mine, dp_rank, sender)
+    ]
 
 
 def outgoing(mine: StageLayout, dp_rank: int, tp_rank: int, receiver: StageLayout) -> list[Piece]:

@@ -61,22 +61,33 @@ def device_type_for(plan: Plan, local: bool) -> tuple[str, str | None]:
     if torch.cuda.is_available():
         return "cuda", None
     if local:
-        return "cpu", (f"note: this machine has no CUDA device; running the {gpu} plan on "
-                       f"{plan.cluster.world_size} CPU worker process(es) with gloo instead.")
-    raise MistInputError(f"The plan targets {gpu} GPUs but this machine has no CUDA device "
-                         "(use --local to run it on CPU processes).")
+        return "cpu", (
+            f"note: this machine has no CUDA device; running the {gpu} plan on "
+            f"{plan.cluster.world_size} CPU worker process(es) with gloo instead."
+        )
+    raise MistInputError(
+        f"The plan targets {gpu} GPUs but this machine has no CUDA device (use --local to run it on CPU processes)."
+    )
 
 
-def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.device,
-             init_method: str, want_state: bool = False) -> dict | None:
+def run_rank(
+    plan: Plan,
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    init_method: str,
+    want_state: bool = False,
+) -> dict | None:
     """One rank, from joining the process group to leaving it; rank 0 returns its results."""
-    ckpt = check_resume(plan, cfg) if cfg.resume else None   # before joining: every rank fails alike
+    ckpt = check_resume(plan, cfg) if cfg.resume else None  # before joining: every rank fails alike
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10), **kw)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10), **kw
+    )
     try:
         groups = build_groups(plan, rank, world)
         trainer = Trainer(plan, cfg, groups, device)
@@ -84,7 +95,7 @@ def run_rank(plan: Plan, cfg: TrainConfig, rank: int, world: int, device: torch.
             trainer.resume_from(ckpt[0])
         metrics = trainer.run()
         state = trainer.full_state_dict() if want_state else None
-        dist.barrier()          # every rank is done with every group before any is torn down
+        dist.barrier()  # every rank is done with every group before any is torn down
         groups.destroy()
     finally:
         dist.destroy_process_group()
@@ -108,8 +119,15 @@ def _local_worker(rank, world, plan, cfg, device_type, port, want_state, q, thre
         q.put(("error", rank, traceback.format_exc()))
 
 
-def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_state: bool = False,
-                start_method: str | None = None, threads: int | None = None) -> dict:
+def spawn_local(
+    plan: Plan,
+    cfg: TrainConfig,
+    *,
+    device_type: str = "cpu",
+    want_state: bool = False,
+    start_method: str | None = None,
+    threads: int | None = None,
+) -> dict:
     """Run the plan on local worker processes (one per rank); rank 0's result.
 
     `start_method` "spawn" (default: clean interpreters) or "fork" (about a second faster per
@@ -122,16 +140,16 @@ def spawn_local(plan: Plan, cfg: TrainConfig, *, device_type: str = "cpu", want_
         check_resume(plan, cfg)
     world = plan.cluster.world_size
     if device_type == "cuda" and torch.cuda.device_count() < world:
-        raise MistInputError(f"The plan needs {world} GPUs but this machine has "
-                             f"{torch.cuda.device_count()}.")
+        raise MistInputError(f"The plan needs {world} GPUs but this machine has {torch.cuda.device_count()}.")
     method = start_method or "spawn"
     if threads is None:
         threads = 1 if method == "fork" else threads_per_worker(world)
     ctx = mp.get_context(method)
     q = ctx.Queue()
     port = free_port()
-    procs = start_workers(ctx, _local_worker, [(r, world, plan, cfg, device_type, port, want_state, q, threads)
-                                               for r in range(world)])
+    procs = start_workers(
+        ctx, _local_worker, [(r, world, plan, cfg, device_type, port, want_state, q, threads) for r in range(world)]
+    )
     result, error, done = None, None, set()
     try:
         for kind, rank, payload in poll_messages(q, procs, finished=done):
@@ -176,8 +194,10 @@ def _env_int(name: str, default: int | None, minimum: int) -> int:
 def torchrun_env() -> tuple[int, int, int, int]:
     """(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them, checked."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise MistInputError("mist train runs under torchrun (RANK and WORLD_SIZE are not set); "
-                             "use --local to start the worker processes here.")
+        raise MistInputError(
+            "mist train runs under torchrun (RANK and WORLD_SIZE are not set); "
+            "use --local to start the worker processes here."
+        )
     world = _env_int("WORLD_SIZE", None, 1)
     rank = _env_int("RANK", None, 0)
     local_rank = _env_int("LOCAL_RANK", 0, 0)
@@ -185,11 +205,13 @@ def torchrun_env() -> tuple[int, int, int, int]:
     if rank >= world:
         raise MistInputError(f"The environment variable RANK must be below WORLD_SIZE {world}, got {rank}.")
     if local_world > world:
-        raise MistInputError(f"The environment variable LOCAL_WORLD_SIZE must not exceed WORLD_SIZE {world}, "
-                             f"got {local_world}.")
+        raise MistInputError(
+            f"The environment variable LOCAL_WORLD_SIZE must not exceed WORLD_SIZE {world}, got {local_world}."
+        )
     if "LOCAL_WORLD_SIZE" in os.environ and local_rank >= local_world:
-        raise MistInputError(f"The environment variable LOCAL_RANK must be below LOCAL_WORLD_SIZE "
-                             f"{local_world}, got {local_rank}.")
+        raise MistInputError(
+            f"The environment variable LOCAL_RANK must be below LOCAL_WORLD_SIZE {local_world}, got {local_rank}."
+        )
     return rank, world, local_rank, local_world
 
 
@@ -201,7 +223,7 @@ def check_outputs(cfg: TrainConfig, writes_metrics: bool) -> None:
         check_output_file(cfg.metrics_path, "--metrics")
     if cfg.checkpoint_dir is not None:
         if cfg.resume:
-            latest_checkpoint(cfg.checkpoint_dir)     # no checkpoint there: say so, and make no folder
+            latest_checkpoint(cfg.checkpoint_dir)  # no checkpoint there: say so, and make no folder
         check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
 
 
@@ -212,8 +234,10 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     t = plan.training
     env = None if local else torchrun_env()
     if env is not None and env[1] != world:
-        raise MistInputError(f"The plan needs {world} processes ({plan.cluster.nodes}×"
-                             f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env[1]}.")
+        raise MistInputError(
+            f"The plan needs {world} processes ({plan.cluster.nodes}×"
+            f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env[1]}."
+        )
     make_data(cfg.data, plan.model.vocab_size, t.seq_len, t.global_batch, cfg.seed)  # checks the data
     if local:
         dev, note = device_type_for(plan, local=True)
@@ -234,12 +258,11 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     check_node_memory(plan, range(node * local_world, min(world, (node + 1) * local_world)), dev)
     threads = threads_per_worker(local_world)
     if dev == "cuda" and local_rank >= torch.cuda.device_count():
-        raise MistInputError(f"Local rank {local_rank} has no GPU: this node has "
-                             f"{torch.cuda.device_count()} GPU(s).")
-    check_outputs(cfg, writes_metrics=rank == 0)     # only rank 0 writes the metrics
+        raise MistInputError(f"Local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()} GPU(s).")
+    check_outputs(cfg, writes_metrics=rank == 0)  # only rank 0 writes the metrics
     if dev == "cuda":
         device = torch.device("cuda", local_rank)
-        setup_gpu_rank(threads)   # not torchrun's OMP_NUM_THREADS=1
+        setup_gpu_rank(threads)  # not torchrun's OMP_NUM_THREADS=1
     else:
         setup_cpu_worker(threads)
         device = torch.device("cpu")

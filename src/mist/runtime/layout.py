@@ -46,7 +46,7 @@ class RankGroups:
     tp_rank: int
     tp_group: object = None
     dp_group: object = None
-    kv_group: object = None      # ranks sharing copies of one KV head (tp > num_kv_heads)
+    kv_group: object = None  # ranks sharing copies of one KV head (tp > num_kv_heads)
     kv_size: int = 1
     # pipeline with tied embeddings: (local rows lo, hi, group) of this rank's word-embedding shard
     # per vocabulary segment, in vocabulary order (see `tied_segments`)
@@ -92,8 +92,7 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
     layouts = stage_layouts(plan)
     mine = next(s for s in layouts if rank in s.ranks)
     local = rank - mine.first_rank
-    rg = RankGroups(rank, world, mine, dp_rank=local // mine.tp, tp_rank=local % mine.tp,
-                    stages=layouts)
+    rg = RankGroups(rank, world, mine, dp_rank=local // mine.tp, tp_rank=local % mine.tp, stages=layouts)
     kv_heads = plan.model.num_kv_heads
 
     def make(ranks: list[int]):
@@ -119,7 +118,7 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
             for d in range(s.dp):
                 tps = s.tp_ranks(d)
                 for k in range(kv_heads):
-                    g = make(tps[k * rep:(k + 1) * rep])
+                    g = make(tps[k * rep : (k + 1) * rep])
                     if g is not None:
                         rg.kv_group, rg.kv_size = g, rep
     if plan.model.tie_embeddings and len(layouts) > 1:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 class MemoryAccount:
     def __init__(self) -> None:
-        self.persistent = 0       # states that live on the device for the whole run
-        self.transient = 0        # materialised full weights, reduction buffers
-        self.activations = 0      # saved activations of the micro-batch(es) in flight
+        self.persistent = 0  # states that live on the device for the whole run
+        self.transient = 0  # materialised full weights, reduction buffers
+        self.activations = 0  # saved activations of the micro-batch(es) in flight
         self.peak = 0
         self.activations_peak = 0
 

@@ -32,8 +32,9 @@ from mist.runtime.flat import FlatUnit
 from mist.torch_compat import HAS_FUSED_ADAM, fused_adam_
 
 
-def adamw_(p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-           weight_decay: float, decay_ranges) -> None:
+def adamw_(
+    p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decay_ranges
+) -> None:
     """One AdamW step in place on flat fp32 tensors (the rate `mist profile` measures)."""
     if p.numel() == 0:
         return
@@ -47,10 +48,10 @@ def adamw_(p, m, v, g, *, step: int, lr: float, beta1: float, beta2: float, eps:
         return
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
-    denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
 
 
@@ -72,7 +73,7 @@ def _aliases(t: torch.Tensor, buf) -> bool:
 class LossScaler:
     """Dynamic loss scaling for fp16 (halve on overflow, double after `interval` good steps)."""
 
-    def __init__(self, enabled: bool, init: float = 2.0 ** 16, interval: int = 1000):
+    def __init__(self, enabled: bool, init: float = 2.0**16, interval: int = 1000):
         self.enabled, self.scale, self.interval, self._good = enabled, init if enabled else 1.0, interval, 0
 
     def update(self, overflow: bool) -> None:
@@ -94,16 +95,25 @@ class StepResult:
 
 
 class ShardedAdamW:
-    def __init__(self, units: list[FlatUnit], *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 max_grad_norm: float = 1.0, scaler: LossScaler | None = None, norm_group=None):
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        *,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        max_grad_norm: float = 1.0,
+        scaler: LossScaler | None = None,
+        norm_group=None,
+    ):
         self.units = units
-        self._host = None   # one worker thread for the host parts, in unit order (made on first use)
+        self._host = None  # one worker thread for the host parts, in unit order (made on first use)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.max_grad_norm = eps, weight_decay, max_grad_norm
         self.scaler = scaler or LossScaler(False)
         self.norm_group = norm_group
         self.step_count = 0
-        self.host_grad_peak = 0   # bytes of the fp32 gradient copies the CPU AdamW steps with
+        self.host_grad_peak = 0  # bytes of the fp32 gradient copies the CPU AdamW steps with
 
     def _sq_norm(self, device: torch.device) -> torch.Tensor:
         dev = torch.zeros((), dtype=torch.float64, device=device)
@@ -139,9 +149,15 @@ class ShardedAdamW:
             coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)
         mult = coef / self.scaler.scale
         self.step_count += 1
-        kw = dict(step=self.step_count, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                  weight_decay=self.weight_decay)
-        with (timer.span("opt") if timer is not None else nullcontext()):
+        kw = dict(
+            step=self.step_count,
+            lr=lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
+        with timer.span("opt") if timer is not None else nullcontext():
             self._update(mult, kw)
         return StepResult(norm, False)
 
@@ -165,8 +181,9 @@ class ShardedAdamW:
                 g_host.mul_(mult)
                 host_grads += g_host.numel() * g_host.element_size()
                 u.opt_grad = None
-                u.defer_update(self._host_pool().submit(
-                    adamw_, m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw))
+                u.defer_update(
+                    self._host_pool().submit(adamw_, m.host, ea.host, es.host, g_host, decay_ranges=dec_host, **kw)
+                )
             else:
                 u.update_weights()
         # the copies live until each unit's deferred step ran: all of them at once, at most

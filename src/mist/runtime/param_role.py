@@ -12,6 +12,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParamRole:
-    decay: bool                              # AdamW weight decay applies (matrices, not norms/biases)
+    decay: bool  # AdamW weight decay applies (matrices, not norms/biases)
     norm_skip: tuple[int, int] | None = None  # local element range [a, b) left out of the gradient norm
-    kv_range: tuple[int, int] | None = None   # local element range of KV-head copies (grads summed over the KV group)
+    kv_range: tuple[int, int] | None = None  # local element range of KV-head copies (grads summed over the KV group)

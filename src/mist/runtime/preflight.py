@@ -34,7 +34,7 @@ def _stage_bytes(plan: Plan, i: int, host_only: bool) -> float:
         units.append((m.embedding_params() / s.tp, 0.0, 0.0, 0.0))
     if i == S - 1:
         units.append((m.head_params() / s.tp, 0.0, 0.0, 0.0))
-        if m.tie_embeddings and S > 1:   # the last stage's copy of the tied word embedding
+        if m.tie_embeddings and S > 1:  # the last stage's copy of the tied word embedding
             units.append((m.vocab_size * m.hidden_size / s.tp, 0.0, 0.0, 0.0))
     total = 0.0
     for params, wo, go, oo in units:
@@ -77,8 +77,12 @@ def check_node_memory(plan: Plan, ranks, device_type: str, available: int | None
         return
     need = node_state_bytes(plan, ranks, device_type)
     if need > available:
-        what = ("the offloaded parts of their weights, gradients and optimizer states" if device_type == "cuda"
-                else "their weights, gradients and optimizer states")
+        what = (
+            "the offloaded parts of their weights, gradients and optimizer states"
+            if device_type == "cuda"
+            else "their weights, gradients and optimizer states"
+        )
         raise MistInputError(
             f"This node has {available / GiB:.1f} GiB of memory available, but the plan's {len(ranks)} "
-            f"rank(s) here need at least {need / GiB:.1f} GiB of it for {what} (activations come on top).")
+            f"rank(s) here need at least {need / GiB:.1f} GiB of it for {what} (activations come on top)."
+        )

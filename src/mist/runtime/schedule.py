@@ -25,8 +25,9 @@ class GradAccumSchedule:
     def __init__(self, micro_batches: int):
         self.G = micro_batches
 
-    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0,
-            timer: PhaseTimer | None = None) -> list[torch.Tensor]:
+    def run(
+        self, runner: StageRunner, micro_batches, loss_scale: float = 1.0, timer: PhaseTimer | None = None
+    ) -> list[torch.Tensor]:
         """Run one step's micro-batches [(tokens, targets)]; return their (detached) losses.
 
         Each micro-batch loss is a token mean; the step's loss is their mean, so each backward
@@ -51,7 +52,7 @@ def _spans(timer):
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-_HEADER = 8          # ndim, dims…, dtype code (int64)
+_HEADER = 8  # ndim, dims…, dtype code (int64)
 
 
 @dataclass(frozen=True)
@@ -90,23 +91,22 @@ class PipelineSchedule:
     list; [] elsewhere).
     """
 
-    def __init__(self, micro_batches: int, stage: int, stages: int, links: Links,
-                 device: torch.device):
+    def __init__(self, micro_batches: int, stage: int, stages: int, links: Links, device: torch.device):
         self.G, self.i, self.stages = micro_batches, stage, stages
         self.links = links
         self.device = torch.device(device)
 
     # ------------------------------------------------------------ p2p
     def _tag(self, g: int, kind: int) -> int:
-        return 3 * g + kind          # 0: header, 1: activation, 2: gradient
+        return 3 * g + kind  # 0: header, 1: activation, 2: gradient
 
     def _send_act(self, x: torch.Tensor, g: int, pending: list) -> None:
         x = x.detach().contiguous()
         for p in self.links.next_out:
-            part = x[p.lo:p.hi]
+            part = x[p.lo : p.hi]
             head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             head[0] = part.dim()
-            head[1:1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
+            head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
             head[_HEADER - 1] = _DTYPES.index(part.dtype)
             pending.append((dist.isend(head, p.rank, tag=self._tag(g, 0)), head))
             pending.append((dist.isend(part, p.rank, tag=self._tag(g, 1)), part))
@@ -117,17 +117,16 @@ class PipelineSchedule:
             head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             dist.recv(head, p.rank, tag=self._tag(g, 0))
             h = head.tolist()
-            shape = h[1:1 + h[0]]
+            shape = h[1 : 1 + h[0]]
             if x is None:
-                x = torch.empty([self.links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]],
-                                device=self.device)
-            dist.recv(x[p.lo:p.hi], p.rank, tag=self._tag(g, 1))
+                x = torch.empty([self.links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]], device=self.device)
+            dist.recv(x[p.lo : p.hi], p.rank, tag=self._tag(g, 1))
         return x.requires_grad_(x.is_floating_point())
 
     def _recv_grad(self, out: torch.Tensor, g: int) -> torch.Tensor:
         grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
         for p in self.links.next_in:
-            dist.recv(grad[p.lo:p.hi], p.rank, tag=self._tag(g, 2))
+            dist.recv(grad[p.lo : p.hi], p.rank, tag=self._tag(g, 2))
         if self.links.grad_scale != 1.0:
             grad.mul_(self.links.grad_scale)
         return grad
@@ -135,12 +134,13 @@ class PipelineSchedule:
     def _send_grad(self, gx: torch.Tensor, g: int, pending: list) -> None:
         gx = gx.contiguous()
         for p in self.links.prev_out:
-            part = gx[p.lo:p.hi]
+            part = gx[p.lo : p.hi]
             pending.append((dist.isend(part, p.rank, tag=self._tag(g, 2)), part))
 
     # ------------------------------------------------------------ the step
-    def run(self, runner: StageRunner, micro_batches, loss_scale: float = 1.0,
-            timer: PhaseTimer | None = None) -> list[torch.Tensor]:
+    def run(
+        self, runner: StageRunner, micro_batches, loss_scale: float = 1.0, timer: PhaseTimer | None = None
+    ) -> list[torch.Tensor]:
         G, first, last = self.G, self.i == 0, self.i == self.stages - 1
         span = _spans(timer)
         pending: list = []

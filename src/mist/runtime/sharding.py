@@ -102,8 +102,9 @@ def local_to_full_name(local_name: str, first_layer: int) -> str:
 
 
 @torch.no_grad()
-def init_stage_params(local_named: dict[str, nn.Parameter], spec: ModelSpec, tp: int, rank: int,
-                      seed: int, flash: bool = True) -> None:
+def init_stage_params(
+    local_named: dict[str, nn.Parameter], spec: ModelSpec, tp: int, rank: int, seed: int, flash: bool = True
+) -> None:
     """Copy into `local_named` (full-model names → local shards) the seeded full-model values.
 
     Draws the full model's random numbers in `init_weights` order (every rank draws them all, so

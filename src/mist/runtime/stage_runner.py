@@ -30,8 +30,18 @@ from mist.specs.model import ModelSpec
 class StageModule(nn.Module):
     """Embedding (first stage), decoder blocks, head (last stage) on one TP shard."""
 
-    def __init__(self, spec: ModelSpec, tp: TPGroup, flash: bool, first: bool, last: bool,
-                 layers: int, first_layer: int, dtype=torch.float32, device="cpu"):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPGroup,
+        flash: bool,
+        first: bool,
+        last: bool,
+        layers: int,
+        first_layer: int,
+        dtype=torch.float32,
+        device="cpu",
+    ):
         super().__init__()
         self.spec, self.first, self.last, self.first_layer = spec, first, last, first_layer
         self.embedding = Embedding(spec, tp, dtype, device) if first else None
@@ -68,10 +78,18 @@ class StageModule(nn.Module):
 
 
 class StageRunner:
-    def __init__(self, module: StageModule, units: list[FlatUnit], recompute_layers: int,
-                 recompute_attention: bool, recompute_activation: bool,
-                 activation_ratio: float, saved: SavedTensorManager, autocast_dtype=None,
-                 keep_last_for_backward: bool = True):
+    def __init__(
+        self,
+        module: StageModule,
+        units: list[FlatUnit],
+        recompute_layers: int,
+        recompute_attention: bool,
+        recompute_activation: bool,
+        activation_ratio: float,
+        saved: SavedTensorManager,
+        autocast_dtype=None,
+        keep_last_for_backward: bool = True,
+    ):
         self.module, self.units = module, units
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
         self.selective = dict(attention=recompute_attention, activation=recompute_activation)
@@ -124,6 +142,7 @@ class StageRunner:
             if i > 0:
                 self.units[i - 1].materialize(prefetch=True)
             return grad
+
         return hook
 
     def _run(self, i: int, fn, ratio: float):
@@ -157,8 +176,9 @@ class StageRunner:
             n = len(m.blocks)
             for j, blk in enumerate(m.blocks):
                 recompute = j >= n - self.recompute_layers
-                x = self._run(i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective),
-                              self.activation_ratio)
+                x = self._run(
+                    i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective), self.activation_ratio
+                )
                 i += 1
             if m.head is not None:
                 x = self._run(i, lambda x=x: m.head(x, targets), 0.0)

@@ -49,7 +49,8 @@ def working_dtypes(plan: Plan):
     if wd != torch.float32:
         raise MistInputError(
             f"mist train runs compute in {t.compute_dtype} only with {t.compute_dtype} or fp32 "
-            f"parameters, not {t.param_dtype}.")
+            f"parameters, not {t.param_dtype}."
+        )
     return wd, cd, cd == torch.float16
 
 
@@ -98,13 +99,25 @@ class Trainer:
 
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.timer = PhaseTimer(self.device)
-        self.runner = StageRunner(self.module, self.units, st.recompute_layers, st.recompute_attention,
-                                  st.recompute_activation,
-                                  st.offload.activations, self.saved, autocast)
+        self.runner = StageRunner(
+            self.module,
+            self.units,
+            st.recompute_layers,
+            st.recompute_attention,
+            st.recompute_activation,
+            st.offload.activations,
+            self.saved,
+            autocast,
+        )
         self.schedule = self._build_schedule()
-        self.optimizer = ShardedAdamW(self.units, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                                      scaler=self.scaler)
+        self.optimizer = ShardedAdamW(
+            self.units,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.max_grad_norm,
+            scaler=self.scaler,
+        )
         self.data = make_data(cfg.data, spec.vocab_size, t.seq_len, t.global_batch, cfg.seed)
         self.history: list[dict] = []
         self.start_step = 0
@@ -132,7 +145,7 @@ class Trainer:
         module, spec, lay = self.module, self.plan.model, self.groups.stage
         owners = module.owners()
         seen: set[int] = set()
-        unit_params = []   # gathered first: a FlatUnit replaces its (possibly shared) parameters
+        unit_params = []  # gathered first: a FlatUnit replaces its (possibly shared) parameters
         self.tied: dict[int, list[int]] = {}
         pp_tied = spec.tie_embeddings and self.plan.num_stages > 1
         for prefix, mod in module.unit_modules():
@@ -161,11 +174,24 @@ class Trainer:
             # offloading applies to the decoder blocks (the embedding and head are sharded like
             # the stage but never offloaded, as the cost model assumes)
             off = st.offload if prefix.startswith("blocks.") else Offload()
-            units.append(FlatUnit(
-                self.module.full_name(prefix), plist, infos, dtype=self.dtype, device=self.device,
-                comms=comms, zero=st.zero, weights=off.weights, grads=off.grads,
-                optimizer=off.optimizer, micro_batches=plan.micro_batches, memory=self.memory,
-                copy_stream=copy_stream, grad_dtype=self.grad_dtype))
+            units.append(
+                FlatUnit(
+                    self.module.full_name(prefix),
+                    plist,
+                    infos,
+                    dtype=self.dtype,
+                    device=self.device,
+                    comms=comms,
+                    zero=st.zero,
+                    weights=off.weights,
+                    grads=off.grads,
+                    optimizer=off.optimizer,
+                    micro_batches=plan.micro_batches,
+                    memory=self.memory,
+                    copy_stream=copy_stream,
+                    grad_dtype=self.grad_dtype,
+                )
+            )
         if plan.model.tie_embeddings and plan.num_stages == 1:
             units[0].keep_until_backward = True
         for k in self.tied:
@@ -179,9 +205,14 @@ class Trainer:
             return GradAccumSchedule(plan.micro_batches)
         last = lay.index == plan.num_stages - 1
         nxt = groups.stages[lay.index + 1] if not last else None
-        links = Links(tuple(groups.incoming(-1)), tuple(groups.outgoing(-1)),
-                      tuple(groups.incoming(1)), tuple(groups.outgoing(1)),
-                      rows=st.micro_batch, grad_scale=st.dp / nxt.dp if nxt else 1.0)
+        links = Links(
+            tuple(groups.incoming(-1)),
+            tuple(groups.outgoing(-1)),
+            tuple(groups.incoming(1)),
+            tuple(groups.outgoing(1)),
+            rows=st.micro_batch,
+            grad_scale=st.dp / nxt.dp if nxt else 1.0,
+        )
         return PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages, links, self.device)
 
     # ------------------------------------------------------------ checkpoints
@@ -204,8 +235,10 @@ class Trainer:
         cfg, g = self.cfg, self.groups
         lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         batch = self.data.global_batch(step)
-        mbs = [(x.to(self.device), y.to(self.device))
-               for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.dp_rank)]
+        mbs = [
+            (x.to(self.device), y.to(self.device))
+            for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.dp_rank)
+        ]
         self._sync()
         t0 = time.perf_counter()
         self.timer.reset()
@@ -214,8 +247,7 @@ class Trainer:
             self.units[k].reduce_deferred(idx, g.tied, 1.0 / self.stage.dp)
         res = self.optimizer.step(lr, self.device, timer=self.timer)
         last = g.stage.index == self.plan.num_stages - 1
-        loss = (torch.stack(losses).float().mean() if last
-                else torch.zeros((), dtype=torch.float32, device=self.device))
+        loss = torch.stack(losses).float().mean() if last else torch.zeros((), dtype=torch.float32, device=self.device)
         if last and g.dp_group is not None:
             dist.all_reduce(loss, group=g.dp_group)
             loss /= self.stage.dp
@@ -226,8 +258,16 @@ class Trainer:
         dt = time.perf_counter() - t0
         spans = self.timer.seconds()
         T, D = stage_times(spans["fwd"], spans["bwd"], sum(spans["opt"]))
-        rec = {"step": step, "loss": float(loss.item()), "lr": lr, "grad_norm": res.grad_norm,
-               "skipped": res.skipped, "time_s": dt, "stable_time_s": T, "delta_time_s": D}
+        rec = {
+            "step": step,
+            "loss": float(loss.item()),
+            "lr": lr,
+            "grad_norm": res.grad_norm,
+            "skipped": res.skipped,
+            "time_s": dt,
+            "stable_time_s": T,
+            "delta_time_s": D,
+        }
         self.history.append(rec)
         return rec
 
@@ -240,12 +280,15 @@ class Trainer:
         for step in range(self.start_step, end):
             rec = self.train_step(step)
             if self.cfg.log and self.groups.rank == 0:
-                print(f"step {step + 1}/{self.cfg.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-                      f"grad norm {rec['grad_norm']:.3f}  {rec['time_s'] * 1e3:.0f} ms  "
-                      f"{tokens / rec['time_s']:,.0f} tokens/s" + ("  (skipped)" if rec["skipped"] else ""),
-                      flush=True)
-            if cfg.checkpoint_dir and (step + 1 == end or (cfg.checkpoint_every
-                                                          and (step + 1) % cfg.checkpoint_every == 0)):
+                print(
+                    f"step {step + 1}/{self.cfg.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+                    f"grad norm {rec['grad_norm']:.3f}  {rec['time_s'] * 1e3:.0f} ms  "
+                    f"{tokens / rec['time_s']:,.0f} tokens/s" + ("  (skipped)" if rec["skipped"] else ""),
+                    flush=True,
+                )
+            if cfg.checkpoint_dir and (
+                step + 1 == end or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+            ):
                 self.save_checkpoint(step + 1)
         # the last step's deferred host optimizer work (a step's time includes the previous one's,
         # as in steady state)
@@ -271,7 +314,7 @@ class Trainer:
         [(ints, floats)] for integer `values` (bytes) and float `seconds`."""
         n, k = self.plan.num_stages, len(values)
         t = torch.zeros(n, k + len(seconds), dtype=torch.float64, device=self.device)
-        t[:, k:] = -1e300      # times may be negative (a D below noise); other stages' rows must not win
+        t[:, k:] = -1e300  # times may be negative (a D below noise); other stages' rows must not win
         t[self.groups.stage.index] = torch.tensor(list(values) + list(seconds), dtype=torch.float64)
         if self.groups.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -281,25 +324,37 @@ class Trainer:
         t = self.plan.training
         tokens = t.global_batch * t.seq_len
         times = [r["time_s"] for r in self.history]
-        steady = self.history[1:] if len(self.history) > 1 else self.history   # the first step warms up
-        step_time, T, D = (sum(r[k] for r in steady) / len(steady)
-                           for k in ("time_s", "stable_time_s", "delta_time_s"))
+        steady = self.history[1:] if len(self.history) > 1 else self.history  # the first step warms up
+        step_time, T, D = (sum(r[k] for r in steady) / len(steady) for k in ("time_s", "stable_time_s", "delta_time_s"))
         try:
             peak_flops = load_profile(self.plan.cluster.gpu).peak_flops
         except MistInputError:
             peak_flops = None
         flops = model_flops_per_step(self.plan)
-        mfu = (flops / step_time / (self.plan.cluster.world_size * peak_flops)
-               if peak_flops and self.device.type == "cuda" else None)
-        source = ("torch.cuda.max_memory_allocated" if self.device.type == "cuda" else
-                  "accounted: device part of weights, gradients, optimizer states, materialised "
-                  "weights and kept saved activations (CPU run, no allocator statistics)")
-        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                else self.memory.peak)
-        per_stage = self.stage_maxima([peak, self.host_bytes(), self.saved.offloaded_bytes,
-                                       self.memory.persistent, self.memory.activations_peak,
-                                       self.saved.host_peak, self.optimizer.host_grad_peak],
-                                      [T, D])
+        mfu = (
+            flops / step_time / (self.plan.cluster.world_size * peak_flops)
+            if peak_flops and self.device.type == "cuda"
+            else None
+        )
+        source = (
+            "torch.cuda.max_memory_allocated"
+            if self.device.type == "cuda"
+            else "accounted: device part of weights, gradients, optimizer states, materialised "
+            "weights and kept saved activations (CPU run, no allocator statistics)"
+        )
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.memory.peak
+        per_stage = self.stage_maxima(
+            [
+                peak,
+                self.host_bytes(),
+                self.saved.offloaded_bytes,
+                self.memory.persistent,
+                self.memory.activations_peak,
+                self.saved.host_peak,
+                self.optimizer.host_grad_peak,
+            ],
+            [T, D],
+        )
         return {
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
@@ -318,12 +373,21 @@ class Trainer:
             # stable_time_s, delta_time_s: the stage's T and D (see `phase_timer`), slowest rank;
             # host_*: host memory of the offloaded state tails, the most offloaded activation
             # bytes held at once, the CPU AdamW's fp32 gradient copies (`mist simulate`'s host_memory)
-            "stages": [{"peak_memory_bytes": p, "peak_memory_source": source,
-                        "host_state_bytes": h, "activation_bytes_offloaded": a,
-                        "state_bytes": st, "saved_activation_peak_bytes": sa,
-                        "host_activation_peak_bytes": hp, "host_optimizer_grad_bytes": hg,
-                        "stable_time_s": t, "delta_time_s": d}
-                       for (p, h, a, st, sa, hp, hg), (t, d) in per_stage],
+            "stages": [
+                {
+                    "peak_memory_bytes": p,
+                    "peak_memory_source": source,
+                    "host_state_bytes": h,
+                    "activation_bytes_offloaded": a,
+                    "state_bytes": st,
+                    "saved_activation_peak_bytes": sa,
+                    "host_activation_peak_bytes": hp,
+                    "host_optimizer_grad_bytes": hg,
+                    "stable_time_s": t,
+                    "delta_time_s": d,
+                }
+                for (p, h, a, st, sa, hp, hg), (t, d) in per_stage
+            ],
         }
 
     # ------------------------------------------------------------ export
@@ -343,7 +407,7 @@ class Trainer:
             else:
                 full = m
             for info in u.infos:
-                local = full[info.offset:info.offset + info.numel].view(info.shape)
+                local = full[info.offset : info.offset + info.numel].view(info.shape)
                 sl = tp_slice(info.name, spec, tp, g.tp_rank)
                 if sl is None:
                     value = local.clone()

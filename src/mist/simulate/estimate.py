@@ -39,38 +39,63 @@ def activation_peak(pre, blk, post, layers: int, b, s) -> tuple[float, str]:
     return cands[where], where
 
 
-def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
-             recompute: str = "none", flash: bool = True, dtype: str | None = None) -> dict:
+def estimate(
+    spec: ModelSpec,
+    profile,
+    seq: int,
+    micro_batch: int,
+    tp: int = 1,
+    recompute: str = "none",
+    flash: bool = True,
+    dtype: str | None = None,
+) -> dict:
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
-    mode = {"none": False, "full": True}.get(recompute, recompute)   # else selective parts
-    ckpt = bool(mode)   # the block's trace has a recompute phase
+    mode = {"none": False, "full": True}.get(recompute, recompute)  # else selective parts
+    ckpt = bool(mode)  # the block's trace has a recompute phase
     pr = default_precision(profile, dtype)
+
     def trace(part: str, recompute: bool | str = False):
-        return analyze_layer(spec, part, tp=tp, flash=flash, recompute=recompute, dtype=pr.trace_dtype,
-                             target=pr.target)
+        return analyze_layer(
+            spec, part, tp=tp, flash=flash, recompute=recompute, dtype=pr.trace_dtype, target=pr.target
+        )
 
     blk, pre, post = trace("block", mode), trace("pre"), trace("post")
     b, s, L = micro_batch, seq, spec.num_layers
 
-    t = {name: {ph: phase_time(profile, links, la, ph, b, s) for ph in phases}
-         for name, la, phases in (("block", blk, ["fwd", "bwd"] + (["recompute"] if ckpt else [])),
-                                  ("pre", pre, ["fwd", "bwd"]), ("post", post, ["fwd", "bwd"]))}
+    t = {
+        name: {ph: phase_time(profile, links, la, ph, b, s) for ph in phases}
+        for name, la, phases in (
+            ("block", blk, ["fwd", "bwd"] + (["recompute"] if ckpt else [])),
+            ("pre", pre, ["fwd", "bwd"]),
+            ("post", post, ["fwd", "bwd"]),
+        )
+    }
 
     def tot(name, ph):
         return _f(t[name][ph].total) if ph in t[name] else 0.0
 
-    def blocks(ph):   # L blocks back to back (see `stream_of`)
+    def blocks(ph):  # L blocks back to back (see `stream_of`)
         return _f(stream_of(L, t["block"][ph])) if ph in t["block"] else 0.0
 
-    fwd_bwd = (tot("pre", "fwd") + tot("pre", "bwd") + blocks("fwd") + blocks("bwd") + blocks("recompute")
-               + tot("post", "fwd") + tot("post", "bwd"))
+    fwd_bwd = (
+        tot("pre", "fwd")
+        + tot("pre", "bwd")
+        + blocks("fwd")
+        + blocks("bwd")
+        + blocks("recompute")
+        + tot("post", "fwd")
+        + tot("post", "bwd")
+    )
     params = pre.params + L * blk.params + post.params
     peak_act, where = activation_peak(pre, blk, post, L, b, s)
-    mem = {"weights_bytes": params * pr.weight_bytes, "grads_bytes": params * pr.grad_bytes,
-           "optimizer_bytes": params * pr.opt_bytes, "activation_peak_bytes": int(round(peak_act))}
-    flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1))
-                for ph in ("fwd", "bwd"))
+    mem = {
+        "weights_bytes": params * pr.weight_bytes,
+        "grads_bytes": params * pr.grad_bytes,
+        "optimizer_bytes": params * pr.opt_bytes,
+        "activation_peak_bytes": int(round(peak_act)),
+    }
+    flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1)) for ph in ("fwd", "bwd"))
     time_breakdown = {
         "embedding_ms": (tot("pre", "fwd") + tot("pre", "bwd")) * MS,
         "blocks_fwd_ms": blocks("fwd") * MS,
@@ -79,9 +104,16 @@ def estimate(spec: ModelSpec, profile, seq: int, micro_batch: int, tp: int = 1,
         "head_loss_ms": (tot("post", "fwd") + tot("post", "bwd")) * MS,
     }
     return {
-        "model_name": spec.name, "gpu": profile.name, "profile": profile.provenance,
+        "model_name": spec.name,
+        "gpu": profile.name,
+        "profile": profile.provenance,
         "measured_profile": bool(getattr(profile, "measured", True)),
-        "seq_len": s, "micro_batch": b, "tp": tp, "dtype": pr.trace_dtype, "recompute": recompute, "flash": flash,
+        "seq_len": s,
+        "micro_batch": b,
+        "tp": tp,
+        "dtype": pr.trace_dtype,
+        "recompute": recompute,
+        "flash": flash,
         "layer": {
             "fwd_compute_ms": _f(t["block"]["fwd"].compute) * MS,
             "bwd_compute_ms": _f(t["block"]["bwd"].compute) * MS,

@@ -27,8 +27,8 @@ from mist.hardware.collectives import LinkModel
 
 @dataclass
 class PhaseTime:
-    compute: np.ndarray   # seconds of kernels incl. host issue limits, the layer alone (S)
-    comm: np.ndarray      # seconds of TP collectives (serial, not overlapped)
+    compute: np.ndarray  # seconds of kernels incl. host issue limits, the layer alone (S)
+    comm: np.ndarray  # seconds of TP collectives (serial, not overlapped)
     lead: np.ndarray | float = 0.0  # S − max(H, K): paid once by a stream of such layers, not per layer
 
     @property
@@ -37,7 +37,7 @@ class PhaseTime:
 
 
 def kernel_time(profile, op: OpValues, backward: bool) -> np.ndarray:
-    p = op.params   # a GEMM's are `GemmParams`, an attention's `AttentionParams`, a memory op's None
+    p = op.params  # a GEMM's are `GemmParams`, an attention's `AttentionParams`, a memory op's None
     if isinstance(p, GemmParams):
         return profile.gemm_time(p.m, p.n, p.k, p.batch)
     if isinstance(p, AttentionParams):
@@ -50,8 +50,7 @@ def phase_time(profile, links: LinkModel | None, la: LayerAnalysis, phase: str, 
     b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
     ops = la.op_values(phase, b, s)
     backward = phase == "bwd"
-    kernels = [np.broadcast_to(kernel_time(profile, op, backward), b.shape)
-               for op in ops if op.kind != COLLECTIVE]
+    kernels = [np.broadcast_to(kernel_time(profile, op, backward), b.shape) for op in ops if op.kind != COLLECTIVE]
     comm = np.zeros(b.shape)
     for op in ops:
         if isinstance(op.params, CollectiveParams):

@@ -19,23 +19,24 @@ from mist.simulate.layer_cost import phase_time
 @dataclass
 class LayerTerms:
     """Arrays over the micro-batch axis (seconds, bytes); params are per TP shard."""
+
     params: int
     # times per layer in a stream of layers (`layer_cost.stream_of`): each phase's `lead_*` is
     # paid once per stream on top (a layer alone takes time + lead)
-    fwd: np.ndarray          # forward compute + TP comm
-    bwd: np.ndarray          # backward compute + TP comm (no recomputation)
-    recompute: np.ndarray    # forward re-run of a checkpointed block (+ its TP comm)
+    fwd: np.ndarray  # forward compute + TP comm
+    bwd: np.ndarray  # backward compute + TP comm (no recomputation)
+    recompute: np.ndarray  # forward re-run of a checkpointed block (+ its TP comm)
     recompute_selective: np.ndarray  # re-run of the selectively recomputed parts inside `bwd` (else 0)
-    bwd_plain: np.ndarray    # backward of a block without any recomputation (= bwd unless selective)
+    bwd_plain: np.ndarray  # backward of a block without any recomputation (= bwd unless selective)
     tp_comm_fwd: np.ndarray
     tp_comm_bwd: np.ndarray
-    saved: np.ndarray        # saved activations, not checkpointed (less what the selective parts re-run)
-    saved_ckpt: np.ndarray   # saved activations, checkpointed (the input only)
-    fwd_peak: np.ndarray     # transient live bytes in forward (excluding the input)
-    bwd_peak: np.ndarray     # live bytes in backward (incl. its own saved activations)
+    saved: np.ndarray  # saved activations, not checkpointed (less what the selective parts re-run)
+    saved_ckpt: np.ndarray  # saved activations, checkpointed (the input only)
+    fwd_peak: np.ndarray  # transient live bytes in forward (excluding the input)
+    bwd_peak: np.ndarray  # live bytes in backward (incl. its own saved activations)
     bwd_peak_ckpt: np.ndarray
     fwd_peak_ckpt: np.ndarray  # a checkpointed block's forward runs without autograd: less is live
-    output: np.ndarray       # output bytes (p2p message at a stage boundary)
+    output: np.ndarray  # output bytes (p2p message at a stage boundary)
     flops_fwd: np.ndarray
     flops_bwd: np.ndarray
     # per saved tensor (rows; zero-padded) and micro-batch size (columns): what the runtime's
@@ -47,7 +48,7 @@ class LayerTerms:
     split_elt_ckpt: np.ndarray
     split_whole_ckpt: np.ndarray
     lead_fwd: np.ndarray
-    lead_bwd: np.ndarray       # of `bwd` (with the selective re-runs when it has them)
+    lead_bwd: np.ndarray  # of `bwd` (with the selective re-runs when it has them)
     lead_bwd_ckpt: np.ndarray  # of a checkpointed block's backward stream: re-run + plain backward
 
 
@@ -57,7 +58,7 @@ def _split(la, b, s):
     rows = max(len(p[1]) for p in parts)
     n, e = np.zeros((rows, len(b))), np.zeros((rows, len(b)))
     for j, (num, elt, _) in enumerate(parts):
-        n[:len(elt), j], e[:len(elt), j] = num[:, 0], elt
+        n[: len(elt), j], e[: len(elt), j] = num[:, 0], elt
     return n, e, np.array([p[2][0] for p in parts])
 
 
@@ -74,15 +75,35 @@ class _ByIdentity:
         return self.obj is other.obj
 
 
-def layer_terms(spec, profile, part: str, tp: int, flash: bool, seq: int, b,
-                dtype: str = "bf16", target: str = "cuda", selective: str | bool = False) -> LayerTerms:
+def layer_terms(
+    spec,
+    profile,
+    part: str,
+    tp: int,
+    flash: bool,
+    seq: int,
+    b,
+    dtype: str = "bf16",
+    target: str = "cuda",
+    selective: str | bool = False,
+) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
     with the layer traced in `dtype` on the `target` device kind. `selective`: what the blocks
     that are not checkpointed whole re-run in backward ("attention", "activation", both joined by
     "+"; `mist.models.checkpointing.selective_name`); their backward then includes the re-runs."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
-    return _layer_terms(spec, _ByIdentity(profile), part, tp, flash, seq, tuple(b.tolist()), dtype, target,
-                        selective if part == "block" else False)
+    return _layer_terms(
+        spec,
+        _ByIdentity(profile),
+        part,
+        tp,
+        flash,
+        seq,
+        tuple(b.tolist()),
+        dtype,
+        target,
+        selective if part == "block" else False,
+    )
 
 
 @lru_cache(maxsize=512)
@@ -98,12 +119,12 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective) 
     # blocks run as a stream: each costs total − lead and the stream pays one lead per phase
     # (`layer_cost.stream_of`); the embedding and the head are one layer each: their full time
     block = part == "block"
-    lead = (lambda ph: ph.lead) if block else (lambda ph: np.zeros_like(b))  # noqa: E731
+    lead = (lambda ph: ph.lead) if block else (lambda ph: np.zeros_like(b))
     per = lambda ph: ph.total - lead(ph)  # noqa: E731
     rc_sel = np.zeros_like(b)
     bwd, lead_bwd, tp_bwd = per(bw), lead(bw), bw.comm
     plain = bw
-    if selective:   # only ever for blocks
+    if selective:  # only ever for blocks
         plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
         rc_sel = per(ra)
@@ -119,10 +140,30 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective) 
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     return LayerTerms(
-        params=la.params, fwd=per(f), bwd=bwd, recompute=recompute, recompute_selective=rc_sel, bwd_plain=per(plain),
-        tp_comm_fwd=f.comm, tp_comm_bwd=tp_bwd, lead_fwd=lead(f), lead_bwd=lead_bwd, lead_bwd_ckpt=lead_ck,
-        saved=la.saved(b, s), saved_ckpt=saved_ck, fwd_peak=la.fwd_peak(b, s),
-        bwd_peak=la.bwd_peak(b, s), bwd_peak_ckpt=bwd_ck, fwd_peak_ckpt=fwd_ck, output=la.output(b, s),
-        flops_fwd=la.flops_of("fwd", b, s), flops_bwd=la.flops_of("bwd", b, s),
-        split_numel=split[0], split_elt=split[1], split_whole=split[2],
-        split_numel_ckpt=split_ck[0], split_elt_ckpt=split_ck[1], split_whole_ckpt=split_ck[2])
+        params=la.params,
+        fwd=per(f),
+        bwd=bwd,
+        recompute=recompute,
+        recompute_selective=rc_sel,
+        bwd_plain=per(plain),
+        tp_comm_fwd=f.comm,
+        tp_comm_bwd=tp_bwd,
+        lead_fwd=lead(f),
+        lead_bwd=lead_bwd,
+        lead_bwd_ckpt=lead_ck,
+        saved=la.saved(b, s),
+        saved_ckpt=saved_ck,
+        fwd_peak=la.fwd_peak(b, s),
+        bwd_peak=la.bwd_peak(b, s),
+        bwd_peak_ckpt=bwd_ck,
+        fwd_peak_ckpt=fwd_ck,
+        output=la.output(b, s),
+        flops_fwd=la.flops_of("fwd", b, s),
+        flops_bwd=la.flops_of("bwd", b, s),
+        split_numel=split[0],
+        split_elt=split[1],
+        split_whole=split[2],
+        split_numel_ckpt=split_ck[0],
+        split_elt_ckpt=split_ck[1],
+        split_whole_ckpt=split_ck[2],
+    )

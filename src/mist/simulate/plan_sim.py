@@ -26,15 +26,28 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
     S = plan.num_stages
     out = []
     for i, s in enumerate(plan.stages):
-        out.append(StageInput(
-            first=i == 0, last=i == S - 1, index=i, num_stages=S,
-            layers=np.array([s.layers]), recompute=np.array([s.recompute_layers]),
-            b=np.array([s.micro_batch]), dp=np.array([s.dp]), tp=s.tp, zero=np.array([s.zero]),
-            offload_weights=np.array([s.offload.weights]), offload_grads=np.array([s.offload.grads]),
-            offload_optimizer=np.array([s.offload.optimizer]),
-            offload_activations=np.array([s.offload.activations]),
-            G=plan.micro_batches, nodes=s.nodes, gpus_per_node=s.gpus_per_node,
-            cluster_gpus_per_node=plan.cluster.gpus_per_node))
+        out.append(
+            StageInput(
+                first=i == 0,
+                last=i == S - 1,
+                index=i,
+                num_stages=S,
+                layers=np.array([s.layers]),
+                recompute=np.array([s.recompute_layers]),
+                b=np.array([s.micro_batch]),
+                dp=np.array([s.dp]),
+                tp=s.tp,
+                zero=np.array([s.zero]),
+                offload_weights=np.array([s.offload.weights]),
+                offload_grads=np.array([s.offload.grads]),
+                offload_optimizer=np.array([s.offload.optimizer]),
+                offload_activations=np.array([s.offload.activations]),
+                G=plan.micro_batches,
+                nodes=s.nodes,
+                gpus_per_node=s.gpus_per_node,
+                cluster_gpus_per_node=plan.cluster.gpus_per_node,
+            )
+        )
     return out
 
 
@@ -43,13 +56,22 @@ def host_check(plan: Plan, profile, per_gpu_bytes: list[float]) -> dict:
     cap, source = node_host_memory(plan.cluster, profile)
     per_node = node_usage([s.gpus for s in plan.stages], per_gpu_bytes, plan.cluster.gpus_per_node)
     over = [(j, b) for j, b in enumerate(per_node) if cap is not None and b > cap]
-    problems = [] if cap is None else [
-        f"node {j} needs {b / 2**30:.2f} GiB of host memory for offloaded states and "
-        f"activations, {(b - cap) / 2**30:.2f} GiB over its {cap / 2**30:.1f} GiB ({source})"
-        for j, b in over]
-    return {"per_node_bytes": [int(round(b)) for b in per_node],
-            "capacity_per_node_bytes": None if cap is None else int(cap), "source": source,
-            "fits": not over, "problems": problems}
+    problems = (
+        []
+        if cap is None
+        else [
+            f"node {j} needs {b / 2**30:.2f} GiB of host memory for offloaded states and "
+            f"activations, {(b - cap) / 2**30:.2f} GiB over its {cap / 2**30:.1f} GiB ({source})"
+            for j, b in over
+        ]
+    )
+    return {
+        "per_node_bytes": [int(round(b)) for b in per_node],
+        "capacity_per_node_bytes": None if cap is None else int(cap),
+        "source": source,
+        "fits": not over,
+        "problems": problems,
+    }
 
 
 @dataclass(frozen=True)
@@ -75,9 +97,16 @@ def _stage_results(plan: Plan, profile) -> list:
     results = []
     prec = precision_for(t, profile)
     for st, s in zip(stage_inputs(plan), plan.stages):
-        model = StageModel(plan.model, profile, s.tp, t.flash_attention, t.seq_len, prec,
-                           recompute_attention=s.recompute_attention,
-                           recompute_activation=s.recompute_activation)
+        model = StageModel(
+            plan.model,
+            profile,
+            s.tp,
+            t.flash_attention,
+            t.seq_len,
+            prec,
+            recompute_attention=s.recompute_attention,
+            recompute_activation=s.recompute_activation,
+        )
         results.append(model.evaluate(st))
     return results
 
@@ -99,11 +128,14 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
     ok = need <= capacity
     problem = None
     if not ok:
-        problem = (f"stage {i} needs {need / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB + "
-                   f"{ALLOCATOR_MARGIN:.0%} allocator margin), {(need - capacity) / 2**30:.2f} GiB "
-                   f"over the {capacity / 2**30:.1f} GiB of a {profile.name}")
+        problem = (
+            f"stage {i} needs {need / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB + "
+            f"{ALLOCATOR_MARGIN:.0%} allocator margin), {(need - capacity) / 2**30:.2f} GiB "
+            f"over the {capacity / 2**30:.1f} GiB of a {profile.name}"
+        )
     entry = {
-        "stable_time_s": float(r.T[0]), "delta_time_s": float(r.D[0]),
+        "stable_time_s": float(r.T[0]),
+        "delta_time_s": float(r.D[0]),
         "first_microbatch_extra_s": float(r.first_extra[0]),
         "last_microbatch_extra_s": float(r.last_extra[0]),
         "peak_memory_bytes": int(round(peak)),
@@ -111,8 +143,9 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
         "bwd_peak_bytes": int(round(float(r.bwd_peak[0]))),
         "memory_breakdown": {k: int(round(float(v[0]))) for k, v in r.memory_breakdown.items()},
         # the two terms the runtime accounts tensor by tensor (see `mist.runtime.memory`)
-        "state_bytes": int(round(sum(float(r.memory_breakdown[k][0])
-                                     for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")))),
+        "state_bytes": int(
+            round(sum(float(r.memory_breakdown[k][0]) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")))
+        ),
         "saved_activation_peak_bytes": int(round(float(r.saved_peak[0]))),
         # host memory per GPU of the stage (the runtime's metrics carry the same three terms)
         **{f"host_{k}": int(round(float(v[0]))) for k, v in r.host.items()},
@@ -158,9 +191,13 @@ def _timeline(plan: Plan, results: list) -> Timeline:
     T, F, X, Y, it = _pipeline(plan, results)
     fwd, bwd = list(F), list(T - F)
     ev_time, events = event_schedule(fwd, bwd, list(X), list(Y), plan.micro_batches)
-    return Timeline(iteration_time_s=it, event_iteration_time_s=ev_time, events=tuple(events),
-                    channels=tuple({k: float(v[0]) for k, v in r.channels.items()} for r in results),
-                    stable=tuple((float(f), float(b)) for f, b in zip(fwd, bwd)))
+    return Timeline(
+        iteration_time_s=it,
+        event_iteration_time_s=ev_time,
+        events=tuple(events),
+        channels=tuple({k: float(v[0]) for k, v in r.channels.items()} for r in results),
+        stable=tuple((float(f), float(b)) for f, b in zip(fwd, bwd)),
+    )
 
 
 def simulate_plan(plan: Plan, profile) -> dict:

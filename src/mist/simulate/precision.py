@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mist.dtypes import DTYPE_BYTES
 
-OPT_BYTES = 12   # fp32 master + Adam m + v
+OPT_BYTES = 12  # fp32 master + Adam m + v
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,17 @@ def profile_dtype(profile) -> str:
 def precision_for(training, profile) -> Precision:
     """The precision of `training` (a TrainingSpec) on the device of `profile`."""
     pb = DTYPE_BYTES[training.param_dtype]
-    return Precision(weight_bytes=pb, grad_bytes=training.grad_bytes, trace_dtype=training.compute_dtype,
-                     target=profile_target(profile))
+    return Precision(
+        weight_bytes=pb,
+        grad_bytes=training.grad_bytes,
+        trace_dtype=training.compute_dtype,
+        target=profile_target(profile),
+    )
 
 
 def default_precision(profile, dtype: str | None = None) -> Precision:
     """Parameters and compute both in `dtype` (default: the profile's own dtype)."""
     d = dtype or profile_dtype(profile)
-    return Precision(weight_bytes=DTYPE_BYTES[d], grad_bytes=DTYPE_BYTES[d], trace_dtype=d,
-                     target=profile_target(profile))
+    return Precision(
+        weight_bytes=DTYPE_BYTES[d], grad_bytes=DTYPE_BYTES[d], trace_dtype=d, target=profile_target(profile)
+    )

@@ -54,9 +54,10 @@ from mist.simulate.states import unit_host_states, unit_states
 @dataclass
 class StageInput:
     """One stage (or a batch of candidate stages: every array field broadcasts)."""
-    first: bool            # holds the embedding
-    last: bool             # holds the head and loss
-    index: int             # position in the pipeline
+
+    first: bool  # holds the embedding
+    last: bool  # holds the head and loss
+    index: int  # position in the pipeline
     num_stages: int
     layers: np.ndarray
     recompute: np.ndarray  # checkpointed blocks (the last ones of the stage)
@@ -64,37 +65,38 @@ class StageInput:
     dp: np.ndarray
     tp: int
     zero: np.ndarray
-    offload_weights: np.ndarray      # fractions kept in host memory (`plan.Offload`)
+    offload_weights: np.ndarray  # fractions kept in host memory (`plan.Offload`)
     offload_grads: np.ndarray
     offload_optimizer: np.ndarray
     offload_activations: np.ndarray
-    G: int                 # micro-batches per iteration
-    nodes: int = 1         # nodes spanned by the stage mesh
-    gpus_per_node: int = 1   # GPUs per node of the stage mesh
+    G: int  # micro-batches per iteration
+    nodes: int = 1  # nodes spanned by the stage mesh
+    gpus_per_node: int = 1  # GPUs per node of the stage mesh
     cluster_gpus_per_node: int = 1
-    in_flight: int | None = None   # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
+    in_flight: int | None = None  # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
 
 
 @dataclass
 class StageResult:
     """Time and memory of one stage (or of a batch of candidate stages: arrays over them)."""
-    T: np.ndarray              # steady time of one micro-batch (forward + backward)
-    D: np.ndarray              # one-off extra per iteration = first_extra + last_extra
-    time_breakdown: dict       # sums to T
-    delta_breakdown: dict      # sums to D
+
+    T: np.ndarray  # steady time of one micro-batch (forward + backward)
+    D: np.ndarray  # one-off extra per iteration = first_extra + last_extra
+    time_breakdown: dict  # sums to T
+    delta_breakdown: dict  # sums to D
     fwd_peak: np.ndarray
     bwd_peak: np.ndarray
     peak: np.ndarray
-    memory_breakdown: dict     # sums to peak
+    memory_breakdown: dict  # sums to peak
     flops_per_microbatch: np.ndarray
-    fwd: np.ndarray                # stable forward part of T (the rest is backward)
-    first_extra: np.ndarray        # the first micro-batch's extra forward time
-    last_extra: np.ndarray         # the last micro-batch's extra backward time
-    channels: dict                 # standalone channel volumes of a stable micro-batch (seconds)
-    saved_per_microbatch: np.ndarray   # activations one in-flight micro-batch keeps
-    saved_peak: np.ndarray         # saved activations on the device at most: every in-flight
+    fwd: np.ndarray  # stable forward part of T (the rest is backward)
+    first_extra: np.ndarray  # the first micro-batch's extra forward time
+    last_extra: np.ndarray  # the last micro-batch's extra backward time
+    channels: dict  # standalone channel volumes of a stable micro-batch (seconds)
+    saved_per_microbatch: np.ndarray  # activations one in-flight micro-batch keeps
+    saved_peak: np.ndarray  # saved activations on the device at most: every in-flight
     #                                 micro-batch's and the current one's, with the head's (last stage)
-    host: dict                     # host-memory bytes per GPU: state_bytes (offloaded tails),
+    host: dict  # host-memory bytes per GPU: state_bytes (offloaded tails),
     #                                 optimizer_grad_bytes (the CPU AdamW's fp32 gradient copies),
     #                                 activation_peak_bytes (offloaded saved activations of every
     #                                 micro-batch in flight), peak_bytes (their sum: an upper bound)
@@ -103,10 +105,11 @@ class StageResult:
 @dataclass(frozen=True)
 class LayerTimes:
     """Seconds of one block in each kind of micro-batch, interference applied."""
-    fwd: np.ndarray         # forward of a stable micro-batch
-    bwd: np.ndarray         # backward of a stable micro-batch
-    first_fwd: np.ndarray   # forward of the first micro-batch (with the lazy optimizer step)
-    last_bwd: np.ndarray    # backward of the last micro-batch (with the final gradient reduction)
+
+    fwd: np.ndarray  # forward of a stable micro-batch
+    bwd: np.ndarray  # backward of a stable micro-batch
+    first_fwd: np.ndarray  # forward of the first micro-batch (with the lazy optimizer step)
+    last_bwd: np.ndarray  # backward of the last micro-batch (with the final gradient reduction)
 
 
 @dataclass(frozen=True)
@@ -114,17 +117,19 @@ class Edges:
     """Seconds a stage pays once per micro-batch and phase on top of its blocks' times: the first
     prefetch and the last reduction / swap-out, which have no neighbour to hide behind, and the
     lead of a stream of blocks (`layer_cost.stream_of`)."""
+
     fwd: np.ndarray
     bwd: np.ndarray
-    first: np.ndarray       # forward of the first micro-batch
-    last: np.ndarray        # backward of the last micro-batch
-    lead: np.ndarray        # the streams' leads alone (forward + backward), for the breakdown
+    first: np.ndarray  # forward of the first micro-batch
+    last: np.ndarray  # backward of the last micro-batch
+    lead: np.ndarray  # the streams' leads alone (forward + backward), for the breakdown
 
 
 @dataclass(frozen=True)
 class LayerChannels:
     """Standalone seconds of one block's channels in a stable micro-batch; the activation
     swap-out / swap-in (each way) of a plain and of a checkpointed block apart."""
+
     g2g: np.ndarray
     c2g: np.ndarray
     g2c: np.ndarray
@@ -135,10 +140,11 @@ class LayerChannels:
 @dataclass(frozen=True)
 class LayerAccounts:
     """Per block: the terms of the time breakdown, FLOPs and channel volumes."""
-    compute: np.ndarray              # forward + backward compute without any re-run
-    recompute: np.ndarray            # forward re-run of a block recomputed whole
+
+    compute: np.ndarray  # forward + backward compute without any re-run
+    recompute: np.ndarray  # forward re-run of a block recomputed whole
     recompute_selective: np.ndarray  # the selective re-runs of a plain block
-    tp: np.ndarray                   # TP collectives (forward + backward)
+    tp: np.ndarray  # TP collectives (forward + backward)
     flops: np.ndarray
     channels: LayerChannels
 
@@ -146,68 +152,73 @@ class LayerAccounts:
 @dataclass(frozen=True)
 class EndTerms:
     """Seconds and FLOPs of the embedding (first stage) and the head (last stage) together."""
-    stable: np.ndarray      # forward + backward of a stable micro-batch
-    first: np.ndarray       # the first micro-batch's optimizer step (and re-gather)
-    last: np.ndarray        # the last micro-batch's gradient handling and reduction
+
+    stable: np.ndarray  # forward + backward of a stable micro-batch
+    first: np.ndarray  # the first micro-batch's optimizer step (and re-gather)
+    last: np.ndarray  # the last micro-batch's gradient handling and reduction
     compute: np.ndarray
     tp: np.ndarray
-    fwd: np.ndarray         # the forward share of `stable`
+    fwd: np.ndarray  # the forward share of `stable`
     flops: np.ndarray
 
 
 @dataclass(frozen=True)
 class StateTerms:
     """Device bytes of the training states in the runtime's flat-buffer layout."""
-    layer_weights: np.ndarray      # per block
+
+    layer_weights: np.ndarray  # per block
     layer_grads: np.ndarray
     layer_optimizer: np.ndarray
-    end_weights: np.ndarray        # the embedding and the head together
+    end_weights: np.ndarray  # the embedding and the head together
     end_grads: np.ndarray
     end_optimizer: np.ndarray
-    buffers: np.ndarray            # gathered / fetched weights, flattened gradients
+    buffers: np.ndarray  # gathered / fetched weights, flattened gradients
 
 
 @dataclass(frozen=True)
 class ActivationTerms:
     """Device bytes of saved activations and transient peaks."""
-    saved: np.ndarray              # kept by a plain block (its offloaded part gone)
-    saved_ckpt: np.ndarray         # kept by a block recomputed whole
-    pre_saved: np.ndarray          # kept by the embedding
-    x_in: np.ndarray               # a block's input (= output) bytes
-    fwd_peak: np.ndarray           # the transient peaks of a plain block
-    fwd_peak_ckpt: np.ndarray      # ... and of a block recomputed whole
+
+    saved: np.ndarray  # kept by a plain block (its offloaded part gone)
+    saved_ckpt: np.ndarray  # kept by a block recomputed whole
+    pre_saved: np.ndarray  # kept by the embedding
+    x_in: np.ndarray  # a block's input (= output) bytes
+    fwd_peak: np.ndarray  # the transient peaks of a plain block
+    fwd_peak_ckpt: np.ndarray  # ... and of a block recomputed whole
     bwd_peak: np.ndarray
     bwd_peak_ckpt: np.ndarray
-    fetched: np.ndarray            # a plain block's offloaded activations, back for its backward
-    post_fwd: np.ndarray | None    # the head's peaks (last stage)
+    fetched: np.ndarray  # a plain block's offloaded activations, back for its backward
+    post_fwd: np.ndarray | None  # the head's peaks (last stage)
     post_bwd: np.ndarray | None
-    pre_peaks: tuple | None        # the embedding's (forward, backward) peaks (first stage)
-    p2p_buffers: np.ndarray        # received activations / gradients at the stage boundaries
-    post_saved: np.ndarray         # kept by the head
+    pre_peaks: tuple | None  # the embedding's (forward, backward) peaks (first stage)
+    p2p_buffers: np.ndarray  # received activations / gradients at the stage boundaries
+    post_saved: np.ndarray  # kept by the head
 
 
 @dataclass(frozen=True)
 class HostTerms:
     """Host bytes per block (the embedding and the head keep everything on the device)."""
-    states: np.ndarray             # offloaded state tails
-    optimizer_grads: np.ndarray    # the CPU AdamW's fp32 gradient copy
-    saved: np.ndarray              # offloaded saved activations of a plain block
-    saved_ckpt: np.ndarray         # ... and of a block recomputed whole
-    optimizer_offloadable: np.ndarray   # optimizer bytes that offloading all of them would move
+
+    states: np.ndarray  # offloaded state tails
+    optimizer_grads: np.ndarray  # the CPU AdamW's fp32 gradient copy
+    saved: np.ndarray  # offloaded saved activations of a plain block
+    saved_ckpt: np.ndarray  # ... and of a block recomputed whole
+    optimizer_offloadable: np.ndarray  # optimizer bytes that offloading all of them would move
 
 
 @dataclass(frozen=True)
 class StageComponents:
     """Everything about a batch of strategies that does not depend on the stage's layer count,
     recomputed blocks or in-flight micro-batches (arrays over the candidate axis)."""
+
     shape: tuple
     G: int
-    plain: LayerTimes       # a block that keeps its activations (selective re-runs included)
-    ckpt: LayerTimes        # a block recomputed whole
+    plain: LayerTimes  # a block that keeps its activations (selective re-runs included)
+    ckpt: LayerTimes  # a block recomputed whole
     edges: Edges
     layer: LayerAccounts
     ends: EndTerms
-    p2p: np.ndarray         # activations / gradients at the stage boundaries (critical path)
+    p2p: np.ndarray  # activations / gradients at the stage boundaries (critical path)
     states: StateTerms
     activations: ActivationTerms
     host: HostTerms
@@ -217,6 +228,7 @@ class StageComponents:
 class _Batch:
     """The strategies of one `components` call broadcast to one candidate axis, with the block's
     terms (per distinct micro-batch size) and the index that gathers them onto that axis."""
+
     shape: tuple
     b: np.ndarray
     dp: np.ndarray
@@ -234,7 +246,7 @@ class _Batch:
     P: float
     W: float
     Gr: float
-    in_place: np.ndarray    # gradients accumulate in place (`_in_place_grads`)
+    in_place: np.ndarray  # gradients accumulate in place (`_in_place_grads`)
 
     def g(self, a):
         """Gather a per-micro-batch-size term onto the candidate axis."""
@@ -245,18 +257,19 @@ class _Batch:
 class _Traffic:
     """Standalone seconds of one block's channels in a stable micro-batch (compute without its
     TP collectives, which are kept apart), and its saved-activation bytes."""
+
     tp_fwd: np.ndarray
     tp_bwd: np.ndarray
     fwd: np.ndarray
-    bwd: np.ndarray              # a plain block, with its selective re-runs and gradient handling
-    bwd_ckpt: np.ndarray         # a block recomputed whole: plain backward + its re-run
+    bwd: np.ndarray  # a plain block, with its selective re-runs and gradient handling
+    bwd_ckpt: np.ndarray  # a block recomputed whole: plain backward + its re-run
     recompute: np.ndarray
     recompute_selective: np.ndarray
-    grad_per_iteration: np.ndarray   # once-per-iteration gradient handling (last micro-batch)
+    grad_per_iteration: np.ndarray  # once-per-iteration gradient handling (last micro-batch)
     g2g_fwd: np.ndarray
     c2g_fwd: np.ndarray
     g2g_bwd: np.ndarray
-    c2g_bwd_bytes: np.ndarray    # weights and gradients fetched back in backward (bytes)
+    c2g_bwd_bytes: np.ndarray  # weights and gradients fetched back in backward (bytes)
     g2c_bwd: np.ndarray
     saved: np.ndarray
     saved_ckpt: np.ndarray
@@ -265,6 +278,7 @@ class _Traffic:
 @dataclass(frozen=True)
 class _Boundary:
     """A block's extra traffic in the first (optimizer step) and last (reduction) micro-batches."""
+
     opt_gpu: np.ndarray
     opt_cpu: np.ndarray
     update_in: np.ndarray
@@ -276,10 +290,11 @@ class _Boundary:
 @dataclass(frozen=True)
 class _EndPart:
     """The embedding ("pre", first stage) or the head ("post", last stage) of a stage."""
+
     part: str
     terms: LayerTerms
     ix: np.ndarray
-    params: int     # per TP shard, with the head's copy of a tied word table
+    params: int  # per TP shard, with the head's copy of a tied word table
 
 
 def _arr(x):
@@ -297,8 +312,17 @@ class StageModel:
     `evaluate` = compose(components).
     """
 
-    def __init__(self, spec, profile, tp: int, flash: bool, seq: int, precision: Precision | None = None,
-                 recompute_attention: bool = False, recompute_activation: bool = False):
+    def __init__(
+        self,
+        spec,
+        profile,
+        tp: int,
+        flash: bool,
+        seq: int,
+        precision: Precision | None = None,
+        recompute_attention: bool = False,
+        recompute_activation: bool = False,
+    ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
         # what the blocks not checkpointed whole re-run in backward: their attention core, their
         # MLP activation (`mist.models.checkpointing`)
@@ -312,8 +336,18 @@ class StageModel:
     # ------------------------------------------------------------------ helpers
     def _terms(self, part, b):
         ub, inv = np.unique(b, return_inverse=True)
-        lt = layer_terms(self.spec, self.profile, part, self.tp, self.flash, self.seq, ub,
-                         self.prec.trace_dtype, self.prec.target, self.selective)
+        lt = layer_terms(
+            self.spec,
+            self.profile,
+            part,
+            self.tp,
+            self.flash,
+            self.seq,
+            ub,
+            self.prec.trace_dtype,
+            self.prec.target,
+            self.selective,
+        )
         return lt, inv.reshape(np.shape(b))
 
     def _coll(self, op, nbytes, dp, st: StageInput):
@@ -327,8 +361,7 @@ class StageModel:
                 continue
             sel = dpb == n
             nodes = int(min(st.nodes, np.ceil(n * self.tp / st.gpus_per_node)))
-            out[sel] = self.profile.collective_time(op, nb[sel], int(n), max(nodes, 1),
-                                                 st.cluster_gpus_per_node)
+            out[sel] = self.profile.collective_time(op, nb[sel], int(n), max(nodes, 1), st.cluster_gpus_per_node)
         return out
 
     def _h2d(self, nbytes):
@@ -344,10 +377,12 @@ class StageModel:
         same function), the new master cast into the working weights."""
         prof, pr, n = self.profile, self.prec, _arr(params)
         to_fp32 = prof.memory_op_time("copy", (pr.grad_bytes + 4) * n, False) if pr.grad_bytes != 4 else 0.0
-        return (to_fp32
-                + prof.memory_op_time("mul", 8 * n, False)
-                + prof.adam_gpu_s_per_param * n
-                + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False))
+        return (
+            to_fp32
+            + prof.memory_op_time("mul", 8 * n, False)
+            + prof.adam_gpu_s_per_param * n
+            + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False)
+        )
 
     def _grad_handling(self, grad_bytes, dp, gs, os_, in_place, G: int):
         """(per micro-batch, once per iteration) memory-bound work of the runtime's gradient path
@@ -362,10 +397,11 @@ class StageModel:
         parameters' .grad, which are in the weights' dtype), divided by dp, and accumulated (G > 1)
         or stored once reduced (G = 1)."""
         prof, Gr = self.profile, _arr(grad_bytes)
-        Gw = Gr * self.prec.weight_bytes / self.prec.grad_bytes    # the same gradients as .grad
+        Gw = Gr * self.prec.weight_bytes / self.prec.grad_bytes  # the same gradients as .grad
         div = np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
-        keep = (prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1
-                else prof.memory_op_time("copy", 2 * Gr / os_, True))
+        keep = (
+            prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1 else prof.memory_op_time("copy", 2 * Gr / os_, True)
+        )
         flatten = prof.memory_op_time("copy", 2 * Gr + Gw, True) + div + keep
         per_mb = np.where(in_place, prof.memory_op_time("add", 2 * Gr + Gw, True), flatten)
         per_it = np.where(in_place, prof.memory_op_time("copy", Gr, True) + div, 0.0)
@@ -393,8 +429,7 @@ class StageModel:
 
     # ------------------------------------------------------------------ stage
     def evaluate(self, st: StageInput) -> StageResult:
-        in_flight = (earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None
-                     else st.in_flight)
+        in_flight = earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None else st.in_flight
         comp = self.components(st)
         return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G)
 
@@ -404,11 +439,18 @@ class StageModel:
         tr, bd = self._block_traffic(k, st)
         parts = self._end_parts(k, st)
         return StageComponents(
-            shape=k.shape, G=k.G, plain=self._layer_times(k, tr, bd, False),
-            ckpt=self._layer_times(k, tr, bd, True), edges=self._edges(k, tr, bd),
-            layer=self._layer_accounts(k, tr), ends=self._end_times(k, st, parts), p2p=self._p2p(k, st),
-            states=self._state_terms(k, parts), activations=self._activation_terms(k, tr, parts, st),
-            host=self._host_terms(k))
+            shape=k.shape,
+            G=k.G,
+            plain=self._layer_times(k, tr, bd, False),
+            ckpt=self._layer_times(k, tr, bd, True),
+            edges=self._edges(k, tr, bd),
+            layer=self._layer_accounts(k, tr),
+            ends=self._end_times(k, st, parts),
+            p2p=self._p2p(k, st),
+            states=self._state_terms(k, parts),
+            activations=self._activation_terms(k, tr, parts, st),
+            host=self._host_terms(k),
+        )
 
     def _batch(self, st: StageInput) -> _Batch:
         offloads = (st.offload_weights, st.offload_grads, st.offload_optimizer, st.offload_activations)
@@ -418,11 +460,26 @@ class StageModel:
         weights, grads, optimizer, activations = (np.broadcast_to(_arr(v), shape) for v in offloads)
         blk, ix = self._terms("block", bb)
         P = float(blk.params)
-        return _Batch(shape=shape, b=bb, dp=dp, zero=zero, offload_weights=weights, offload_grads=grads,
-                      offload_optimizer=optimizer, offload_activations=activations, G=st.G, blk=blk, ix=ix,
-                      ws=np.where(zero >= 3, dp, 1.0), gs=np.where(zero >= 2, dp, 1.0),
-                      os_=np.where(zero >= 1, dp, 1.0), P=P, W=self.prec.weight_bytes * P,
-                      Gr=self.prec.grad_bytes * P, in_place=_in_place_grads(zero, grads, st.G))
+        return _Batch(
+            shape=shape,
+            b=bb,
+            dp=dp,
+            zero=zero,
+            offload_weights=weights,
+            offload_grads=grads,
+            offload_optimizer=optimizer,
+            offload_activations=activations,
+            G=st.G,
+            blk=blk,
+            ix=ix,
+            ws=np.where(zero >= 3, dp, 1.0),
+            gs=np.where(zero >= 2, dp, 1.0),
+            os_=np.where(zero >= 1, dp, 1.0),
+            P=P,
+            W=self.prec.weight_bytes * P,
+            Gr=self.prec.grad_bytes * P,
+            in_place=_in_place_grads(zero, grads, st.G),
+        )
 
     def _block_traffic(self, k: _Batch, st: StageInput) -> tuple[_Traffic, _Boundary]:
         ag_w = self._coll("all_gather", k.W, k.dp, st)
@@ -437,14 +494,22 @@ class StageModel:
         grad_mb, grad_it = self._grad_handling(k.Gr, k.dp, k.gs, k.os_, k.in_place, k.G)
         crc = g(blk.recompute)
         return _Traffic(
-            tp_fwd=tpf, tp_bwd=tpb, fwd=g(blk.fwd) - tpf, bwd=g(blk.bwd) - tpb + grad_mb,
-            bwd_ckpt=g(blk.bwd_plain) - tpb + grad_mb + crc, recompute=crc,
-            recompute_selective=g(blk.recompute_selective), grad_per_iteration=grad_it,
-            g2g_fwd=np.where(sharded_w, ag_w, 0.0), c2g_fwd=self._h2d(k.W / k.ws * k.offload_weights),
+            tp_fwd=tpf,
+            tp_bwd=tpb,
+            fwd=g(blk.fwd) - tpf,
+            bwd=g(blk.bwd) - tpb + grad_mb,
+            bwd_ckpt=g(blk.bwd_plain) - tpb + grad_mb + crc,
+            recompute=crc,
+            recompute_selective=g(blk.recompute_selective),
+            grad_per_iteration=grad_it,
+            g2g_fwd=np.where(sharded_w, ag_w, 0.0),
+            c2g_fwd=self._h2d(k.W / k.ws * k.offload_weights),
             g2g_bwd=np.where(sharded_w, ag_w, 0.0) + np.where(sharded_g, rs_g, 0.0),
             c2g_bwd_bytes=k.W / k.ws * k.offload_weights + k.Gr / k.gs * k.offload_grads,
             g2c_bwd=self._d2h(k.Gr / k.gs * k.offload_grads),
-            saved=g(blk.saved), saved_ckpt=g(blk.saved_ckpt))
+            saved=g(blk.saved),
+            saved_ckpt=g(blk.saved_ckpt),
+        )
 
     def _boundary_traffic(self, k: _Batch, ag_w, rs_g, ar_g) -> _Boundary:
         pr, host_share = self.prec, k.offload_optimizer
@@ -452,33 +517,51 @@ class StageModel:
         # host is the device, so the same passes at the same rates; on a GPU the host AdamW at
         # its measured rate (its host-memory passes are not profiled)
         p_os = k.P / k.os_
-        opt_cpu = (self._device_step(p_os * host_share) if self.serial
-                   else self.profile.adam_cpu_s_per_param * p_os * host_share)
+        opt_cpu = (
+            self._device_step(p_os * host_share)
+            if self.serial
+            else self.profile.adam_cpu_s_per_param * p_os * host_share
+        )
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
         return _Boundary(
-            opt_gpu=self._device_step(p_os * (1 - host_share)), opt_cpu=opt_cpu,
+            opt_gpu=self._device_step(p_os * (1 - host_share)),
+            opt_cpu=opt_cpu,
             update_in=self._h2d(pr.weight_bytes * p_os * host_share * (1 - k.offload_weights)),
             regather=np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
             final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
-            grads_out=self._d2h(pr.grad_bytes * p_os * host_share * (1 - k.offload_grads)))
+            grads_out=self._d2h(pr.grad_bytes * p_os * host_share * (1 - k.offload_grads)),
+        )
 
     def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):
         act = tr.saved_ckpt if ck else tr.saved
-        return self._overlap(tr.fwd + extra_c, tr.g2g_fwd + extra_g2g, tr.c2g_fwd + extra_c2g,
-                             self._d2h(act * k.offload_activations)) + tr.tp_fwd
+        return (
+            self._overlap(
+                tr.fwd + extra_c, tr.g2g_fwd + extra_g2g, tr.c2g_fwd + extra_c2g, self._d2h(act * k.offload_activations)
+            )
+            + tr.tp_fwd
+        )
 
     def _layer_bwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
         act = tr.saved_ckpt if ck else tr.saved
         comp = (tr.bwd_ckpt if ck else tr.bwd) + extra_c
-        return self._overlap(comp, tr.g2g_bwd + extra_g2g, self._h2d(tr.c2g_bwd_bytes + act * k.offload_activations),
-                             tr.g2c_bwd + extra_g2c) + tr.tp_bwd
+        return (
+            self._overlap(
+                comp,
+                tr.g2g_bwd + extra_g2g,
+                self._h2d(tr.c2g_bwd_bytes + act * k.offload_activations),
+                tr.g2c_bwd + extra_g2c,
+            )
+            + tr.tp_bwd
+        )
 
     def _layer_times(self, k: _Batch, tr: _Traffic, bd: _Boundary, ck: bool) -> LayerTimes:
         first = self._layer_fwd(k, tr, ck, bd.opt_gpu, bd.regather, bd.update_in)
         return LayerTimes(
-            fwd=self._layer_fwd(k, tr, ck), bwd=self._layer_bwd(k, tr, ck),
+            fwd=self._layer_fwd(k, tr, ck),
+            bwd=self._layer_bwd(k, tr, ck),
             first_fwd=first + bd.opt_cpu if self.serial else np.maximum(first, bd.opt_cpu),
-            last_bwd=self._layer_bwd(k, tr, ck, bd.final_reduction, bd.grads_out, tr.grad_per_iteration))
+            last_bwd=self._layer_bwd(k, tr, ck, bd.final_reduction, bd.grads_out, tr.grad_per_iteration),
+        )
 
     def _edges(self, k: _Batch, tr: _Traffic, bd: _Boundary) -> Edges:
         # the first prefetch and the last reduction / swap-out have nothing to hide behind
@@ -493,16 +576,26 @@ class StageModel:
             bwd=edge * np.maximum(tr.g2g_bwd, tr.g2c_bwd) + lead_b,
             first=edge * np.maximum(np.maximum(tr.g2g_fwd, bd.regather), tr.c2g_fwd + bd.update_in) + lead_f,
             last=edge * np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + lead_b,
-            lead=lead_f + lead_b)
+            lead=lead_f + lead_b,
+        )
 
     def _layer_accounts(self, k: _Batch, tr: _Traffic) -> LayerAccounts:
         oa = k.offload_activations
         channels = LayerChannels(
-            g2g=tr.g2g_fwd + tr.g2g_bwd, c2g=tr.c2g_fwd + self._h2d(tr.c2g_bwd_bytes), g2c=tr.g2c_bwd,
-            activations=self._d2h(tr.saved * oa), activations_ckpt=self._d2h(tr.saved_ckpt * oa))
-        return LayerAccounts(compute=tr.fwd + tr.bwd - tr.recompute_selective, recompute=tr.recompute,
-                             recompute_selective=tr.recompute_selective, tp=tr.tp_fwd + tr.tp_bwd,
-                             flops=k.g(k.blk.flops_fwd) + k.g(k.blk.flops_bwd), channels=channels)
+            g2g=tr.g2g_fwd + tr.g2g_bwd,
+            c2g=tr.c2g_fwd + self._h2d(tr.c2g_bwd_bytes),
+            g2c=tr.g2c_bwd,
+            activations=self._d2h(tr.saved * oa),
+            activations_ckpt=self._d2h(tr.saved_ckpt * oa),
+        )
+        return LayerAccounts(
+            compute=tr.fwd + tr.bwd - tr.recompute_selective,
+            recompute=tr.recompute,
+            recompute_selective=tr.recompute_selective,
+            tp=tr.tp_fwd + tr.tp_bwd,
+            flops=k.g(k.blk.flops_fwd) + k.g(k.blk.flops_bwd),
+            channels=channels,
+        )
 
     # ------------------------------------------------------------------ embedding / head
     def _end_parts(self, k: _Batch, st: StageInput) -> tuple[_EndPart, ...]:
@@ -527,8 +620,9 @@ class StageModel:
         rsp = self._coll("reduce_scatter", GRAD_B * Pp, k.dp, st)
         arp = self._coll("all_reduce", GRAD_B * Pp, k.dp, st)
         if self._tied(st):
-            acc["last"] += self.profile.collective_time("all_reduce", GRAD_B * self._table(), 2,
-                                                        2 if self._cross(st) else 1, st.cluster_gpus_per_node)
+            acc["last"] += self.profile.collective_time(
+                "all_reduce", GRAD_B * self._table(), 2, 2 if self._cross(st) else 1, st.cluster_gpus_per_node
+            )
         # (the embedding / head are never offloaded: in place unless the stage's ZeRO level forbids)
         grad_mb, grad_it = self._grad_handling(GRAD_B * Pp, k.dp, k.gs, k.os_, _in_place_grads(zero, 0.0, k.G), k.G)
         lt, pix = e.terms, e.ix
@@ -541,8 +635,7 @@ class StageModel:
         acc["compute"] += f_c + b_c - tpp
         acc["tp"] += tpp
         acc["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-        acc["first"] += (self._device_step(Pp / k.os_)
-                         + np.where((zero >= 1) & (zero <= 2), agp, 0.0))
+        acc["first"] += self._device_step(Pp / k.os_) + np.where((zero >= 1) & (zero <= 2), agp, 0.0)
         acc["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
         acc["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
 
@@ -551,16 +644,18 @@ class StageModel:
         p2p = np.zeros(k.shape)
         if st.num_stages > 1:
             n_recv = (0 if st.first else 1) + (0 if st.last else 1)
-            p2p = n_recv * self.profile.collective_time("p2p", k.g(k.blk.output), 2, 2 if self._cross(st) else 1,
-                                                        st.cluster_gpus_per_node)
+            p2p = n_recv * self.profile.collective_time(
+                "p2p", k.g(k.blk.output), 2, 2 if self._cross(st) else 1, st.cluster_gpus_per_node
+            )
         return np.broadcast_to(p2p, k.shape)
 
     # ------------------------------------------------------------------ memory
     def _state_terms(self, k: _Batch, parts: tuple[_EndPart, ...]) -> StateTerms:
         """Device-resident states in the runtime's flat-buffer layout."""
         pr = self.prec
-        layer_w, layer_g, layer_o = unit_states(k.P, k.dp, k.zero, k.offload_weights, k.offload_grads,
-                                                k.offload_optimizer, k.G, pr)
+        layer_w, layer_g, layer_o = unit_states(
+            k.P, k.dp, k.zero, k.offload_weights, k.offload_grads, k.offload_optimizer, k.G, pr
+        )
         z = np.zeros(k.shape)
         end_w, end_g, end_o = z.copy(), z.copy(), z.copy()
         w_max, g_max = k.W, k.Gr
@@ -572,14 +667,23 @@ class StageModel:
         # double buffers of gathered / fetched weights; unless gradients accumulate in place,
         # the runtime flattens each unit's into one transient buffer (plus a second when they
         # are sharded or offloaded)
-        buffers = (2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))
-                   + g_max * ((~k.in_place).astype(np.float64)
-                              + ((k.zero >= 2) | (k.offload_grads > 0)).astype(np.float64))).astype(np.float64)
-        return StateTerms(layer_weights=layer_w, layer_grads=layer_g, layer_optimizer=layer_o,
-                          end_weights=end_w, end_grads=end_g, end_optimizer=end_o, buffers=buffers)
+        buffers = (
+            2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))
+            + g_max * ((~k.in_place).astype(np.float64) + ((k.zero >= 2) | (k.offload_grads > 0)).astype(np.float64))
+        ).astype(np.float64)
+        return StateTerms(
+            layer_weights=layer_w,
+            layer_grads=layer_g,
+            layer_optimizer=layer_o,
+            end_weights=end_w,
+            end_grads=end_g,
+            end_optimizer=end_o,
+            buffers=buffers,
+        )
 
-    def _activation_terms(self, k: _Batch, tr: _Traffic, parts: tuple[_EndPart, ...],
-                          st: StageInput) -> ActivationTerms:
+    def _activation_terms(
+        self, k: _Batch, tr: _Traffic, parts: tuple[_EndPart, ...], st: StageInput
+    ) -> ActivationTerms:
         blk, g, oa = k.blk, k.g, k.offload_activations
         z = np.zeros(k.shape)
         ends = {e.part: e for e in parts}
@@ -587,25 +691,35 @@ class StageModel:
         x_in = g(blk.output)
         return ActivationTerms(
             saved=_kept_saved(tr.saved, blk.split_numel, blk.split_elt, blk.split_whole, k.ix, oa),
-            saved_ckpt=_kept_saved(tr.saved_ckpt, blk.split_numel_ckpt, blk.split_elt_ckpt,
-                                   blk.split_whole_ckpt, k.ix, oa),
-            pre_saved=pre.terms.saved[pre.ix] if pre else z, x_in=x_in,
-            fwd_peak=g(blk.fwd_peak), fwd_peak_ckpt=g(blk.fwd_peak_ckpt),
-            bwd_peak=g(blk.bwd_peak), bwd_peak_ckpt=g(blk.bwd_peak_ckpt), fetched=tr.saved * oa,
+            saved_ckpt=_kept_saved(
+                tr.saved_ckpt, blk.split_numel_ckpt, blk.split_elt_ckpt, blk.split_whole_ckpt, k.ix, oa
+            ),
+            pre_saved=pre.terms.saved[pre.ix] if pre else z,
+            x_in=x_in,
+            fwd_peak=g(blk.fwd_peak),
+            fwd_peak_ckpt=g(blk.fwd_peak_ckpt),
+            bwd_peak=g(blk.bwd_peak),
+            bwd_peak_ckpt=g(blk.bwd_peak_ckpt),
+            fetched=tr.saved * oa,
             post_fwd=post.terms.fwd_peak[post.ix] if post else None,
             post_bwd=post.terms.bwd_peak[post.ix] if post else None,
             pre_peaks=(pre.terms.fwd_peak[pre.ix], pre.terms.bwd_peak[pre.ix]) if pre else None,
             p2p_buffers=(2 * x_in) if st.num_stages > 1 else z,
-            post_saved=post.terms.saved[post.ix] if post else z)
+            post_saved=post.terms.saved[post.ix] if post else z,
+        )
 
     def _host_terms(self, k: _Batch) -> HostTerms:
         blk, oa = k.blk, k.offload_activations
-        host_w, host_g, host_o, host_og = unit_host_states(k.P, k.dp, k.zero, k.offload_weights, k.offload_grads,
-                                                           k.offload_optimizer, k.G, self.prec)
-        return HostTerms(states=host_w + host_g + host_o, optimizer_grads=host_og,
-                         saved=_offloaded_saved(blk.split_numel, blk.split_elt, k.ix, oa),
-                         saved_ckpt=_offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, k.ix, oa),
-                         optimizer_offloadable=self.prec.opt_bytes * k.P / k.os_)
+        host_w, host_g, host_o, host_og = unit_host_states(
+            k.P, k.dp, k.zero, k.offload_weights, k.offload_grads, k.offload_optimizer, k.G, self.prec
+        )
+        return HostTerms(
+            states=host_w + host_g + host_o,
+            optimizer_grads=host_og,
+            saved=_offloaded_saved(blk.split_numel, blk.split_elt, k.ix, oa),
+            saved_ckpt=_offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, k.ix, oa),
+            optimizer_offloadable=self.prec.opt_bytes * k.P / k.os_,
+        )
 
 
 def _in_place_grads(zero, go, G: int):
@@ -641,21 +755,39 @@ def compose(comp: StageComponents, layers, recompute, in_flight, G: int) -> Stag
     recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
     tp = layers * lay.tp + ends.tp
     p2pb = np.broadcast_to(comp.p2p, T.shape)
-    breakdown = {"compute_s": compute + 0 * T, "recompute_s": recompute_s + 0 * T, "tp_comm_s": tp + 0 * T,
-                 "exposed_transfers_s": T - compute - recompute_s - tp - p2pb, "p2p_s": p2pb + 0 * T}
+    breakdown = {
+        "compute_s": compute + 0 * T,
+        "recompute_s": recompute_s + 0 * T,
+        "tp_comm_s": tp + 0 * T,
+        "exposed_transfers_s": T - compute - recompute_s - tp - p2pb,
+        "p2p_s": p2pb + 0 * T,
+    }
     ch = lay.channels
-    channels = {"G2G": layers * ch.g2g,
-                "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
-                "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations}
+    channels = {
+        "G2G": layers * ch.g2g,
+        "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
+        "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
+    }
     mem = _memory(comp, layers, n_ck, in_flight)
     flops = layers * lay.flops + ends.flops
-    return StageResult(T=T, D=D, time_breakdown=breakdown,
-                       delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
-                       fwd_peak=mem.fwd_peak, bwd_peak=mem.bwd_peak, peak=mem.peak,
-                       memory_breakdown=mem.breakdown, flops_per_microbatch=flops + 0 * T,
-                       fwd=np.minimum(fwd_part, T), first_extra=X, last_extra=Y, channels=channels,
-                       saved_per_microbatch=mem.saved_per_microbatch, saved_peak=mem.saved_peak,
-                       host=mem.host)
+    return StageResult(
+        T=T,
+        D=D,
+        time_breakdown=breakdown,
+        delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
+        fwd_peak=mem.fwd_peak,
+        bwd_peak=mem.bwd_peak,
+        peak=mem.peak,
+        memory_breakdown=mem.breakdown,
+        flops_per_microbatch=flops + 0 * T,
+        fwd=np.minimum(fwd_part, T),
+        first_extra=X,
+        last_extra=Y,
+        channels=channels,
+        saved_per_microbatch=mem.saved_per_microbatch,
+        saved_peak=mem.saved_peak,
+        host=mem.host,
+    )
 
 
 def _times(comp: StageComponents, n_ck, n_no, G: int):
@@ -706,13 +838,23 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight) -> _Memory:
     bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
     act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
-    breakdown = {"weights_bytes": weights + 0 * peak, "grads_bytes": grads + 0 * peak,
-                 "optimizer_bytes": opt + 0 * peak, "buffers_bytes": buffers + 0 * peak,
-                 "activations_bytes": act_held, "transient_bytes": peak - states - act_held}
-    return _Memory(fwd_peak=fwd_peak, bwd_peak=bwd_peak, peak=peak, breakdown=breakdown,
-                   host=_host_memory(comp.host, layers, n_ck, in_flight),
-                   saved_per_microbatch=saved_mb + 0 * peak,
-                   saved_peak=(in_flight + 1) * saved_mb + a.post_saved + 0 * peak)
+    breakdown = {
+        "weights_bytes": weights + 0 * peak,
+        "grads_bytes": grads + 0 * peak,
+        "optimizer_bytes": opt + 0 * peak,
+        "buffers_bytes": buffers + 0 * peak,
+        "activations_bytes": act_held,
+        "transient_bytes": peak - states - act_held,
+    }
+    return _Memory(
+        fwd_peak=fwd_peak,
+        bwd_peak=bwd_peak,
+        peak=peak,
+        breakdown=breakdown,
+        host=_host_memory(comp.host, layers, n_ck, in_flight),
+        saved_per_microbatch=saved_mb + 0 * peak,
+        saved_peak=(in_flight + 1) * saved_mb + a.post_saved + 0 * peak,
+    )
 
 
 def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
@@ -733,7 +875,10 @@ def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
 
 def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:
     # (broadcast only as far as their own terms: the tuner reads peak_bytes where the GPU fits)
-    host = {"state_bytes": layers * h.states, "optimizer_grad_bytes": layers * h.optimizer_grads,
-            "activation_peak_bytes": (in_flight + 1) * ((layers - n_ck) * h.saved + n_ck * h.saved_ckpt)}
+    host = {
+        "state_bytes": layers * h.states,
+        "optimizer_grad_bytes": layers * h.optimizer_grads,
+        "activation_peak_bytes": (in_flight + 1) * ((layers - n_ck) * h.saved + n_ck * h.saved_ckpt),
+    }
     host["peak_bytes"] = host["state_bytes"] + host["optimizer_grad_bytes"] + host["activation_peak_bytes"]
     return host

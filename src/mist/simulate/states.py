@@ -15,7 +15,7 @@ import numpy as np
 from mist.rules.flat_units import unit_lengths
 from mist.rules.offload_split import device_elements, host_elements
 
-MASTER_BYTES = 4   # fp32: the master weights, and the gradient copy the CPU AdamW steps with
+MASTER_BYTES = 4  # fp32: the master weights, and the gradient copy the CPU AdamW steps with
 
 
 def _unit_sizes(params: float, dp, zero, G: int) -> tuple:
@@ -28,9 +28,11 @@ def _unit_sizes(params: float, dp, zero, G: int) -> tuple:
 def unit_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
     """(weight, gradient, optimizer) device bytes of a unit of `params` parameters."""
     n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
-    return (prec.weight_bytes * device_elements(n_w, wo),
-            prec.grad_bytes * device_elements(n_g, go),
-            prec.opt_bytes * device_elements(n_o, oo))
+    return (
+        prec.weight_bytes * device_elements(n_w, wo),
+        prec.grad_bytes * device_elements(n_g, go),
+        prec.opt_bytes * device_elements(n_o, oo),
+    )
 
 
 def unit_host_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
@@ -40,7 +42,9 @@ def unit_host_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple
     unit's deferred CPU step has run) as a fourth value."""
     n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
     o_host = host_elements(n_o, np.asarray(oo, dtype=np.float64))
-    return (prec.weight_bytes * host_elements(n_w, np.asarray(wo, dtype=np.float64)),
-            prec.grad_bytes * host_elements(n_g, np.asarray(go, dtype=np.float64)),
-            prec.opt_bytes * o_host,
-            MASTER_BYTES * o_host)
+    return (
+        prec.weight_bytes * host_elements(n_w, np.asarray(wo, dtype=np.float64)),
+        prec.grad_bytes * host_elements(n_g, np.asarray(go, dtype=np.float64)),
+        prec.opt_bytes * o_host,
+        MASTER_BYTES * o_host,
+    )

@@ -28,11 +28,26 @@ from mist.specs.model import FAMILIES, ModelSpec
 from mist.specs.presets import PRESETS
 from mist.userfiles import parse_document, read_user_text
 
-REQUIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                   "ffn_hidden_size", "vocab_size", "tie_embeddings")
+REQUIRED_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_embeddings",
+)
 OPTIONAL_FIELDS = ("bias", "rotary_fraction", "norm_eps", "max_position_embeddings", "name")
-_INT_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-               "vocab_size", "max_position_embeddings")
+_INT_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 _BOOL_FIELDS = ("tie_embeddings", "bias")
 _FLOAT_FIELDS = ("rotary_fraction", "norm_eps")
 _STR_FIELDS = ("family", "name")
@@ -69,15 +84,14 @@ def load_model(arg: str) -> ModelSpec:
     if not path.is_file():
         close = difflib.get_close_matches(text.lower(), list(PRESETS), n=3, cutoff=0.6)
         hint = f" (close presets: {', '.join(close)})" if close else ""
-        raise MistInputError(
-            f"Unknown model {text!r}: not a preset name or an existing file{hint}."
-        )
+        raise MistInputError(f"Unknown model {text!r}: not a preset name or an existing file{hint}.")
     data = _read_mapping(path)
     return load_model_dict(data, str(path), default_name=_name_from_path(path))
 
 
-def load_model_dict(d: dict, source: str = "<dict>", default_name: str | None = None,
-                    label: str | None = None) -> ModelSpec:
+def load_model_dict(
+    d: dict, source: str = "<dict>", default_name: str | None = None, label: str | None = None
+) -> ModelSpec:
     """Build a ModelSpec from a parsed model file or Hugging Face config; `source` names it in
     errors ("Model file SOURCE ..."), or `label` in full (e.g. "The model of plan file X")."""
     label = label or f"Model file {source}"
@@ -107,8 +121,7 @@ def _from_fields(d: dict, label: str, default_name: str | None) -> ModelSpec:
         close = [m for k in unknown for m in difflib.get_close_matches(k, allowed, n=1)]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise MistInputError(
-            f"{label} has unknown field(s) {', '.join(unknown)}{hint}; "
-            f"allowed fields are {', '.join(allowed)}."
+            f"{label} has unknown field(s) {', '.join(unknown)}{hint}; allowed fields are {', '.join(allowed)}."
         )
     missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
     if missing:
@@ -191,24 +204,19 @@ class _Cfg:
     def check(self) -> None:
         if self.missing:
             raise MistInputError(
-                f"Hugging Face config {self.source} ({self.mt}) is missing field(s) "
-                f"{', '.join(self.missing)}."
+                f"Hugging Face config {self.source} ({self.mt}) is missing field(s) {', '.join(self.missing)}."
             )
 
     def flag(self, key: str, default: bool) -> bool:
         v = self.get(key, default=default)
         if not isinstance(v, bool):
-            raise MistInputError(
-                f"Hugging Face config {self.source}: field {key} must be true or false, got {v!r}."
-            )
+            raise MistInputError(f"Hugging Face config {self.source}: field {key} must be true or false, got {v!r}.")
         return v
 
     def number(self, *keys: str, default: float) -> float:
         v = self.get(*keys, default=default)
         if not is_number(v) or math.isnan(v):
-            raise MistInputError(
-                f"Hugging Face config {self.source}: field {keys[0]} must be a number, got {v!r}."
-            )
+            raise MistInputError(f"Hugging Face config {self.source}: field {keys[0]} must be a number, got {v!r}.")
         return float(v)
 
 
@@ -218,8 +226,9 @@ def _from_hf(d: dict, source: str, default_name: str | None) -> ModelSpec:
     name = d.get("_name_or_path")
     name = name.rstrip("/").split("/")[-1] if isinstance(name, str) and name.strip("/") else None
     name = name or default_name or f"hf-{mt}"
-    kw = {"llama": _hf_llama, "mistral": _hf_llama, "falcon": _hf_falcon,
-          "gpt2": _hf_gpt2, "gpt_neox": _hf_gpt_neox}[mt](c)
+    kw = {"llama": _hf_llama, "mistral": _hf_llama, "falcon": _hf_falcon, "gpt2": _hf_gpt2, "gpt_neox": _hf_gpt_neox}[
+        mt
+    ](c)
     kw["name"] = name
     return _build(kw, f"Model file {source}")
 
@@ -248,14 +257,18 @@ def _hf_llama(c: _Cfg) -> dict:
     # (a slight over-count when only the attention projections carry biases).
     bias = c.flag("attention_bias", False) or c.flag("mlp_bias", False)
     return dict(
-        family="llama", num_layers=L, hidden_size=h, num_heads=a,
+        family="llama",
+        num_layers=L,
+        hidden_size=h,
+        num_heads=a,
         num_kv_heads=c.get("num_key_value_heads", default=8 if mistral else a),
         ffn_hidden_size=c.get("intermediate_size", default=14336 if mistral else 11008),
-        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", False), bias=bias,
+        vocab_size=V,
+        tie_embeddings=c.flag("tie_word_embeddings", False),
+        bias=bias,
         rotary_fraction=c.number("partial_rotary_factor", default=1.0),
         norm_eps=c.number("rms_norm_eps", default=1e-6),
-        max_position_embeddings=c.get("max_position_embeddings",
-                                      default=131072 if mistral else 2048),
+        max_position_embeddings=c.get("max_position_embeddings", default=131072 if mistral else 2048),
     )
 
 
@@ -277,9 +290,13 @@ def _hf_falcon(c: _Cfg) -> dict:
     parallel = new_arch or c.flag("parallel_attn", True)
     alibi = c.flag("alibi", False)
     kw = dict(
-        num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=kv,
+        num_layers=L,
+        hidden_size=h,
+        num_heads=a,
+        num_kv_heads=kv,
         ffn_hidden_size=c.get("ffn_hidden_size", default=4 * h if isinstance(h, int) else h),
-        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", True),
+        vocab_size=V,
+        tie_embeddings=c.flag("tie_word_embeddings", True),
         bias=c.flag("bias", False),
         rotary_fraction=0.0 if alibi else 1.0,
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
@@ -301,9 +318,16 @@ def _hf_gpt2(c: _Cfg) -> dict:
     c.check()
     inner = c.get("n_inner", default=4 * h if isinstance(h, int) else h)
     return dict(
-        family="gpt", num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=a,
-        ffn_hidden_size=inner, vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", True),
-        bias=True, norm_eps=c.number("layer_norm_epsilon", default=1e-5),
+        family="gpt",
+        num_layers=L,
+        hidden_size=h,
+        num_heads=a,
+        num_kv_heads=a,
+        ffn_hidden_size=inner,
+        vocab_size=V,
+        tie_embeddings=c.flag("tie_word_embeddings", True),
+        bias=True,
+        norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("n_positions", "max_position_embeddings", default=1024),
     )
 
@@ -321,10 +345,14 @@ def _hf_gpt_neox(c: _Cfg) -> dict:
     # - sequential -> gpt family: right block, but gpt counts learned position embeddings that
     #   GPT-NeoX (rotary) does not have, and the rotary fraction is not modelled.
     return dict(
-        family="falcon" if parallel else "gpt", num_layers=L, hidden_size=h, num_heads=a,
+        family="falcon" if parallel else "gpt",
+        num_layers=L,
+        hidden_size=h,
+        num_heads=a,
         num_kv_heads=a,
         ffn_hidden_size=c.get("intermediate_size", default=4 * h if isinstance(h, int) else h),
-        vocab_size=V, tie_embeddings=c.flag("tie_word_embeddings", False),
+        vocab_size=V,
+        tie_embeddings=c.flag("tie_word_embeddings", False),
         bias=c.flag("attention_bias", True),
         rotary_fraction=c.number("rotary_pct", "partial_rotary_factor", default=0.25),
         norm_eps=c.number("layer_norm_eps", default=1e-5),

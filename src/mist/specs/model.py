@@ -13,8 +13,15 @@ FAMILIES = ("gpt", "llama", "falcon")
 # The largest value each integer field may take: sanity bounds far above any trained model's
 # (Llama 3 405B: 126 layers, hidden 16,384, vocabulary 128,256), below what would overflow a
 # tensor's size or the search's arrays.
-LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "num_heads": 1 << 16, "num_kv_heads": 1 << 16,
-          "ffn_hidden_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+LIMITS = {
+    "num_layers": 4096,
+    "hidden_size": 1 << 20,
+    "num_heads": 1 << 16,
+    "num_kv_heads": 1 << 16,
+    "ffn_hidden_size": 1 << 22,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 24,
+}
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,7 @@ class ModelSpec:
     def check(self) -> None:
         """Raise MistInputError unless every field is in range and the fields fit each other."""
         if self.family not in FAMILIES:
-            raise MistInputError(
-                f"Unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}."
-            )
+            raise MistInputError(f"Unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}.")
         for f, most in LIMITS.items():
             v = getattr(self, f)
             if not is_int(v):
@@ -59,17 +64,11 @@ class ModelSpec:
             if v > most:
                 raise MistInputError(f"Model field {f} must be at most {most:,} (Mist's limit), got {v:,}.")
         if self.hidden_size % self.num_heads:
-            raise MistInputError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}."
-            )
+            raise MistInputError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}.")
         if self.num_heads % self.num_kv_heads:
-            raise MistInputError(
-                f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}."
-            )
+            raise MistInputError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}.")
         if not 0.0 <= self.rotary_fraction <= 1.0:
-            raise MistInputError(
-                f"rotary_fraction must lie in [0, 1], got {self.rotary_fraction}."
-            )
+            raise MistInputError(f"rotary_fraction must lie in [0, 1], got {self.rotary_fraction}.")
         if self.uses_rotary and int(self.head_dim * self.rotary_fraction) % 2:
             raise MistInputError(
                 f"rotary_fraction {self.rotary_fraction} of head_dim {self.head_dim} "
@@ -83,22 +82,25 @@ class ModelSpec:
         """Raise if the model cannot be split `tp` ways (heads, KV heads, FFN, vocabulary)."""
         if tp <= 0:
             raise MistInputError(f"Tensor-parallel degree must be positive, got {tp}.")
-        for what, v in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
-                         ("vocab_size", self.vocab_size)):
+        for what, v in (
+            ("num_heads", self.num_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        ):
             if v % tp:
                 raise MistInputError(f"Tensor-parallel degree {tp} does not divide {what} {v}.")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise MistInputError(
-                f"Tensor-parallel degree {tp} and num_kv_heads {self.num_kv_heads} "
-                "must divide one another."
+                f"Tensor-parallel degree {tp} and num_kv_heads {self.num_kv_heads} must divide one another."
             )
 
     def check_seq_len(self, seq_len: int) -> None:
         """Raise if sequences of `seq_len` tokens do not fit the model (a gpt model has only
         max_position_embeddings learned positions; rotary models have no such bound)."""
         if self.family == "gpt" and seq_len > self.max_position_embeddings:
-            raise MistInputError(f"Sequence length {seq_len} exceeds the model's "
-                                 f"{self.max_position_embeddings} learned positions.")
+            raise MistInputError(
+                f"Sequence length {seq_len} exceeds the model's {self.max_position_embeddings} learned positions."
+            )
 
     # ------------------------------------------------------------ properties
     @property

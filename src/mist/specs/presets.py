@@ -43,12 +43,20 @@ _LLAMA_SIZES = ("1.3b", "2.7b", "7b", "13b", "22b", "40b")
 _FALCON_SIZES = ("1.3b", "2.7b", "7b", "13b", "22b")
 
 
-def _paper(name: str, family: str, L: int, h: int, a: int, ffn: int,
-           rotary_fraction: float = 1.0) -> ModelSpec:
+def _paper(name: str, family: str, L: int, h: int, a: int, ffn: int, rotary_fraction: float = 1.0) -> ModelSpec:
     return ModelSpec(
-        family=family, num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=a,
-        ffn_hidden_size=ffn, vocab_size=PAPER_VOCAB, tie_embeddings=False, bias=False,
-        rotary_fraction=rotary_fraction, norm_eps=1e-5, max_position_embeddings=8192,
+        family=family,
+        num_layers=L,
+        hidden_size=h,
+        num_heads=a,
+        num_kv_heads=a,
+        ffn_hidden_size=ffn,
+        vocab_size=PAPER_VOCAB,
+        tie_embeddings=False,
+        bias=False,
+        rotary_fraction=rotary_fraction,
+        norm_eps=1e-5,
+        max_position_embeddings=8192,
         name=name,
     )
 
@@ -71,9 +79,19 @@ def _build() -> dict[str, ModelSpec]:
     # ---- real models ---------------------------------------------------------------
     def real(name, family, L, h, a, kv, ffn, vocab, ctx, tie=False):
         p[name] = ModelSpec(
-            family=family, num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=kv,
-            ffn_hidden_size=ffn, vocab_size=vocab, tie_embeddings=tie, bias=False,
-            rotary_fraction=1.0, norm_eps=1e-5, max_position_embeddings=ctx, name=name,
+            family=family,
+            num_layers=L,
+            hidden_size=h,
+            num_heads=a,
+            num_kv_heads=kv,
+            ffn_hidden_size=ffn,
+            vocab_size=vocab,
+            tie_embeddings=tie,
+            bias=False,
+            rotary_fraction=1.0,
+            norm_eps=1e-5,
+            max_position_embeddings=ctx,
+            name=name,
         )
 
     real("llama2-7b", "llama", 32, 4096, 32, 32, 11008, 32000, 4096)
@@ -98,8 +116,10 @@ def get_preset(name: str) -> ModelSpec:
     if key in PRESETS:
         return PRESETS[key]
     close = difflib.get_close_matches(str(key), list(PRESETS), n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else (
-        f"known presets include {', '.join(list(PRESETS)[:4])} (see mist.specs.presets)."
+    hint = (
+        f"did you mean {', '.join(close)}?"
+        if close
+        else (f"known presets include {', '.join(list(PRESETS)[:4])} (see mist.specs.presets).")
     )
     raise MistInputError(f"Unknown model preset {name!r}; {hint}")
 

@@ -8,9 +8,9 @@ from mist.checks import is_int, is_number
 from mist.dtypes import DTYPE_BYTES
 from mist.errors import MistInputError
 
-MAX_SEQ_LEN = 1 << 24          # tokens per sequence
-MAX_GLOBAL_BATCH = 2**31 - 1    # sequences per optimizer step
-MAX_HOST_MEMORY_GIB = 1 << 20   # RAM per node: 1 PiB
+MAX_SEQ_LEN = 1 << 24  # tokens per sequence
+MAX_GLOBAL_BATCH = 2**31 - 1  # sequences per optimizer step
+MAX_HOST_MEMORY_GIB = 1 << 20  # RAM per node: 1 PiB
 
 
 def _positive_int(what: str, v, most: int | None = None) -> None:
@@ -29,7 +29,7 @@ class ClusterSpec:
     gpu: str
     nodes: int = 1
     gpus_per_node: int = 1
-    host_memory_gib: float | None = None   # RAM per node (None: the GPU kind's typical node)
+    host_memory_gib: float | None = None  # RAM per node (None: the GPU kind's typical node)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, str) or not self.gpu:
@@ -38,8 +38,10 @@ class ClusterSpec:
         _positive_int("Cluster field gpus_per_node", self.gpus_per_node)
         h = self.host_memory_gib
         if h is not None and (not is_number(h) or not 0 < h <= MAX_HOST_MEMORY_GIB):
-            raise MistInputError(f"Cluster field host_memory_gib must be a positive number of GiB, at most "
-                                 f"{MAX_HOST_MEMORY_GIB:,} per node, got {h!r}.")
+            raise MistInputError(
+                f"Cluster field host_memory_gib must be a positive number of GiB, at most "
+                f"{MAX_HOST_MEMORY_GIB:,} per node, got {h!r}."
+            )
 
     @property
     def world_size(self) -> int:
@@ -47,7 +49,7 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["host_memory_gib"] is None:   # plans without it read as before
+        if d["host_memory_gib"] is None:  # plans without it read as before
             del d["host_memory_gib"]
         return d
 
@@ -77,8 +79,10 @@ class TrainingSpec:
                     f"Training field {f} must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, f)!r}."
                 )
         if self.grad_dtype not in (None, self.param_dtype, "fp32"):
-            raise MistInputError(f"Training field grad_dtype must be the parameter dtype ({self.param_dtype}) "
-                                 f"or fp32, got {self.grad_dtype!r}.")
+            raise MistInputError(
+                f"Training field grad_dtype must be the parameter dtype ({self.param_dtype}) "
+                f"or fp32, got {self.grad_dtype!r}."
+            )
 
     @property
     def compute_bytes(self) -> int:
@@ -94,6 +98,6 @@ class TrainingSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["grad_dtype"] is None:   # plans without it read as before
+        if d["grad_dtype"] is None:  # plans without it read as before
             del d["grad_dtype"]
         return d

@@ -72,8 +72,15 @@ ACESO_MICRO_BATCHES = (1, 2, 4, 8)
 ACESO_BUDGET_S = 200.0
 ACESO_MAX_HOPS = 7
 
-__all__ = ["tune_megatron", "tune_deepspeed", "tune_aceso", "stage_mesh", "even_split",
-           "ACESO_BUDGET_S", "ACESO_MAX_HOPS"]
+__all__ = [
+    "tune_megatron",
+    "tune_deepspeed",
+    "tune_aceso",
+    "stage_mesh",
+    "even_split",
+    "ACESO_BUDGET_S",
+    "ACESO_MAX_HOPS",
+]
 
 
 # ------------------------------------------------------------------ shared rules
@@ -119,10 +126,10 @@ def _depths(model: ModelSpec, cluster: ClusterSpec):
 # ------------------------------------------------------------------ costing
 @dataclass(frozen=True)
 class _Cost:
-    time: float            # predicted iteration time (s)
+    time: float  # predicted iteration time (s)
     fits: bool
-    stage_times: tuple     # steady time of one micro-batch, per stage
-    needs: tuple           # peak × (1 + allocator margin), per stage (bytes)
+    stage_times: tuple  # steady time of one micro-batch, per stage
+    needs: tuple  # peak × (1 + allocator margin), per stage (bytes)
     capacity: float = math.inf
 
     @property
@@ -140,7 +147,7 @@ class _Evaluator:
         self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
         self.exact, self.model_ref = exact, model_ref
         self.capacity = float(profile.memory_bytes)
-        self.host_cap = node_host_memory(cluster, profile)[0]   # per node (None: not checked)
+        self.host_cap = node_host_memory(cluster, profile)[0]  # per node (None: not checked)
         self.count = 0
         self.min_need = math.inf
         self._stage: dict = {}
@@ -148,17 +155,30 @@ class _Evaluator:
         self._models: dict = {}
 
     def plan(self, G: int, stages) -> Plan:
-        return Plan(model=self.model, cluster=self.cluster, training=self.training,
-                    micro_batches=G, stages=tuple(stages), model_ref=self.model_ref)
+        return Plan(
+            model=self.model,
+            cluster=self.cluster,
+            training=self.training,
+            micro_batches=G,
+            stages=tuple(stages),
+            model_ref=self.model_ref,
+        )
 
     def _stage_model(self, s: StageStrategy) -> StageModel:
         key = (s.tp, s.recompute_attention, s.recompute_activation)
         m = self._models.get(key)
         if m is None:
             t = self.training
-            m = self._models[key] = StageModel(self.model, self.profile, s.tp, t.flash_attention, t.seq_len,
-                                               precision_for(t, self.profile), s.recompute_attention,
-                                               s.recompute_activation)
+            m = self._models[key] = StageModel(
+                self.model,
+                self.profile,
+                s.tp,
+                t.flash_attention,
+                t.seq_len,
+                precision_for(t, self.profile),
+                s.recompute_attention,
+                s.recompute_activation,
+            )
         return m
 
     def cost(self, G: int, stages: tuple) -> _Cost:
@@ -168,28 +188,39 @@ class _Evaluator:
             return c
         if self.exact:
             sim = simulate_plan(self.plan(G, stages), self.profile)
-            c = _Cost(sim["iteration_time_s"], bool(sim["fits"]),
-                      tuple(s["stable_time_s"] for s in sim["stages"]),
-                      tuple(s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]),
-                      self.capacity)
+            c = _Cost(
+                sim["iteration_time_s"],
+                bool(sim["fits"]),
+                tuple(s["stable_time_s"] for s in sim["stages"]),
+                tuple(s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]),
+                self.capacity,
+            )
         else:
             pp = len(stages)
             rows = [self._stage.get((i, pp, G, s)) for i, s in enumerate(stages)]
             if any(r is None for r in rows):
-                inputs = stage_inputs(self.plan(G, stages))   # validates the plan
+                inputs = stage_inputs(self.plan(G, stages))  # validates the plan
                 for i, (st, s) in enumerate(zip(inputs, stages)):
                     if rows[i] is None:
                         r = self._stage_model(s).evaluate(st)
                         rows[i] = self._stage[(i, pp, G, s)] = (
-                            float(r.T[0]), float(r.fwd[0]), float(r.first_extra[0]),
-                            float(r.last_extra[0]), float(r.peak[0]), float(r.host["peak_bytes"][0]))
+                            float(r.T[0]),
+                            float(r.fwd[0]),
+                            float(r.first_extra[0]),
+                            float(r.last_extra[0]),
+                            float(r.peak[0]),
+                            float(r.host["peak_bytes"][0]),
+                        )
             T, F, X, Y, P, H = (np.array(col) for col in zip(*rows))
             it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
             needs = tuple(float(p) * (1 + ALLOCATOR_MARGIN) for p in P)
-            host_ok = self.host_cap is None or max(
-                node_usage([s.gpus for s in stages], list(H), self.cluster.gpus_per_node)) <= self.host_cap
-            c = _Cost(it, host_ok and all(n <= self.capacity for n in needs), tuple(float(t) for t in T),
-                      needs, self.capacity)
+            host_ok = (
+                self.host_cap is None
+                or max(node_usage([s.gpus for s in stages], list(H), self.cluster.gpus_per_node)) <= self.host_cap
+            )
+            c = _Cost(
+                it, host_ok and all(n <= self.capacity for n in needs), tuple(float(t) for t in T), needs, self.capacity
+            )
         self._plans[key] = c
         self.count += 1
         self.min_need = min(self.min_need, max(c.needs))
@@ -219,23 +250,41 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
         plan = ev.plan(*best)
         sim = simulate_plan(plan, profile)
         fast = ev.cost(*best)
-        if exact or (sim["fits"] == fast.fits
-                     and math.isclose(sim["iteration_time_s"], fast.time, rel_tol=1e-9, abs_tol=1e-12)):
-            return TuneResult(space=space, plan=plan, predicted=sim,
-                              tuning_time_s=time.monotonic() - t0, candidates_evaluated=ev.count,
-                              infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]))
+        if exact or (
+            sim["fits"] == fast.fits and math.isclose(sim["iteration_time_s"], fast.time, rel_tol=1e-9, abs_tol=1e-12)
+        ):
+            return TuneResult(
+                space=space,
+                plan=plan,
+                predicted=sim,
+                tuning_time_s=time.monotonic() - t0,
+                candidates_evaluated=ev.count,
+                infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]),
+            )
     if ev.count == 0:
-        reason = (f"No {space} candidate exists for {model.name or 'the model'} on "
-                  f"{cluster.world_size} GPUs with global batch {training.global_batch}: {none_reason}.")
+        reason = (
+            f"No {space} candidate exists for {model.name or 'the model'} on "
+            f"{cluster.world_size} GPUs with global batch {training.global_batch}: {none_reason}."
+        )
     elif ev.min_need <= ev.capacity:
-        reason = (f"No {space} plan fits: those that fit the GPUs need more host memory for their "
-                  f"offloaded states and activations than a node has ({node_host_memory(cluster, profile)[1]}).")
+        reason = (
+            f"No {space} plan fits: those that fit the GPUs need more host memory for their "
+            f"offloaded states and activations than a node has ({node_host_memory(cluster, profile)[1]})."
+        )
     else:
-        reason = (f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
-                  f"{ev.min_need / GiB:.2f} GiB on its fullest GPU (peak + {ALLOCATOR_MARGIN:.0%} "
-                  f"allocator margin), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}.")
-    return TuneResult(space=space, plan=None, predicted=None, tuning_time_s=time.monotonic() - t0,
-                      candidates_evaluated=ev.count, infeasible_reason=reason)
+        reason = (
+            f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
+            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU (peak + {ALLOCATOR_MARGIN:.0%} "
+            f"allocator margin), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}."
+        )
+    return TuneResult(
+        space=space,
+        plan=None,
+        predicted=None,
+        tuning_time_s=time.monotonic() - t0,
+        candidates_evaluated=ev.count,
+        infeasible_reason=reason,
+    )
 
 
 # ------------------------------------------------------------------ Megatron-LM
@@ -243,7 +292,7 @@ def _megatron_candidates(model, cluster, training, micro_batches=None, recompute
     L, B = model.num_layers, training.global_batch
     micro_batches = micro_batches or MEGATRON_MICRO_BATCHES
     for pp, (n, g) in _depths(model, cluster):
-        if L % pp:          # Megatron-LM (core_r0.4.0): num_layers divisible by pp
+        if L % pp:  # Megatron-LM (core_r0.4.0): num_layers divisible by pp
             continue
         l = L // pp
         for tp in tp_degrees(model, g):
@@ -255,8 +304,9 @@ def _megatron_candidates(model, cluster, training, micro_batches=None, recompute
                 if B % (b * dp):
                     continue
                 for rc in [l if r == "full" else 0 for r in recompute]:
-                    s = StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
-                                      zero=zero, recompute_layers=rc)
+                    s = StageStrategy(
+                        layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp, zero=zero, recompute_layers=rc
+                    )
                     yield B // (b * dp), (s,) * pp
 
 
@@ -265,29 +315,49 @@ def megatron_training(training: TrainingSpec) -> TrainingSpec:
     return replace(training, grad_dtype="fp32") if training.param_dtype == "bf16" else training
 
 
-def tune_megatron(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
-                  time_budget: float | None = None) -> TuneResult:
+def tune_megatron(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile, time_budget: float | None = None
+) -> TuneResult:
     """Megatron-LM's space: power-of-two (dp, tp, pp), uniform split, all-or-nothing recompute."""
     training = megatron_training(training)
 
     def search(ev, t0, budget):
         return _best_of(ev, _megatron_candidates(model, cluster, training), t0 + budget)
-    return _run("megatron", search, model, cluster, training, profile, time_budget,
-                "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch "
-                f"{'/'.join(map(str, MEGATRON_MICRO_BATCHES))} must divide the batch over the GPUs")
+
+    return _run(
+        "megatron",
+        search,
+        model,
+        cluster,
+        training,
+        profile,
+        time_budget,
+        "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch "
+        f"{'/'.join(map(str, MEGATRON_MICRO_BATCHES))} must divide the batch over the GPUs",
+    )
 
 
-def tune_megatron_paper(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
-                        time_budget: float | None = None) -> TuneResult:
+def tune_megatron_paper(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile, time_budget: float | None = None
+) -> TuneResult:
     """Megatron-LM as the Mist paper's evaluation tuned it: full
     recomputation always on, micro-batch 1/2/4, distributed optimizer; otherwise as above."""
     training = megatron_training(training)
 
     def search(ev, t0, budget):
         return _best_of(ev, _megatron_candidates(model, cluster, training, (1, 2, 4), ("full",)), t0 + budget)
-    return _run("megatron-paper", search, model, cluster, training, profile, time_budget,
-                "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch 1/2/4 "
-                "must divide the batch over the GPUs")
+
+    return _run(
+        "megatron-paper",
+        search,
+        model,
+        cluster,
+        training,
+        profile,
+        time_budget,
+        "power-of-two (dp, tp, pp) with pp dividing the layers and micro-batch 1/2/4 "
+        "must divide the batch over the GPUs",
+    )
 
 
 # ------------------------------------------------------------------ DeepSpeed
@@ -303,28 +373,52 @@ def _deepspeed_candidates(model, cluster, training):
             else:
                 zeros = [0, 1, 2, 3] if pp == 1 else [0, 1]
             variants = [(z, Offload()) for z in zeros]
-            if pp == 1:   # DeepSpeed offloads only without pipeline parallelism
-                variants += [(z, Offload(optimizer=1.0)) for z in (zeros[1:] or [0])]   # ZeRO-Offload
+            if pp == 1:  # DeepSpeed offloads only without pipeline parallelism
+                variants += [(z, Offload(optimizer=1.0)) for z in (zeros[1:] or [0])]  # ZeRO-Offload
                 if 3 in zeros:
-                    variants.append((3, full))                                          # ZeRO-Infinity
+                    variants.append((3, full))  # ZeRO-Infinity
             for b in DEEPSPEED_MICRO_BATCHES:
                 if B % (b * dp):
                     continue
                 for z, off in variants:
                     for full_rc in (True, False):
-                        yield B // (b * dp), tuple(
-                            StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp,
-                                          zero=z, recompute_layers=l if full_rc else 0, offload=off)
-                            for l in layers)
+                        yield (
+                            B // (b * dp),
+                            tuple(
+                                StageStrategy(
+                                    layers=l,
+                                    nodes=n,
+                                    gpus_per_node=g,
+                                    micro_batch=b,
+                                    dp=dp,
+                                    tp=tp,
+                                    zero=z,
+                                    recompute_layers=l if full_rc else 0,
+                                    offload=off,
+                                )
+                                for l in layers
+                            ),
+                        )
 
 
-def tune_deepspeed(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
-                   time_budget: float | None = None) -> TuneResult:
+def tune_deepspeed(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile, time_budget: float | None = None
+) -> TuneResult:
     """DeepSpeed's space: ZeRO 0–3, ZeRO-Offload/-Infinity (pp = 1), PP, Megatron-DeepSpeed TP."""
+
     def search(ev, t0, budget):
         return _best_of(ev, _deepspeed_candidates(model, cluster, training), t0 + budget)
-    return _run("deepspeed", search, model, cluster, training, profile, time_budget,
-                "micro-batch " f"{'/'.join(map(str, DEEPSPEED_MICRO_BATCHES))} × dp must divide the batch")
+
+    return _run(
+        "deepspeed",
+        search,
+        model,
+        cluster,
+        training,
+        profile,
+        time_budget,
+        f"micro-batch {'/'.join(map(str, DEEPSPEED_MICRO_BATCHES))} × dp must divide the batch",
+    )
 
 
 # ------------------------------------------------------------------ Aceso
@@ -334,9 +428,12 @@ def _aceso_start(model, cluster, training, pp, mesh, b):
     B = training.global_batch
     if B % (b * dp):
         return None
-    stages = tuple(StageStrategy(layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=1,
-                                 zero=1 if dp > 1 else 0, recompute_layers=0)
-                   for l in even_split(model.num_layers, pp))
+    stages = tuple(
+        StageStrategy(
+            layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=1, zero=1 if dp > 1 else 0, recompute_layers=0
+        )
+        for l in even_split(model.num_layers, pp)
+    )
     return B // (b * dp), stages
 
 
@@ -351,7 +448,7 @@ def _aceso_moves(stages: tuple, i: int, samples: int, tp_opts: list[int], flash:
             new[j] = v
         out.append(tuple(new))
 
-    if s.layers > 1:   # move the boundary layer to a neighbour, which recomputes it or not
+    if s.layers > 1:  # move the boundary layer to a neighbour, which recomputes it or not
         src = replace(s, layers=s.layers - 1, recompute_layers=min(s.recompute_layers, s.layers - 1))
         for j in (i - 1, i + 1):
             if 0 <= j < pp:
@@ -404,9 +501,11 @@ def _aceso_walk(ev: _Evaluator, G: int, start: tuple, deadline: float, tp_opts: 
     return best, best_c
 
 
-def tune_aceso(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
-               time_budget: float | None = None) -> TuneResult:
+def tune_aceso(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile, time_budget: float | None = None
+) -> TuneResult:
     """Aceso-style iterative bottleneck alleviation over heterogeneous per-stage strategies."""
+
     def search(ev, t0, budget):
         total = ACESO_BUDGET_S if time_budget is None else float(time_budget)
         configs = []
@@ -419,10 +518,19 @@ def tune_aceso(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
         best, best_c = None, None
         for k, ((G, start), tp_opts) in enumerate(configs):
             now = time.monotonic()
-            left = max(0.0, t0 + total - now)   # out of time: only the balanced start is costed
+            left = max(0.0, t0 + total - now)  # out of time: only the balanced start is costed
             found, c = _aceso_walk(ev, G, start, now + left / (len(configs) - k), tp_opts)
             if c.fits and (best_c is None or c.time < best_c.time):
                 best, best_c = (G, found), c
         return best
-    return _run("aceso", search, model, cluster, training, profile, time_budget,
-                "micro-batch " f"{'/'.join(map(str, ACESO_MICRO_BATCHES))} × the GPUs of a stage must divide the batch")
+
+    return _run(
+        "aceso",
+        search,
+        model,
+        cluster,
+        training,
+        profile,
+        time_budget,
+        f"micro-batch {'/'.join(map(str, ACESO_MICRO_BATCHES))} × the GPUs of a stage must divide the batch",
+    )

@@ -11,10 +11,16 @@ def short_summary(plan) -> str:
     parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s)"]
     for s in st:
         off = "/".join(f"{v:g}" for v in s.offload.as_tuple())
-        rc = (f"rc{s.recompute_layers}" + ("+attn" if s.recompute_attention else "")
-              + ("+act" if s.recompute_activation else ""))
-        parts.append(f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp} z{s.zero} {rc}"
-                     + (f" off {off}" if any(s.offload.as_tuple()) else "") + "]")
+        rc = (
+            f"rc{s.recompute_layers}"
+            + ("+attn" if s.recompute_attention else "")
+            + ("+act" if s.recompute_activation else "")
+        )
+        parts.append(
+            f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp} z{s.zero} {rc}"
+            + (f" off {off}" if any(s.offload.as_tuple()) else "")
+            + "]"
+        )
     return " ".join(parts)
 
 
@@ -25,16 +31,26 @@ def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=A
     rows = []
     for sp, r in results.items():
         it = r.iteration_time_s
-        row = {"space": sp, "iteration_time_s": it,
-               "throughput_samples_per_s": training.global_batch / it if it else None,
-               "tuning_time_s": r.tuning_time_s, "candidates_evaluated": r.candidates_evaluated,
-               "speedup_of_full": (it / ours_t) if (it and ours_t) else None,
-               "plan": r.plan.to_dict() if r.plan else None,
-               "infeasible_reason": r.infeasible_reason}
+        row = {
+            "space": sp,
+            "iteration_time_s": it,
+            "throughput_samples_per_s": training.global_batch / it if it else None,
+            "tuning_time_s": r.tuning_time_s,
+            "candidates_evaluated": r.candidates_evaluated,
+            "speedup_of_full": (it / ours_t) if (it and ours_t) else None,
+            "plan": r.plan.to_dict() if r.plan else None,
+            "infeasible_reason": r.infeasible_reason,
+        }
         if r.plan is not None:
             row["plan_summary"] = short_summary(r.plan)
         rows.append(row)
-    return {"model": model.name, "gpu": profile.name, "nodes": cluster.nodes,
-            "gpus_per_node": cluster.gpus_per_node, "seq_len": training.seq_len,
-            "global_batch": training.global_batch, "flash_attention": training.flash_attention,
-            "spaces": rows}
+    return {
+        "model": model.name,
+        "gpu": profile.name,
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "seq_len": training.seq_len,
+        "global_batch": training.global_batch,
+        "flash_attention": training.flash_attention,
+        "spaces": rows,
+    }

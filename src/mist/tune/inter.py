@@ -30,7 +30,7 @@ import numpy as np
 class Split:
     objective: float
     layers: list[int]
-    choice: list[int]      # index of the frontier point per stage
+    choice: list[int]  # index of the frontier point per stage
     exact: bool
 
 
@@ -57,7 +57,7 @@ def _nondominated(V: np.ndarray, key: np.ndarray, limit: int | None = None) -> n
         kept.append(i)
         if limit is not None and len(kept) >= limit:
             break
-        alive[i + 1:] &= ~np.all(V[i] <= V[i + 1:] + 1e-12, axis=1)
+        alive[i + 1 :] &= ~np.all(V[i] <= V[i + 1 :] + 1e-12, axis=1)
         i += 1
     return order[np.array(kept, dtype=int)]
 
@@ -81,8 +81,16 @@ def _min_remaining(options, L, lmin, lmax):
     return rem
 
 
-def best_split(options, L: int, G: int, lmin: int = 1, lmax: int | None = None,
-               max_states: int = 64, bound: float = np.inf, wide_states: int = 512) -> Split | None:
+def best_split(
+    options,
+    L: int,
+    G: int,
+    lmin: int = 1,
+    lmax: int | None = None,
+    max_states: int = 64,
+    bound: float = np.inf,
+    wide_states: int = 512,
+) -> Split | None:
     """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers).
 
     Returns the best split, or None when no split is feasible (or none is below `bound`)."""
@@ -131,11 +139,17 @@ def _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) -> Split
                     continue
                 T, F, X, Y = opt.T, opt.F, opt.X, opt.Y
                 P, Q = -V[:, 2:3], -V[:, 3:4]
-                newV = np.stack(np.broadcast_arrays(
-                    V[:, 0:1] + T[None, :], np.maximum(V[:, 1:2], T[None, :]),
-                    -np.minimum(P + F[None, :], xcap[i + 1]), -np.minimum(Q + (T - F)[None, :], ycap[i + 1]),
-                    np.maximum(V[:, 4:5], X[None, :] - P), np.maximum(V[:, 5:6], Y[None, :] - Q)),
-                    axis=-1).reshape(-1, 6)
+                newV = np.stack(
+                    np.broadcast_arrays(
+                        V[:, 0:1] + T[None, :],
+                        np.maximum(V[:, 1:2], T[None, :]),
+                        -np.minimum(P + F[None, :], xcap[i + 1]),
+                        -np.minimum(Q + (T - F)[None, :], ycap[i + 1]),
+                        np.maximum(V[:, 4:5], X[None, :] - P),
+                        np.maximum(V[:, 5:6], Y[None, :] - Q),
+                    ),
+                    axis=-1,
+                ).reshape(-1, 6)
                 lower = _objective(newV, G) + rem[i + 1][na]
                 rows = np.nonzero(lower < bound)[0]
                 if not len(rows):

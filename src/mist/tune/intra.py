@@ -28,18 +28,20 @@ from mist.tune.space import MAX_TP, SearchSpace, tp_degrees
 @dataclass
 class Options:
     """Frontier points of one (stage index, layer count): arrays over points + their strategies."""
+
     T: np.ndarray
     F: np.ndarray
     X: np.ndarray
     Y: np.ndarray
     strategies: list[StageStrategy] = field(default_factory=list)
-    min_peak: float = float("inf")                     # least memory any strategy reached
-    min_host: float = float("inf")                     # least host memory of those that fit the GPU
+    min_peak: float = float("inf")  # least memory any strategy reached
+    min_host: float = float("inf")  # least host memory of those that fit the GPU
 
 
 @dataclass(frozen=True)
 class StrategyGrid:
     """The ZeRO levels and offload fractions searched for one dp, as arrays over strategies."""
+
     zero: np.ndarray
     offload_weights: np.ndarray
     offload_grads: np.ndarray
@@ -82,9 +84,23 @@ def sample_frontier(idx: np.ndarray, k: int) -> np.ndarray:
 class StageTables:
     """Components per (tp, b, dp, stage kind) for one (model, GPU, seq, pp, G, mesh), cached."""
 
-    def __init__(self, spec, profile, seq: int, flash: bool, space: SearchSpace, pp: int, G: int,
-                 nodes: int, gpn: int, cluster_gpn: int, global_batch: int, with_wg: bool,
-                 precision=None, host_cap: float | None = None):
+    def __init__(
+        self,
+        spec,
+        profile,
+        seq: int,
+        flash: bool,
+        space: SearchSpace,
+        pp: int,
+        G: int,
+        nodes: int,
+        gpn: int,
+        cluster_gpn: int,
+        global_batch: int,
+        with_wg: bool,
+        precision=None,
+        host_cap: float | None = None,
+    ):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
         self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
@@ -96,8 +112,16 @@ class StageTables:
 
     def model(self, tp: int, sel: tuple = (False, False)) -> StageModel:
         if (tp, sel) not in self._models:
-            self._models[tp, sel] = StageModel(self.spec, self.profile, tp, self.flash, self.seq, self.precision,
-                                               recompute_attention=sel[0], recompute_activation=sel[1])
+            self._models[tp, sel] = StageModel(
+                self.spec,
+                self.profile,
+                tp,
+                self.flash,
+                self.seq,
+                self.precision,
+                recompute_attention=sel[0],
+                recompute_activation=sel[1],
+            )
         return self._models[tp, sel]
 
     def selective_choices(self) -> list[tuple[bool, bool]]:
@@ -128,29 +152,54 @@ class StageTables:
         sp = self.space
         zeros = [z for z in sp.zero_levels if dp > 1 or z == min(sp.zero_levels)]
         if self.with_wg:
-            wg = [(w, g) for w in sp.offload_weights for g in sp.offload_grads
-                  if (w <= g if sp.name == "full" else (w == 0 or g > 0))]
+            wg = [
+                (w, g)
+                for w in sp.offload_weights
+                for g in sp.offload_grads
+                if (w <= g if sp.name == "full" else (w == 0 or g > 0))
+            ]
         else:
             wg = [(0.0, 0.0)]
-        rows = [(z, w, g, o, a) for z, (w, g), o, a in
-                itertools.product(zeros, wg, sp.offload_optimizer, sp.offload_activations)]
+        rows = [
+            (z, w, g, o, a)
+            for z, (w, g), o, a in itertools.product(zeros, wg, sp.offload_optimizer, sp.offload_activations)
+        ]
         arr = np.array(rows, dtype=np.float64)
-        return StrategyGrid(zero=arr[:, 0], offload_weights=arr[:, 1], offload_grads=arr[:, 2],
-                            offload_optimizer=arr[:, 3], offload_activations=arr[:, 4])
+        return StrategyGrid(
+            zero=arr[:, 0],
+            offload_weights=arr[:, 1],
+            offload_grads=arr[:, 2],
+            offload_optimizer=arr[:, 3],
+            offload_activations=arr[:, 4],
+        )
 
-    def components(self, tp: int, dp: int, b: int, first: bool, last: bool,
-                   sel: tuple = (False, False)) -> tuple[StrategyGrid, StageComponents]:
+    def components(
+        self, tp: int, dp: int, b: int, first: bool, last: bool, sel: tuple = (False, False)
+    ) -> tuple[StrategyGrid, StageComponents]:
         key = (tp, dp, b, first, last, sel)
         if key not in self._comps:
             grid = self.strategy_grid(dp)
             n = len(grid)
-            st = StageInput(first=first, last=last, index=0, num_stages=self.pp, layers=np.ones(n),
-                            recompute=np.zeros(n), b=np.full(n, b), dp=np.full(n, dp), tp=tp,
-                            zero=grid.zero, offload_weights=grid.offload_weights,
-                            offload_grads=grid.offload_grads, offload_optimizer=grid.offload_optimizer,
-                            offload_activations=grid.offload_activations,
-                            G=self.G, nodes=self.nodes, gpus_per_node=self.gpn,
-                            cluster_gpus_per_node=self.cluster_gpn)
+            st = StageInput(
+                first=first,
+                last=last,
+                index=0,
+                num_stages=self.pp,
+                layers=np.ones(n),
+                recompute=np.zeros(n),
+                b=np.full(n, b),
+                dp=np.full(n, dp),
+                tp=tp,
+                zero=grid.zero,
+                offload_weights=grid.offload_weights,
+                offload_grads=grid.offload_grads,
+                offload_optimizer=grid.offload_optimizer,
+                offload_activations=grid.offload_activations,
+                G=self.G,
+                nodes=self.nodes,
+                gpus_per_node=self.gpn,
+                cluster_gpus_per_node=self.cluster_gpn,
+            )
             comp = self.model(tp, sel).components(st)
             self._comps[key] = (grid, _expand(comp))
         return self._comps[key]
@@ -209,12 +258,23 @@ class StageTables:
         tp, dp, b, sel, grid, si, cc = meta
         s = int(si[q])
         return StageStrategy(
-            layers=int(layers), nodes=self.nodes, gpus_per_node=self.gpn, micro_batch=int(b), dp=int(dp),
-            tp=int(tp), zero=int(grid.zero[s]), recompute_layers=int(cc[q]),
-            offload=Offload(weights=float(grid.offload_weights[s]), grads=float(grid.offload_grads[s]),
-                            optimizer=float(grid.offload_optimizer[s]),
-                            activations=float(grid.offload_activations[s])),
-            recompute_attention=bool(sel[0]), recompute_activation=bool(sel[1]))
+            layers=int(layers),
+            nodes=self.nodes,
+            gpus_per_node=self.gpn,
+            micro_batch=int(b),
+            dp=int(dp),
+            tp=int(tp),
+            zero=int(grid.zero[s]),
+            recompute_layers=int(cc[q]),
+            offload=Offload(
+                weights=float(grid.offload_weights[s]),
+                grads=float(grid.offload_grads[s]),
+                optimizer=float(grid.offload_optimizer[s]),
+                activations=float(grid.offload_activations[s]),
+            ),
+            recompute_attention=bool(sel[0]),
+            recompute_activation=bool(sel[1]),
+        )
 
     def min_layer_time(self) -> float:
         """A lower bound on a block's steady time on any stage (for pruning)."""
@@ -222,6 +282,7 @@ class StageTables:
         for tp, dp, b in self.tp_choices():
             for first, last in ((False, False),):
                 _, comp = self.components(tp, dp, b, first, last)
-                best = min(best, float(np.min(np.minimum(comp.plain.fwd + comp.plain.bwd,
-                                                         comp.ckpt.fwd + comp.ckpt.bwd))))
+                best = min(
+                    best, float(np.min(np.minimum(comp.plain.fwd + comp.plain.bwd, comp.ckpt.fwd + comp.ckpt.bwd)))
+                )
         return best

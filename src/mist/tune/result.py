@@ -9,12 +9,12 @@ from mist.plan import Plan
 
 @dataclass
 class TuneResult:
-    space: str                      # "megatron", "deepspeed", "aceso", "full", "mist-paper", ...
-    plan: Plan | None               # best feasible plan (None if nothing fits)
-    predicted: dict | None          # simulate_plan(plan, profile)
+    space: str  # "megatron", "deepspeed", "aceso", "full", "mist-paper", ...
+    plan: Plan | None  # best feasible plan (None if nothing fits)
+    predicted: dict | None  # simulate_plan(plan, profile)
     tuning_time_s: float
-    candidates_evaluated: int       # plans (or strategies) whose cost was evaluated
-    infeasible_reason: str | None   # one sentence when plan is None
+    candidates_evaluated: int  # plans (or strategies) whose cost was evaluated
+    infeasible_reason: str | None  # one sentence when plan is None
 
     @property
     def iteration_time_s(self) -> float | None:

@@ -10,17 +10,21 @@ from mist.tune.space import BASELINE_SPACES, get_space
 ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES
 
 
-def run_space(space: str, model, cluster, training, profile, time_budget=None, progress=None,
-              limits: dict | None = None) -> TuneResult:
+def run_space(
+    space: str, model, cluster, training, profile, time_budget=None, progress=None, limits: dict | None = None
+) -> TuneResult:
     """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces."""
     if space in BASELINE_SPACES:
         from mist.tune import baselines  # lazy: keeps torch out of the CLI start-up
 
-        fn = {"megatron": baselines.tune_megatron, "deepspeed": baselines.tune_deepspeed,
-              "aceso": baselines.tune_aceso, "megatron-paper": baselines.tune_megatron_paper}[space]
+        fn = {
+            "megatron": baselines.tune_megatron,
+            "deepspeed": baselines.tune_deepspeed,
+            "aceso": baselines.tune_aceso,
+            "megatron-paper": baselines.tune_megatron_paper,
+        }[space]
         return fn(model, cluster, training, profile, time_budget=time_budget)
     from mist.tune.search import tune  # lazy: keeps torch out of the CLI start-up
 
     sp = replace(get_space(space), **{k: v for k, v in (limits or {}).items() if v is not None})
-    return tune(model, cluster, training, profile, sp, time_budget=time_budget,
-                progress=progress)
+    return tune(model, cluster, training, profile, sp, time_budget=time_budget, progress=progress)

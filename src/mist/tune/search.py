@@ -69,15 +69,22 @@ class _Best:
 @dataclass
 class _Search:
     """What a search has found so far; its loops update it."""
+
     best: _Best = field(default_factory=_Best)
     evaluated: int = 0
-    min_peak: float = np.inf    # see `_infeasible`
+    min_peak: float = np.inf  # see `_infeasible`
     min_host: float = np.inf
 
 
-def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile,
-         space: str | SearchSpace = "full", time_budget: float | None = None,
-         progress=None) -> TuneResult:
+def tune(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    profile,
+    space: str | SearchSpace = "full",
+    time_budget: float | None = None,
+    progress=None,
+) -> TuneResult:
     """Search the space for the fastest plan that fits. `progress(done, total, best_s)` is
     called after every (pp, G) pair when given."""
     sp = get_space(space) if isinstance(space, str) else space
@@ -103,9 +110,22 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
             if sp.uniform_tp:
                 tps = tp_degrees(model, gpn, MAX_UNIFORM_TP)
             for tp_fixed in tps:
-                tables = StageTables(model, profile, training.seq_len, training.flash_attention, sp, pp, G,
-                                     nodes, gpn, cluster.gpus_per_node, B, with_wg,
-                                     precision_for(training, profile), host_cap)
+                tables = StageTables(
+                    model,
+                    profile,
+                    training.seq_len,
+                    training.flash_attention,
+                    sp,
+                    pp,
+                    G,
+                    nodes,
+                    gpn,
+                    cluster.gpus_per_node,
+                    B,
+                    with_wg,
+                    precision_for(training, profile),
+                    host_cap,
+                )
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
             done += 1
             if progress is not None:
@@ -123,15 +143,14 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile
     return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None)
 
 
-def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile,
-          time_budget) -> None:
+def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile, time_budget) -> None:
     """A quick search of a sub-space first: its plan is a plan of this space too, and its time is
     an incumbent that prunes most of the larger search (under this space's limits on the
     pipeline depth and TP degrees)."""
     sub = replace(get_space(seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
     seed = tune(model, cluster, training, profile, sub, time_budget)
     state.evaluated += seed.candidates_evaluated
-    if seed.plan is not None and seed.iteration_time_s is not None:   # (a plan comes with its time)
+    if seed.plan is not None and seed.iteration_time_s is not None:  # (a plan comes with its time)
         state.best = _Best(seed.iteration_time_s, seed.plan)
 
 
@@ -183,7 +202,7 @@ def _stage_options(state: _Search, tables: StageTables, L: int, lo: int, hi: int
         row = {}
         for l in range(lo, hi + 1):
             opt = tables.options(i, l, tp_fixed)
-            if l >= -(-L // tables.pp):   # some stage of every split holds this many blocks
+            if l >= -(-L // tables.pp):  # some stage of every split holds this many blocks
                 state.min_peak = min(state.min_peak, opt.min_peak)
                 state.min_host = min(state.min_host, opt.min_host)
             if len(opt.T):
@@ -205,19 +224,31 @@ def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
     if not np.isfinite(min_peak):
         return "No configuration of this space applies to this model and cluster."
     if need > profile.memory_bytes:
-        return (f"No configuration fits: in every split the stage with the most blocks needs at least "
-                f"{_gib(need)} per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
-                f"{_gib(profile.memory_bytes)} of a {profile.name}.")
+        return (
+            f"No configuration fits: in every split the stage with the most blocks needs at least "
+            f"{_gib(need)} per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
+            f"{_gib(profile.memory_bytes)} of a {profile.name}."
+        )
     if np.isfinite(min_host) and min_host > host_cap:
-        return (f"No configuration fits the host memory: where the stage with the most blocks fits the GPUs, "
-                f"its offloaded states and activations need at least {_gib(min_host)} of host memory "
-                f"per GPU, against {_gib(host_cap)} ({host_source}).")
+        return (
+            f"No configuration fits the host memory: where the stage with the most blocks fits the GPUs, "
+            f"its offloaded states and activations need at least {_gib(min_host)} of host memory "
+            f"per GPU, against {_gib(host_cap)} ({host_source})."
+        )
     host = "" if host_cap is None else f" and {_gib(host_cap)} of host memory per GPU"
-    return (f"No configuration fits: single stages fit the {_gib(profile.memory_bytes)} of a "
-            f"{profile.name}{host}, but no split of the {L} blocks fits every stage at once.")
+    return (
+        f"No configuration fits: single stages fit the {_gib(profile.memory_bytes)} of a "
+        f"{profile.name}{host}, but no split of the {L} blocks fits every stage at once."
+    )
 
 
 def build_plan(model, cluster, training, G: int, strategies: list[StageStrategy]) -> Plan:
     """The plan of one stage strategy per stage (the frontier points the split chose)."""
-    return Plan(model=model, cluster=cluster, training=training, micro_batches=G, stages=tuple(strategies),
-                model_ref=preset_ref(model))
+    return Plan(
+        model=model,
+        cluster=cluster,
+        training=training,
+        micro_batches=G,
+        stages=tuple(strategies),
+        model_ref=preset_ref(model),
+    )

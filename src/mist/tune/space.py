@@ -34,34 +34,44 @@ PAPER_OA = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 @dataclass(frozen=True)
 class SearchSpace:
     name: str
-    tp_values: tuple | None = None      # None: every power of two that fits
-    pp_values: tuple | None = None      # pipeline depths allowed (None: every one that fits)
-    uniform_tp: bool = False            # one TP degree for every stage
+    tp_values: tuple | None = None  # None: every power of two that fits
+    pp_values: tuple | None = None  # pipeline depths allowed (None: every one that fits)
+    uniform_tp: bool = False  # one TP degree for every stage
     zero_levels: tuple = (0, 1, 2, 3)
-    recompute: str = "any"              # "any" | "none" | "all_or_nothing"
-    recompute_attention: tuple = (False, True)   # searched only without flash attention
+    recompute: str = "any"  # "any" | "none" | "all_or_nothing"
+    recompute_attention: tuple = (False, True)  # searched only without flash attention
     recompute_activation: tuple = (False, True)  # the MLP activation re-run in backward
-    offload_weights: tuple = EIGHTHS             # fractions kept in host memory (`plan.Offload`)
+    offload_weights: tuple = EIGHTHS  # fractions kept in host memory (`plan.Offload`)
     offload_grads: tuple = EIGHTHS
     offload_optimizer: tuple = EIGHTHS
     offload_activations: tuple = EIGHTHS
-    g_policy: str = "divisors"          # "divisors" | "pow2"
-    b_values: tuple | None = None       # None: any micro-batch B/(G·dp) up to b_max
+    g_policy: str = "divisors"  # "divisors" | "pow2"
+    b_values: tuple | None = None  # None: any micro-batch B/(G·dp) up to b_max
     b_max: int = 64
-    layer_slack: int | None = None      # None: any split; k: round(L/pp) ± k
-    frontier_points: int = 24           # Pareto samples kept per (stage, layers)
+    layer_slack: int | None = None  # None: any split; k: round(L/pp) ± k
+    frontier_points: int = 24  # Pareto samples kept per (stage, layers)
     # weight/gradient offload move their bytes over PCIe every micro-batch: "if_needed" opens
     # them only when no plan fits without them; "always" searches them from the start
     wg_policy: str = "if_needed"
-    seed_space: str | None = None       # search this (smaller) space first for an incumbent
+    seed_space: str | None = None  # search this (smaller) space first for an incumbent
 
 
 SPACES = {
     "full": SearchSpace("full", seed_space="mist-paper"),
-    "mist-paper": SearchSpace("mist-paper", uniform_tp=True, zero_levels=(1, 2, 3), offload_weights=PAPER_WG,
-                              offload_grads=PAPER_WG, offload_optimizer=PAPER_OA, offload_activations=PAPER_OA,
-                              g_policy="pow2", b_values=(1, 2, 4), layer_slack=2,
-                              recompute_attention=(False,), recompute_activation=(False,)),
+    "mist-paper": SearchSpace(
+        "mist-paper",
+        uniform_tp=True,
+        zero_levels=(1, 2, 3),
+        offload_weights=PAPER_WG,
+        offload_grads=PAPER_WG,
+        offload_optimizer=PAPER_OA,
+        offload_activations=PAPER_OA,
+        g_policy="pow2",
+        b_values=(1, 2, 4),
+        layer_slack=2,
+        recompute_attention=(False,),
+        recompute_activation=(False,),
+    ),
 }
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
 
@@ -95,5 +105,6 @@ def _splits(model: ModelSpec, tp: int) -> bool:
 def get_space(name: str) -> SearchSpace:
     if name in SPACES:
         return SPACES[name]
-    raise MistInputError(f"Unknown search space {name!r}; choose one of "
-                         f"{', '.join(list(SPACES) + list(BASELINE_SPACES))}.")
+    raise MistInputError(
+        f"Unknown search space {name!r}; choose one of {', '.join(list(SPACES) + list(BASELINE_SPACES))}."
+    )

@@ -63,6 +63,62 @@ def estimate(
     blk, pre, post = trace("block", mode), trace("pre"), trace("post")
     b, s, L = micro_batch, seq, spec.num_layers
 
+    t, fwd_bwd, time_breakdown = _times(profile, links, (pre, blk, post), L, b, s, ckpt)
+    params = pre.params + L * blk.params + post.params
+    peak_act, where = activation_peak(pre, blk, post, L, b, s)
+    mem = {
+        "weights_bytes": params * pr.weight_bytes,
+        "grads_bytes": params * pr.grad_bytes,
+        "optimizer_bytes": params * pr.opt_bytes,
+        "activation_peak_bytes": int(round(peak_act)),
+    }
+    flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1)) for ph in ("fwd", "bwd"))
+    return {
+        "model_name": spec.name,
+        "gpu": profile.name,
+        "profile": profile.provenance,
+        "measured_profile": bool(getattr(profile, "measured", True)),
+        "seq_len": s,
+        "micro_batch": b,
+        "tp": tp,
+        "dtype": pr.trace_dtype,
+        "recompute": recompute,
+        "flash": flash,
+        "layer": _layer_json(t["block"], blk, b, s, ckpt),
+        "model": {
+            "fwd_bwd_ms": fwd_bwd * MS,
+            "time_breakdown": time_breakdown,
+            "params": params,
+            **mem,
+            "peak_bytes": sum(mem.values()),
+            "activation_peak_at": where,
+            "model_flops": flops,
+            "achieved_tflops": flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
+            "capacity_bytes": int(profile.memory_bytes),
+            "fits": sum(mem.values()) <= profile.memory_bytes,
+        },
+    }
+
+
+def _layer_json(times: dict, blk, b: int, s: int, ckpt: bool) -> dict:
+    """One block's row of the report: its phase times (ms) and traced memory (bytes)."""
+    return {
+        "fwd_compute_ms": _f(times["fwd"].compute) * MS,
+        "bwd_compute_ms": _f(times["bwd"].compute) * MS,
+        "recompute_ms": _f(times["recompute"].total) * MS if ckpt else 0.0,
+        "fwd_comm_ms": _f(times["fwd"].comm) * MS,
+        "bwd_comm_ms": _f(times["bwd"].comm) * MS,
+        "saved_activation_bytes": int(round(_f(blk.saved(b, s)))),
+        "fwd_peak_bytes": int(round(_f(blk.fwd_peak(b, s)))),
+        "bwd_peak_bytes": int(round(_f(blk.bwd_peak(b, s)))),
+        "params": blk.params,
+    }
+
+
+def _times(profile, links, layers, L: int, b: int, s: int, ckpt: bool) -> tuple[dict, float, dict]:
+    """(phase times per part, one micro-batch's forward + backward seconds, its breakdown in ms)
+    of the embedding, `L` blocks back to back and the head."""
+    pre, blk, post = layers
     t = {
         name: {ph: phase_time(profile, links, la, ph, b, s) for ph in phases}
         for name, la, phases in (
@@ -87,15 +143,6 @@ def estimate(
         + tot("post", "fwd")
         + tot("post", "bwd")
     )
-    params = pre.params + L * blk.params + post.params
-    peak_act, where = activation_peak(pre, blk, post, L, b, s)
-    mem = {
-        "weights_bytes": params * pr.weight_bytes,
-        "grads_bytes": params * pr.grad_bytes,
-        "optimizer_bytes": params * pr.opt_bytes,
-        "activation_peak_bytes": int(round(peak_act)),
-    }
-    flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1)) for ph in ("fwd", "bwd"))
     time_breakdown = {
         "embedding_ms": (tot("pre", "fwd") + tot("pre", "bwd")) * MS,
         "blocks_fwd_ms": blocks("fwd") * MS,
@@ -103,38 +150,4 @@ def estimate(
         "blocks_recompute_ms": blocks("recompute") * MS,
         "head_loss_ms": (tot("post", "fwd") + tot("post", "bwd")) * MS,
     }
-    return {
-        "model_name": spec.name,
-        "gpu": profile.name,
-        "profile": profile.provenance,
-        "measured_profile": bool(getattr(profile, "measured", True)),
-        "seq_len": s,
-        "micro_batch": b,
-        "tp": tp,
-        "dtype": pr.trace_dtype,
-        "recompute": recompute,
-        "flash": flash,
-        "layer": {
-            "fwd_compute_ms": _f(t["block"]["fwd"].compute) * MS,
-            "bwd_compute_ms": _f(t["block"]["bwd"].compute) * MS,
-            "recompute_ms": _f(t["block"]["recompute"].total) * MS if ckpt else 0.0,
-            "fwd_comm_ms": _f(t["block"]["fwd"].comm) * MS,
-            "bwd_comm_ms": _f(t["block"]["bwd"].comm) * MS,
-            "saved_activation_bytes": int(round(_f(blk.saved(b, s)))),
-            "fwd_peak_bytes": int(round(_f(blk.fwd_peak(b, s)))),
-            "bwd_peak_bytes": int(round(_f(blk.bwd_peak(b, s)))),
-            "params": blk.params,
-        },
-        "model": {
-            "fwd_bwd_ms": fwd_bwd * MS,
-            "time_breakdown": time_breakdown,
-            "params": params,
-            **mem,
-            "peak_bytes": sum(mem.values()),
-            "activation_peak_at": where,
-            "model_flops": flops,
-            "achieved_tflops": flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
-            "capacity_bytes": int(profile.memory_bytes),
-            "fits": sum(mem.values()) <= profile.memory_bytes,
-        },
-    }
+    return t, fwd_bwd, time_breakdown

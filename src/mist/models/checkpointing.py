@@ -80,7 +80,7 @@ def run_block(
     block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False, activation: bool = False
 ) -> torch.Tensor:
     block.attn.recompute_core = attention and not recompute
-    block.mlp.recompute_act = activation and not recompute
+    block.mlp.recompute_activation = activation and not recompute
     if not recompute:
         return block(x)
     return checkpoint(block, x, use_reentrant=True, preserve_rng_state=False)

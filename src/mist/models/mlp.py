@@ -1,6 +1,6 @@
 """Feed-forward networks: GELU MLP (gpt, falcon) and SwiGLU (llama).
 
-With `recompute_act` set (activation recomputation, `run_block(activation=True)`), the MLP keeps
+With `recompute_activation` set (activation recomputation, `run_block(activation=True)`), the MLP keeps
 only fc1's output for backward: fc2 takes the activation as a function and re-runs it in its own
 backward (`mist.models.checkpointing.act_linear`), so the activation's output (f wide; SwiGLU's
 silu and product too) is not kept — about a quarter of a block's saved bytes, for one elementwise
@@ -57,10 +57,10 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(spec.hidden_size, 2 * f if self.gated else f, tp, spec.bias, dtype, device)
         self.fc2 = RowParallelLinear(f, spec.hidden_size, tp, spec.bias, dtype, device, reduce=reduce)
         self.act = Activation(self.gated)
-        self.recompute_act = False
+        self.recompute_activation = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
-        if self.recompute_act and torch.is_grad_enabled():
+        if self.recompute_activation and torch.is_grad_enabled():
             return self.fc2(y, act=self.act)
         return self.fc2(self.act(y))

@@ -722,24 +722,24 @@ class StageModel:
         )
 
 
-def _in_place_grads(zero, go, G: int):
+def _in_place_grads(zero, offload_grads, G: int):
     """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
-    return accumulates_in_place_by_level(_arr(zero), _arr(go), G)
+    return accumulates_in_place_by_level(_arr(zero), _arr(offload_grads), G)
 
 
-def _kept_saved(full, numel, elt, whole, ix, ao):
-    """Saved-activation bytes a block keeps on the device when the fraction `ao` is offloaded
-    (`mist.rules.offload_split`, the rule of the runtime's `SavedTensorManager.pack`): each
-    tensor's first n − round(n·ao) elements stay; tensors of one element stay whole. Without
-    offloading the unique storages are kept (`full`)."""
+def _kept_saved(full, numel, elt, whole, ix, offload_activations):
+    """Saved-activation bytes a block keeps on the device when the fraction r =
+    `offload_activations` is offloaded (`mist.rules.offload_split`, the rule of the runtime's
+    `SavedTensorManager.pack`): each tensor's first n − round(n·r) elements stay; tensors of one
+    element stay whole. Without offloading the unique storages are kept (`full`)."""
     # numel, elt: [tensors, *candidates]
-    return kept_saved_bytes(numel[:, ix], elt[:, ix], whole[ix], full, _arr(ao))
+    return kept_saved_bytes(numel[:, ix], elt[:, ix], whole[ix], full, _arr(offload_activations))
 
 
-def _offloaded_saved(numel, elt, ix, ao):
-    """Saved-activation bytes of a block in host memory: the last round(n·ao) elements of every
-    tensor that `_kept_saved` splits."""
-    return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(ao))
+def _offloaded_saved(numel, elt, ix, offload_activations):
+    """Saved-activation bytes of a block in host memory: the last round(n·r) elements (r =
+    `offload_activations`) of every tensor that `_kept_saved` splits."""
+    return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(offload_activations))
 
 
 def compose(comp: StageComponents, layers, recompute, in_flight, G: int) -> StageResult:

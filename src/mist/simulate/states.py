@@ -25,26 +25,26 @@ def _unit_sizes(params: float, dp, zero, G: int) -> tuple:
     return unit_lengths(params, dp, zero, G)
 
 
-def unit_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
+def unit_states(params: float, dp, zero, offload_weights, offload_grads, offload_optimizer, G: int, prec) -> tuple:
     """(weight, gradient, optimizer) device bytes of a unit of `params` parameters."""
     n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
     return (
-        prec.weight_bytes * device_elements(n_w, wo),
-        prec.grad_bytes * device_elements(n_g, go),
-        prec.opt_bytes * device_elements(n_o, oo),
+        prec.weight_bytes * device_elements(n_w, offload_weights),
+        prec.grad_bytes * device_elements(n_g, offload_grads),
+        prec.opt_bytes * device_elements(n_o, offload_optimizer),
     )
 
 
-def unit_host_states(params: float, dp, zero, wo, go, oo, G: int, prec) -> tuple:
+def unit_host_states(params: float, dp, zero, offload_weights, offload_grads, offload_optimizer, G: int, prec) -> tuple:
     """(weight, gradient, optimizer) host bytes of the same unit: the offloaded tails, round(n·r)
     elements of each buffer (`SplitBuffer.host`), plus the fp32 copy of the gradient that the host
     part of the optimizer steps with (`ShardedAdamW._update`: one per unit, alive until that
     unit's deferred CPU step has run) as a fourth value."""
     n_w, n_g, n_o = _unit_sizes(params, dp, zero, G)
-    o_host = host_elements(n_o, np.asarray(oo, dtype=np.float64))
+    o_host = host_elements(n_o, np.asarray(offload_optimizer, dtype=np.float64))
     return (
-        prec.weight_bytes * host_elements(n_w, np.asarray(wo, dtype=np.float64)),
-        prec.grad_bytes * host_elements(n_g, np.asarray(go, dtype=np.float64)),
+        prec.weight_bytes * host_elements(n_w, np.asarray(offload_weights, dtype=np.float64)),
+        prec.grad_bytes * host_elements(n_g, np.asarray(offload_grads, dtype=np.float64)),
         prec.opt_bytes * o_host,
         MASTER_BYTES * o_host,
     )

@@ -505,6 +505,38 @@ def validate(
 
 from mist.cli_profile import profile_command  # noqa: E402  (registered as `mist profile`)
 
+
+@app.command()
+def export(
+    plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
+    to: str = typer.Option(..., "--to", help="Framework: megatron, deepspeed or torchtitan."),
+    out_dir: str = typer.Option(..., "-o", "--out", help="Folder to write the launch files into."),
+    approximate: bool = typer.Option(
+        False, "--approximate", help="Export the nearest plan the framework can run, and compare predictions."
+    ),
+    as_json: JsonOpt = False,
+):
+    """Write the launch files of a plan for Megatron-LM, DeepSpeed or torchtitan."""
+    # lazy: keeps torch out of the CLI start-up
+    from mist.export import export_plan
+    from mist.simulate.plan_sim import simulate_plan
+
+    p = load_plan(plan)
+    done, ran = export_plan(p, to, out_dir, approximate)
+    if as_json:
+        print(json.dumps(done.to_json(), indent=1))
+    else:
+        out.print(f"wrote {', '.join(done.files)} to {out_dir} for {to}")
+    if approximate and ran != p:
+        profile = load_profile(p.cluster.gpu)
+        a, b = simulate_plan(p, profile), simulate_plan(ran, profile)
+        err.print(
+            f"approximated: the plan predicts {a['iteration_time_s']:.3f} s per iteration "
+            f"(fits: {a['fits']}); the exported nearest plan {b['iteration_time_s']:.3f} s (fits: {b['fits']})"
+        )
+        err.print(f"  exported plan: {ran.summary()}")
+
+
 app.command("profile", help="Measure this machine's CPU or GPU and write a profile that --gpu accepts.")(
     profile_command
 )

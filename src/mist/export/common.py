@@ -1,0 +1,46 @@
+"""Rules every target shares: one global device mesh and micro-batch size, placeholders."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mist.export.records import NotExpressible
+from mist.plan import Offload, Plan, StageStrategy
+
+# what the user must fill in before launching (data, tokenizer, checkpoints, hosts)
+PLACEHOLDER = "__FILL_IN__"
+
+
+def uniform_mesh_problems(plan: Plan, target_name: str) -> list[str]:
+    """Sentences for the stages whose dp, tp or micro-batch differ from stage 0's: every
+    target runs one global mesh and one micro-batch size."""
+    s0 = plan.stages[0]
+    problems = []
+    for i, s in enumerate(plan.stages[1:], start=1):
+        for knob in ("dp", "tp", "micro_batch"):
+            if getattr(s, knob) != getattr(s0, knob):
+                problems.append(
+                    f"stage {i} has {knob} {getattr(s, knob)} but stage 0 has {getattr(s0, knob)}, and "
+                    f"{target_name} runs one {knob} for the whole pipeline"
+                )
+    return problems
+
+
+def refuse(problems: list[str], target_name: str) -> None:
+    """Raise the first problem as one sentence (exit 2 in the CLI)."""
+    if problems:
+        raise NotExpressible(
+            f"{target_name} cannot run this plan: {problems[0]} (export with --approximate for the "
+            f"nearest plan it can run)."
+        )
+
+
+def with_stages(plan: Plan, stages: list[StageStrategy]) -> Plan:
+    """`plan` with its stages replaced (checked again by `Plan`)."""
+    return replace(plan, stages=tuple(stages))
+
+
+def without_offload(s: StageStrategy, keep: tuple[str, ...] = ()) -> StageStrategy:
+    """`s` with every offload fraction not named in `keep` set to 0."""
+    kw = {k: (getattr(s.offload, k) if k in keep else 0.0) for k in ("weights", "grads", "optimizer", "activations")}
+    return replace(s, offload=Offload(**kw))

@@ -1,0 +1,447 @@
+"""`mist export --to deepspeed`: the ds_config, launch script and helper it writes, the plans it
+refuses or approximates, and DeepSpeed's own code on the exported files.
+
+The framework checks need DeepSpeed 0.19.8 (`bash .ci/targets/deepspeed.sh`); without it they
+fail, naming the script. They run DeepSpeed in child processes (its config class needs a
+process group): `deepspeed_check.py` hands every exported config to `DeepSpeedConfig` with the
+plan's data-parallel size; `deepspeed_train.py` trains a tiny model on two CPU gloo ranks from
+an exported folder (ZeRO-3 with partial optimizer offload; an uneven two-stage pipeline).
+"""
+
+import ast
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mist.cli import main
+from mist.export import NotExpressible, export_plan
+from mist.export import deepspeed as ds
+from mist.plan import Offload, Plan, StageStrategy, load_plan
+from mist.specs.model import ModelSpec
+from mist.specs.presets import get_preset
+from mist.specs.training import ClusterSpec, TrainingSpec
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parents[1] / "examples"
+MODELS = ("gpt3-1.3b", "llama3-8b", "falcon-40b")  # GPT, Llama with GQA (8 kv heads), Falcon with GQA
+NO_OFFLOAD = Offload()
+DS_MISSING = "DeepSpeed 0.19.8 is not installed here: run `bash .ci/targets/deepspeed.sh` in this venv."
+
+
+# ------------------------------------------------------------------ plans
+def make_plan(
+    model="gpt3-1.3b",
+    nodes=1,
+    gpn=8,
+    pp=1,
+    tp=1,
+    zero=1,
+    G=4,
+    mb=2,
+    recompute=(),
+    offload=NO_OFFLOAD,
+    dtype="bf16",
+    grad_dtype=None,
+    compute=None,
+    uneven=True,
+    **stage_kw,
+) -> Plan:
+    """A uniform-mesh plan; with uneven=True the first stage holds one layer less than the rest."""
+    m = get_preset(model) if isinstance(model, str) else model
+    gpus = nodes * gpn // pp
+    s_nodes, s_gpn = (nodes // pp, gpn) if pp <= nodes else (1, gpus)
+    dp = gpus // tp
+    layers = [m.num_layers // pp] * pp
+    layers[-1] += m.num_layers - sum(layers)
+    if uneven and pp > 1:
+        layers[0] -= 1
+        layers[-1] += 1
+    rec = list(recompute) + [0] * (pp - len(recompute))
+    stages = tuple(
+        StageStrategy(
+            layers[i], s_nodes, s_gpn, mb, dp, tp, zero=zero, recompute_layers=rec[i], offload=offload, **stage_kw
+        )
+        for i in range(pp)
+    )
+    training = TrainingSpec(
+        seq_len=2048, global_batch=mb * dp * G, param_dtype=dtype, compute_dtype=compute or dtype, grad_dtype=grad_dtype
+    )
+    return Plan(m, ClusterSpec("h200", nodes, gpn), training, G, stages)
+
+
+# the plan matrix every model is exported with: (name, plan keywords)
+MATRIX = [
+    ("dp8-zero3-offload3of8-recompute", dict(zero=3, recompute=(6,), offload=Offload(grads=0.375, optimizer=0.375))),
+    ("dp8-zero2-full-offload", dict(zero=2, offload=Offload(grads=1.0, optimizer=1.0), G=2, mb=4)),
+    ("tp2-dp4-zero1-fp16", dict(tp=2, zero=1, dtype="fp16")),
+    ("pp2-dp4-zero1-uneven-recompute", dict(pp=2, zero=1, recompute=(3, 0))),
+    ("pp4-2nodes-zero0-fp32-grads", dict(nodes=2, pp=4, zero=0, G=8, grad_dtype="fp32")),
+    ("dp8-zero1-fp32-autocast-bf16", dict(zero=1, dtype="fp32", compute="bf16")),
+    ("pp2-2nodes-zero1-offload", dict(nodes=2, pp=2, zero=1, offload=Offload(grads=1.0, optimizer=1.0))),
+    ("dp16-zero3-weights-offload", dict(nodes=2, zero=3, offload=Offload(weights=1.0, grads=0.5, optimizer=0.5))),
+]
+CASES = [(m, name, make_plan(m, **kw)) for m in MODELS for name, kw in MATRIX]
+
+
+def tiny_model() -> ModelSpec:
+    return ModelSpec(
+        family="gpt",
+        num_layers=6,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4,
+        ffn_hidden_size=128,
+        vocab_size=64,
+        max_position_embeddings=16,
+        name="tiny",
+    )
+
+
+def tiny_plan(stages, G, dtype="fp32") -> Plan:
+    mb_dp = stages[0].micro_batch * stages[0].dp
+    training = TrainingSpec(seq_len=8, global_batch=mb_dp * G, param_dtype=dtype, compute_dtype=dtype)
+    return Plan(tiny_model(), ClusterSpec("h200", 1, 2), training, G, tuple(stages))
+
+
+# ------------------------------------------------------------------ the config, without DeepSpeed
+@pytest.mark.parametrize("model,name,plan", CASES, ids=[f"{m}-{n}" for m, n, _ in CASES])
+def test_matrix_is_exportable_and_keeps_the_batch(model, name, plan):
+    assert ds.problems(plan) == []
+    cfg = ds.ds_config(plan)
+    s = plan.stages[0]
+    assert cfg["train_batch_size"] == plan.training.global_batch
+    assert cfg["train_micro_batch_size_per_gpu"] == s.micro_batch
+    assert cfg["gradient_accumulation_steps"] == plan.micro_batches
+    assert cfg["train_batch_size"] == s.micro_batch * s.dp * plan.micro_batches
+    assert cfg["zero_optimization"]["stage"] == s.zero
+
+
+def test_precision_sections():
+    assert ds.ds_config(make_plan())["bf16"] == {"enabled": True}
+    fp16 = ds.ds_config(make_plan(dtype="fp16"))
+    assert fp16["fp16"] == {"enabled": True} and "bf16" not in fp16
+    fp32 = ds.ds_config(make_plan(dtype="fp32"))
+    assert "bf16" not in fp32 and "fp16" not in fp32 and "torch_autocast" not in fp32
+    assert ds.ds_config(make_plan(dtype="fp32", compute="bf16"))["torch_autocast"] == {
+        "enabled": True,
+        "dtype": "bfloat16",
+    }
+    assert ds.ds_config(make_plan(grad_dtype="fp32"))["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def test_partial_optimizer_offload_is_zero3_with_eighths_of_sub_groups():
+    plan = make_plan(zero=3, offload=Offload(grads=0.375, optimizer=0.375))
+    z = ds.ds_config(plan)["zero_optimization"]
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.375}
+    share = plan.model.total_params() / 8  # dp 8, tp 1
+    assert z["sub_group_size"] == pytest.approx(share / 8, rel=1e-6, abs=1)
+    full = ds.ds_config(make_plan(zero=2, offload=Offload(grads=1, optimizer=1)))["zero_optimization"]
+    assert full == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+def test_weight_offload_is_offload_param():
+    z = ds.ds_config(make_plan(zero=3, offload=Offload(weights=1.0)))["zero_optimization"]
+    assert z["offload_param"] == {"device": "cpu", "pin_memory": True} and "offload_optimizer" not in z
+
+
+def test_tensor_parallel_is_autotp_and_recompute_adds_checkpointing():
+    cfg = ds.ds_config(make_plan(tp=2))
+    assert cfg["tensor_parallel"] == {"autotp_size": 2} and "activation_checkpointing" not in cfg
+    cfg = ds.ds_config(make_plan(recompute=(4,)))
+    assert cfg["activation_checkpointing"] == {"partition_activations": False, "cpu_checkpointing": False}
+
+
+def test_uneven_pipeline_parts_and_recomputed_blocks():
+    plan = make_plan(pp=2, recompute=(3, 1))  # 23 + 25 layers... of gpt3-1.3b's 24: 11 + 13
+    assert [s.layers for s in plan.stages] == [11, 13]
+    assert ds.pipeline_parts(plan) == [0, 12, 26]  # embedding + 11 blocks | 13 blocks + head
+    assert ds.recomputed_blocks(plan) == [8, 9, 10, 23]
+
+
+def test_files_launch_script_and_helper(tmp_path):
+    plan = make_plan(nodes=2, pp=2, recompute=(2, 0))
+    done = export_plan(plan, "deepspeed", tmp_path)[0]
+    assert done.files == ("ds_config.json", "launch.sh", "mist_deepspeed.py")
+    assert json.loads((tmp_path / "ds_config.json").read_text()) == done.config
+    script = (tmp_path / "launch.sh").read_text()
+    assert os.access(tmp_path / "launch.sh", os.X_OK)
+    subprocess.run(["bash", "-n", str(tmp_path / "launch.sh")], check=True)
+    assert "deepspeed --num_nodes 2 --num_gpus 8 --hostfile" in script
+    line = next(x for x in script.splitlines() if x.startswith("TRAIN_ARGS=("))
+    assert tuple(shlex.split(line[len("TRAIN_ARGS=(") : -1])) == done.args
+    assert done.args[:3] == ("--deepspeed", "--deepspeed_config", "ds_config.json")
+    assert script.count("__FILL_IN__") >= 3  # train script, hostfile, data, tokenizer
+    helper = (tmp_path / "mist_deepspeed.py").read_text()
+    tree = ast.parse(helper)
+    consts = {
+        t.id: ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id in ("PARTS", "NUM_STAGES", "NUM_LAYERS", "MODEL")
+    }
+    assert consts["PARTS"] == ds.pipeline_parts(plan) and consts["NUM_STAGES"] == 2
+    assert consts["MODEL"]["hidden_size"] == plan.model.hidden_size
+    assert "class MistPipelineModule(PipelineModule)" in helper
+
+
+# ------------------------------------------------------------------ refused and approximated
+REFUSED = [
+    ("pp2 with ZeRO-2", dict(pp=2, zero=2), "stage 0 uses ZeRO-2 (zero 2)"),
+    ("pp2 with tp 2", dict(pp=2, tp=2), "stage 0 has tp 2"),
+    ("half the weights", dict(zero=3, offload=Offload(weights=0.5)), "offload.weights 0.5"),
+    ("weights with ZeRO-1", dict(zero=1, offload=Offload(weights=1.0)), "offload.weights 1"),
+    ("activations", dict(offload=Offload(activations=0.25)), "offload.activations 0.25"),
+    ("partial optimizer, ZeRO-2", dict(zero=2, offload=Offload(grads=0.5, optimizer=0.5)), "with ZeRO-2"),
+    ("optimizer with ZeRO-0", dict(zero=0, offload=Offload(grads=1, optimizer=1)), "with ZeRO-0"),
+    ("grads without optimizer", dict(zero=1, offload=Offload(grads=1.0)), "offload.grads"),
+    ("off the eighths", dict(zero=3, offload=Offload(grads=0.3, optimizer=0.3)), "offload.optimizer"),
+    ("selective attention", dict(recompute_attention=True), "(recompute_attention)"),
+    ("selective MLP", dict(recompute_activation=True), "(recompute_activation)"),
+]
+
+
+@pytest.mark.parametrize("what,kw,phrase", REFUSED, ids=[r[0] for r in REFUSED])
+def test_refused_knobs_are_named_with_their_stage(what, kw, phrase, tmp_path):
+    plan = make_plan(**kw)
+    found = ds.problems(plan)
+    assert found and found[0].startswith("stage 0 ") and phrase in found[0], found
+    with pytest.raises(NotExpressible, match="^DeepSpeed cannot run this plan: stage 0 "):
+        export_plan(plan, "deepspeed", tmp_path)
+    near = ds.nearest(plan)
+    assert ds.problems(near) == []
+    assert [s.gpus for s in near.stages] == [s.gpus for s in plan.stages]
+    assert near.training.global_batch == plan.training.global_batch
+
+
+def test_autotp_beyond_the_kv_heads_is_refused_and_narrowed():
+    plan = make_plan("falcon-40b", tp=8, zero=1)  # 8 kv heads: fine
+    assert ds.problems(plan) == []
+    m = replace(get_preset("falcon-40b"), num_kv_heads=4, name="falcon-40b-kv4")
+    plan = make_plan(m, tp=8, zero=1)
+    assert "stage 0 has tp 8 but the model has 4 key-value heads" in ds.problems(plan)[0]
+    s = ds.nearest(plan).stages[0]
+    assert (s.tp, s.dp, s.gpus) == (4, 2, 8)
+
+
+def test_stages_must_share_zero_and_offload():
+    plan = make_plan(pp=2)
+    s0, s1 = plan.stages
+    mixed = replace(plan, stages=(s0, replace(s1, zero=0, offload=Offload(grads=1, optimizer=1))))
+    found = " | ".join(ds.problems(mixed))
+    assert "stage 1 uses ZeRO-0 but stage 0 ZeRO-1" in found and "(offload.optimizer)" in found
+    near = ds.nearest(mixed)
+    assert {s.zero for s in near.stages} == {1} and {s.offload.optimizer for s in near.stages} == {1.0}
+
+
+def test_nearest_is_memory_safe_rounding():
+    near = ds.nearest(make_plan(zero=3, offload=Offload(grads=0.2, optimizer=0.3, weights=0.1)))
+    s = near.stages[0]
+    assert (s.zero, s.offload.optimizer, s.offload.grads, s.offload.weights) == (3, 0.375, 0.375, 1.0)
+    s = ds.nearest(make_plan(pp=2, zero=3, offload=Offload(weights=0.5, grads=0.5, optimizer=0.5))).stages[1]
+    assert (s.zero, s.offload.weights, s.offload.optimizer) == (1, 0.0, 1.0)  # pipeline: ZeRO ≤ 1, no weights
+    s = ds.nearest(make_plan(zero=1, offload=Offload(weights=0.5))).stages[0]
+    assert (s.zero, s.offload.weights) == (3, 1.0)  # one stage: ZeRO-3 to offload weights
+
+
+def test_nearest_makes_the_mesh_uniform_with_the_same_gpus_and_batch():
+    plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
+    near = ds.nearest(plan)
+    assert ds.problems(near) == []
+    assert {(s.dp, s.tp, s.micro_batch) for s in near.stages} == {(2, 1, 2)}
+    assert near.training.global_batch == plan.training.global_batch
+    assert [s.layers for s in near.stages] == [s.layers for s in plan.stages]
+    # pipeline with tp 2: tp folds into dp, the micro-batches per rank shrink
+    pp_tp = ds.nearest(make_plan(pp=2, tp=2, G=4, mb=2))
+    assert {(s.dp, s.tp) for s in pp_tp.stages} == {(4, 1)} and pp_tp.training.global_batch == 2 * 2 * 4
+
+
+def test_nearest_refuses_stages_of_different_sizes():
+    m = get_preset("gpt3-1.3b")
+    stages = (StageStrategy(8, 1, 2, 3, 2, 1), StageStrategy(16, 1, 6, 1, 6, 1))
+    with pytest.raises(NotExpressible, match="different numbers of GPUs"):
+        ds.nearest(Plan(m, ClusterSpec("h200", 1, 8), TrainingSpec(seq_len=2048, global_batch=12), 2, stages))
+
+
+# ------------------------------------------------------------------ the CLI
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code, capsys.readouterr()
+
+
+def test_cli_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    make_plan(pp=2, recompute=(2, 0)).save(path)
+    main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "out"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["target"] == "deepspeed" and out["files"] == ["ds_config.json", "launch.sh", "mist_deepspeed.py"]
+    assert out["config"] == json.loads((tmp_path / "out" / "ds_config.json").read_text())
+    assert out["args"][:3] == ["--deepspeed", "--deepspeed_config", "ds_config.json"]
+
+
+def test_cli_module_entry_point(tmp_path):
+    path = tmp_path / "plan.json"
+    make_plan().save(path)
+    cmd = [sys.executable, "-m", "mist", "export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "o"), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["config"]["train_batch_size"] == 64
+
+
+def test_cli_refuses_with_one_sentence_and_exit_2(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    make_plan(pp=2, zero=2).save(path)
+    code, cap = run_cli(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2
+    text = " ".join(cap.err.split())
+    assert text.startswith("error: DeepSpeed cannot run this plan: stage 0 uses ZeRO-2 (zero 2)")
+    assert text.count(". ") == 0 and text.endswith(").")
+
+
+def test_cli_approximate_prints_both_predictions(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    make_plan(pp=2, zero=2, recompute=(4, 0)).save(path)
+    main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "out"), "--approximate", "--json"])
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["config"]["zero_optimization"]["stage"] == 1
+    err = " ".join(cap.err.split())
+    assert "approximated: the plan predicts" in err and "the exported nearest plan" in err and "ZeRO-1" in err
+
+
+def test_tuned_deepspeed_plans_export():
+    from mist.hardware.registry import load_profile
+    from mist.tune.run import run_space
+
+    for model, nodes in (("gpt3-1.3b", 1), ("llama3-8b", 2), ("falcon-40b", 2)):
+        r = run_space(
+            "deepspeed",
+            get_preset(model),
+            ClusterSpec("h200", nodes, 8),
+            TrainingSpec(seq_len=2048, global_batch=64),
+            load_profile("h200"),
+        )
+        assert r.plan is not None
+        plan = r.plan if not ds.problems(r.plan) else ds.nearest(r.plan)
+        assert ds.problems(plan) == []
+        assert ds.ds_config(plan)["train_batch_size"] == 64
+
+
+# ------------------------------------------------------------------ DeepSpeed's own code
+def require_deepspeed() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", "import deepspeed, sys; sys.exit(deepspeed.__version__ != '0.19.8')"],
+        capture_output=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=120,
+    )
+    if r.returncode:
+        pytest.fail(DS_MISSING + " " + r.stderr.decode()[-300:], pytrace=False)
+
+
+def ds_env() -> dict:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def run_checks(cases, tmp_path) -> dict:
+    """{name: what DeepSpeedConfig made of it} for [(name, config, dp)]."""
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([{"name": n, "config": c, "dp": dp} for n, c, dp in cases]))
+    r = subprocess.run(
+        [sys.executable, str(HERE / "deepspeed_check.py"), str(path)],
+        capture_output=True,
+        text=True,
+        env=ds_env(),
+        timeout=300,
+    )
+    line = next((x for x in r.stdout.splitlines() if x.startswith("CHECKS ")), None)
+    assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-3000:]
+    return {c["name"]: c for c in json.loads(line[len("CHECKS ") :])}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """DeepSpeedConfig on every exported config of the matrix, plus the negative cases."""
+    require_deepspeed()
+    cases = [(f"{m}-{n}", ds.ds_config(p), p.stages[0].dp) for m, n, p in CASES]
+    good = ds.ds_config(make_plan(zero=3, offload=Offload(grads=0.5, optimizer=0.5)))
+    typo = {k if k != "zero_optimization" else "zero_optimisation": v for k, v in good.items()}
+    inner_typo = {**good, "zero_optimization": {**good["zero_optimization"], "offload_optimiser": {"device": "cpu"}}}
+    zero2_ratio = {**good, "zero_optimization": {**good["zero_optimization"], "stage": 2}}
+    cases += [("neg-wrong-dp", good, 4), ("neg-top-typo", typo, 8), ("neg-inner-typo", inner_typo, 8)]
+    cases += [("neg-zero2-ratio", zero2_ratio, 8)]
+    return run_checks(cases, tmp_path_factory.mktemp("ds_checks"))
+
+
+@pytest.mark.parametrize("model,name,plan", CASES, ids=[f"{m}-{n}" for m, n, _ in CASES])
+def test_deepspeed_config_class_accepts_the_export(checked, model, name, plan):
+    r = checked[f"{model}-{name}"]
+    assert r["ok"], r["error"]
+    s, cfg = plan.stages[0], ds.ds_config(plan)
+    assert r["world_size"] == s.dp
+    assert (r["train_batch_size"], r["micro_batch"], r["gas"]) == (
+        plan.training.global_batch,
+        s.micro_batch,
+        plan.micro_batches,
+    )
+    assert r["zero"] == s.zero
+    assert (r["bf16"], r["fp16"]) == (plan.training.param_dtype == "bf16", plan.training.param_dtype == "fp16")
+    o = s.offload.optimizer
+    assert r["offload_optimizer"] == (None if o == 0 else {"device": "cpu", "ratio": o})
+    assert r["offload_param"] == ("cpu" if s.offload.weights else None)
+    if 0 < o < 1:
+        assert r["sub_group_size"] == ds.sub_group_size(plan)
+    assert r["autocast"] == ("torch_autocast" in cfg)
+    if plan.training.grad_dtype == "fp32":
+        assert r["grad_accum_dtype"] == "fp32"
+    # every top-level key we wrote is one DeepSpeed's config code looked up: none is silently ignored
+    assert set(cfg) <= set(r["read"]), set(cfg) - set(r["read"])
+
+
+def test_deepspeed_rejects_what_we_never_write(checked):
+    assert "train_batch_size is not equal to micro_batch_per_gpu" in checked["neg-wrong-dp"]["error"]
+    assert "Extra inputs are not permitted" in checked["neg-inner-typo"]["error"]
+    assert "Partial offloading only supported for ZeRO Stage 3" in checked["neg-zero2-ratio"]["error"]
+    # a misspelt top-level key passes DeepSpeed silently (ZeRO off) ...
+    typo = checked["neg-top-typo"]
+    assert typo["ok"] and typo["zero"] == 0
+    # ... and the read-key check above is what catches it
+    assert "zero_optimisation" not in typo["read"] and "zero_optimization" in typo["read"]
+
+
+def train(plan, tmp_path, steps=2) -> list[dict]:
+    out = tmp_path / "export"
+    export_plan(plan, "deepspeed", out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(HERE / "deepspeed_train.py"), str(out), str(steps), str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ds_env(), timeout=240, cwd=tmp_path)
+    found = sorted(tmp_path.glob("rank-*.json"))
+    assert r.returncode == 0 and len(found) == 2, r.stdout[-2000:] + r.stderr[-4000:]
+    results = [json.loads(p.read_text()) for p in found]
+    return sorted(results, key=lambda x: x["rank"])
+
+
+def test_trains_zero3_with_partial_optimizer_offload(tmp_path):
+    require_deepspeed()
+    stage = StageStrategy(6, 1, 2, 2, 2, 1, zero=3, recompute_layers=2, offload=Offload(grads=0.5, optimizer=0.5))
+    for r in train(tiny_plan([stage], G=2), tmp_path):
+        assert (r["zero"], r["dp"], r["gas"], r["micro_batch"], r["global_steps"]) == (3, 2, 2, 2, 2)
+        assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3/DeepSpeedCPUAdam" and r["partial_offload"] == 0.5
+        assert r["sub_groups"] > 1 and r["recomputed_blocks"] == 2 and r["losses_finite"]
+
+
+def test_trains_an_uneven_two_stage_pipeline(tmp_path):
+    require_deepspeed()
+    stages = [StageStrategy(1, 1, 1, 2, 1, 1, zero=1), StageStrategy(5, 1, 1, 2, 1, 1, zero=1, recompute_layers=2)]
+    a, b = train(tiny_plan(stages, G=4, dtype="bf16"), tmp_path)
+    for r in (a, b):
+        assert (r["zero"], r["dp"], r["gas"], r["global_steps"], r["parts"]) == (1, 1, 4, 2, [0, 2, 8])
+        assert r["losses_finite"]
+    assert (a["stage"], a["local_layers"]) == (0, 2)  # embedding + 1 block
+    assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head

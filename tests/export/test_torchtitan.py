@@ -1,0 +1,381 @@
+"""`mist export --to torchtitan`: the arguments and config module written for a plan, what is
+refused and approximated, and torchtitan 0.3.0's own code accepting the exports
+(`torchtitan_checks.py`; needs `bash .ci/targets/torchtitan.sh`)."""
+
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from torchtitan_checks import build_meshes, meta_model, parse, require_torchtitan, unknown_fqns
+
+from mist.cli import main
+from mist.export import export_plan
+from mist.export import torchtitan as tt
+from mist.export.common import PLACEHOLDER
+from mist.export.records import NotExpressible
+from mist.plan import Offload, Plan, StageStrategy, load_plan
+from mist.specs.loading import load_model
+from mist.specs.model import ModelSpec
+from mist.specs.training import ClusterSpec, TrainingSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+LLAMA3_8B = load_model("llama3-8b")  # GQA, a torchtitan registry flavour
+LLAMA2_7B = load_model("llama2-7b")  # multi-head attention, vocabulary 32000: a generated model
+SMALL_GQA = ModelSpec("llama", 12, 1024, 16, 4, 2816, 32000, norm_eps=1e-6, name="small-gqa")  # generated
+GPT = load_model("gpt3-1.3b")
+FALCON = load_model("falcon-7b")
+
+
+def stage(layers, gpus, mb, dp, tp, zero=3, rc=0, nodes=1, **kw) -> StageStrategy:
+    return StageStrategy(layers, nodes, gpus // nodes, mb, dp, tp, zero, rc, **kw)
+
+
+def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, **train) -> Plan:
+    return Plan(
+        model=model,
+        cluster=ClusterSpec("h100", nodes, gpn),
+        training=TrainingSpec(seq_len=seq, global_batch=B, **train),
+        micro_batches=G,
+        stages=tuple(stages),
+    )
+
+
+def pp2_uneven(m):  # dp 2 × tp 2 × pp 2, FSDP, the last 3 of 15 and all of the rest recomputed
+    L = m.num_layers
+    return make(m, [stage(L // 2 - 1, 4, 2, 2, 2, rc=3), stage(L - L // 2 + 1, 4, 2, 2, 2, rc=L - L // 2 + 1)], 32, 8)
+
+
+def dp8_ddp_full(m):  # replicated data parallelism on 8 GPUs, every block recomputed
+    return make(m, [stage(m.num_layers, 8, 2, 8, 1, zero=0, rc=m.num_layers)], 64, 4)
+
+
+def pp4_tp2_zero2(m):  # 2 nodes × 8: pp 4, dp 2, tp 2, ZeRO-2, no recompute
+    n = m.num_layers // 4
+    stages = [stage(n, 4, 1, 2, 2, zero=2) for _ in range(3)] + [stage(m.num_layers - 3 * n, 4, 1, 2, 2, zero=2)]
+    return make(m, stages, 16, 8, nodes=2)
+
+
+def pp2_offload(m):  # 2 nodes, a stage per node, dp 8 FSDP with all state on the CPU
+    on = Offload(1.0, 1.0, 1.0, 0.0)
+    L = m.num_layers
+    stages = [
+        stage(L // 2, 8, 1, 8, 1, rc=L // 2, offload=on),
+        stage(L - L // 2, 8, 1, 8, 1, rc=L - L // 2, offload=on),
+    ]
+    return make(m, stages, 64, 8, nodes=2, seq=4096)
+
+
+def tp4_single_stage(m):  # no pipeline: dp 2 × tp 4, gradient accumulation 4
+    return make(m, [stage(m.num_layers, 8, 1, 2, 4, rc=0)], 8, 4)
+
+
+PLANS = {f.__name__: f for f in (pp2_uneven, dp8_ddp_full, pp4_tp2_zero2, pp2_offload, tp4_single_stage)}
+MODELS = {"llama3-8b": LLAMA3_8B, "llama2-7b": LLAMA2_7B, "small-gqa": SMALL_GQA}
+
+
+def value(args, flag):
+    a = list(args)
+    return a[a.index(flag) + 1] if flag in a else None
+
+
+def script_args(path: Path) -> list[str]:
+    """The words of the launch script's TORCHTITAN_ARGS array, as bash would split them."""
+    text = path.read_text()
+    body = text.split("TORCHTITAN_ARGS=(\n", 1)[1].split("\n)\n", 1)[0]
+    return shlex.split(body)
+
+
+# ------------------------------------------------------------------ arguments (no torchtitan)
+def test_registry_model_pipeline_fsdp_args(tmp_path):
+    plan = make(LLAMA3_8B, [stage(15, 4, 2, 2, 2, rc=15), stage(17, 4, 2, 2, 2, rc=17)], 32, 8)
+    done = tt.write(plan, tmp_path)
+    a = list(done.args)
+    assert a[:4] == ["--module", "llama3", "--config", "llama3_8b"]
+    assert done.files == ("run_torchtitan.sh",)
+    expect = {
+        "--parallelism.data_parallel_replicate_degree": "1",
+        "--parallelism.data_parallel_shard_degree": "2",
+        "--parallelism.tensor_parallel_degree": "2",
+        "--parallelism.pipeline_parallel_degree": "2",
+        "--parallelism.fsdp_reshard_after_forward": "always",
+        "--parallelism.pipeline_parallel_schedule": "1F1B",
+        "--parallelism.pipeline_parallel_microbatch_size": "2",
+        "--training.local_batch_size": "16",  # micro-batch 2 × 8 micro-batches, split by the pipeline
+        "--training.global_batch_size": "32",
+        "--training.seq_len": "2048",
+        "--training.mixed_precision_param": "bfloat16",
+        "--hf_assets_path": PLACEHOLDER,
+    }
+    assert {k: value(a, k) for k in expect} == expect
+    parts = a[a.index("--parallelism.module_fqns_per_model_part") + 1 :][:2]
+    assert parts[0].split(",")[:2] == ["tok_embeddings", "layers.0"] and parts[0].endswith("layers.14")
+    assert parts[1].startswith("layers.15,") and parts[1].endswith("layers.31,norm,lm_head")
+    assert "--training.disable_cuda_graphs" in a and a[-1] == "activation-checkpoint:full"
+    assert script_args(tmp_path / "run_torchtitan.sh") == a
+    assert done.env == {"NNODES": "1", "NPROC_PER_NODE": "8"}
+
+
+@pytest.mark.parametrize(
+    "zero, dp, replicate, shard, reshard",
+    [(0, 8, "8", "1", None), (2, 8, "1", "8", "never"), (3, 8, "1", "8", "always")],
+)
+def test_zero_levels(zero, dp, replicate, shard, reshard):
+    a = tt.args(make(LLAMA3_8B, [stage(32, 8, 1, dp, 1, zero=zero)], 8 * 4, 4))
+    assert value(a, "--parallelism.data_parallel_replicate_degree") == replicate
+    assert value(a, "--parallelism.data_parallel_shard_degree") == shard
+    assert value(a, "--parallelism.fsdp_reshard_after_forward") == reshard
+
+
+def test_without_pipeline_torchtitan_accumulates_gradients():
+    a = tt.args(tp4_single_stage(LLAMA3_8B))
+    assert value(a, "--training.local_batch_size") == "1"  # global 8 / (local 1 × dp 2) = 4 accumulation steps
+    assert value(a, "--training.global_batch_size") == "8"
+    assert "--parallelism.module_fqns_per_model_part" not in a and "--training.disable_cuda_graphs" not in a
+    assert a[-1] == "activation-checkpoint:none"
+
+
+def test_per_stage_recompute_and_custom_model_write_a_module(tmp_path):
+    plan = pp2_uneven(SMALL_GQA)  # stage 0: last 3 of 5 blocks; stage 1: all 7
+    assert tt.recomputed_layers(plan) == [[2, 3, 4], list(range(5, 12))]
+    done = tt.write(plan, tmp_path)
+    assert done.files == ("run_torchtitan.sh", "mist_torchtitan_plan.py")
+    assert done.args[:4] == ("--module", "mist_torchtitan_plan", "--config", "mist_plan")
+    assert not any(w.startswith("activation-checkpoint:") for w in done.args)  # the module's policy
+    text = (tmp_path / "mist_torchtitan_plan.py").read_text()
+    assert "RECOMPUTED_LAYERS = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]" in text
+    assert "DIM, N_LAYERS, N_HEADS, N_KV_HEADS = 1024, 12, 16, 4" in text
+    assert "FFN_DIM, VOCAB, NORM_EPS, TIE = 2816, 32000, 1e-06, False" in text
+    compile(text, "mist_torchtitan_plan.py", "exec")
+
+
+def test_offload_all_is_the_cpu_offload_flag():
+    assert "--training.enable_cpu_offload" in tt.args(pp2_offload(LLAMA3_8B))
+    assert "--training.enable_cpu_offload" not in tt.args(pp2_uneven(LLAMA3_8B))
+
+
+# ------------------------------------------------------------------ refusals and nearest
+def refused(plan) -> str:
+    return tt.problems(plan)[0]
+
+
+def test_gpt_and_falcon_are_refused_in_one_sentence():
+    gpt = make(GPT, [stage(24, 8, 1, 8, 1)], 8, 1)
+    assert "gpt model" in refused(gpt) and "no GPT-style" in refused(gpt)
+    falcon = make(FALCON, [stage(32, 8, 1, 8, 1)], 8, 1)
+    assert "falcon model" in refused(falcon)
+    with pytest.raises(NotExpressible, match=r"^torchtitan cannot run this plan or any near it: the model is a gpt"):
+        tt.nearest(gpt)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            dict(offload=Offload(optimizer=0.5)),
+            "stage 1 offloads part of its state (offload.weights 0, offload.grads 0",
+        ),
+        (dict(offload=Offload(activations=0.25)), "stage 1 offloads 25% of its activations (offload.activations 0.25)"),
+        (dict(zero=1), "stage 1 uses ZeRO-1 (zero 1)"),
+        (dict(recompute_attention=True), "stage 1 recomputes the attention core of its other blocks"),
+        (dict(recompute_activation=True), "stage 1 recomputes the MLP activation of its other blocks"),
+        (dict(tp=1, dp=4, micro_batch=1), "stage 1 has dp 4 but stage 0 has 2"),
+    ],
+)
+def test_stage_knobs_are_named(change, words):
+    plan = pp2_uneven(LLAMA3_8B)
+    s1 = replace(plan.stages[1], recompute_layers=4, **change)
+    bad = replace(plan, stages=(plan.stages[0], s1))
+    found = tt.problems(bad)
+    assert any(words in p for p in found), found
+    near = tt.nearest(bad)
+    assert tt.problems(near) == []
+    assert near.cluster == bad.cluster and near.training.global_batch == bad.training.global_batch
+    assert [s.layers for s in near.stages] == [s.layers for s in bad.stages]
+
+
+def test_fp16_and_partial_rotary_are_named_and_approximated():
+    plan = make(replace(SMALL_GQA, rotary_fraction=0.25), [stage(12, 8, 1, 8, 1)], 8, 1, param_dtype="fp16")
+    found = tt.problems(plan)
+    assert "rotary_fraction 0.25" in found[0] and any("fp16 (param_dtype)" in p for p in found)
+    near = tt.nearest(plan)
+    assert tt.problems(near) == [] and near.model.rotary_fraction == 1.0 and near.training.param_dtype == "bf16"
+
+
+def test_unequal_stage_gpus_and_tied_pipeline_cannot_be_approximated():
+    uneven = make(LLAMA3_8B, [stage(16, 2, 2, 2, 1), stage(16, 4, 1, 4, 1)], 8, 2, gpn=6)
+    assert "stage 1 has 4 GPUs but stage 0 has 2" in refused(uneven)
+    with pytest.raises(NotExpressible, match="same GPUs"):
+        tt.nearest(uneven)
+    tied = pp2_uneven(replace(SMALL_GQA, tie_embeddings=True))
+    assert "tie_embeddings" in refused(tied)
+
+
+def test_mixed_example_nearest(tmp_path):
+    plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
+    near = tt.nearest(plan)
+    assert tt.problems(near) == []
+    assert {(s.dp, s.tp, s.micro_batch, s.zero) for s in near.stages} == {(2, 1, 2, 2)}
+    assert all(s.offload == Offload(1.0, 1.0, 1.0, 0.0) for s in near.stages)  # 0.875 of the optimizer → all
+    assert [s.recompute_layers for s in near.stages] == [7, 5, 3, 0]
+    with pytest.raises(NotExpressible, match=r"^torchtitan cannot run this plan: "):
+        export_plan(plan, "torchtitan", tmp_path)
+
+
+# ------------------------------------------------------------------ the CLI
+def test_cli_json_is_what_the_script_passes(tmp_path, capsys):
+    src = tmp_path / "plan.json"
+    pp2_uneven(LLAMA3_8B).save(src)
+    main(["export", str(src), "--to", "torchtitan", "-o", str(tmp_path / "out"), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {"target", "files", "env", "args"} and got["target"] == "torchtitan"
+    assert got["args"] == script_args(tmp_path / "out" / "run_torchtitan.sh")
+    assert sorted(got["files"]) == sorted(p.name for p in (tmp_path / "out").iterdir())
+
+
+def test_cli_refuses_with_exit_2_naming_the_knob(tmp_path, capsys):
+    src = tmp_path / "plan.json"
+    plan = pp2_uneven(LLAMA3_8B)
+    replace(plan, stages=(plan.stages[0], replace(plan.stages[1], offload=Offload(optimizer=0.5)))).save(src)
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(src), "--to", "torchtitan", "-o", str(tmp_path / "out")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2
+    assert "stage 1 offloads part of its state" in err and "offload.optimizer 0.5" in err
+
+
+def test_cli_approximate_prints_both_predictions(tmp_path, capsys):
+    main(
+        [
+            "export",
+            str(EXAMPLES / "llama-7b-8xl4-mixed.json"),
+            "--to",
+            "torchtitan",
+            "-o",
+            str(tmp_path),
+            "--approximate",
+        ]
+    )
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "approximated: the plan predicts" in err and "the exported nearest plan" in err
+    assert (tmp_path / "mist_torchtitan_plan.py").is_file()
+
+
+# ------------------------------------------------------------------ torchtitan's own code
+CASES = [(m, p) for m in MODELS for p in PLANS]
+
+
+@pytest.mark.parametrize("model_name, plan_name", CASES)
+def test_torchtitan_accepts_the_export(model_name, plan_name, tmp_path):
+    require_torchtitan()
+    plan = PLANS[plan_name](MODELS[model_name])
+    done = tt.write(plan, tmp_path)
+    cfg = parse(done.args, tmp_path)
+    check_layout(cfg, plan)
+    check_meshes(cfg, plan)
+    check_model(cfg, plan)
+
+
+def test_torchtitan_accepts_the_approximated_mixed_example(tmp_path):
+    require_torchtitan()
+    plan = tt.nearest(load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json"))
+    cfg = parse(tt.write(plan, tmp_path).args, tmp_path)
+    check_layout(cfg, plan)
+    check_meshes(cfg, plan)
+    check_model(cfg, plan)
+
+
+def check_layout(cfg, plan):
+    s0, p, t = plan.stages[0], cfg.parallelism, cfg.training
+    assert p.data_parallel_replicate_degree * p.data_parallel_shard_degree == s0.dp
+    assert (p.data_parallel_shard_degree > 1) == (s0.dp > 1 and s0.zero >= 2)
+    assert (p.tensor_parallel_degree, p.pipeline_parallel_degree) == (s0.tp, plan.num_stages)
+    assert t.global_batch_size == plan.training.global_batch and t.seq_len == plan.training.seq_len
+    if plan.num_stages > 1:  # torchtitan's pipeline runs local / microbatch micro-batches per step
+        assert p.pipeline_parallel_microbatch_size == s0.micro_batch
+        assert t.local_batch_size // p.pipeline_parallel_microbatch_size == plan.micro_batches
+        assert [sum(f.startswith("layers.") for f in part) for part in p.module_fqns_per_model_part] == [
+            s.layers for s in plan.stages
+        ]
+    else:  # gradient accumulation steps = global / (local × dp)
+        assert t.global_batch_size // (t.local_batch_size * s0.dp) == plan.micro_batches
+    assert t.enable_cpu_offload == (s0.offload.optimizer == 1.0)
+    check_recompute(cfg.activation_checkpoint, plan)
+
+
+def check_recompute(ac, plan):
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    mode = tt.ac_mode(plan)
+    if mode == "none":
+        assert ac is None
+    elif mode == "full":
+        assert type(ac) is FullAC.Config
+    else:
+        policy = ac.build()
+        assert isinstance(policy, FullAC)
+        assert ac.layer_ids == [i for ids in tt.recomputed_layers(plan) for i in ids]
+
+
+def check_meshes(cfg, plan):
+    s0, world = plan.stages[0], plan.cluster.world_size
+    groups = build_meshes(cfg.parallelism, world)
+    # Mist's layout: a stage's GPUs are consecutive ranks, tp innermost
+    if s0.tp > 1:
+        assert groups["tp"] == list(range(s0.tp))
+    if plan.num_stages > 1:
+        assert groups["pp"] == [i * s0.gpus for i in range(plan.num_stages)]
+    if s0.dp > 1:
+        assert groups["batch"] == [i * s0.tp for i in range(s0.dp)]
+    with pytest.raises(AssertionError, match="Invalid parallel dims"):  # torchtitan asserts it
+        build_meshes(cfg.parallelism, world * 2)
+
+
+def check_model(cfg, plan):
+    model = meta_model(cfg)
+    if plan.num_stages > 1:
+        parts = cfg.parallelism.module_fqns_per_model_part
+        assert unknown_fqns(model, parts) == []
+        assert sorted(f for part in parts for f in part) == sorted(
+            [n for n, _ in model.named_children() if n != "layers"] + [f"layers.{i}" for i in range(len(model.layers))]
+        )
+    assert sum(p.numel() for p in model.parameters()) == plan.model.total_params()
+    if tt.ac_mode(plan) == "blocks":  # the generated policy wraps exactly the plan's recomputed blocks
+        cfg.activation_checkpoint.build().apply(model)
+        wrapped = [int(i) for i, b in model.layers.named_children() if type(b).__name__ == "CheckpointWrapper"]
+        assert wrapped == [i for ids in tt.recomputed_layers(plan) for i in ids]
+
+
+def tyro_error(args, out_dir, capsys) -> str:
+    """The message torchtitan's config manager exits with (tyro prints it boxed to stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse(args, out_dir)
+    return " ".join(w for w in capsys.readouterr().err.split() if w != "│")
+
+
+def test_torchtitan_rejects_what_we_refuse(tmp_path, capsys):
+    require_torchtitan()
+    a = list(tt.write(pp2_uneven(LLAMA3_8B), tmp_path).args)
+    # a micro-batch that does not divide the local batch
+    bad = a.copy()
+    bad[bad.index("--parallelism.pipeline_parallel_microbatch_size") + 1] = "3"
+    assert "must be evenly divisible by parallelism.pipeline_parallel_microbatch_size" in tyro_error(
+        bad, tmp_path, capsys
+    )
+    # CUDA graphs under a pipeline (why the export always passes --training.disable_cuda_graphs)
+    no_flag = [w for w in a if w != "--training.disable_cuda_graphs"]
+    assert "CUDA graphs do not support pipeline parallelism" in tyro_error(no_flag, tmp_path, capsys)
+    # tp 8 over 4 KV heads (we refuse: "does not divide the model's 4 KV heads")
+    small = make(SMALL_GQA, [stage(12, 8, 1, 1, 8)], 4, 4)
+    assert "KV heads" in refused(small)
+    cfg = parse(["--module", "llama3", "--config", "llama3_8b"], tmp_path)
+    cfg.parallelism.tensor_parallel_degree = 16  # 8 KV heads
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        meta_model(cfg)
+    # a misspelt module name parses but names no module of the model
+    parts = [p.split(",") for p in a[a.index("--parallelism.module_fqns_per_model_part") + 1 :][:2]]
+    parts[1][-1] = "output"
+    assert unknown_fqns(meta_model(parse(a, tmp_path)), parts) == ["output"]

@@ -19,7 +19,7 @@ from mist.simulate.precision import profile_dtype
 from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces
-from mist.tune.run import ALL_SPACES, run_space
+from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
 
@@ -195,6 +195,17 @@ def _progress_printer(enabled: bool):
     return prog, update
 
 
+def _tune_space(space: str | None, target: str | None) -> str:
+    """The space `mist tune` searches: --space, or the one --target names (not both)."""
+    if target is None:
+        return space or "full"
+    if space is not None:
+        raise MistInputError("Give either --space or --target, not both.")
+    if target not in TARGET_SPACES:
+        raise MistInputError(f"Unknown --target {target!r}; choose one of {', '.join(TARGET_SPACES)}.")
+    return TARGET_SPACES[target]
+
+
 @app.command()
 def tune(
     model: ModelOpt = "gpt3-1.3b",
@@ -204,7 +215,15 @@ def tune(
     seq: SeqOpt = 2048,
     global_batch: BatchOpt = 32,
     space: str = typer.Option(
-        "full", help="Search space: full, mist-paper, megatron, deepspeed, aceso, megatron-paper."
+        None,
+        help="Search space: full (default), mist-paper, megatron, deepspeed, aceso, megatron-paper, "
+        "megatron-0.19, deepspeed-0.19, torchtitan-0.3.",
+    ),
+    target: str = typer.Option(
+        None,
+        "--target",
+        help="Search only the plans this framework runs today: megatron, deepspeed or torchtitan "
+        "(the megatron-0.19, deepspeed-0.19 and torchtitan-0.3 spaces).",
     ),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop searching after this many seconds."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan (JSON or YAML) here."),
@@ -220,6 +239,7 @@ def tune(
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
+    space = _tune_space(space, target)
     if space not in ALL_SPACES:
         raise MistInputError(f"Unknown search space {space!r}; choose one of {', '.join(ALL_SPACES)}.")
     _check_budget(time_budget)

@@ -1,0 +1,195 @@
+"""Target spaces — the plans Megatron-LM 0.19, DeepSpeed 0.19 and torchtitan 0.3 run today.
+
+`mist tune --target megatron|deepspeed|torchtitan` searches one of these spaces with the baseline
+machinery of `mist.tune.baselines` (the same enumeration rules for meshes, the same memoized
+costing by Mist's simulator, the same re-check of the winner with `simulate_plan`) and returns the
+fastest plan that fits. Unlike the paper-era baselines (`megatron`, `deepspeed`, kept unchanged),
+every candidate here is first passed through the target's exporter: only plans with
+`mist.export.<target>.problems(plan) == []` are costed, so the tuned plan always exports exactly.
+
+Shared rules (from the baselines): every stage has the same GPUs, one dp, tp and micro-batch on
+every stage, pp a power of two with a valid equal stage mesh, tp a power of two within a node that
+splits the model, micro-batch × dp × G = global batch.
+
+megatron-0.19: pp with the even split, or when pp does not divide the layer count the balanced
+  uneven split (`--pipeline-model-parallel-layout`); block recomputation with one N for all stages
+  (N ∈ {0, 1, half, all} of the largest stage); the distributed optimizer (ZeRO-1) on; optimizer
+  offload fraction 0, 0.5 or 1 (`--optimizer-offload-fraction`, needs the distributed optimizer);
+  micro-batch 1/2/4/8; fp32 gradients with bf16 parameters (`megatron_training`).
+deepspeed-0.19: the `deepspeed` baseline's rules (ZeRO 0–3 without a pipeline, ZeRO 0/1 with one,
+  ZeRO-Infinity with ZeRO-3) with DeepSpeed's offload as it runs: gradients go to the CPU with the
+  optimizer states, and with ZeRO-3 at pp = 1 part of the optimizer states (in eighths of a
+  rank's share: 1/4, 1/2, 3/4).
+torchtitan-0.3: Llama-family models only; replicated (ZeRO-0) or FSDP2 (ZeRO-2/3) data
+  parallelism, tp, pp with the balanced split, full activation checkpointing or none, CPU offload
+  of all weights, gradients and optimizer state (FSDP2, ZeRO-3) or none; micro-batch 1/2/4/8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+
+from mist.errors import MistInputError
+from mist.export import deepspeed as ds_export
+from mist.export import megatron as mg_export
+from mist.export import torchtitan as tt_export
+from mist.plan import Offload, Plan, StageStrategy
+from mist.specs.model import ModelSpec
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.baselines import (
+    DEEPSPEED_MICRO_BATCHES,
+    MEGATRON_MICRO_BATCHES,
+    _best_of,
+    _deepspeed_candidates,
+    _depths,
+    _Evaluator,
+    _run,
+    even_split,
+    megatron_training,
+)
+from mist.tune.result import TuneResult
+from mist.tune.run import TARGET_SPACES
+from mist.tune.space import tp_degrees
+
+MEGATRON_OFFLOAD = (0.0, 0.5, 1.0)
+DEEPSPEED_PARTIAL_OFFLOAD = (0.25, 0.5, 0.75)
+TORCHTITAN_MICRO_BATCHES = (1, 2, 4, 8)
+
+Candidate = tuple[int, tuple[StageStrategy, ...]]
+
+__all__ = ["TARGET_SPACES", "tune_target", "megatron_candidates", "deepspeed_candidates", "torchtitan_candidates"]
+
+
+# ------------------------------------------------------------------ shared
+def _meshes(model: ModelSpec, cluster: ClusterSpec, micro_batches: Iterable[int], B: int) -> Iterator[tuple]:
+    """(pp, nodes, gpus_per_node, tp, dp, micro-batch) of every uniform mesh the baselines allow."""
+    for pp, (n, g) in _depths(model, cluster):
+        for tp in tp_degrees(model, g):
+            dp = n * g // tp
+            for b in micro_batches:
+                if B % (b * dp) == 0:
+                    yield pp, n, g, tp, dp, b
+
+
+def _stages(layers: list[int], n: int, g: int, tp: int, dp: int, b: int, **knobs) -> tuple[StageStrategy, ...]:
+    """One StageStrategy per layer count; `recompute` (N blocks, capped per stage) and the rest as given."""
+    rc = knobs.pop("recompute")
+    return tuple(
+        StageStrategy(
+            layers=l, nodes=n, gpus_per_node=g, micro_batch=b, dp=dp, tp=tp, recompute_layers=min(rc, l), **knobs
+        )
+        for l in layers
+    )
+
+
+def _exportable(
+    ev: _Evaluator, candidates: Iterable[Candidate], problems: Callable[[Plan], list[str]], refused: list[str]
+):
+    """The candidates whose plan the target's exporter accepts as it is; the first refusal's
+    first sentence goes to `refused` (the reason given when none is left)."""
+    for G, stages in candidates:
+        try:
+            plan = ev.plan(G, stages)
+        except MistInputError as e:
+            refused[:1] = refused[:1] or [str(e)]
+            continue
+        found = problems(plan)
+        if not found:
+            yield G, stages
+        elif not refused:
+            refused.append(found[0])
+
+
+# ------------------------------------------------------------------ Megatron-LM 0.19
+def megatron_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
+    """Uniform meshes × even/balanced-uneven split × one block-recompute N × optimizer offload."""
+    B = training.global_batch
+    for pp, n, g, tp, dp, b in _meshes(model, cluster, MEGATRON_MICRO_BATCHES, B):
+        layers = even_split(model.num_layers, pp)
+        top = max(layers)
+        for rc in sorted({0, 1, top // 2, top}):
+            for off in MEGATRON_OFFLOAD:
+                stages = _stages(layers, n, g, tp, dp, b, recompute=rc, zero=1, offload=Offload(optimizer=off))
+                yield B // (b * dp), stages
+
+
+# ------------------------------------------------------------------ DeepSpeed 0.19
+def _ds_offload(s: StageStrategy) -> StageStrategy:
+    """DeepSpeed moves the gradients to the CPU with the optimizer states they update."""
+    o = s.offload
+    return s if o.grads == o.optimizer else replace(s, offload=replace(o, grads=o.optimizer))
+
+
+def deepspeed_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
+    """The `deepspeed` baseline's candidates (offload as DeepSpeed runs it) and partial ZeRO-3 offload."""
+    for G, stages in _deepspeed_candidates(model, cluster, training):
+        yield G, tuple(_ds_offload(s) for s in stages)
+    B = training.global_batch
+    for pp, n, g, tp, dp, b in _meshes(model, cluster, DEEPSPEED_MICRO_BATCHES, B):
+        if pp > 1 or dp == 1:
+            continue
+        for r in DEEPSPEED_PARTIAL_OFFLOAD:
+            for full_rc in (True, False):
+                rc = model.num_layers if full_rc else 0
+                off = Offload(grads=r, optimizer=r)
+                yield B // (b * dp), _stages([model.num_layers], n, g, tp, dp, b, recompute=rc, zero=3, offload=off)
+
+
+# ------------------------------------------------------------------ torchtitan 0.3
+def torchtitan_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
+    """Uniform meshes × replicate/FSDP2 × full AC or none × all-or-nothing CPU offload (FSDP2)."""
+    B = training.global_batch
+    full = Offload(weights=1.0, grads=1.0, optimizer=1.0)
+    for pp, n, g, tp, dp, b in _meshes(model, cluster, TORCHTITAN_MICRO_BATCHES, B):
+        layers = even_split(model.num_layers, pp)
+        variants = [(z, Offload()) for z in ((0, 2, 3) if dp > 1 else (0,))]
+        if dp > 1:
+            variants.append((3, full))
+        for z, off in variants:
+            for rc in (max(layers), 0):
+                yield B // (b * dp), _stages(layers, n, g, tp, dp, b, recompute=rc, zero=z, offload=off)
+
+
+# ------------------------------------------------------------------ entry point
+_TARGETS = {
+    "megatron": (megatron_candidates, mg_export.problems),
+    "deepspeed": (deepspeed_candidates, ds_export.problems),
+    "torchtitan": (torchtitan_candidates, tt_export.problems),
+}
+
+
+def tune_target(
+    target: str,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    profile,
+    time_budget: float | None = None,
+) -> TuneResult:
+    """The fastest plan that fits among those `target` runs as exported (see the module docstring)."""
+    if target == "torchtitan" and model.family != "llama":  # a result, not an error: `mist compare` lists it
+        reason = (
+            f"torchtitan has no model for {model.name or 'this model'} (a {model.family} model; its only "
+            "dense decoder is llama3)."
+        )
+        return TuneResult(TARGET_SPACES[target], None, None, 0.0, 0, reason)
+    if target == "megatron":
+        training = megatron_training(training)
+    enumerate_, problems = _TARGETS[target]
+
+    refused: list[str] = []
+
+    def search(ev, t0, budget):
+        found = _exportable(ev, enumerate_(model, cluster, training), problems, refused)
+        return _best_of(ev, found, t0 + budget)
+
+    res = _run(TARGET_SPACES[target], search, model, cluster, training, profile, time_budget, "")
+    if res.plan is None and res.candidates_evaluated == 0:
+        why = refused[0] if refused else "no uniform power-of-two mesh and micro-batch divides the batch"
+        res = replace(
+            res,
+            infeasible_reason=f"No {TARGET_SPACES[target]} plan exists for {model.name or 'the model'} on "
+            f"{cluster.world_size} GPUs with global batch {training.global_batch}: {why}.",
+        )
+    return res

@@ -1,0 +1,128 @@
+"""Target spaces (`mist tune --target megatron|deepspeed|torchtitan`): every tuned plan exports
+as it is, and Mist's full space is never predicted slower than a target's best plan."""
+
+import importlib
+import json
+from dataclasses import replace
+
+import pytest
+
+from mist.cli import main
+from mist.export.megatron import problems as megatron_problems
+from mist.hardware import load_profile
+from mist.plan import Plan
+from mist.specs.presets import get_preset
+from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
+from mist.tune.targets import deepspeed_candidates, megatron_candidates, torchtitan_candidates
+
+# the paper's llama-2.7b rotates a quarter of each head; torchtitan's llama3 rotates all of it
+LLAMA = replace(get_preset("llama-2.7b"), rotary_fraction=1.0, name="llama-2.7b-rope")
+MODELS = ("gpt3-1.3b", "llama-2.7b-rope", "falcon-1.3b")
+
+
+def model(m):
+    return LLAMA if m == LLAMA.name else get_preset(m)
+
+
+CLUSTERS = (("l4", 2), ("a100", 4), ("h200", 8))
+FAMILIES = {"megatron": ("gpt", "llama"), "deepspeed": ("gpt", "llama", "falcon"), "torchtitan": ("llama",)}
+CASES = [
+    (target, m, gpu, n)
+    for target in TARGET_SPACES
+    for m in MODELS
+    for gpu, n in CLUSTERS
+    if model(m).family in FAMILIES[target]
+]
+# the full space is searched (unbudgeted) on these clusters for every model
+FULL_CLUSTERS = (("l4", 2), ("h200", 8))
+
+_results: dict = {}
+
+
+def setup(m, gpu, n):
+    training = TrainingSpec(seq_len=2048, global_batch=8 * n)  # bf16: every target trains in it
+    return model(m), ClusterSpec(gpu, 1, n), training, load_profile(gpu)
+
+
+def tuned(space, m, gpu, n):
+    key = (space, m, gpu, n)
+    if key not in _results:
+        _results[key] = run_space(space, *setup(m, gpu, n), time_budget=None if space == "full" else 20)
+    return _results[key]
+
+
+def test_spaces_registered_beside_the_paper_era_ones():
+    assert TARGET_SPACES == {"megatron": "megatron-0.19", "deepspeed": "deepspeed-0.19", "torchtitan": "torchtitan-0.3"}
+    for name in ("megatron", "deepspeed", "megatron-paper", *TARGET_SPACES.values()):
+        assert name in ALL_SPACES
+
+
+@pytest.mark.parametrize("target,m,gpu,n", CASES)
+def test_tuned_plan_exports_and_full_space_is_no_slower(target, m, gpu, n, tmp_path):
+    res = tuned(TARGET_SPACES[target], m, gpu, n)
+    assert res.plan is not None, res.infeasible_reason
+    assert res.predicted["fits"]
+    exporter = importlib.import_module(f"mist.export.{target}")
+    assert exporter.problems(res.plan) == []
+    rec = exporter.write(res.plan, tmp_path)
+    assert rec.target == target and all((tmp_path / f).exists() for f in rec.files)
+    if (gpu, n) in FULL_CLUSTERS:
+        full = tuned("full", m, gpu, n)
+        assert full.plan is not None
+        t_full, t_target = full.predicted["iteration_time_s"], res.predicted["iteration_time_s"]
+        assert t_full <= t_target * (1 + 1e-9), f"full {t_full:.4f} s slower than {target} {t_target:.4f} s"
+
+
+def test_uniform_knobs_and_target_rules():
+    spec, cluster, training, _ = setup(LLAMA.name, "h200", 8)
+    for cands in (megatron_candidates, deepspeed_candidates, torchtitan_candidates):
+        for _, stages in cands(spec, cluster, training):
+            assert len({(s.dp, s.tp, s.micro_batch, s.zero, s.offload.optimizer) for s in stages}) == 1
+    mg = list(megatron_candidates(spec, cluster, training))
+    assert {s.offload.optimizer for _, st in mg for s in st} == {0.0, 0.5, 1.0}
+    ds = list(deepspeed_candidates(spec, cluster, training))
+    assert all(s.offload.grads == s.offload.optimizer for _, st in ds for s in st)
+    assert {s.offload.optimizer for _, st in ds for s in st if s.zero == 3} >= {0.25, 0.5, 0.75, 1.0}
+    tt = list(torchtitan_candidates(spec, cluster, training))
+    assert {s.zero for _, st in tt for s in st} == {0, 2, 3}
+    assert all(s.recompute_layers in (0, s.layers) for _, st in tt for s in st)
+
+
+def test_megatron_uneven_split_and_fp32_grads():
+    model30 = replace(LLAMA, num_layers=30)  # pp 4 does not divide 30
+    _, cluster, training, _ = setup(LLAMA.name, "h200", 8)
+    splits = {tuple(s.layers for s in st) for _, st in megatron_candidates(model30, cluster, training)}
+    assert (8, 8, 7, 7) in splits and (30,) in splits
+    uneven = [
+        Plan(model=model30, cluster=cluster, training=training, micro_batches=G, stages=st)
+        for G, st in megatron_candidates(model30, cluster, training)
+        if len(st) == 4
+    ]
+    assert any(megatron_problems(p) == [] for p in uneven)  # exported as --pipeline-model-parallel-layout
+    res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
+    assert res.plan.training.grad_dtype == "fp32"
+
+
+def test_refusals():
+    res = run_space("torchtitan-0.3", *setup("gpt3-1.3b", "l4", 2))
+    assert res.plan is None and res.infeasible_reason.startswith("torchtitan has no model for gpt3-1.3b")
+    res = run_space("megatron-0.19", *setup("falcon-1.3b", "l4", 2))
+    assert res.plan is None and "falcon" in res.infeasible_reason
+
+
+def test_cli_target(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["tune", "--model", "llama3-8b", "--gpu", "h200", "--gpus-per-node", "2", "--global-batch", "16"]
+    main([*args, "--target", "torchtitan", "--time-budget", "10", "-o", str(out), "--json"])
+    assert json.loads(capsys.readouterr().out)["space"] == "torchtitan-0.3" and out.exists()
+    for extra, says in (
+        (["--target", "megatron", "--space", "full"], "either --space or --target"),
+        (["--target", "jax"], "Unknown --target"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([*args, *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--model", "gpt3-1.3b", "--target", "torchtitan"])
+    assert e.value.code == 2 and "torchtitan has no model for gpt3-1.3b" in capsys.readouterr().err

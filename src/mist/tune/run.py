@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mist.tune.result import TuneResult
-from mist.tune.space import BASELINE_SPACES, get_space
+from mist.tune.space import BASELINE_SPACES, TARGET_SPACES, get_space
 
-# `mist tune --target X`: the plans framework X runs today (mist.tune.targets)
-TARGET_SPACES = {"megatron": "megatron-0.19", "deepspeed": "deepspeed-0.19", "torchtitan": "torchtitan-0.3"}
 ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES + tuple(TARGET_SPACES.values())
 
 
@@ -17,7 +15,7 @@ def run_space(
 ) -> TuneResult:
     """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces."""
     if space in TARGET_SPACES.values():
-        from mist.tune.targets import tune_target  # lazy, as below
+        from mist.tune.targets import tune_target  # lazy: keeps torch out of the CLI start-up
 
         target = next(t for t, name in TARGET_SPACES.items() if name == space)
         return tune_target(target, model, cluster, training, profile, time_budget=time_budget)

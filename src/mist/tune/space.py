@@ -74,6 +74,8 @@ SPACES = {
     ),
 }
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
+# `mist tune --target X`: the plans framework X runs today (`mist.tune.targets`)
+TARGET_SPACES = {"megatron": "megatron-0.19", "deepspeed": "deepspeed-0.19", "torchtitan": "torchtitan-0.3"}
 
 
 # TP degrees are powers of two within a node; the tuner caps them at 128 and its one-degree-for-

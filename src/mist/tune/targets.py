@@ -49,8 +49,7 @@ from mist.tune.baselines import (
     megatron_training,
 )
 from mist.tune.result import TuneResult
-from mist.tune.run import TARGET_SPACES
-from mist.tune.space import tp_degrees
+from mist.tune.space import TARGET_SPACES, tp_degrees
 
 MEGATRON_OFFLOAD = (0.0, 0.5, 1.0)
 DEEPSPEED_PARTIAL_OFFLOAD = (0.25, 0.5, 0.75)

@@ -69,6 +69,8 @@ def make_plan(
         )
         for i, L in enumerate(layers)
     )
+    if grad_dtype is None and dtype != "fp32":  # Megatron's optimizer holds fp32 gradients for 16-bit parameters
+        grad_dtype = "fp32"
     training = TrainingSpec(
         seq_len=seq, global_batch=mb * dp * G, param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype
     )
@@ -232,6 +234,20 @@ def test_precision_and_selective_recompute():
     a = " ".join(mg.pretrain_args(sel))
     assert "--recompute-granularity selective --recompute-modules core_attn" in a and "--fp16" in a
     assert "--accumulate-allreduce-grads-in-fp32" in a
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_gradients_are_refused(dtype):
+    """Megatron's optimizer holds fp32 gradients for 16-bit parameters: a plan costed with 16-bit
+    gradients would leave it 4 bytes per parameter Mist did not count."""
+    plan = make_plan("gpt3-1.3b", 1, 8, [24], 1, 2, 4, zero=1, dtype=dtype)
+    low = replace(plan, training=replace(plan.training, grad_dtype=dtype))
+    assert f"the plan keeps {dtype} gradients (training.grad_dtype)" in mg.problems(low)[0]
+    near = mg.nearest(low)
+    assert near.training.grad_dtype == "fp32" and mg.problems(near) == []
+    assert near.training == mg.runs_training(low.training)
+    assert ("--accumulate-allreduce-grads-in-fp32" in mg.pretrain_args(near)) == (dtype == "fp16")
+    assert "--grad-reduce-in-bf16" not in mg.pretrain_args(near)
 
 
 def test_falcon_is_refused():

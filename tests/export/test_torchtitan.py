@@ -34,6 +34,7 @@ def stage(layers, gpus, mb, dp, tp, zero=3, rc=0, nodes=1, **kw) -> StageStrateg
 
 
 def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, **train) -> Plan:
+    train.setdefault("grad_dtype", "fp32")  # torchtitan reduces and keeps gradients in fp32
     return Plan(
         model=model,
         cluster=ClusterSpec("h100", nodes, gpn),
@@ -43,36 +44,38 @@ def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, **train) -> Plan:
     )
 
 
-def pp2_uneven(m):  # dp 2 × tp 2 × pp 2, FSDP, the last 3 of 15 and all of the rest recomputed
+def pp2_uneven(
+    m,
+):  # dp 2 × tp 2 × pp 2, FSDP (ZeRO-1 under a pipeline), the last 3 of 15 and all of the rest recomputed
     L = m.num_layers
-    return make(m, [stage(L // 2 - 1, 4, 2, 2, 2, rc=3), stage(L - L // 2 + 1, 4, 2, 2, 2, rc=L - L // 2 + 1)], 32, 8)
+    return make(
+        m,
+        [stage(L // 2 - 1, 4, 2, 2, 2, zero=1, rc=3), stage(L - L // 2 + 1, 4, 2, 2, 2, zero=1, rc=L - L // 2 + 1)],
+        32,
+        8,
+    )
 
 
 def dp8_ddp_full(m):  # replicated data parallelism on 8 GPUs, every block recomputed
     return make(m, [stage(m.num_layers, 8, 2, 8, 1, zero=0, rc=m.num_layers)], 64, 4)
 
 
-def pp4_tp2_zero2(m):  # 2 nodes × 8: pp 4, dp 2, tp 2, ZeRO-2, no recompute
+def pp4_tp2_ddp(m):  # 2 nodes × 8: pp 4, dp 2 replicated, tp 2, no recompute
     n = m.num_layers // 4
-    stages = [stage(n, 4, 1, 2, 2, zero=2) for _ in range(3)] + [stage(m.num_layers - 3 * n, 4, 1, 2, 2, zero=2)]
+    stages = [stage(n, 4, 1, 2, 2, zero=0) for _ in range(3)] + [stage(m.num_layers - 3 * n, 4, 1, 2, 2, zero=0)]
     return make(m, stages, 16, 8, nodes=2)
 
 
-def pp2_offload(m):  # 2 nodes, a stage per node, dp 8 FSDP with all state on the CPU
+def dp16_offload(m):  # 2 nodes, no pipeline, dp 16 FSDP (ZeRO-3) with all state on the CPU
     on = Offload(1.0, 1.0, 1.0, 0.0)
-    L = m.num_layers
-    stages = [
-        stage(L // 2, 8, 1, 8, 1, rc=L // 2, offload=on),
-        stage(L - L // 2, 8, 1, 8, 1, rc=L - L // 2, offload=on),
-    ]
-    return make(m, stages, 64, 8, nodes=2, seq=4096)
+    return make(m, [stage(m.num_layers, 16, 1, 16, 1, rc=m.num_layers, nodes=2, offload=on)], 64, 4, nodes=2, seq=4096)
 
 
 def tp4_single_stage(m):  # no pipeline: dp 2 × tp 4, gradient accumulation 4
     return make(m, [stage(m.num_layers, 8, 1, 2, 4, rc=0)], 8, 4)
 
 
-PLANS = {f.__name__: f for f in (pp2_uneven, dp8_ddp_full, pp4_tp2_zero2, pp2_offload, tp4_single_stage)}
+PLANS = {f.__name__: f for f in (pp2_uneven, dp8_ddp_full, pp4_tp2_ddp, dp16_offload, tp4_single_stage)}
 MODELS = {"llama3-8b": LLAMA3_8B, "llama2-7b": LLAMA2_7B, "small-gqa": SMALL_GQA}
 
 
@@ -90,7 +93,7 @@ def script_args(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------ arguments (no torchtitan)
 def test_registry_model_pipeline_fsdp_args(tmp_path):
-    plan = make(LLAMA3_8B, [stage(15, 4, 2, 2, 2, rc=15), stage(17, 4, 2, 2, 2, rc=17)], 32, 8)
+    plan = make(LLAMA3_8B, [stage(15, 4, 2, 2, 2, zero=1, rc=15), stage(17, 4, 2, 2, 2, zero=1, rc=17)], 32, 8)
     done = tt.write(plan, tmp_path)
     a = list(done.args)
     assert a[:4] == ["--module", "llama3", "--config", "llama3_8b"]
@@ -100,7 +103,7 @@ def test_registry_model_pipeline_fsdp_args(tmp_path):
         "--parallelism.data_parallel_shard_degree": "2",
         "--parallelism.tensor_parallel_degree": "2",
         "--parallelism.pipeline_parallel_degree": "2",
-        "--parallelism.fsdp_reshard_after_forward": "always",
+        "--parallelism.fsdp_reshard_after_forward": None,  # torchtitan's default under a pipeline
         "--parallelism.pipeline_parallel_schedule": "1F1B",
         "--parallelism.pipeline_parallel_microbatch_size": "2",
         "--training.local_batch_size": "16",  # micro-batch 2 × 8 micro-batches, split by the pipeline
@@ -152,7 +155,7 @@ def test_per_stage_recompute_and_custom_model_write_a_module(tmp_path):
 
 
 def test_offload_all_is_the_cpu_offload_flag():
-    assert "--training.enable_cpu_offload" in tt.args(pp2_offload(LLAMA3_8B))
+    assert "--training.enable_cpu_offload" in tt.args(dp16_offload(LLAMA3_8B))
     assert "--training.enable_cpu_offload" not in tt.args(pp2_uneven(LLAMA3_8B))
 
 
@@ -178,7 +181,7 @@ def test_gpt_and_falcon_are_refused_in_one_sentence():
             "stage 1 offloads part of its state (offload.weights 0, offload.grads 0",
         ),
         (dict(offload=Offload(activations=0.25)), "stage 1 offloads 25% of its activations (offload.activations 0.25)"),
-        (dict(zero=1), "stage 1 uses ZeRO-1 (zero 1)"),
+        (dict(zero=3), "stage 1 uses ZeRO-3 (zero 3) under a pipeline"),
         (dict(recompute_attention=True), "stage 1 recomputes the attention core of its other blocks"),
         (dict(recompute_activation=True), "stage 1 recomputes the MLP activation of its other blocks"),
         (dict(tp=1, dp=4, micro_batch=1), "stage 1 has dp 4 but stage 0 has 2"),
@@ -204,6 +207,25 @@ def test_fp16_and_partial_rotary_are_named_and_approximated():
     assert tt.problems(near) == [] and near.model.rotary_fraction == 1.0 and near.training.param_dtype == "bf16"
 
 
+def test_pipeline_fsdp_is_zero_1_and_gradients_are_fp32():
+    """torch.distributed.pipelining keeps FSDP2's whole parameters and gradients until the last
+    micro-batch's backward: a pipeline plan with ZeRO-2/3 or CPU offload is not what runs."""
+    plan = pp2_uneven(LLAMA3_8B)
+    assert tt.problems(plan) == []
+    on = Offload(1.0, 1.0, 1.0, 0.0)
+    off = replace(plan, stages=tuple(replace(s, zero=3, offload=on) for s in plan.stages))
+    found = tt.problems(off)
+    assert any("stage 0 uses ZeRO-3 (zero 3) under a pipeline" in p for p in found), found
+    assert any("stage 0 offloads all its state under a pipeline" in p for p in found), found
+    near = tt.nearest(off)
+    assert {(s.zero, s.offload) for s in near.stages} == {(1, Offload())} and tt.problems(near) == []
+    single = dp16_offload(LLAMA3_8B)
+    assert "stage 0 uses ZeRO-1 (zero 1)" in refused(replace(single, stages=(replace(single.stages[0], zero=1),)))
+    bf16 = replace(plan, training=replace(plan.training, grad_dtype=None))
+    assert "the plan keeps bf16 gradients (training.grad_dtype)" in refused(bf16)
+    assert tt.nearest(bf16).training == tt.runs_training(bf16.training) == plan.training
+
+
 def test_unequal_stage_gpus_and_tied_pipeline_cannot_be_approximated():
     uneven = make(LLAMA3_8B, [stage(16, 2, 2, 2, 1), stage(16, 4, 1, 4, 1)], 8, 2, gpn=6)
     assert "stage 1 has 4 GPUs but stage 0 has 2" in refused(uneven)
@@ -217,8 +239,8 @@ def test_mixed_example_nearest(tmp_path):
     plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
     near = tt.nearest(plan)
     assert tt.problems(near) == []
-    assert {(s.dp, s.tp, s.micro_batch, s.zero) for s in near.stages} == {(2, 1, 2, 2)}
-    assert all(s.offload == Offload(1.0, 1.0, 1.0, 0.0) for s in near.stages)  # 0.875 of the optimizer → all
+    assert {(s.dp, s.tp, s.micro_batch, s.zero) for s in near.stages} == {(2, 1, 2, 1)}  # FSDP under a pipeline
+    assert all(s.offload == Offload() for s in near.stages)  # no CPU offload under a pipeline
     assert [s.recompute_layers for s in near.stages] == [7, 5, 3, 0]
     with pytest.raises(NotExpressible, match=r"^torchtitan cannot run this plan: "):
         export_plan(plan, "torchtitan", tmp_path)
@@ -290,7 +312,7 @@ def test_torchtitan_accepts_the_approximated_mixed_example(tmp_path):
 def check_layout(cfg, plan):
     s0, p, t = plan.stages[0], cfg.parallelism, cfg.training
     assert p.data_parallel_replicate_degree * p.data_parallel_shard_degree == s0.dp
-    assert (p.data_parallel_shard_degree > 1) == (s0.dp > 1 and s0.zero >= 2)
+    assert (p.data_parallel_shard_degree > 1) == (s0.dp > 1 and s0.zero >= 1)  # ZeRO-1: under a pipeline only
     assert (p.tensor_parallel_degree, p.pipeline_parallel_degree) == (s0.tp, plan.num_stages)
     assert t.global_batch_size == plan.training.global_batch and t.seq_len == plan.training.seq_len
     if plan.num_stages > 1:  # torchtitan's pipeline runs local / microbatch micro-batches per step

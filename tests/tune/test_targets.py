@@ -9,6 +9,7 @@ import pytest
 
 from mist.cli import main
 from mist.export.megatron import problems as megatron_problems
+from mist.export.megatron import runs_training
 from mist.hardware import load_profile
 from mist.plan import Plan
 from mist.specs.presets import get_preset
@@ -85,13 +86,17 @@ def test_uniform_knobs_and_target_rules():
     assert all(s.offload.grads == s.offload.optimizer for _, st in ds for s in st)
     assert {s.offload.optimizer for _, st in ds for s in st if s.zero == 3} >= {0.25, 0.5, 0.75, 1.0}
     tt = list(torchtitan_candidates(spec, cluster, training))
-    assert {s.zero for _, st in tt for s in st} == {0, 2, 3}
+    assert {s.zero for _, st in tt for s in st} == {0, 1, 2, 3}
+    # FSDP2 runs as ZeRO-1 under a pipeline, as ZeRO-2/3 without one; CPU offload without one only
+    assert all((s.zero == 1) == (len(st) > 1 and s.zero > 0) for _, st in tt for s in st)
+    assert all(len(st) == 1 for _, st in tt for s in st if any(s.offload.as_tuple()))
     assert all(s.recompute_layers in (0, s.layers) for _, st in tt for s in st)
 
 
 def test_megatron_uneven_split_and_fp32_grads():
     model30 = replace(LLAMA, num_layers=30)  # pp 4 does not divide 30
     _, cluster, training, _ = setup(LLAMA.name, "h200", 8)
+    training = runs_training(training)  # as tune_target costs the space
     splits = {tuple(s.layers for s in st) for _, st in megatron_candidates(model30, cluster, training)}
     assert (8, 8, 7, 7) in splits and (30,) in splits
     uneven = [
@@ -102,6 +107,22 @@ def test_megatron_uneven_split_and_fp32_grads():
     assert any(megatron_problems(p) == [] for p in uneven)  # exported as --pipeline-model-parallel-layout
     res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
     assert res.plan.training.grad_dtype == "fp32"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_megatron_state_bytes_per_parameter(dtype):
+    """The Megatron space costs what Megatron-LM holds: with 16-bit parameters fp32 gradients, so
+    6 + 12/dp bytes per parameter with the distributed optimizer (ZeRO-1) and 18 without."""
+    from mist.simulate.precision import precision_for
+    from mist.simulate.states import unit_states
+
+    P, dp, G = 8 * 1024 * 1024, 8, 4  # a unit whose parameters split evenly over dp
+    prec = precision_for(
+        runs_training(TrainingSpec(seq_len=2048, global_batch=64, param_dtype=dtype)), load_profile("h200")
+    )
+    for zero, per_param in ((1, 6 + 12 / dp), (0, 18)):
+        w, g, o = unit_states(P, dp, zero, 0.0, 0.0, 0.0, G, prec)
+        assert (float(w) + float(g) + float(o)) / P == per_param, (zero, w, g, o)
 
 
 def test_refusals():

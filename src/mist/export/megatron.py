@@ -24,8 +24,11 @@ Megatron-LM checkout, not in the megatron-core wheel). What maps, and how:
   parameter tensors). Weight, gradient and activation offload have no byte-fraction equivalent
   (gradients stay in the GPU buffer; activation offload counts groups and needs Transformer
   Engine) and are refused.
-- precision: `--bf16` / `--fp16`; bf16 gradients reduce in bf16 with `--grad-reduce-in-bf16`, fp32
-  ones are Megatron's bf16 default.
+- precision: `--bf16` / `--fp16`. With 16-bit parameters Megatron's optimizer always holds fp32
+  gradients (its "main grads"): bf16 accumulates and reduces them in fp32 by default, fp16 does so
+  with `--accumulate-allreduce-grads-in-fp32`. A plan with 16-bit gradients would leave Megatron
+  holding 16-bit buffers plus fp32 copies of them, 4 bytes per parameter Mist did not cost, so only
+  plans with fp32 gradients (`grad_dtype: fp32`, what `runs_training` gives) export.
 
 Data, tokenizer and checkpoint paths are `__FILL_IN__` placeholders. `nearest` rounds a plan to
 the closest one Megatron runs, always towards less memory (more recomputation, more offload).
@@ -41,6 +44,7 @@ from mist.errors import MistInputError
 from mist.export.common import PLACEHOLDER, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan
+from mist.specs.training import TrainingSpec
 
 NAME = "Megatron-LM"
 SCRIPT = "pretrain_gpt_mist.sh"
@@ -54,6 +58,11 @@ def problems(plan: Plan) -> list[str]:
     """One sentence per knob Megatron-LM cannot express; [] if the plan exports exactly."""
     out = _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
     return out + _recompute_problems(plan) + _offload_problems(plan) + _precision_problems(plan)
+
+
+def runs_training(t: TrainingSpec) -> TrainingSpec:
+    """The training as Megatron-LM 0.19 runs it: fp32 gradients with 16-bit parameters (see above)."""
+    return replace(t, grad_dtype="fp32") if t.param_dtype in ("bf16", "fp16") else t
 
 
 def _model_problems(plan: Plan) -> list[str]:
@@ -149,6 +158,11 @@ def _precision_problems(plan: Plan) -> list[str]:
             f"the plan keeps {t.param_dtype} parameters but computes in {t.compute_dtype} (training.param_dtype), "
             f"and {NAME} computes in its parameter dtype"
         ]
+    if runs_training(t) != t:
+        return [
+            f"the plan keeps {t.param_dtype} gradients (training.grad_dtype), and {NAME}'s optimizer holds fp32 "
+            f"gradients for {t.param_dtype} parameters (4 bytes per parameter; plan with grad_dtype fp32)"
+        ]
     return []
 
 
@@ -177,9 +191,9 @@ def nearest(plan: Plan) -> Plan:
         for s in plan.stages
     ]
     t = plan.training
-    if _precision_problems(plan):
-        t = replace(t, param_dtype=t.compute_dtype, grad_dtype=None if t.compute_dtype == "fp32" else t.grad_dtype)
-    return replace(with_stages(plan, stages), training=t)
+    if t.param_dtype != t.compute_dtype:
+        t = replace(t, param_dtype=t.compute_dtype, grad_dtype=None)
+    return replace(with_stages(plan, stages), training=runs_training(t))
 
 
 def _uniform_mesh(plan: Plan) -> Plan:
@@ -271,9 +285,7 @@ def training_args(plan: Plan) -> list[str]:
     flag = PRECISION[t.param_dtype]
     if flag:
         args.append(flag)
-    if t.param_dtype == "bf16" and t.grad_dtype != "fp32":
-        args.append("--grad-reduce-in-bf16")
-    if t.param_dtype == "fp16" and t.grad_dtype == "fp32":
+    if t.param_dtype == "fp16":  # fp32 gradients (bf16 accumulates and reduces them in fp32 by default)
         args.append("--accumulate-allreduce-grads-in-fp32")
     # the schedule is not part of a plan: example values to replace with your own
     return args + ["--train-iters", "1000", "--lr", "0.0001", "--lr-decay-style", "cosine", "--clip-grad", "1.0"]

@@ -12,8 +12,19 @@ How a plan maps:
 - mesh: one pipeline stage per rank group (`pipeline_parallel_degree` = stages, schedule 1F1B),
   one dp and tp for all stages; the layer split is always explicit
   (`module_fqns_per_model_part`), so uneven splits are exact.
-- ZeRO: 0 is replicated data parallelism (`data_parallel_replicate_degree`), 2 and 3 are FSDP2
-  (`data_parallel_shard_degree`) without / with resharding after forward; 1 does not exist.
+- ZeRO: without a pipeline, 0 is replicated data parallelism (`data_parallel_replicate_degree`),
+  2 and 3 are FSDP2 (`data_parallel_shard_degree`) without / with resharding after forward, and 1
+  does not exist. Under a pipeline, torch.distributed.pipelining runs every micro-batch's backward
+  but the last without resharding and without gradient reduction (`set_reshard_after_backward`,
+  `set_requires_gradient_sync`), so FSDP2 keeps whole parameters and whole gradients through the
+  step and reduce-scatters once: ZeRO-1. A pipeline plan with FSDP is therefore a ZeRO-1 plan
+  (exported as `data_parallel_shard_degree` with torchtitan's default resharding), and ZeRO-2/3
+  under a pipeline are refused.
+- gradients: FSDP2 reduces in fp32 (`mixed_precision_reduce` has no other value) and replicated
+  training keeps fp32 gradients under autocast, so plans need `grad_dtype: fp32` (what
+  `runs_training` gives). torchtitan keeps fp32 parameters (`training.dtype float32`) cast to
+  `mixed_precision_param` for compute; Mist costs its 16-bit working copy plus 12 optimizer bytes,
+  2 bytes per parameter more than torchtitan holds (conservative).
 - batches: `pipeline_parallel_microbatch_size` = micro-batch, `local_batch_size` = micro-batch ×
   micro-batches under a pipeline (torchtitan splits it into pipeline micro-batches) and the
   micro-batch alone without one (torchtitan accumulates global / (local × dp) steps).
@@ -21,7 +32,9 @@ How a plan maps:
   (a generated `FullAC` subclass keyed by layer id). Mist's attention-core / MLP-activation
   recompute has no torchtitan equivalent (its selective mode is a per-op policy).
 - offload: `training.enable_cpu_offload` moves all weights, gradients and optimizer state, so only
-  all-or-nothing plans without activation offload are exact.
+  all-or-nothing plans without activation offload are exact, and only without a pipeline (under
+  one the whole parameters and gradients stay on the GPU through the step, which Mist's offload
+  does not describe).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
 from mist.specs.model import ModelSpec
+from mist.specs.training import TrainingSpec
 
 NAME = "torchtitan"
 SCRIPT = "run_torchtitan.sh"
@@ -71,6 +85,11 @@ def problems(plan: Plan) -> list[str]:
     out += uniform_mesh_problems(plan, NAME)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
+
+
+def runs_training(t: TrainingSpec) -> TrainingSpec:
+    """The training as torchtitan 0.3 runs it: fp32 gradients with 16-bit parameters (see above)."""
+    return replace(t, grad_dtype="fp32") if t.param_dtype != "fp32" else t
 
 
 def _model_problems(m: ModelSpec) -> list[str]:
@@ -117,10 +136,16 @@ def _zero_problems(plan: Plan) -> list[str]:
     if plan.stages[0].dp == 1:
         return out  # ZeRO does nothing without data parallelism
     for i, s in enumerate(plan.stages):
-        if s.zero == 1:
+        if s.zero == 1 and plan.num_stages == 1:
             out.append(
                 f"stage {i} uses ZeRO-1 (zero 1), and torchtitan has replicated (ZeRO-0) or FSDP2 (ZeRO-2/3) data "
-                "parallelism only"
+                "parallelism only (FSDP2 is ZeRO-1 only under a pipeline)"
+            )
+        if s.zero >= 2 and plan.num_stages > 1:
+            out.append(
+                f"stage {i} uses ZeRO-{s.zero} (zero {s.zero}) under a pipeline, and torchtitan's FSDP2 under "
+                "torch.distributed.pipelining keeps whole parameters and gradients until the last micro-batch's "
+                "backward (ZeRO-1: plan with zero 1)"
             )
         if s.zero != plan.stages[0].zero:
             out.append(f"stage {i} has zero {s.zero} but stage 0 has {plan.stages[0].zero}, and torchtitan runs one")
@@ -164,25 +189,38 @@ def _offload_problems(plan: Plan) -> list[str]:
             )
         elif _offload_on(s) != _offload_on(plan.stages[0]):
             out.append(f"stage {i} and stage 0 differ in CPU offload, and torchtitan offloads every stage or none")
+        elif _offload_on(s) and plan.num_stages > 1:
+            out.append(
+                f"stage {i} offloads all its state under a pipeline, and torchtitan's CPU offload then keeps whole "
+                "parameters and gradients on the GPU through the step, which Mist does not cost"
+            )
     return out
 
 
 def _dtype_problems(plan: Plan) -> list[str]:
     t = plan.training
-    return [
+    out = [
         f"the plan trains with {getattr(t, f)} ({f}), and torchtitan's mixed precision is bf16 or fp32"
         for f in ("param_dtype", "compute_dtype")
         if getattr(t, f) not in _TORCH_DTYPE
     ]
+    if not out and runs_training(t) != t:
+        out.append(
+            f"the plan keeps {t.param_dtype} gradients (training.grad_dtype), and torchtitan reduces and keeps "
+            "gradients in fp32 (plan with grad_dtype fp32)"
+        )
+    return out
 
 
 # ------------------------------------------------------------------ nearest
 def nearest(plan: Plan) -> Plan:
     """The closest plan torchtitan runs: same model (rotating all head dimensions), GPUs, global batch and layer split, with one
-    dp/tp/micro-batch (the most common among stages), ZeRO-1 raised to ZeRO-2 and one ZeRO level
-    (the highest), selective recompute turned into recompute of the stage's blocks (memory-safe),
+    dp/tp/micro-batch (the most common among stages), fp32 gradients, one ZeRO level (the highest;
+    without a pipeline ZeRO-1 raised to ZeRO-2, under one ZeRO-2/3 lowered to the ZeRO-1 that FSDP2
+    runs there), selective recompute turned into recompute of the stage's blocks (memory-safe),
     activation offload dropped and CPU offload rounded to all (some stage offloads at least half
-    of a state) or nothing."""
+    of a state) or nothing; none under a pipeline. Lowering ZeRO and dropping offload can make
+    the plan not fit: the CLI prints the prediction of both plans."""
     if plan.model.family == "llama" and plan.model.rotary_fraction != 1.0:  # costs the same
         plan = replace(plan, model=replace(plan.model, rotary_fraction=1.0), model_ref=None)
     unfixable = _model_problems(plan.model) + _unfixable_problems(plan)
@@ -190,16 +228,20 @@ def nearest(plan: Plan) -> Plan:
         raise NotExpressible(f"torchtitan cannot run this plan or any near it: {unfixable[0]}.")
     t = plan.training
     if t.param_dtype not in _TORCH_DTYPE or t.compute_dtype not in _TORCH_DTYPE:
-        plan = replace(plan, training=replace(t, param_dtype="bf16", compute_dtype="bf16"))
+        t = replace(t, param_dtype="bf16", compute_dtype="bf16", grad_dtype=None)
+    plan = replace(plan, training=runs_training(t))
     dp, tp, mb = Counter((s.dp, s.tp, s.micro_batch) for s in plan.stages).most_common(1)[0][0]
-    zero = _nearest_zero(plan.stages)
-    offload = _nearest_offload(plan.stages)
+    pipeline = plan.num_stages > 1
+    zero = _nearest_zero(plan.stages, pipeline)
+    offload = Offload() if pipeline else _nearest_offload(plan.stages)
     stages = [_nearest_stage(s, dp, tp, mb, zero, offload) for s in plan.stages]
     return with_stages(plan, stages)
 
 
-def _nearest_zero(stages: tuple[StageStrategy, ...]) -> int:
+def _nearest_zero(stages: tuple[StageStrategy, ...], pipeline: bool) -> int:
     top = max(s.zero for s in stages)
+    if pipeline:  # FSDP2 under a pipeline is ZeRO-1
+        return min(top, 1)
     return 2 if top == 1 else top
 
 
@@ -282,7 +324,7 @@ def args(plan: Plan) -> list[str]:
 
 def _parallel_args(plan: Plan) -> list[str]:
     s0, pp = plan.stages[0], plan.num_stages
-    sharded = s0.dp > 1 and s0.zero >= 2
+    sharded = s0.dp > 1 and s0.zero >= 1  # ZeRO-1 only under a pipeline (problems)
     out = [
         "--parallelism.data_parallel_replicate_degree",
         str(1 if sharded else s0.dp),
@@ -293,7 +335,7 @@ def _parallel_args(plan: Plan) -> list[str]:
         "--parallelism.pipeline_parallel_degree",
         str(pp),
     ]
-    if sharded:
+    if sharded and pp == 1:  # under a pipeline torchtitan's default (no resharding) is what runs
         out += ["--parallelism.fsdp_reshard_after_forward", "always" if s0.zero == 3 else "never"]
     if pp > 1:
         out += ["--parallelism.pipeline_parallel_schedule", SCHEDULE]

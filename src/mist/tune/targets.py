@@ -12,17 +12,19 @@ every stage, pp a power of two with a valid equal stage mesh, tp a power of two 
 splits the model, micro-batch × dp × G = global batch.
 
 megatron-0.19: pp with the even split, or when pp does not divide the layer count the balanced
-  uneven split (`--pipeline-model-parallel-layout`); block recomputation with one N for all stages
-  (N ∈ {0, 1, half, all} of the largest stage); the distributed optimizer (ZeRO-1) on; optimizer
+  uneven split (`--pipeline-model-parallel-layout`); fp32 gradients; block recomputation with one N for all stages
+  (N ∈ {0, 1, half, all} of the largest stage) or, instead, the attention core
+  (`--recompute-modules core_attn`); the distributed optimizer (ZeRO-1) on; optimizer
   offload fraction 0, 0.5 or 1 (`--optimizer-offload-fraction`, needs the distributed optimizer);
-  micro-batch 1/2/4/8; fp32 gradients with bf16 parameters (`megatron_training`).
+  micro-batch 1/2/4/8.
 deepspeed-0.19: the `deepspeed` baseline's rules (ZeRO 0–3 without a pipeline, ZeRO 0/1 with one,
   ZeRO-Infinity with ZeRO-3) with DeepSpeed's offload as it runs: gradients go to the CPU with the
   optimizer states, and with ZeRO-3 at pp = 1 part of the optimizer states (in eighths of a
   rank's share: 1/4, 1/2, 3/4).
-torchtitan-0.3: Llama-family models only; replicated (ZeRO-0) or FSDP2 (ZeRO-2/3) data
-  parallelism, tp, pp with the balanced split, full activation checkpointing or none, CPU offload
-  of all weights, gradients and optimizer state (FSDP2, ZeRO-3) or none; micro-batch 1/2/4/8.
+torchtitan-0.3: Llama-family models only; fp32 gradients; replicated (ZeRO-0) or FSDP2 data
+  parallelism (ZeRO-2/3 without a pipeline, ZeRO-1 under one: see `mist.export.torchtitan`), tp,
+  pp with the balanced split, full activation checkpointing or none, CPU offload of all weights,
+  gradients and optimizer state (FSDP2, ZeRO-3, no pipeline) or none; micro-batch 1/2/4/8.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from mist.tune.baselines import (
     _Evaluator,
     _run,
     even_split,
-    megatron_training,
 )
 from mist.tune.result import TuneResult
 from mist.tune.space import TARGET_SPACES, tp_degrees
@@ -107,9 +108,23 @@ def megatron_candidates(model: ModelSpec, cluster: ClusterSpec, training: Traini
     for pp, n, g, tp, dp, b in _meshes(model, cluster, MEGATRON_MICRO_BATCHES, B):
         layers = even_split(model.num_layers, pp)
         top = max(layers)
-        for rc in sorted({0, 1, top // 2, top}):
+        # (blocks recomputed, attention core recomputed): --recompute-granularity is one value, so
+        # selective core_attn recompute only without block recompute
+        recompute = [(rc, False) for rc in sorted({0, 1, top // 2, top})] + [(0, True)]
+        for rc, attn in recompute:
             for off in MEGATRON_OFFLOAD:
-                stages = _stages(layers, n, g, tp, dp, b, recompute=rc, zero=1, offload=Offload(optimizer=off))
+                stages = _stages(
+                    layers,
+                    n,
+                    g,
+                    tp,
+                    dp,
+                    b,
+                    recompute=rc,
+                    zero=1,
+                    offload=Offload(optimizer=off),
+                    recompute_attention=attn,
+                )
                 yield B // (b * dp), stages
 
 
@@ -142,8 +157,10 @@ def torchtitan_candidates(model: ModelSpec, cluster: ClusterSpec, training: Trai
     full = Offload(weights=1.0, grads=1.0, optimizer=1.0)
     for pp, n, g, tp, dp, b in _meshes(model, cluster, TORCHTITAN_MICRO_BATCHES, B):
         layers = even_split(model.num_layers, pp)
-        variants = [(z, Offload()) for z in ((0, 2, 3) if dp > 1 else (0,))]
-        if dp > 1:
+        # FSDP2 under a pipeline keeps whole parameters and gradients through the step: ZeRO-1
+        levels = (0,) if dp == 1 else (0, 1) if pp > 1 else (0, 2, 3)
+        variants = [(z, Offload()) for z in levels]
+        if dp > 1 and pp == 1:
             variants.append((3, full))
         for z, off in variants:
             for rc in (max(layers), 0):
@@ -174,7 +191,9 @@ def tune_target(
         )
         return TuneResult(TARGET_SPACES[target], None, None, 0.0, 0, reason)
     if target == "megatron":
-        training = megatron_training(training)
+        training = mg_export.runs_training(training)
+    elif target == "torchtitan":
+        training = tt_export.runs_training(training)
     enumerate_, problems = _TARGETS[target]
 
     refused: list[str] = []

@@ -62,7 +62,7 @@ def all_cases(only=None):
         yield from gen()
 
 
-def run_case(c, budget, grad_dtype=None, dtype="bf16"):
+def run_case(c, budget, grad_dtype=None, dtype="bf16", spaces=SPACES):
     """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
     n = c["n"]
     warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
@@ -75,7 +75,7 @@ def run_case(c, budget, grad_dtype=None, dtype="bf16"):
         compute_dtype=dtype,
         grad_dtype=grad_dtype,
     )
-    return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, SPACES)
+    return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, spaces)
 
 
 def markdown(rows) -> str:

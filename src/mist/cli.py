@@ -318,6 +318,11 @@ def compare(
             r.get("plan_summary", r.get("infeasible_reason") or ""),
         )
     out.print(t)
+    needs = [(r["space"], r["full_plan_needs"]) for r in rows["spaces"] if r.get("full_plan_needs")]
+    if needs:
+        out.print("What Mist's plan uses that each framework cannot run (what Mist's runtime buys here):")
+        for space, knobs in needs:
+            out.print(f"  {space}: {', '.join(knobs)}")
 
 
 def _print_simulation(p, r: dict) -> None:

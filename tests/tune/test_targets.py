@@ -147,3 +147,26 @@ def test_cli_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", "--model", "gpt3-1.3b", "--target", "torchtitan"])
     assert e.value.code == 2 and "torchtitan has no model for gpt3-1.3b" in capsys.readouterr().err
+
+
+def test_what_the_full_plan_needs_beyond_each_target():
+    """`mist compare` names, per target, the knobs of Mist's plan the framework cannot run: the
+    exporters' own refusals, each under a short name."""
+    from pathlib import Path
+
+    from mist.plan import load_plan
+    from mist.tune.compare import beyond_target, knob_label
+
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "llama-7b-8xl4-mixed.json")
+    mg = beyond_target(plan, "megatron")
+    for knob in ("per-stage dp", "per-stage tp", "per-stage micro_batch", "per-stage ZeRO", "activation offload"):
+        assert knob in mg, mg
+    assert "per-stage recompute depth" in mg and "per-stage offload" in mg and "16-bit gradients" in mg
+    ds = beyond_target(plan, "deepspeed")
+    assert "fractional offload" in ds and "tp with a pipeline" in ds and "ZeRO-2/3 with a pipeline" in ds
+    assert "model architecture" in beyond_target(plan, "torchtitan")  # llama-7b rotates a quarter of each head
+    assert len(mg) == len(set(mg))
+    assert knob_label("a sentence no pattern knows about at all") == "a sentence no pattern knows about …"
+    # a plan the target runs as it is needs nothing beyond it
+    res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
+    assert beyond_target(res.plan, "megatron") == []

@@ -1,8 +1,46 @@
-"""`mist compare`: the best plan of every space under the one cost model."""
+"""`mist compare`: the best plan of every space under the one cost model, and for each framework
+target what Mist's best plan uses that the framework cannot run (what Mist's runtime buys)."""
 
 from __future__ import annotations
 
-from mist.tune.run import ALL_SPACES, run_space
+import importlib
+import re
+
+from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
+
+# Short names of the knobs behind the exporters' refusals (`mist.export.<target>.problems`), in the
+# order they are listed; a refusal no pattern names is shown by its own first words.
+_KNOB_LABELS = (
+    (r"has (dp|tp|micro_batch) \S+ but stage", "per-stage {0}"),
+    (r"ZeRO-\d but stage|has zero \d but stage", "per-stage ZeRO"),
+    (r"under a pipeline, and torchtitan|pipeline engine allows ZeRO", "ZeRO-2/3 with a pipeline"),
+    (r"uses ZeRO-1 \(zero 1\), and torchtitan", "ZeRO-1 without a pipeline"),
+    (r"pipeline engine has no tensor parallelism", "tp with a pipeline"),
+    (r"\(recompute_layers\)", "per-stage recompute depth"),
+    (r"recompute_attention", "attention-core recompute"),
+    (r"recompute_activation", "MLP-activation recompute"),
+    (r"offload\.activations", "activation offload"),
+    (r"offload\.optimizer \S+\) with ZeRO|offloads part of its state|of its gradients but", "fractional offload"),
+    (r"optimizer (state )?but stage|differ in CPU offload|all its state under a pipeline", "per-stage offload"),
+    (r"grad_dtype", "16-bit gradients"),
+    (r"param_dtype", "precision"),
+    (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),
+)
+
+
+def knob_label(problem: str) -> str:
+    """The short name of the knob an exporter's refusal sentence is about."""
+    for pattern, label in _KNOB_LABELS:
+        m = re.search(pattern, problem)
+        if m:
+            return label.format(*m.groups())
+    return " ".join(problem.split()[:6]) + " …"
+
+
+def beyond_target(plan, target: str) -> list[str]:
+    """The knobs of `plan` that `target` (megatron, deepspeed, torchtitan) cannot run, each once."""
+    exporter = importlib.import_module(f"mist.export.{target}")
+    return list(dict.fromkeys(knob_label(p) for p in exporter.problems(plan)))
 
 
 def short_summary(plan) -> str:
@@ -43,6 +81,9 @@ def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=A
         }
         if r.plan is not None:
             row["plan_summary"] = short_summary(r.plan)
+        target = next((t for t, name in TARGET_SPACES.items() if name == sp), None)
+        if target is not None and ours is not None and ours.plan is not None:
+            row["full_plan_needs"] = beyond_target(ours.plan, target)
         rows.append(row)
     return {
         "model": model.name,

@@ -381,7 +381,11 @@ def checked(tmp_path_factory):
 
 @pytest.mark.parametrize("model,name,plan", CASES, ids=[f"{m}-{n}" for m, n, _ in CASES])
 def test_deepspeed_config_class_accepts_the_export(checked, model, name, plan):
-    r = checked[f"{model}-{name}"]
+    check_against_plan(checked[f"{model}-{name}"], plan)
+
+
+def check_against_plan(r: dict, plan: Plan) -> None:
+    """What DeepSpeedConfig made of the exported config is the plan's batch, ZeRO, offload and precision."""
     assert r["ok"], r["error"]
     s, cfg = plan.stages[0], ds.ds_config(plan)
     assert r["world_size"] == s.dp

@@ -27,7 +27,7 @@ from scipy.optimize import nnls
 from mist.hardware.gemm import GemmTable
 from mist.hardware.memory_ops import CLASSES, MemoryOpModel
 from mist.hardware.profile import GpuProfile
-from profile_build import aceso, flash
+from profile_build import aceso, flash, op_db
 from profile_build.common import (
     DATASHEET,
     GDDR6_24GB_USABLE_GIB,
@@ -168,24 +168,33 @@ def build(
     t0 = h200.gemm.floor_s
     samples = _fwd_gemm_samples(profiles, seq, cfg["wgrad_in_bwd"])
     coef, stats = fit_gemm(samples, t0)
-    gemm = gemm_table(
-        coef,
-        t0,
-        roofline_bw,
-        source=(
-            f"fitted: {gpu} Aceso op-profiles fp16 seq {seq} ({stats['n']} forward GEMM rows of sizes "
-            f"{'/'.join(sizes)}, {stats['outliers']} outliers dropped, rms log error "
-            f"{stats['rms_log_err']:.3f}); floor t0 assumed = H200 measured F.linear floor"
-        ),
-        extra=stats,
+    source = (
+        f"fitted: {gpu} Aceso op-profiles fp16 seq {seq} ({stats['n']} forward GEMM rows of sizes "
+        f"{'/'.join(sizes)}, {stats['outliers']} outliers dropped, rms log error "
+        f"{stats['rms_log_err']:.3f}); floor t0 assumed = H200 measured F.linear floor"
     )
+    own_db = gpu_dir / "op-db"
+    if own_db.is_dir():  # the original runtime's own timings of the same kernels (op_db.py)
+        fitted = gemm_table(coef, t0, roofline_bw, source=source, extra=stats)
+        scale, info = op_db.gemm_scale(own_db, fitted.time, t0)
+        coef = coef * scale
+        stats = dict(stats, op_db_scale=scale)
+        source += (
+            f"; above-floor time x{scale:.3f} = median op-db / fit over the {info['points']} op-db linear "
+            f"timings (fwd, dX + dW; range {info['min']:.2f}-{info['max']:.2f})"
+        )
+    gemm = gemm_table(coef, t0, roofline_bw, source=source, extra=stats)
     plateau = float(gemm.flops_rate(8192, 8192, 8192))
 
     # attention
     eff = flash.h200_efficiency(h200.attention, h200.gemm.extra["plateau_flops"])
-    if flash_calib is None:
+    if flash_calib is None:  # own FA2 timings: calibrated against this profile's plateau (op_db.py)
         flash_calib = flash.l4_flash_calibration(
-            data / "gpus" / "l4" / "op-db", eff, h200.attention.s_axis, h200.attention.d_axis
+            data / "gpus" / "l4" / "op-db",
+            eff,
+            h200.attention.s_axis,
+            h200.attention.d_axis,
+            gemm_rate=plateau if own_db.is_dir() else None,
         )
     kind = "FlashAttention-2 measured on L4 (op-db)" if gpu == "l4" else "L4 FlashAttention-2 calibration reused"
     if gpu.startswith("v100"):
@@ -204,6 +213,14 @@ def build(
 
     # memory-bound ops
     bw, src = fit_memory_classes(profiles, seq, sheet["hbm"])
+    src["binary"] += " (Megatron fused bias-dropout-add, used as the binary pointwise class)"
+    if own_db.is_dir():  # the aten add kernel itself, timed by the original runtime (op_db.py)
+        rate, info = op_db.binary_bandwidth(own_db)
+        bw["binary"] = {"fwd": min(rate, sheet["hbm"]), "bwd": min(rate, sheet["hbm"])}
+        src["binary"] = (
+            f"fitted: op-db add rows ({info['points']} rows of {info['bytes'][0] / 2**20:.0f}-{info['bytes'][1] / 2**20:.0f} MiB "
+            "> 2x L2; two inputs + one output), both directions"
+        )
     bw["rmsnorm"], src["rmsnorm"] = bw["layernorm"], "proxy: layernorm class (no RMSNorm rows)"
     bw["swiglu"], src["swiglu"] = bw["gelu"], "proxy: bias-gelu class (no SwiGLU rows)"
     bw["cross_entropy"], src["cross_entropy"] = (
@@ -214,7 +231,6 @@ def build(
     bw["elementwise"] = {d: float(np.median([bw[c][d] for c in measured])) for d in ("fwd", "bwd")}
     src["elementwise"] = "generic fallback: median of the fitted classes"
     bw["copy"], src["copy"] = bw["elementwise"], "proxy: generic elementwise"
-    src["binary"] += " (Megatron fused bias-dropout-add, used as the binary pointwise class)"
     assert set(bw) == set(CLASSES)
     memory_ops = MemoryOpModel(bandwidth=bw, floor_s=MEMORY_OP_FLOOR_S, sources=src)
 

@@ -405,7 +405,10 @@ def _print_estimate(r: dict) -> None:
 def train(
     plan: str = typer.Argument(..., help="Plan file (JSON or YAML)."),
     steps: int = typer.Option(10, help="Training steps (optimizer updates)."),
-    data: str = typer.Option("synthetic", help="'synthetic', a text file (byte-level tokens) or a .npy of token ids."),
+    data: str = typer.Option(
+        "synthetic",
+        help="'synthetic', a token file (.npy, .bin), JSONL or text with --tokenizer, or a text file (byte-level).",
+    ),
     metrics: str = typer.Option(
         None, "--metrics", help="Write step time, tokens/s, MFU, losses and per-stage peak memory to this JSON file."
     ),
@@ -431,6 +434,36 @@ def train(
     stop_after: int = typer.Option(
         None, "--stop-after", help="End this run after N steps (checkpointed; the LR schedule still spans --steps)."
     ),
+    init_from: str = typer.Option(
+        None, "--init-from", help="Start from this Hugging Face checkpoint folder (config.json + safetensors)."
+    ),
+    save_hf: str = typer.Option(
+        None, "--save-hf", help="Write a Hugging Face checkpoint here at the end (and at every --checkpoint-every)."
+    ),
+    save_hf_shard_mb: int = typer.Option(
+        5000, "--save-hf-shard-mb", help="Largest safetensors file --save-hf writes (MB)."
+    ),
+    tokenizer: str = typer.Option(
+        None, "--tokenizer", help="A tokenizer.json (or a folder holding one) to tokenize text and JSONL --data."
+    ),
+    text_field: str = typer.Option("text", "--text-field", help="The JSONL field holding each document's text."),
+    token_dtype: str = typer.Option(
+        None, "--token-dtype", help="uint16 or uint32: the ids of a raw token file without a .json sidecar."
+    ),
+    eos_id: int = typer.Option(
+        None, "--eos-id", help="Token id separating packed documents (default: the tokenizer's end-of-text token)."
+    ),
+    token_cache: str = typer.Option(
+        None, "--token-cache", help="Keep tokenized text in this folder and reuse it (default: a temporary folder)."
+    ),
+    eval_data: str = typer.Option(None, "--eval-data", help="Held-out data for --eval-every (same kinds as --data)."),
+    eval_fraction: float = typer.Option(
+        None, "--eval-fraction", help="Hold out this fraction of --data's sequences for evaluation."
+    ),
+    eval_every: int = typer.Option(None, "--eval-every", help="Evaluate the held-out loss every N steps."),
+    eval_batches: int = typer.Option(4, "--eval-batches", help="Global batches per evaluation (the same each time)."),
+    log_jsonl: str = typer.Option(None, "--log-jsonl", help="Append one JSON line of metrics per step to this file."),
+    tensorboard: str = typer.Option(None, "--tensorboard", help="Write TensorBoard event files to this folder."),
 ):
     """Run a plan on torch.distributed (under torchrun, or --local worker processes)."""
     # lazy: keeps torch out of the CLI start-up
@@ -453,6 +486,20 @@ def train(
         checkpoint_every=checkpoint_every,
         resume=resume,
         stop_after=stop_after,
+        init_from=init_from,
+        save_hf=save_hf,
+        save_hf_shard_bytes=save_hf_shard_mb * 1000**2,
+        tokenizer=tokenizer,
+        text_field=text_field,
+        token_dtype=token_dtype,
+        eos_id=eos_id,
+        token_cache=token_cache,
+        eval_data=eval_data,
+        eval_fraction=eval_fraction,
+        eval_every=eval_every,
+        eval_batches=eval_batches,
+        log_jsonl=log_jsonl,
+        tensorboard=tensorboard,
     )
     res = train_command(plan, cfg, local)
     if res is not None:

@@ -18,6 +18,11 @@ Modules:
     activations saved-tensor hooks: activation offload and byte accounting
     buffers    SplitBuffer: a flat state's device head and host tail
     data       synthetic / file data and the layout-independent batch split
+    datasets   --data made ready (tokenized) before the workers; packed data, eval batches
+    token_files memory-mapped .npy / raw uint16/uint32 token files and their sidecars
+    tokenizer  tokenizer.json via `tokenizers`; corpus: text / JSONL documents → token file
+    packing    documents + EOS cut into sequences; sampler: seeded per-epoch shuffle (resumable)
+    step_log   per-step logs: lines or a progress bar, JSON lines, TensorBoard
     trainer    one rank's training loop, metrics, full state dict
     checkpoint save / resume with torch.distributed.checkpoint (per-rank shards, plan hash)
 """

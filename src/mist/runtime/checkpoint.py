@@ -5,8 +5,9 @@ puts plain tensors in the state dict under keys unique to it: for every `FlatUni
 shard and the two Adam moments (device head and host tail joined into one CPU tensor), named
 ``s{stage}.tp{tp rank}.dp{dp rank}.{unit}.{master|exp_avg|exp_avg_sq}``. The ``meta.*`` keys hold
 values every rank shares (DCP stores them once): the step, the optimizer's step count, the loss
-scaler, the data position (the batch of step k is a function of the seed and k), the LR schedule's
-parameters and a hash of the plan, which must be the same on resume.
+scaler, the data position (the step; for packed token data also the sampler's epoch and index,
+`datasets.data_state`), the LR schedule's parameters and a hash of the plan, which must be the
+same on resume.
 
 A directory counts as a checkpoint once DCP wrote its ``.metadata`` (the last file of a save).
 """
@@ -25,6 +26,7 @@ import torch
 
 from mist.errors import MistInputError
 from mist.plan import Plan
+from mist.runtime.datasets import data_state, restore_data_state
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -64,6 +66,7 @@ def meta_template() -> dict[str, torch.Tensor]:
         "meta.optimizer_step": torch.zeros((), dtype=torch.int64),
         "meta.data_step": torch.zeros((), dtype=torch.int64),
         "meta.data_seed": torch.zeros((), dtype=torch.int64),
+        "meta.data_position": torch.zeros(3, dtype=torch.int64),  # sampler epoch, index, sequences
         "meta.loss_scale": torch.zeros((), dtype=torch.float64),
         "meta.loss_scale_good": torch.zeros((), dtype=torch.int64),
         "meta.lr_schedule": torch.zeros(4, dtype=torch.float64),  # lr, warmup, total, min ratio
@@ -159,6 +162,7 @@ def save(trainer, root: str | Path, step: int) -> Path:
             "meta.optimizer_step": torch.tensor(opt.step_count, dtype=torch.int64),
             "meta.data_step": torch.tensor(step, dtype=torch.int64),
             "meta.data_seed": torch.tensor(cfg.seed, dtype=torch.int64),
+            "meta.data_position": data_state(trainer.data),
             "meta.loss_scale": torch.tensor(trainer.scaler.scale, dtype=torch.float64),
             "meta.loss_scale_good": torch.tensor(trainer.scaler._good, dtype=torch.int64),
             "meta.lr_schedule": torch.tensor([cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio], dtype=torch.float64),
@@ -193,4 +197,5 @@ def load(trainer, path: str | Path) -> int:
     trainer.optimizer.step_count = int(sd["meta.optimizer_step"])
     trainer.scaler.scale = float(sd["meta.loss_scale"])
     trainer.scaler._good = int(sd["meta.loss_scale_good"])
+    restore_data_state(trainer.data, sd["meta.data_position"], path)
     return int(sd["meta.data_step"])

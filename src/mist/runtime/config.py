@@ -14,7 +14,7 @@ MAX_SEED = 2**63 - 1  # seeds are stored as int64 (checkpoints) and fed to torch
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 10
-    data: str = "synthetic"  # "synthetic", a text file (byte-level) or a .npy of token ids
+    data: str = "synthetic"  # "synthetic", a token file, JSONL/text (with tokenizer) or byte-level text
     seed: int = 0
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio · lr
@@ -30,6 +30,23 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
     stop_after: int | None = None  # end this run after this many steps (the schedule still spans `steps`)
+    # Hugging Face weights (runtime/hf_weights.py): start from a checkpoint, write one back
+    init_from: str | None = None  # a Hugging Face checkpoint folder (config.json + safetensors)
+    save_hf: str | None = None  # write a Hugging Face checkpoint here at the end (and every checkpoint_every)
+    save_hf_shard_bytes: int = 5 * 1000**3  # the largest safetensors file --save-hf writes
+    # data (runtime/datasets.py): tokenizer, text/JSONL fields, token files, held-out evaluation
+    tokenizer: str | None = None  # a tokenizer.json or a folder holding one
+    text_field: str = "text"  # the JSONL field holding each document's text
+    token_dtype: str | None = None  # uint16 / uint32 of a raw token file without a sidecar
+    eos_id: int | None = None  # the separator between packed documents (default: the tokenizer's)
+    token_cache: str | None = None  # folder for tokenized text (reused); None: a temporary folder
+    eval_data: str | None = None
+    eval_fraction: float | None = None  # hold out this fraction of the data's sequences
+    eval_every: int | None = None
+    eval_batches: int = 4
+    # logs (runtime/step_log.py)
+    log_jsonl: str | None = None  # one JSON line of metrics per step
+    tensorboard: str | None = None  # a folder for TensorBoard event files
 
     def __post_init__(self) -> None:
         if not is_int(self.steps) or self.steps < 1:
@@ -74,6 +91,28 @@ class TrainConfig:
             )
         if (self.resume or self.checkpoint_every is not None) and not self.checkpoint_dir:
             raise MistInputError("--resume and --checkpoint-every need --checkpoint-dir.")
+        if not is_int(self.save_hf_shard_bytes) or self.save_hf_shard_bytes < 1:
+            raise MistInputError(
+                f"The largest --save-hf file must be a positive size, got {self.save_hf_shard_bytes!r} bytes."
+            )
+        self._check_data()
+
+    def _check_data(self) -> None:
+        for name, v in (("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches)):
+            if v is not None and (not is_int(v) or v < 1):
+                raise MistInputError(f"{name} must be a positive integer, got {v!r}.")
+        if self.eval_fraction is not None and (not is_number(self.eval_fraction) or not 0 < self.eval_fraction < 1):
+            raise MistInputError(f"--eval-fraction must lie strictly between 0 and 1, got {self.eval_fraction!r}.")
+        if self.eval_fraction is not None and self.eval_data:
+            raise MistInputError("Give --eval-fraction or --eval-data, not both.")
+        if self.eval_every is not None and self.eval_fraction is None and not self.eval_data:
+            raise MistInputError("--eval-every needs held-out data: --eval-fraction or --eval-data.")
+        if self.token_dtype is not None and self.token_dtype not in ("uint16", "uint32"):
+            raise MistInputError(f"--token-dtype must be uint16 or uint32, got {self.token_dtype!r}.")
+        if self.eos_id is not None and (not is_int(self.eos_id) or self.eos_id < 0):
+            raise MistInputError(f"--eos-id must be a non-negative integer, got {self.eos_id!r}.")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise MistInputError("--text-field needs a field name, got an empty one.")
 
     @property
     def warmup(self) -> int:

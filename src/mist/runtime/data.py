@@ -1,5 +1,8 @@
 """Training data: seeded synthetic sequences or a local token stream, and the batch split.
 
+(`mist train` reads token files and tokenized text through `datasets`: packed sequences in a
+seeded shuffled order; `TokenFileData` is the byte-level reading of a plain text file.)
+
 Every layout trains on the same samples: the global batch of B sequences of step k is the same
 whatever the plan; it is split into G micro-batches of B/G consecutive sequences, and each
 micro-batch across the dp ranks in rank order (dp rank d takes sequences [d·b, (d+1)·b) of it).
@@ -14,6 +17,7 @@ import numpy as np
 import torch
 
 from mist.errors import MistInputError
+from mist.runtime.token_files import open_tokens
 from mist.userfiles import check_input_file
 
 _SEED_MOD = 2**64  # torch.Generator seeds are 64-bit (the same values as before for small seeds)
@@ -49,29 +53,6 @@ def byte_tokens(data: bytes, vocab: int) -> np.ndarray:
     return ids % vocab if vocab < 256 else ids
 
 
-def _load_npy(path: Path, vocab: int) -> np.ndarray:
-    """The 1-D integer token ids of a .npy file, all in [0, vocab), memory-mapped."""
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        why = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__
-        raise MistInputError(f"Data file {path} is not a readable .npy array ({why}).") from None
-    if not isinstance(tokens, np.ndarray):  # an .npz archive under a .npy name
-        getattr(tokens, "close", lambda: None)()
-        raise MistInputError(f"Data file {path} is an .npz archive, not a .npy array of token ids.")
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise MistInputError(
-            f"Data file {path} must hold a 1-D array of integer token ids, not an array "
-            f"of shape {tuple(tokens.shape)} and dtype {tokens.dtype}."
-        )
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise MistInputError(
-            f"Data file {path} holds token ids outside the model's vocabulary [0, {vocab}) "
-            f"(they range over [{int(tokens.min())}, {int(tokens.max())}])."
-        )
-    return tokens
-
-
 class TokenFileData:
     """Windows of seq_len + 1 tokens from a text file (byte-level) or a .npy of token ids.
 
@@ -81,7 +62,7 @@ class TokenFileData:
     def __init__(self, path: str | Path, vocab: int, seq_len: int, global_batch: int):
         path = check_input_file(path, "Data file")
         if path.suffix.lower() == ".npy":
-            tokens = _load_npy(path, vocab)
+            tokens = open_tokens(path, vocab).tokens
         else:
             try:
                 data = path.read_bytes()

@@ -166,7 +166,8 @@ class FlatUnit:
         range; the working buffer `full` (cast), and the weights' store unless `full` persists."""
         init = torch.zeros(self.Np, dtype=torch.float32)
         for (_, p, _), info in zip(params, self.infos):
-            init[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
+            if not p.is_meta:  # a meta parameter (values loaded later, `hf_weights`) starts at zero
+                init[info.offset : info.offset + info.numel].copy_(p.detach().reshape(-1))
         self.master = SplitBuffer(self.L, optimizer, torch.float32, self.device, zero=False)
         self.master.copy_(init[self.opt_lo : self.opt_lo + self.L])
         self.exp_avg = SplitBuffer(self.L, optimizer, torch.float32, self.device)

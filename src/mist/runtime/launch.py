@@ -27,9 +27,11 @@ from mist.hardware import load_profile
 from mist.plan import Plan, load_plan
 from mist.runtime.checkpoint import check_resume, latest_checkpoint
 from mist.runtime.config import TrainConfig
-from mist.runtime.data import make_data
+from mist.runtime.datasets import prepared
+from mist.runtime.hf_weights import check_hf_options
 from mist.runtime.layout import build_groups
 from mist.runtime.preflight import check_node_memory
+from mist.runtime.step_log import check_tensorboard
 from mist.runtime.trainer import Trainer
 from mist.simulate.precision import profile_target
 from mist.userfiles import check_output_dir, check_output_file
@@ -135,9 +137,16 @@ def spawn_local(
     threads per worker (a GPU rank's are for its host AdamW); by default one for forked workers,
     because a forked child must not start OpenMP threads when its parent already ran parallel
     torch code (GNU libgomp is not fork-safe), and the cores divided among the workers otherwise.
+    Text data are tokenized here, once, before the workers start (`datasets.prepared`).
     """
     if cfg.resume:
         check_resume(plan, cfg)
+    t = plan.training
+    with prepared(cfg, plan.model.vocab_size, t.seq_len, t.global_batch) as ready:
+        return _spawn_workers(plan, ready, device_type, want_state, start_method, threads)
+
+
+def _spawn_workers(plan: Plan, cfg: TrainConfig, device_type, want_state, start_method, threads) -> dict:
     world = plan.cluster.world_size
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise MistInputError(f"The plan needs {world} GPUs but this machine has {torch.cuda.device_count()}.")
@@ -221,10 +230,17 @@ def check_outputs(cfg: TrainConfig, writes_metrics: bool) -> None:
     exist_ok, so ranks racing to make it is harmless)."""
     if writes_metrics and cfg.metrics_path is not None:
         check_output_file(cfg.metrics_path, "--metrics")
+    if writes_metrics and cfg.log_jsonl is not None:
+        check_output_file(cfg.log_jsonl, "--log-jsonl")
+    if writes_metrics and cfg.tensorboard is not None:
+        check_tensorboard()
+        check_output_dir(cfg.tensorboard, "--tensorboard")
     if cfg.checkpoint_dir is not None:
         if cfg.resume:
             latest_checkpoint(cfg.checkpoint_dir)  # no checkpoint there: say so, and make no folder
         check_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+    if writes_metrics and cfg.save_hf is not None:  # rank 0 writes the Hugging Face checkpoint
+        check_output_dir(cfg.save_hf, "--save-hf")
 
 
 def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
@@ -238,14 +254,21 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
             f"The plan needs {world} processes ({plan.cluster.nodes}×"
             f"{plan.cluster.gpus_per_node} {plan.cluster.gpu}) but torchrun started {env[1]}."
         )
-    make_data(cfg.data, plan.model.vocab_size, t.seq_len, t.global_batch, cfg.seed)  # checks the data
+    check_hf_options(plan, cfg)  # --init-from's checkpoint fits the plan; --save-hf can write its model
+    check_outputs(cfg, writes_metrics=env is None or env[0] == 0)  # only rank 0 writes the metrics
+    # the data checked (and text tokenized) before any worker starts; the workers read token files
+    with prepared(cfg, plan.model.vocab_size, t.seq_len, t.global_batch) as ready:
+        return _launch(plan, ready, local, env)
+
+
+def _launch(plan: Plan, cfg: TrainConfig, local: bool, env) -> dict | None:
+    world = plan.cluster.world_size
     if local:
         dev, note = device_type_for(plan, local=True)
         threads = threads_per_worker(world)
         if note:
             print(note, flush=True)
         check_node_memory(plan, range(world), dev)
-        check_outputs(cfg, writes_metrics=True)
         if dev == "cpu":
             # this parent has run no parallel torch code, so forked workers may use threads
             res = spawn_local(plan, cfg, device_type=dev, start_method="fork", threads=threads)
@@ -259,7 +282,6 @@ def train_command(plan_path: str, cfg: TrainConfig, local: bool) -> dict | None:
     threads = threads_per_worker(local_world)
     if dev == "cuda" and local_rank >= torch.cuda.device_count():
         raise MistInputError(f"Local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()} GPU(s).")
-    check_outputs(cfg, writes_metrics=rank == 0)  # only rank 0 writes the metrics
     if dev == "cuda":
         device = torch.device("cuda", local_rank)
         setup_gpu_rank(threads)  # not torchrun's OMP_NUM_THREADS=1

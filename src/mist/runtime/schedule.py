@@ -45,6 +45,15 @@ class GradAccumSchedule:
             losses.append(loss.detach())
         return losses
 
+    @torch.no_grad()
+    def forward_only(self, runner: StageRunner, micro_batches) -> list[torch.Tensor]:
+        """The micro-batches' losses without backward (evaluation; no gradient state is touched)."""
+        losses = []
+        for tokens, targets in micro_batches:
+            losses.append(runner.forward(tokens, targets).detach())
+            runner.release_all()
+        return losses
+
 
 def _spans(timer):
     """timer.span, or a do-nothing context when there is no timer."""
@@ -175,6 +184,25 @@ class PipelineSchedule:
 
         for kind, g in one_f_one_b(self.i, self.stages, G):
             (forward if kind == FORWARD else backward)(g)
+        for work, _ in pending:
+            work.wait()
+        return losses
+
+    @torch.no_grad()
+    def forward_only(self, runner: StageRunner, micro_batches) -> list[torch.Tensor]:
+        """Every micro-batch forward through the pipeline, no backward (evaluation): the losses on
+        the last stage, [] elsewhere."""
+        first, last = self.i == 0, self.i == self.stages - 1
+        pending: list = []
+        losses: list[torch.Tensor] = []
+        for g, (tokens, targets) in enumerate(micro_batches):
+            x = tokens if first else self._recv_act(g)
+            out = runner.forward(x, targets if last else None)
+            if last:
+                losses.append(out.detach())
+            else:
+                self._send_act(out, g, pending)
+            runner.release_all()
         for work, _ in pending:
             work.wait()
         return losses

@@ -109,6 +109,12 @@ class StageRunner:
             u.release()
         self.saved.memory.reset_activations()
 
+    def release_all(self) -> None:
+        """After a forward without backward (evaluation): free every materialised weight."""
+        for u in self.units:
+            u.release()
+        self.saved.memory.reset_activations()
+
     # ------------------------------------------------------------ pipeline (1F1B) split
     # With several micro-batches in flight the forward and the backward of one micro-batch are
     # separated: the saved-activation bookkeeping starts at its forward, the units' gradient

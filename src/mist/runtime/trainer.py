@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -18,10 +18,11 @@ from mist.hardware import load_profile
 from mist.models import TPGroup
 from mist.models.dtypes import torch_dtype
 from mist.plan import Offload, Plan
-from mist.runtime import checkpoint
+from mist.runtime import checkpoint, hf_weights
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.config import TrainConfig
-from mist.runtime.data import make_data, split_micro_batches
+from mist.runtime.data import split_micro_batches
+from mist.runtime.datasets import build_data
 from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
@@ -31,6 +32,7 @@ from mist.runtime.phase_timer import PhaseTimer, stage_times
 from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
 from mist.runtime.sharding import full_meta_model, init_stage_params, kv_replicated_rows, tp_slice
 from mist.runtime.stage_runner import StageModule, StageRunner
+from mist.runtime.step_log import StepLog, StepRecord
 
 
 def model_flops_per_step(plan: Plan) -> float:
@@ -92,6 +94,8 @@ class Trainer:
         self.module = self._build_module()
         self.memory = MemoryAccount()
         self.units = self._build_units(self._unit_params())
+        # the checkpoint's slices this rank owns (a resumed run takes its weights from --resume)
+        self.hf_load = hf_weights.load_into(self, cfg.init_from) if cfg.init_from and not cfg.resume else None
 
         def is_weight(x: torch.Tensor) -> bool:
             ptr = x.untyped_storage().data_ptr()
@@ -118,21 +122,28 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             scaler=self.scaler,
         )
-        self.data = make_data(cfg.data, spec.vocab_size, t.seq_len, t.global_batch, cfg.seed)
+        # the launcher checked the data (`datasets.prepared`): no second scan of the token ids here
+        self.data, self.eval_batches = build_data(cfg, spec.vocab_size, t.seq_len, t.global_batch, check=False)
         self.history: list[dict] = []
         self.start_step = 0
 
     # ------------------------------------------------------------ construction
     def _build_module(self) -> StageModule:
-        """This stage's modules in fp32 on the CPU, seeded exactly like the single-process model."""
+        """This stage's modules in fp32 on the CPU, seeded exactly like the single-process model
+        (on the meta device with --init-from)."""
         plan, lay = self.plan, self.groups.stage
         spec, st, flash = plan.model, self.stage, plan.training.flash_attention
         first, last = lay.index == 0, lay.index == plan.num_stages - 1
-        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer)
+        # from a checkpoint the modules are only shapes (meta): each flat unit is then built from
+        # zeros and `hf_weights.load_into` fills the slices this rank owns, so that building holds
+        # at most one unit's whole (TP-local) weights beyond what the rank keeps
+        device = "meta" if self.cfg.init_from is not None else "cpu"
+        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer, device=device)
         local = {}
         for n, p in module.named_parameters():
             local[module.full_name(n)] = p
-        init_stage_params(local, spec, lay.tp, self.groups.tp_rank, self.cfg.seed, flash)
+        if self.cfg.init_from is None:
+            init_stage_params(local, spec, lay.tp, self.groups.tp_rank, self.cfg.seed, flash)
         return module
 
     def _unit_params(self) -> list[tuple[str, list, list[ParamRole]]]:
@@ -225,6 +236,14 @@ class Trainer:
         path = checkpoint.save(self, self.cfg.checkpoint_dir, step)
         if self.cfg.log and self.groups.rank == 0:
             print(f"checkpoint saved to {path}", flush=True)
+        if self.cfg.save_hf:
+            self.save_hf()
+
+    def save_hf(self) -> None:
+        """Write the weights as a Hugging Face checkpoint to cfg.save_hf (collective)."""
+        path = hf_weights.save_from(self, self.cfg.save_hf, self.cfg.save_hf_shard_bytes)
+        if self.cfg.log and path is not None:
+            print(f"Hugging Face checkpoint saved to {path}", flush=True)
 
     # ------------------------------------------------------------ training
     def _sync(self) -> None:
@@ -234,6 +253,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         cfg, g = self.cfg, self.groups
         lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        pos = getattr(self.data, "position", None)  # the sampler's, for packed token data
         batch = self.data.global_batch(step)
         mbs = [
             (x.to(self.device), y.to(self.device))
@@ -246,14 +266,7 @@ class Trainer:
         for k, idx in self.tied.items():
             self.units[k].reduce_deferred(idx, g.tied, 1.0 / self.stage.dp)
         res = self.optimizer.step(lr, self.device, timer=self.timer)
-        last = g.stage.index == self.plan.num_stages - 1
-        loss = torch.stack(losses).float().mean() if last else torch.zeros((), dtype=torch.float32, device=self.device)
-        if last and g.dp_group is not None:
-            dist.all_reduce(loss, group=g.dp_group)
-            loss /= self.stage.dp
-        if self.plan.num_stages > 1:
-            # the loss exists on the last stage: every rank (rank 0 reports it) gets it from there
-            dist.broadcast(loss, src=g.stages[-1].first_rank)
+        loss = self._global_loss(losses)
         self._sync()
         dt = time.perf_counter() - t0
         spans = self.timer.seconds()
@@ -267,9 +280,43 @@ class Trainer:
             "time_s": dt,
             "stable_time_s": T,
             "delta_time_s": D,
+            "data_position": (pos.epoch, pos.index) if pos is not None else None,
         }
         self.history.append(rec)
         return rec
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the micro-batch losses over the whole global batch, on every rank."""
+        g = self.groups
+        last = g.stage.index == self.plan.num_stages - 1
+        loss = torch.stack(losses).float().mean() if last else torch.zeros((), dtype=torch.float32, device=self.device)
+        if last and g.dp_group is not None:
+            dist.all_reduce(loss, group=g.dp_group)
+            loss /= self.stage.dp
+        if self.plan.num_stages > 1:
+            # the loss exists on the last stage: every rank (rank 0 reports it) gets it from there
+            dist.broadcast(loss, src=g.stages[-1].first_rank)
+        return loss
+
+    def evaluate(self) -> float:
+        """The mean loss over the fixed evaluation batches, forward only (collective)."""
+        total = 0.0
+        for batch in self.eval_batches:
+            mbs = [
+                (x.to(self.device), y.to(self.device))
+                for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, self.groups.dp_rank)
+            ]
+            total += float(self._global_loss(self.schedule.forward_only(self.runner, mbs)).item())
+        return total / len(self.eval_batches)
+
+    def _peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.memory.peak
+
+    def _peak_flops(self) -> float | None:
+        try:
+            return load_profile(self.plan.cluster.gpu).peak_flops
+        except MistInputError:
+            return None
 
     def run(self) -> dict | None:
         """Train cfg.steps steps; return the metrics on rank 0 (None elsewhere)."""
@@ -277,23 +324,59 @@ class Trainer:
         tokens = t.global_batch * t.seq_len
         cfg = self.cfg
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.start_step + cfg.stop_after)
-        for step in range(self.start_step, end):
-            rec = self.train_step(step)
-            if self.cfg.log and self.groups.rank == 0:
-                print(
-                    f"step {step + 1}/{self.cfg.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-                    f"grad norm {rec['grad_norm']:.3f}  {rec['time_s'] * 1e3:.0f} ms  "
-                    f"{tokens / rec['time_s']:,.0f} tokens/s" + ("  (skipped)" if rec["skipped"] else ""),
-                    flush=True,
-                )
-            if cfg.checkpoint_dir and (
-                step + 1 == end or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-            ):
-                self.save_checkpoint(step + 1)
+        rank0 = self.groups.rank == 0
+        log = (
+            StepLog(cfg.steps, self.start_step, plain=cfg.log, jsonl=cfg.log_jsonl, tensorboard=cfg.tensorboard)
+            if rank0
+            else None
+        )
+        per_step_memory = bool(cfg.log_jsonl or cfg.tensorboard)  # a collective: every rank or none
+        flops, peak_flops = model_flops_per_step(self.plan), self._peak_flops()
+        try:
+            for step in range(self.start_step, end):
+                rec = self.train_step(step)
+                # held-out loss every eval_every steps and at the end of the schedule
+                if self.eval_batches and (
+                    (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
+                ):
+                    rec["eval_loss"] = self.evaluate()
+                peaks = [p for (p,), _ in self.stage_maxima([self._peak_bytes()])] if per_step_memory else None
+                if log is not None:
+                    mfu = (
+                        flops / rec["time_s"] / (self.plan.cluster.world_size * peak_flops)
+                        if peak_flops and self.device.type == "cuda"
+                        else None
+                    )
+                    log.step(
+                        StepRecord(
+                            step=step + 1,
+                            loss=rec["loss"],
+                            lr=rec["lr"],
+                            grad_norm=rec["grad_norm"],
+                            tokens_per_s=tokens / rec["time_s"],
+                            time_s=rec["time_s"],
+                            skipped=bool(rec["skipped"]),
+                            mfu=mfu,
+                            stage_peak_memory_bytes=tuple(peaks) if peaks is not None else None,
+                            eval_loss=rec.get("eval_loss"),
+                            data_position=rec["data_position"],
+                        )
+                    )
+                if cfg.checkpoint_dir and (
+                    step + 1 == end or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                ):
+                    self.save_checkpoint(step + 1)
+        finally:
+            if log is not None:
+                log.close()
         # the last step's deferred host optimizer work (a step's time includes the previous one's,
         # as in steady state)
         self.optimizer.close()
+        if cfg.save_hf and not cfg.checkpoint_dir:  # with checkpoints, saved with the last one
+            self.save_hf()
         metrics = self.metrics()
+        if self.hf_load is not None and self.groups.rank == 0:  # what each rank read (hf_weights.LoadStats)
+            metrics["hf_load"] = [asdict(s) for s in self.hf_load]
         if self.groups.rank == 0 and self.cfg.metrics_path:
             with open(self.cfg.metrics_path, "w") as f:
                 json.dump(metrics, f, indent=1)
@@ -361,6 +444,8 @@ class Trainer:
             "mfu": mfu,
             "model_flops_per_step": flops,
             "losses": [r["loss"] for r in self.history],
+            "eval_losses": [[r["step"] + 1, r["eval_loss"]] for r in self.history if "eval_loss" in r],
+            "data_positions": [r["data_position"] for r in self.history],
             "grad_norms": [r["grad_norm"] for r in self.history],
             "lrs": [r["lr"] for r in self.history],
             "step_times_s": times,

@@ -181,6 +181,9 @@ def test_zero_levels_map_to_distributed_optimizer_and_megatron_fsdp():
     z3 = " ".join(mg.pretrain_args(MATRIX["llama-paper-pp4-zero3-fp32grads"]))
     assert "--data-parallel-sharding-strategy optim_grads_params" in z3 and "--rotary-percent 0.25" in z3
     assert "--use-distributed-optimizer" not in " ".join(mg.pretrain_args(MATRIX["gpt-pp1-dp4-fp32"]))
+    # Llama 3's rotary base; Megatron's default (10000) is left implicit
+    assert "--rotary-base 500000" in " ".join(mg.pretrain_args(MATRIX["llama3-gqa-pp1-tp8-zero2"]))
+    assert "--rotary-base" not in z3
 
 
 @pytest.mark.parametrize("name", ["gpt-pp2-tp2-block-zero1", "llama3-gqa-pp1-tp8-zero2", "gpt-pp1-dp4-fp32"])

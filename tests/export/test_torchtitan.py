@@ -151,6 +151,8 @@ def test_per_stage_recompute_and_custom_model_write_a_module(tmp_path):
     assert "RECOMPUTED_LAYERS = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]" in text
     assert "DIM, N_LAYERS, N_HEADS, N_KV_HEADS = 1024, 12, 16, 4" in text
     assert "FFN_DIM, VOCAB, NORM_EPS, TIE = 2816, 32000, 1e-06, False" in text
+    assert "MAX_SEQ_LEN, ROPE_THETA = 8192, 10000.0" in text  # the model's rotary base (torchtitan's llama3: 500000)
+    assert tt.registry_flavour(replace(LLAMA3_8B, rope_theta=10000.0)) is None
     compile(text, "mist_torchtitan_plan.py", "exec")
 
 

@@ -63,6 +63,7 @@ def _hf(kind: str):
             num_key_value_heads=2,
             vocab_size=128,
             rms_norm_eps=1e-5,
+            rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},  # Llama 3's rotary base
         )
         model = t.LlamaForCausalLM(cfg)
     elif kind == "gpt2":
@@ -269,6 +270,10 @@ def test_config_of_another_model(ckpts, tmp_path, capsys):
     (other / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64, "head_dim": 16, "vocab_size": 256}))
     err = _fail(["train", plan, "--local", "--init-from", str(other)], capsys)
     assert "hidden_size 64 (plan: 32)" in err and "vocab_size 256 (plan: 128)" in err
+    # the rotary base is part of the model: a plan costed with another one is refused
+    plan = _plan_file(tmp_path, replace(llama, rope_theta=10000.0))
+    err = _fail(["train", plan, "--local", "--init-from", str(_checkpoint("llama", ckpts))], capsys)
+    assert "rope_theta 500000" in err and "10000" in err
 
 
 @pytest.mark.parametrize(
@@ -276,7 +281,20 @@ def test_config_of_another_model(ckpts, tmp_path, capsys):
     [
         ("falcon", {"activation": "gelu"}, "tanh approximation"),
         ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1}, "two LayerNorms"),
-        ("llama", {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, "rotary base 500000"),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_theta": 500000.0,
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "scales its rotary frequencies (llama3)",
+        ),
         ("gpt_neox", None, "GPT-NeoX"),
     ],
 )

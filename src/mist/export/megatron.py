@@ -51,6 +51,7 @@ SCRIPT = "pretrain_gpt_mist.sh"
 ENTRY = "pretrain_gpt.py"
 ZERO_FSDP = {2: "optim_grads", 3: "optim_grads_params"}
 PRECISION = {"bf16": "--bf16", "fp16": "--fp16", "fp32": None}
+DEFAULT_ROTARY_BASE = 10000.0  # Megatron's --rotary-base default (an integer flag)
 
 
 # ---------------------------------------------------------------------------------- problems
@@ -70,6 +71,10 @@ def _model_problems(plan: Plan) -> list[str]:
         return [
             "the model is a falcon (attention and MLP in parallel from one norm), an architecture "
             "Megatron-LM's GPT model does not have"
+        ]
+    if plan.model.uses_rotary and not float(plan.model.rope_theta).is_integer():
+        return [
+            f"the model's rotary base {plan.model.rope_theta:g} (rope_theta) is not an integer, which --rotary-base takes"
         ]
     return []
 
@@ -267,6 +272,8 @@ def model_args(plan: Plan) -> list[str]:
         args += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
         if m.rotary_fraction != 1.0:
             args += ["--rotary-percent", repr(m.rotary_fraction)]
+        if m.rope_theta != DEFAULT_ROTARY_BASE:
+            args += ["--rotary-base", str(int(m.rope_theta))]
     if not m.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if not m.bias:

@@ -70,6 +70,8 @@ class Flavour:
     vocab: int = 128256
 
 
+LLAMA3_ROPE_THETA = 500000.0  # the rotary base of torchtitan's llama3 flavours
+
 # torchtitan 0.3.0's llama3 flavours that have a config_registry function (untied head, eps 1e-5)
 REGISTRY = (
     Flavour("llama3_8b", 32, 4096, 32, 8, 14336),
@@ -271,7 +273,7 @@ def registry_flavour(m: ModelSpec) -> Flavour | None:
     for f in REGISTRY:
         dims = (f.layers, f.hidden, f.heads, f.kv_heads, f.ffn, f.vocab)
         mine = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size)
-        if dims == mine and not m.tie_embeddings and m.norm_eps == 1e-5:
+        if dims == mine and not m.tie_embeddings and m.norm_eps == 1e-5 and m.rope_theta == LLAMA3_ROPE_THETA:
             return f
     return None
 

@@ -53,7 +53,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 # the plan's model ({name})
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS = {dim}, {layers}, {heads}, {kv_heads}
 FFN_DIM, VOCAB, NORM_EPS, TIE = {ffn}, {vocab}, {eps!r}, {tie}
-MAX_SEQ_LEN, ROPE_THETA = {max_seq}, 500000.0  # Mist's model has no RoPE base: torchtitan llama3's
+MAX_SEQ_LEN, ROPE_THETA = {max_seq}, {rope_theta!r}
 
 
 def _normal(std):
@@ -177,4 +177,5 @@ def _model_text(m: ModelSpec, seq_len: int) -> str:
         eps=float(m.norm_eps),
         tie=bool(m.tie_embeddings),
         max_seq=max(m.max_position_embeddings, seq_len),
+        rope_theta=m.rope_theta,
     )

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         k = k.view(b, s, hk, d).transpose(1, 2)
         v = v.view(b, s, hk, d).transpose(1, 2)
         if self.spec.rotary_dim:
-            cos, sin = rotary_cos_sin(s, self.spec.rotary_dim, x.device, x.dtype)
+            cos, sin = rotary_cos_sin(s, self.spec.rotary_dim, x.device, x.dtype, self.spec.rope_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core and torch.is_grad_enabled():
             o = checkpoint(self.core, q, k, v, use_reentrant=True, preserve_rng_state=False)

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mist.specs.loading import hf_rope
 from mist.specs.model import ModelSpec
 
-ROPE_THETA = 10000.0  # the rotary base of `mist.models.attention.rotary_cos_sin`
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Mist's MLP uses GELU's tanh approximation
 
 
@@ -112,15 +112,6 @@ def _model_type(cfg: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- exactness
-def _rope(cfg: dict[str, Any]) -> tuple[float, str]:
-    """(rotary base, rope type) in either spelling (transformers ≥ 5 `rope_parameters`, or the
-    older `rope_theta` and `rope_scaling`)."""
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict):
-        return float(rp.get("rope_theta", ROPE_THETA)), str(rp.get("rope_type", rp.get("type", "default")))
-    scaling = cfg.get("rope_scaling")
-    kind = str(scaling.get("rope_type", scaling.get("type", "default"))) if isinstance(scaling, dict) else "default"
-    return float(cfg.get("rope_theta", ROPE_THETA)), kind
 
 
 def refusal(cfg: dict[str, Any], spec: ModelSpec, seq_len: int, source: str) -> str | None:
@@ -169,9 +160,9 @@ def refusal(cfg: dict[str, Any], spec: ModelSpec, seq_len: int, source: str) -> 
         if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False):
             return f"{pre} scales attention differently from Mist's 1/sqrt(head_dim)."
     if spec.uses_rotary:
-        theta, kind = _rope(cfg)
-        if kind != "default" or theta != ROPE_THETA:
-            return f"{pre} uses rotary base {theta:g} ({kind}); Mist's rotary uses base {ROPE_THETA:g} without scaling."
+        _, kind = hf_rope(cfg)  # the base itself is the spec's rope_theta (compared with the plan's)
+        if kind != "default":
+            return f"{pre} scales its rotary frequencies ({kind}); Mist's rotary has no scaling."
     return None
 
 
@@ -308,7 +299,7 @@ def hf_tensors(spec: ModelSpec, arch: HFArch) -> dict[str, HFTensor]:
 def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
     """The Hugging Face config.json of a ModelSpec (call `save_refusal` first)."""
     arch = arch_of_spec(spec)
-    rope = {"rope_theta": ROPE_THETA, "rope_type": "default"}
+    rope = {"rope_theta": spec.rope_theta, "rope_type": "default"}
     common: dict[str, Any] = {"architectures": [arch.architecture], "model_type": arch.model_type, "dtype": dtype}
     common["tie_word_embeddings"] = spec.tie_embeddings
     common["vocab_size"] = spec.vocab_size
@@ -327,7 +318,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
             "attention_bias": spec.bias,
             "mlp_bias": spec.bias,
             "rope_parameters": rope,
-            "rope_theta": ROPE_THETA,
+            "rope_theta": spec.rope_theta,
         }
     if arch.model_type == "gpt2":
         return {
@@ -362,7 +353,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         "max_position_embeddings": spec.max_position_embeddings,
         "activation": "gelu_pytorch_tanh",
         "rope_parameters": rope,
-        "rope_theta": ROPE_THETA,
+        "rope_theta": spec.rope_theta,
     }
 
 

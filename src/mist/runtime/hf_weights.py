@@ -58,6 +58,7 @@ _FIELDS = (
     "bias",
     "rotary_fraction",
     "norm_eps",
+    "rope_theta",
 )
 
 

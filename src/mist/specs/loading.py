@@ -38,7 +38,7 @@ REQUIRED_FIELDS = (
     "vocab_size",
     "tie_embeddings",
 )
-OPTIONAL_FIELDS = ("bias", "rotary_fraction", "norm_eps", "max_position_embeddings", "name")
+OPTIONAL_FIELDS = ("bias", "rotary_fraction", "norm_eps", "max_position_embeddings", "name", "rope_theta")
 _INT_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -49,7 +49,7 @@ _INT_FIELDS = (
     "max_position_embeddings",
 )
 _BOOL_FIELDS = ("tie_embeddings", "bias")
-_FLOAT_FIELDS = ("rotary_fraction", "norm_eps")
+_FLOAT_FIELDS = ("rotary_fraction", "norm_eps", "rope_theta")
 _STR_FIELDS = ("family", "name")
 
 HF_MODEL_TYPES = ("llama", "mistral", "falcon", "gpt2", "gpt_neox")
@@ -244,6 +244,27 @@ def _check_head_dim(c: _Cfg, h: Any, a: Any) -> None:
         )
 
 
+DEFAULT_ROPE_THETA = 10000.0  # Hugging Face's default rotary base for these families
+
+
+def hf_rope(d: dict) -> tuple[Any, str]:
+    """(rotary base, rope type) of a Hugging Face config in either spelling: transformers ≥ 5's
+    `rope_parameters`, or the older `rope_theta` (GPT-NeoX: `rotary_emb_base`) and `rope_scaling`."""
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict):
+        return rp.get("rope_theta", DEFAULT_ROPE_THETA), str(rp.get("rope_type", rp.get("type", "default")))
+    scaling = d.get("rope_scaling")
+    kind = str(scaling.get("rope_type", scaling.get("type", "default"))) if isinstance(scaling, dict) else "default"
+    return d.get("rope_theta", d.get("rotary_emb_base", DEFAULT_ROPE_THETA)), kind
+
+
+def _rope_theta(c: _Cfg) -> float:
+    theta, _ = hf_rope(c.d)
+    if not is_number(theta) or math.isnan(theta):
+        raise MistInputError(f"Hugging Face config {c.source}: field rope_theta must be a number, got {theta!r}.")
+    return float(theta)
+
+
 def _hf_llama(c: _Cfg) -> dict:
     # Llama and Mistral share one layout: RMSNorm, SwiGLU, rotary, grouped-query attention.
     mistral = c.mt == "mistral"
@@ -269,6 +290,7 @@ def _hf_llama(c: _Cfg) -> dict:
         rotary_fraction=c.number("partial_rotary_factor", default=1.0),
         norm_eps=c.number("rms_norm_eps", default=1e-6),
         max_position_embeddings=c.get("max_position_embeddings", default=131072 if mistral else 2048),
+        rope_theta=_rope_theta(c),
     )
 
 
@@ -301,6 +323,7 @@ def _hf_falcon(c: _Cfg) -> dict:
         rotary_fraction=0.0 if alibi else 1.0,
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("max_position_embeddings", default=2048),
+        rope_theta=_rope_theta(c),
     )
     # The new decoder architecture (Falcon-40B/180B) has two LayerNorms per block; our falcon
     # block has one, so such models come out 2h parameters per layer short.

@@ -46,6 +46,7 @@ class ModelSpec:
     norm_eps: float = 1e-5
     max_position_embeddings: int = 8192
     name: str = "custom"
+    rope_theta: float = 10000.0  # rotary base (llama, falcon); changes the values, not the cost
 
     def __post_init__(self) -> None:
         self.check()
@@ -77,6 +78,8 @@ class ModelSpec:
         eps = self.norm_eps
         if not is_number(eps) or not 0 < eps < math.inf:
             raise MistInputError(f"norm_eps must be a positive finite number, got {self.norm_eps}.")
+        if not is_number(self.rope_theta) or not 1 < self.rope_theta < math.inf:
+            raise MistInputError(f"rope_theta must be a finite number above 1, got {self.rope_theta}.")
 
     def check_tp(self, tp: int) -> None:
         """Raise if the model cannot be split `tp` ways (heads, KV heads, FFN, vocabulary)."""

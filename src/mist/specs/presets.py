@@ -77,7 +77,7 @@ def _build() -> dict[str, ModelSpec]:
         p[name] = _paper(name, "falcon", L, h, a, gpt_ffn, 0.25)
 
     # ---- real models ---------------------------------------------------------------
-    def real(name, family, L, h, a, kv, ffn, vocab, ctx, tie=False):
+    def real(name, family, L, h, a, kv, ffn, vocab, ctx, tie=False, rope_theta=10000.0):
         p[name] = ModelSpec(
             family=family,
             num_layers=L,
@@ -92,13 +92,14 @@ def _build() -> dict[str, ModelSpec]:
             norm_eps=1e-5,
             max_position_embeddings=ctx,
             name=name,
+            rope_theta=rope_theta,
         )
 
     real("llama2-7b", "llama", 32, 4096, 32, 32, 11008, 32000, 4096)
     real("llama2-13b", "llama", 40, 5120, 40, 40, 13824, 32000, 4096)
     real("llama2-70b", "llama", 80, 8192, 64, 8, 28672, 32000, 4096)
-    real("llama3-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 8192)
-    real("llama3-70b", "llama", 80, 8192, 64, 8, 28672, 128256, 8192)
+    real("llama3-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0)
+    real("llama3-70b", "llama", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0)
     real("falcon-7b", "falcon", 32, 4544, 71, 1, 18176, 65024, 2048, tie=True)
     # The real Falcon-40B ("new decoder architecture") has two LayerNorms per block (one for
     # attention, one for the MLP); our falcon block has one, so this preset is 2h parameters

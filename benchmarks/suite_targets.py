@@ -32,13 +32,11 @@ def _spaces(r) -> dict:
 
 
 def _cell(s) -> str:
+    """The speedup over a target, or why it has no plan: `no fit` (memory) or `n/a` (the framework
+    has no model for the architecture)."""
     if s.get("speedup_of_full"):
         return f"{s['speedup_of_full']:.3f}×"
-    return (
-        "no fit"
-        if s["plan"] is None and not (s.get("infeasible_reason") or "").startswith("torchtitan has no")
-        else "n/a"
-    )
+    return "no fit" if " fits" in (s.get("infeasible_reason") or "") else "n/a"
 
 
 def markdown(rows) -> str:
@@ -115,8 +113,9 @@ def main(argv=None):
         "# Mist vs the frameworks' current spaces (`benchmarks/suite_targets.py`)\n\n"
         "bf16 parameters and compute; each target space trains as its framework does (fp32 gradients for "
         "Megatron-LM and torchtitan). Speedup = the target's best predicted iteration time / Mist's full "
-        "space's, under the same cost model. n/a: the framework has no model for the case (torchtitan: "
-        "Llama only).\n\n"
+        "space's, under the same cost model. n/a: the framework has no model for the case (Megatron-LM: "
+        "no Falcon block; torchtitan: Llama 3-style models only, so not the paper's Llama, which rotates a "
+        "quarter of each head).\n\n"
     )
     done = {(r["model"], r["gpu"], r["nodes"] * r["gpus_per_node"], r["flash_attention"]) for r in rows}
     for c in [] if a.render else all_cases(a.only):

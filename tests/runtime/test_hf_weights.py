@@ -350,3 +350,23 @@ def test_resume_takes_the_weights_of_the_checkpoint(ckpts, tmp_path):
     rest = spawn_local(plan, TrainConfig(**kw, resume=True), start_method="fork")
     assert "hf_load" not in rest["metrics"]  # nothing read from the Hugging Face checkpoint
     assert rest["metrics"]["losses"] == pytest.approx(full["metrics"]["losses"][2:], rel=1e-6)
+
+
+def test_save_hf_carries_the_tokenizer(tmp_path):
+    """The saved folder is a whole checkpoint: the tokenizer the run used goes with the weights."""
+    from mist.runtime.hf_weights import copy_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    out = tmp_path / "out"
+    out.mkdir()
+    assert copy_tokenizer(str(src), out) == ["tokenizer.json", "tokenizer_config.json"]
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 32}'
+    lone = tmp_path / "elsewhere" / "my-tokenizer.json"  # a tokenizer file named by path
+    lone.parent.mkdir()
+    lone.write_text('{"version": "2.0"}')
+    assert copy_tokenizer(str(lone), out) == ["tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == '{"version": "2.0"}'
+    assert copy_tokenizer(None, out) == []

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,12 +400,37 @@ def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out: str | Path, ma
     return out
 
 
-def save_from(trainer, out: str | Path, max_shard_bytes: int) -> Path | None:
-    """Gather the trainer's weights to rank 0 and write them there (collective)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(tokenizer: str | None, out: str | Path) -> list[str]:
+    """Copy the tokenizer the run trained with (a tokenizer.json, or a folder holding one) and the
+    Hugging Face tokenizer files beside it into `out`, so the saved folder loads as a whole
+    (`AutoTokenizer` and `AutoModelForCausalLM` from one path). Returns the names copied."""
+    if not tokenizer:
+        return []
+    src = Path(tokenizer)
+    folder = src if src.is_dir() else src.parent
+    if not (folder / "tokenizer.json").is_file() and src.is_file():
+        shutil.copyfile(src, Path(out) / "tokenizer.json")
+        return ["tokenizer.json"]
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file() and (folder / name).resolve() != (Path(out) / name).resolve():
+            shutil.copyfile(folder / name, Path(out) / name)
+            copied.append(name)
+    return copied
+
+
+def save_from(trainer, out: str | Path, max_shard_bytes: int, tokenizer: str | None = None) -> Path | None:
+    """Gather the trainer's weights to rank 0 and write them there, with the run's tokenizer
+    files (collective)."""
     state = trainer.full_state_dict()
     if state is None:
         return None
-    return save_hf(state, trainer.plan.model, out, max_shard_bytes)
+    path = save_hf(state, trainer.plan.model, out, max_shard_bytes)
+    copy_tokenizer(tokenizer, path)
+    return path
 
 
 __all__ = [

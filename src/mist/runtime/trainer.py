@@ -22,7 +22,7 @@ from mist.runtime import checkpoint, hf_weights
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.config import TrainConfig
 from mist.runtime.data import split_micro_batches
-from mist.runtime.datasets import build_data
+from mist.runtime.datasets import build_data, tokenizer_path
 from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
@@ -241,7 +241,8 @@ class Trainer:
 
     def save_hf(self) -> None:
         """Write the weights as a Hugging Face checkpoint to cfg.save_hf (collective)."""
-        path = hf_weights.save_from(self, self.cfg.save_hf, self.cfg.save_hf_shard_bytes)
+        tok = tokenizer_path(self.cfg)
+        path = hf_weights.save_from(self, self.cfg.save_hf, self.cfg.save_hf_shard_bytes, tok)
         if self.cfg.log and path is not None:
             print(f"Hugging Face checkpoint saved to {path}", flush=True)
 

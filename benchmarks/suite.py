@@ -140,8 +140,9 @@ def preamble(grad_dtype, dtype="bf16", args="") -> str:
     )
 
 
-def plot(rows, path):
-    import matplotlib
+def speedup_plot(rows, path, spaces, title=None):
+    """Bars of the full space's predicted speedup over each of `spaces`, per case (0: no plan)."""
+    import matplotlib  # lazy: only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -152,18 +153,24 @@ def plot(rows, path):
         for r in rows
     ]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
-    w = 0.2
-    for j, name in enumerate(("megatron", "deepspeed", "aceso", "mist-paper")):
+    w = 0.8 / len(spaces)
+    for j, name in enumerate(spaces):
         ys = [next((s.get("speedup_of_full") or 0) for s in r["spaces"] if s["space"] == name) for r in rows]
-        ax.bar([i + (j - 1.5) * w for i in range(len(rows))], ys, w, label=f"vs {name}")
+        ax.bar([i + (j - (len(spaces) - 1) / 2) * w for i in range(len(rows))], ys, w, label=f"vs {name}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=6, rotation=90)
     ax.set_ylabel("predicted speedup of Mist (full space)")
+    if title:
+        ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(rows, path):
+    speedup_plot(rows, path, ("megatron", "deepspeed", "aceso", "mist-paper"))
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from suite import all_cases, run_case
+from suite import all_cases, run_case, speedup_plot
 
 TARGETS = ("megatron-0.19", "deepspeed-0.19", "torchtitan-0.3")
 SPACES = ("full", *TARGETS)
@@ -65,36 +65,13 @@ def markdown(rows) -> str:
     txt += "\nHow often each knob of Mist's plan is one the framework cannot run (cases):\n\n"
     txt += "| knob | " + " | ".join(TARGETS) + " |\n|---|" + "---|" * len(TARGETS) + "\n"
     counts = {t: Counter(k for r in rows for k in (_spaces(r)[t].get("full_plan_needs") or [])) for t in TARGETS}
-    for knob in sorted(set().union(*counts.values()), key=lambda k: -sum(c[k] for c in counts.values())):
+    for knob in sorted(set().union(*counts.values()), key=lambda k: (-sum(c[k] for c in counts.values()), k)):
         txt += f"| {knob} | " + " | ".join(str(counts[t][knob]) for t in TARGETS) + " |\n"
     return txt
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [
-        f"{r['model']}\n{r['nodes'] * r['gpus_per_node']}×{r['gpu'].split('-')[0]}"
-        + ("" if r["flash_attention"] else "\nno-flash")
-        for r in rows
-    ]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 4.5))
-    w = 0.27
-    for j, t in enumerate(TARGETS):
-        ys = [_spaces(r)[t].get("speedup_of_full") or 0 for r in rows]
-        ax.bar([i + (j - 1) * w for i in range(len(rows))], ys, w, label=f"vs {t}")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=6, rotation=90)
-    ax.set_ylabel("predicted speedup of Mist (full space)")
-    ax.set_title("0 = no plan in that space (torchtitan: Llama only)", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    speedup_plot(rows, path, TARGETS, "0 = no plan in that space (n/a or no fit in the table)")
 
 
 def main(argv=None):

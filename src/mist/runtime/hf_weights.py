@@ -46,21 +46,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 DEFAULT_SHARD_BYTES = 5 * 1000**3
-# fields of the two ModelSpecs that must agree (positions only where they are learned weights)
-_FIELDS = (
-    "family",
-    "num_layers",
-    "hidden_size",
-    "num_heads",
-    "num_kv_heads",
-    "ffn_hidden_size",
-    "vocab_size",
-    "tie_embeddings",
-    "bias",
-    "rotary_fraction",
-    "norm_eps",
-    "rope_theta",
-)
+# fields of the two ModelSpecs that must agree: all but the name, and the number of positions
+# only where they are learned weights (gpt; added below)
+_FIELDS = tuple(f for f in ModelSpec.field_names() if f not in ("name", "max_position_embeddings"))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces
 from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
+from mist.tune.space import SPACE_LABELS
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
 
@@ -318,6 +319,7 @@ def compare(
             r.get("plan_summary", r.get("infeasible_reason") or ""),
         )
     out.print(t)
+    out.print("Spaces: " + "; ".join(f"{r['space']}: {SPACE_LABELS[r['space']]}" for r in rows["spaces"]) + ".")
     needs = [(r["space"], r["full_plan_needs"]) for r in rows["spaces"] if r.get("full_plan_needs")]
     if needs:
         out.print("What Mist's plan uses that each framework cannot run (what Mist's runtime buys here):")

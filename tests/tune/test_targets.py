@@ -57,6 +57,10 @@ def test_spaces_registered_beside_the_paper_era_ones():
     assert TARGET_SPACES == {"megatron": "megatron-0.19", "deepspeed": "deepspeed-0.19", "torchtitan": "torchtitan-0.3"}
     for name in ("megatron", "deepspeed", "megatron-paper", *TARGET_SPACES.values()):
         assert name in ALL_SPACES
+    from mist.tune.space import SPACE_LABELS  # what `mist compare` says each space is
+
+    assert set(SPACE_LABELS) == set(ALL_SPACES)
+    assert all(SPACE_LABELS[b].startswith("paper-era") for b in ("megatron", "deepspeed", "aceso", "megatron-paper"))
 
 
 @pytest.mark.parametrize("target,m,gpu,n", CASES)

@@ -23,7 +23,7 @@ _KNOB_LABELS = (
     (r"offload\.optimizer \S+\) with ZeRO|offloads part of its state|of its gradients but", "fractional offload"),
     (r"optimizer (state )?but stage|differ in CPU offload|all its state under a pipeline", "per-stage offload"),
     (r"grad_dtype", "16-bit gradients"),
-    (r"param_dtype", "precision"),
+    (r"param_dtype|compute_dtype", "precision"),
     (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),
 )
 

@@ -76,6 +76,19 @@ SPACES = {
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso", "megatron-paper")
 # `mist tune --target X`: the plans framework X runs today (`mist.tune.targets`)
 TARGET_SPACES = {"megatron": "megatron-0.19", "deepspeed": "deepspeed-0.19", "torchtitan": "torchtitan-0.3"}
+# what each space stands for, as `mist compare` shows it: the paper-era baselines reproduce the
+# systems the Mist paper compared with; the target spaces are what the frameworks run today
+SPACE_LABELS = {
+    "full": "Mist: every knob, per stage",
+    "mist-paper": "Mist as published (EuroSys'25)",
+    "megatron": "paper-era Megatron-LM (core_r0.4.0)",
+    "deepspeed": "paper-era DeepSpeed",
+    "aceso": "paper-era Aceso-style",
+    "megatron-paper": "paper-era Megatron-LM, the paper's tuning",
+    "megatron-0.19": "Megatron-LM 0.19 today (--target megatron)",
+    "deepspeed-0.19": "DeepSpeed 0.19.8 today (--target deepspeed)",
+    "torchtitan-0.3": "torchtitan 0.3.0 today (--target torchtitan)",
+}
 
 
 # TP degrees are powers of two within a node; the tuner caps them at 128 and its one-degree-for-

@@ -27,7 +27,11 @@ Measured timings of the same shapes, where the data set (not part of this reposi
   flash rows of `gpus/h200/attention.json` at the same (b, heads, s, d).
 
     python benchmarks/decomposition.py --data DATA [--out benchmarks/results/decomposition.md]
-        [--l4-profile PATH] [--h200-profile PATH]
+        [--l4-profile PATH] [--h200-profile PATH] [--json PATH] [--before PATH]
+
+Section 6 puts the kernels and block times of an earlier run (`--json` of it) next to this one's:
+by default `benchmarks/results/decomposition_03825f2.json`, the blocks before the lean kernels
+(fused RMSNorm op, in-place rotary on the packed QKV output, SwiGLU backward without its cat).
 """
 
 from __future__ import annotations
@@ -367,7 +371,53 @@ def share_table(preds: dict, b: int = 4) -> list[str]:
     return out + [""]
 
 
-def run(data: Path, profiles: dict) -> str:
+def case_rows(preds: dict) -> list[dict]:
+    """One record per predicted case: kernels and predicted block times (what `--json` writes and
+    `--before` reads back)."""
+    return [
+        {
+            "gpu": gpu,
+            "model": model,
+            "attn": "flash" if flash else "bmm",
+            "tp": tp,
+            "b": b,
+            "kernels_fwd": p["fwd"]["kernels"],
+            "kernels_bwd": p["bwd"]["kernels"],
+            "block_fwd_s": p["fwd"]["total"],
+            "block_bwd_s": p["bwd"]["total"],
+        }
+        for (gpu, model, flash, tp, b), p in preds.items()
+    ]
+
+
+def before_after(before: list[dict], after: list[dict], label: str) -> list[str]:
+    """Kernels per block and predicted block time (fwd + bwd) of an earlier run next to this one."""
+    old = {(r["gpu"], r["model"], r["attn"], r["tp"], r["b"]): r for r in before}
+    out = [
+        "",
+        f"## 6. Before / after: {label}",
+        "",
+        "Kernels per block and the predicted block time (fwd + bwd, `phase_time`: host issue model and",
+        "TP collectives included), each case of section 1 at micro-batch 1 and 4.",
+        "",
+        "| gpu | model | attn | tp | b | kernels f/b before | kernels f/b after | block ms before | block ms after | change |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in after:
+        key = (r["gpu"], r["model"], r["attn"], r["tp"], r["b"])
+        o = old.get(key)
+        if o is None or r["b"] not in (1, 4):
+            continue
+        t0, t1 = o["block_fwd_s"] + o["block_bwd_s"], r["block_fwd_s"] + r["block_bwd_s"]
+        out.append(
+            f"| {r['gpu']} | {r['model']} | {r['attn']} | {r['tp']} | {r['b']} | "
+            f"{o['kernels_fwd']} / {o['kernels_bwd']} | {r['kernels_fwd']} / {r['kernels_bwd']} | "
+            f"{ms(t0)} | {ms(t1)} | {pct(t1, t0)} |"
+        )
+    return out
+
+
+def run(data: Path, profiles: dict, before: tuple[list[dict], str] | None = None) -> tuple[str, list[dict]]:
     op_db = read_op_db(data / "gpus/l4/op-db")
     aceso_dir = data / "gpus/l4/op-profiles"
     lines = [
@@ -490,6 +540,10 @@ def run(data: Path, profiles: dict) -> str:
         "## 3. H200: predicted vs measured (blocks measured by `benchmarks/gpu/h200_block_check.py`; flash rows of",
         "`attention.json`)",
         "",
+        "The measured blocks are Mist's blocks as they were when measured: the Llama rows predate the lean",
+        "kernels (unfused RMSNorm and rotary, 50 / 68 kernels), so their error column compares today's",
+        "prediction with yesterday's runtime until they are measured again.",
+        "",
         "| model | b | pred block fwd | meas block fwd | err | pred block bwd | meas block bwd | err | pred flash f/b | meas flash f/b |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -532,7 +586,10 @@ def run(data: Path, profiles: dict) -> str:
             + f" | {orig} |"
         )
     lines += fused_what_if(profiles, preds)
-    return "\n".join(lines) + "\n"
+    rows = case_rows(preds)
+    if before is not None:
+        lines += before_after(before[0], rows, before[1])
+    return "\n".join(lines) + "\n", rows
 
 
 def fused_kernels(profile, model: str, tp: int, b: int) -> dict:
@@ -583,11 +640,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/decomposition.md")
     ap.add_argument("--l4-profile", default="l4", help="L4 profile name or JSON path (default: shipped)")
     ap.add_argument("--h200-profile", default="h200", help="H200 profile name or JSON path (default: shipped)")
+    ap.add_argument("--json", type=Path, help="also write the kernels and block times per case as JSON")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        default=ROOT / "benchmarks/results/decomposition_03825f2.json",
+        help="the --json of an earlier run, shown next to this one (section 6; default: the blocks of "
+        "commit 03825f2, before the lean kernels; skipped where the file is missing)",
+    )
     args = ap.parse_args(argv)
     if not (args.data / "gpus/l4/op-db").is_dir():
         ap.error(f"--data {args.data} has no gpus/l4/op-db folder")
     profiles = {"l4": load_profile(args.l4_profile), "h200": load_profile(args.h200_profile)}
-    text = run(args.data, profiles)
+    before = None
+    if args.before is not None and args.before.is_file():
+        before = (json.loads(args.before.read_text()), f"`{args.before.name}` → this run")
+    text, rows = run(args.data, profiles, before)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

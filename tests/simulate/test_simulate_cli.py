@@ -76,7 +76,10 @@ def test_timeline_is_a_record_beside_the_prediction():
     assert pred == simulate_plan(plan, prof) and tl == plan_timeline(plan, prof)
     assert not any(k.startswith("_") for k in pred) and "event_iteration_time_s" not in pred
     assert tl.iteration_time_s == pred["iteration_time_s"]
-    assert tl.event_iteration_time_s == pytest.approx(tl.iteration_time_s, rel=1e-9)
+    # the 1F1B closed form bounds the event-driven schedule from above, exactly when the stages
+    # take equal time; this example's last stage (the loss) is a little faster
+    assert tl.event_iteration_time_s <= tl.iteration_time_s * (1 + 1e-12)
+    assert tl.event_iteration_time_s == pytest.approx(tl.iteration_time_s, rel=1e-2)
     assert max(end for *_, end in tl.events) == tl.event_iteration_time_s
     S, G = plan.num_stages, plan.micro_batches
     assert len(tl.channels) == len(tl.stable) == S

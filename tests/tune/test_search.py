@@ -99,8 +99,9 @@ def test_nothing_fits_exits_2_with_memory_reason(capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", "--model", "llama-70b", "--gpu", "l4", "--gpus-per-node", "1", "--global-batch", "4"])
     assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "GiB" in err and "needs at least" in err
+    err = " ".join(capsys.readouterr().err.split())
+    # 70B on one 24 GiB L4: either the GPU or (with everything offloaded) the host runs out
+    assert "GiB" in err and ("needs at least" in err or "need at least" in err)
 
 
 def test_attention_recompute_is_searched_without_flash_and_resimulates():

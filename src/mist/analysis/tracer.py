@@ -54,8 +54,10 @@ ATTENTION_OPS = {
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_efficient_attention_backward",
 }
-# Pure metadata / aliasing operators that launch no kernel.
+# Pure metadata / aliasing operators that launch no kernel (`rotary_tables`: a lookup in
+# `mist.models.attention`'s per-process cache of the rotary tables).
 _FREE_OPS = {
+    "rotary_tables",
     "detach",
     "view",
     "_unsafe_view",
@@ -165,7 +167,10 @@ class _Recorder(TorchDispatchMode):
         in_sids = [storage_id(t) for t in ins]
         out_sids = [storage_id(t) for t in outs]
         new = [(t, sid) for t, sid in zip(outs, out_sids) if sid not in set(in_sids) and sid not in tr.storage_bytes]
-        if name in _FREE_OPS or (outs and not new and name not in ATTENTION_OPS and not name.endswith("_")):
+        # an operator that writes into an argument (in place, or an out= variant) launches a kernel
+        # even though its output is no new storage
+        writes = func._schema.is_mutable
+        if name in _FREE_OPS or (outs and not new and name not in ATTENTION_OPS and not writes):
             kind = VIEW
         elif name in ATTENTION_OPS:
             kind = ATTENTION
@@ -180,7 +185,9 @@ class _Recorder(TorchDispatchMode):
         read = written = flops = sympy.Integer(0)
         params = None
         if kind != VIEW:
-            read, written = _traffic(name, args, ins, outs, ex)
+            # the out= arguments of an out variant are written, not read
+            out_args = [kwargs[a.name] for a in func._schema.arguments if a.is_out and _is_tensor(kwargs.get(a.name))]
+            read, written = _traffic(name, args, [t for t in ins if not any(t is o for o in out_args)], outs, ex)
         if kind == GEMM:
             params = _gemm_params(name, ins, ex)
             flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)

@@ -81,6 +81,7 @@ _OP_CLASS = {
     "stack": "copy",
     "index_select": "copy",
     "slice_backward": "copy",
+    "roll": "copy",  # a permuting copy: reads and writes each element once (the rotary's rotate-half)
     "select_backward": "copy",
 }
 for _c in CLASSES:  # a class name is accepted as an op name

@@ -12,6 +12,7 @@ recomputation: without flash it drops the b·heads·s² softmax output for one m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,21 +25,89 @@ from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
 
-def rotary_cos_sin(seq_len: int, rot_dim: int, device, dtype: torch.dtype, base: float = 10000.0):
+@functools.lru_cache(maxsize=16)
+def _rotary_tables(seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device):
+    """(cos, signed sin) of shape [seq_len, 1, rot_dim], built once per key: cos = [cos | cos],
+    signed sin = [−sin | sin], so that rotate_half(x)·sin = roll(x, rot_dim/2)·(signed sin).
+    Plain tensors even when first asked for under inference mode (an evaluation)."""
+    with torch.inference_mode(False):
+        return _build_tables(seq_len, rot_dim, base, dtype, device)
+
+
+def _build_tables(seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device):
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat((cos, cos), -1).view(seq_len, 1, rot_dim), torch.cat((-sin, sin), -1).view(seq_len, 1, rot_dim)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on the first cos.shape[-1] dims of x[b, heads, s, d]."""
+@torch.library.custom_op("mist::rotary_tables", mutates_args=())
+def rotary_tables(
+    seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of `_rotary_tables`, from its per-process cache: a block's forward
+    launches no kernel for them after the first step. Runs call the cache directly; the symbolic
+    trace (a SymInt sequence length) calls this one opaque operator, so that `mist.analysis`
+    records a lookup (free) rather than the table's construction, which a step does not run. The tables
+    are the cache's (2·seq_len·rot_dim elements per key; 256 KiB for s 2048, 32 rotary dims in
+    16 bits), not activations: the rotary function keeps them off autograd's saved tensors."""
+    return _rotary_tables(int(seq_len), int(rot_dim), float(base), dtype, torch.device(device))
+
+
+@rotary_tables.register_fake
+def _(seq_len, rot_dim, base, dtype, device):
+    return (
+        torch.empty(seq_len, 1, rot_dim, dtype=dtype, device=device),
+        torch.empty(seq_len, 1, rot_dim, dtype=dtype, device=device),
+    )
+
+
+def _rotate_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, d: int, sign: float) -> None:
+    """In place on t [b, s, n·d]: the first cos.shape[-1] dims of its first `heads` heads of d
+    become x·cos + sign·roll(x, r/2)·(signed sin) — the rotation (sign 1) or its transpose (−1:
+    roll by r/2 is its own inverse and moves the signed sin to its negative). Three kernels."""
+    b, s = t.shape[0], t.shape[1]
     r = cos.shape[-1]
-    xr, xp = (x[..., :r], x[..., r:]) if r < x.shape[-1] else (x, None)
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
-    rot = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return rot if xp is None else torch.cat((rot, xp), dim=-1)
+    x = t.view(b, s, -1, d)[:, :, :heads, :r]
+    rolled = x.roll(r // 2, dims=-1)
+    # (the tables expanded to x's shape: broadcasting in addcmul_ fails on symbolic sizes)
+    x.mul_(cos).addcmul_(rolled, sin.expand_as(rolled), value=sign)
+
+
+class _RotaryQK(torch.autograd.Function):
+    """Rotary on the q and k heads of the fused QKV projection's output, in place (as the
+    original's fused rotary kernel on packed qkv): q, k and v stay views of one buffer, nothing is
+    saved for backward (the tables are the cache's), and the backward rotates the incoming
+    gradient of that buffer — the fresh concatenation of the q/k/v gradients that `split`'s
+    backward builds, used by nothing else — back in place."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads: int, d: int):
+        ctx.mark_dirty(qkv)
+        ctx.tables, ctx.heads, ctx.d = (cos, sin), heads, d
+        _rotate_(qkv, cos, sin, heads, d, 1.0)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.tables
+        g = g.contiguous()
+        _rotate_(g, cos, sin, ctx.heads, ctx.d, -1.0)
+        return g, None, None, None, None
+
+
+def rotary_qk_(qkv: torch.Tensor, seq_len: int, rot_dim: int, heads: int, d: int, base: float) -> torch.Tensor:
+    """Rotate-half rotary on the first rot_dim dims of the first `heads` heads (q, then k) of
+    qkv [b, s, n·d], in place; returns qkv. The caller splits the result into q, k and v (as
+    `Attention` does): the backward rotates its incoming gradient in place, which must be that
+    split's fresh concatenation (as flash-attn's in-place rotary and Megatron's fused softmax
+    work on their incoming gradients)."""
+    if isinstance(seq_len, int):  # a run: the cache itself, without the custom op's dispatch
+        cos, sin = _rotary_tables(seq_len, rot_dim, float(base), qkv.dtype, qkv.device)
+    else:  # the symbolic trace: one opaque lookup
+        cos, sin = rotary_tables(seq_len, rot_dim, base, qkv.dtype, qkv.device)
+    return _RotaryQK.apply(qkv, cos, sin, heads, d)
 
 
 class Attention(nn.Module):
@@ -62,13 +131,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         d, hq, hk = self.spec.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(x)
+        if self.spec.rotary_dim:
+            qkv = rotary_qk_(qkv, s, self.spec.rotary_dim, hq + hk, d, self.spec.rope_theta)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(b, s, hq, d).transpose(1, 2)
         k = k.view(b, s, hk, d).transpose(1, 2)
         v = v.view(b, s, hk, d).transpose(1, 2)
-        if self.spec.rotary_dim:
-            cos, sin = rotary_cos_sin(s, self.spec.rotary_dim, x.device, x.dtype, self.spec.rope_theta)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core and torch.is_grad_enabled():
             o = checkpoint(self.core, q, k, v, use_reentrant=True, preserve_rng_state=False)
         else:

@@ -14,37 +14,43 @@ from mist.specs.model import ModelSpec
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean token cross-entropy over logits split by vocabulary across the TP group.
 
-    Keeps the fp32 softmax of the local logits (N·V/t·4 bytes) for backward.
+    Keeps the fp32 exponentials of the shifted local logits (N·V/t·4 bytes) and their row sums
+    (N·4 bytes) for backward: the softmax, with the division left to the backward's one pass.
+    Full-size passes: forward max, shift (16-bit logits: the fp32 upcast and the subtraction in one
+    kernel), exp in place, row sum; backward one product written in the logits' dtype (the
+    one-hot target subtracted first from the saved exponentials, in place, a gather-sized scatter).
     """
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, tp):
-        lf = logits.float()  # fp32 copy of the local logits; worked on in place from here
-        vmax = lf.max(dim=-1, keepdim=True)[0]
+        vmax = logits.max(dim=-1, keepdim=True)[0].float()  # the max of 16-bit values is exact
         all_reduce_(vmax, tp, op="max")
-        lf.sub_(vmax)
+        # fp32 logits are shifted in place; 16-bit ones into a new fp32 tensor, the upcast and the
+        # shift in one pass. Worked on in place from here.
+        lf = logits.sub_(vmax) if logits.dtype == torch.float32 else logits - vmax
         local = target - vocab_start
         outside = (local < 0) | (local >= lf.shape[-1])
         local = local.masked_fill(outside, 0)
         picked = lf.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         all_reduce_(picked, tp)
-        softmax = lf.exp_()
-        sum_exp = softmax.sum(dim=-1)
+        exp = lf.exp_()
+        sum_exp = exp.sum(dim=-1)
         all_reduce_(sum_exp, tp)
         loss = (torch.log(sum_exp) - picked).mean()
-        softmax.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
+        ctx.save_for_backward(exp, sum_exp, local, outside)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, local, outside = ctx.saved_tensors
+        exp, sum_exp, local, outside = ctx.saved_tensors
         scale = g / local.numel()
-        grad = softmax * scale
-        hit = (~outside).to(grad.dtype).unsqueeze(-1) * scale
-        grad.scatter_add_(-1, local.unsqueeze(-1), -hit)
-        return grad.to(ctx.logits_dtype), None, None, None
+        # d loss / d logit = (softmax − onehot)·scale = (exp − Σexp·onehot)·scale/Σexp
+        hit = (~outside).to(exp.dtype) * sum_exp
+        exp.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad = torch.empty_like(exp, dtype=ctx.logits_dtype)
+        torch.mul(exp, (scale / sum_exp).unsqueeze(-1), out=grad)
+        return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, target, vocab_start: int, tp: TPGroup):

@@ -25,6 +25,35 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate=GELU_APPROXIMATE)
 
 
+def _swiglu_grad(y: torch.Tensor, a: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
+    """The gradient at y = [gate | up] of silu(gate)·up given ga, with a = silu(gate): both halves
+    written into one buffer (silu_backward and the product, out= variants) instead of the cat that
+    chunk's backward adds — three kernels, bit for bit autograd's values."""
+    gate, up = y.chunk(2, dim=-1)
+    gy = torch.empty_like(y)
+    g_gate, g_up = gy.chunk(2, dim=-1)
+    torch.mul(ga, a, out=g_up)
+    torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=g_gate)
+    return gy
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up of y = [gate | up]: the forward autograd would run (silu, product; keeping y,
+    whose views gate and up are, and silu(gate)), the backward of `_swiglu_grad`."""
+
+    @staticmethod
+    def forward(ctx, y):
+        gate, up = y.chunk(2, dim=-1)
+        a = F.silu(gate)
+        ctx.save_for_backward(y, a)
+        return a * up
+
+    @staticmethod
+    def backward(ctx, ga):
+        y, a = ctx.saved_tensors
+        return _swiglu_grad(y, a, ga)
+
+
 class Activation(nn.Module):
     """The MLP's activation as a module (so that its re-run in backward can be labelled)."""
 
@@ -34,17 +63,14 @@ class Activation(nn.Module):
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = y.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return _SwiGLU.apply(y)
         return gelu(y)
 
     def grad(self, y: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
         """The gradient at y of forward(y) given ga, by the backward kernels autograd runs for
         forward (gelu_backward; silu_backward and two products), without forward(y) itself."""
         if self.gated:
-            gate, up = y.chunk(2, dim=-1)
-            g_up = ga * F.silu(gate)
-            return torch.cat((torch.ops.aten.silu_backward(ga * up, gate), g_up), dim=-1)
+            return _swiglu_grad(y, F.silu(y.chunk(2, dim=-1)[0]), ga)
         return torch.ops.aten.gelu_backward(ga, y, approximate=GELU_APPROXIMATE)
 
 

@@ -73,12 +73,15 @@ def pareto_2d(T: np.ndarray, D: np.ndarray) -> np.ndarray:
     return order[d < prev_best - 1e-12]
 
 
-def sample_frontier(idx: np.ndarray, k: int) -> np.ndarray:
-    """At most k frontier points, always the fastest and the one with the least extra."""
+def sample_frontier(idx: np.ndarray, k: int, also: int | None = None) -> np.ndarray:
+    """At most k frontier points, always the fastest and the one with the least extra, plus the
+    point at position `also` of `idx` when given (the order of `idx` is kept)."""
     if len(idx) <= k:
         return idx
-    pick = np.unique(np.round(np.linspace(0, len(idx) - 1, k)).astype(int))
-    return idx[pick]
+    pick = np.round(np.linspace(0, len(idx) - 1, k)).astype(int)
+    if also is not None:
+        pick = np.append(pick, also)
+    return idx[np.unique(pick)]
 
 
 class StageTables:
@@ -243,7 +246,11 @@ class StageTables:
         if not Ts:
             return Options(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), [], min_peak, min_host)
         T, F, X, Y = (np.concatenate(v) for v in (Ts, Fs, Xs, Ys))
-        keep = sample_frontier(pareto_2d(T, X + Y), self.space.frontier_points)
+        front = pareto_2d(T, X + Y)
+        # the sampled frontier always keeps the point a one-stage pipeline would pick (G·T + X + Y,
+        # its exact iteration time): sampling alone can drop it
+        alone = int(np.argmin(self.G * T[front] + X[front] + Y[front]))
+        keep = sample_frontier(front, self.space.frontier_points, also=alone)
         # map kept indices back to strategies
         bounds = np.cumsum([0] + [len(m[5]) for m in metas])
         strategies = []

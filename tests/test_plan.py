@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 
 import pytest
 
@@ -40,8 +41,8 @@ GOOD = {
 }
 
 
-def mutate(**changes):
-    d = copy.deepcopy(GOOD)
+def mutate(_base=None, **changes):
+    d = copy.deepcopy(GOOD if _base is None else _base)
     for path, v in changes.items():
         keys = path.split("__")
         tgt = d
@@ -318,3 +319,64 @@ def test_relative_paths_are_read_from_the_plans_folder(tmp_path, monkeypatch):
     p.save_beside(out)
     assert json.loads(out.read_text())["cluster"]["gpu"] == os.path.join("..", "job", "l4.json")
     assert load_plan(out).cluster.gpu == str(out.parent / ".." / "job" / "l4.json")
+
+
+INTERLEAVED = copy.deepcopy(GOOD)
+INTERLEAVED["virtual_stages"] = 2
+INTERLEAVED["stages"][0]["chunk_layers"] = [7, 6]
+INTERLEAVED["stages"][1]["chunk_layers"] = [5, 6]
+
+
+def _interleaved(**changes):
+    return mutate(INTERLEAVED, **changes)
+
+
+def test_interleaved_plan_roundtrips_and_plain_plans_write_no_chunks(tmp_path):
+    p = plan_from_dict(_interleaved())
+    assert p.virtual_stages == 2 and p.stages[0].chunk_layers == (7, 6) and p.stages[1].chunks() == (5, 6)
+    assert "interleaved 1F1B with 2 chunks" in p.summary() and "chunks 7+6" in p.summary()
+    f = tmp_path / "v.json"
+    p.save(f)
+    assert load_plan(f) == p
+    plain = plan_from_dict(GOOD)
+    assert plain.virtual_stages == 1 and plain.stages[0].chunks() == (13,)
+    d = plain.to_dict()
+    assert "virtual_stages" not in d and all("chunk_layers" not in s for s in d["stages"])
+
+
+@pytest.mark.parametrize(
+    "d,needle",
+    [
+        (_interleaved(micro_batches=16, stages__0__micro_batch=1, stages__1__micro_batch=2), None),
+        (_interleaved(virtual_stages=0), "virtual_stages must be at least 1"),
+        (_interleaved(virtual_stages=3), "must list 3 block counts"),
+        (_interleaved(stages__0__chunk_layers=[8, 6]), "add up to 14, not its 13 layers"),
+        (_interleaved(stages__0__chunk_layers=[13, 0]), "chunk_layers[1] must be at least 1"),
+        (_interleaved(stages__1__chunk_layers=KeyError), "Stage 1 needs chunk_layers"),
+        (
+            _interleaved(micro_batches=1, stages__0__micro_batch=16, stages__1__micro_batch=32),
+            "micro_batches a multiple of its 2 stages",
+        ),
+    ],
+)
+def test_interleaved_constraints(d, needle):
+    if needle is None:
+        assert plan_from_dict(d).micro_batches == 16
+        return
+    with pytest.raises(MistInputError, match=re.escape(needle)):
+        plan_from_dict(d)
+
+
+def test_interleaving_needs_a_pipeline():
+    d = {
+        "model": "gpt3-1.3b",
+        "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 1},
+        "training": {"seq_len": 2048, "global_batch": 8},
+        "micro_batches": 8,
+        "virtual_stages": 2,
+        "stages": [
+            {"layers": 24, "nodes": 1, "gpus_per_node": 1, "micro_batch": 1, "dp": 1, "tp": 1, "chunk_layers": [12, 12]}
+        ],
+    }
+    with pytest.raises(MistInputError, match="needs at least 2 pipeline stages"):
+        plan_from_dict(d)

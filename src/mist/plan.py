@@ -6,6 +6,14 @@ size, data/tensor parallel degrees, ZeRO level, recomputed blocks (the last N of
 whether its other blocks recompute their attention core and their MLP activation, and the
 fraction of each state kept in CPU memory. Stage 0 also holds the embedding and the last stage
 the final norm, head and loss. This module checks and (de)serializes; nothing else.
+
+Interleaved pipelines: with `virtual_stages` v ≥ 2 every stage (pipeline rank) holds v model
+chunks, and `chunk_layers` says how many blocks each holds (summing to the stage's `layers`). The
+model's blocks are split into chunks in the order stage 0 chunk 0, stage 1 chunk 0, …, the last
+stage's chunk 0, stage 0 chunk 1, … (Megatron-LM's and torchtitan's layout); stage 0's chunk 0
+holds the embedding, the last stage's last chunk the head. The stage's other fields hold for all
+its chunks; its `recompute_layers` spread over them (`rules.interleaved_order.chunk_recompute`).
+A plan without the two fields is a plain 1F1B plan (v = 1), and is written without them.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from mist.userfiles import YAML_SUFFIXES, parse_json, parse_yaml, read_user_text
 
 OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
 PLAN_FIELDS = ("model", "cluster", "training", "micro_batches", "stages")
+OPTIONAL_PLAN_FIELDS = ("virtual_stages",)
 
 
 @dataclass(frozen=True)
@@ -53,10 +62,24 @@ class StageStrategy:
     offload: Offload = field(default_factory=Offload)
     recompute_attention: bool = False  # the blocks not recomputed whole recompute their attention core
     recompute_activation: bool = False  # ... and their MLP activation (fc2 re-runs it in backward)
+    chunk_layers: tuple[int, ...] | None = None  # blocks per model chunk (interleaved plans only)
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def chunks(self) -> tuple[int, ...]:
+        """Blocks per model chunk of this stage: `chunk_layers`, or one chunk of all its layers."""
+        return tuple(self.chunk_layers) if self.chunk_layers is not None else (self.layers,)
+
+    def to_dict(self) -> dict:
+        """The stage as a plan file writes it (no `chunk_layers` key in a plain 1F1B plan)."""
+        d = asdict(self)
+        if self.chunk_layers is None:
+            del d["chunk_layers"]
+        else:
+            d["chunk_layers"] = list(self.chunk_layers)
+        return d
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,7 @@ class Plan:
     micro_batches: int
     stages: tuple[StageStrategy, ...]
     model_ref: str | None = None  # the preset name or path the plan was written with
+    virtual_stages: int = 1  # model chunks per stage (v); ≥ 2 runs interleaved 1F1B
 
     def __post_init__(self) -> None:
         check_plan(self)
@@ -77,13 +101,16 @@ class Plan:
         return len(self.stages)
 
     def to_dict(self) -> dict:
-        return {
+        d: dict = {
             "model": self.model_ref if self.model_ref else self.model.to_dict(),
             "cluster": self.cluster.to_dict(),
             "training": self.training.to_dict(),
             "micro_batches": self.micro_batches,
-            "stages": [asdict(s) for s in self.stages],
         }
+        if self.virtual_stages != 1:
+            d["virtual_stages"] = self.virtual_stages
+        d["stages"] = [s.to_dict() for s in self.stages]
+        return d
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -107,11 +134,13 @@ class Plan:
             f"seq {t.seq_len}, global batch {t.global_batch}, G = {self.micro_batches} micro-batches, "
             f"{'flash' if t.flash_attention else 'non-flash'} attention, {t.param_dtype}"
             + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")
+            + (f", interleaved 1F1B with {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else "")
         ]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
+            chunks = f" (chunks {'+'.join(map(str, s.chunk_layers))})" if s.chunk_layers is not None else ""
             lines.append(
-                f"  stage {i}: {s.layers} layers on {s.nodes}×{s.gpus_per_node} GPUs, "
+                f"  stage {i}: {s.layers} layers{chunks} on {s.nodes}×{s.gpus_per_node} GPUs, "
                 f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
                 f"recompute {s.recompute_layers}" + _selective_text(s) + (f", offload {off}" if off else "")
             )
@@ -188,6 +217,37 @@ def check_plan(p: Plan) -> None:
     if gpus != p.cluster.world_size:
         raise MistInputError(f"The stages use {gpus} GPUs but the cluster has {p.cluster.world_size}.")
     _check_placement(p)
+    _check_chunks(p)
+
+
+def _check_chunks(p: Plan) -> None:
+    """Interleaved plans as Megatron-LM and torchtitan accept them: v ≥ 2 needs a pipeline, the
+    micro-batches a multiple of its depth, and every stage v chunks of at least one block."""
+    v = _int("virtual_stages", p.virtual_stages)
+    S = p.num_stages
+    if v > 1 and S < 2:
+        raise MistInputError(f"virtual_stages {v} needs at least 2 pipeline stages; the plan has {S}.")
+    if v > 1 and p.micro_batches % S:
+        raise MistInputError(
+            f"An interleaved plan (virtual_stages {v}) needs micro_batches a multiple of its {S} stages, "
+            f"got {p.micro_batches}."
+        )
+    for i, s in enumerate(p.stages):
+        if s.chunk_layers is None:
+            if v > 1:
+                raise MistInputError(f"Stage {i} needs chunk_layers: the blocks of each of its {v} chunks.")
+            continue
+        if not isinstance(s.chunk_layers, (list, tuple)) or len(s.chunk_layers) != v:
+            raise MistInputError(
+                f"Stage {i} chunk_layers must list {v} block counts (one per chunk), got {s.chunk_layers!r}."
+            )
+        for c, n in enumerate(s.chunk_layers):
+            _int(f"Stage {i} chunk_layers[{c}]", n)
+        if sum(s.chunk_layers) != s.layers:
+            raise MistInputError(
+                f"Stage {i}: its chunk_layers {list(s.chunk_layers)} add up to {sum(s.chunk_layers)}, "
+                f"not its {s.layers} layers."
+            )
 
 
 def _check_placement(p: Plan) -> None:
@@ -233,7 +293,7 @@ def _sub(d: dict, key: str, cls, where: str):
 def plan_from_dict(d: dict, source: str = "plan") -> Plan:
     if not isinstance(d, dict):
         raise MistInputError(f"{source} must hold a mapping at the top level.")
-    unknown = set(d) - set(PLAN_FIELDS)
+    unknown = set(d) - set(PLAN_FIELDS) - set(OPTIONAL_PLAN_FIELDS)
     if unknown:
         raise MistInputError(f"{source} has unknown field(s) {_names(unknown)}.")
     for k in PLAN_FIELDS:
@@ -268,6 +328,8 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         missing = [k for k in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp") if k not in sd]
         if missing:
             raise MistInputError(f"{where} is missing field(s) {', '.join(missing)}.")
+        if isinstance(sd.get("chunk_layers"), list):
+            sd["chunk_layers"] = tuple(sd["chunk_layers"])
         stages.append(StageStrategy(**sd, offload=Offload(**off)))
     return Plan(
         model=model,
@@ -276,6 +338,7 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         micro_batches=d["micro_batches"],
         stages=tuple(stages),
         model_ref=ref,
+        virtual_stages=d.get("virtual_stages", 1),
     )
 
 

@@ -26,6 +26,21 @@ def uniform_mesh_problems(plan: Plan, target_name: str) -> list[str]:
     return problems
 
 
+def interleaving_problems(plan: Plan) -> list[str]:
+    """Mist does not write interleaved 1F1B launch files yet (Megatron-LM's virtual pipeline and
+    torchtitan's Interleaved1F1B need their own layer layouts): the sentence for such a plan."""
+    v = plan.virtual_stages
+    return [f"its interleaved 1F1B (virtual_stages {v}) is not exported yet"] if v > 1 else []
+
+
+def plain_pipeline(plan: Plan) -> Plan:
+    """`plan` as plain 1F1B: every stage keeps its layers as one chunk (the nearest plans start
+    from it)."""
+    if plan.virtual_stages == 1:
+        return plan
+    return replace(plan, virtual_stages=1, stages=tuple(replace(s, chunk_layers=None) for s in plan.stages))
+
+
 def refuse(problems: list[str], target_name: str) -> None:
     """Raise the first problem as one sentence (exit 2 in the CLI)."""
     if problems:

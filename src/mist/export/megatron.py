@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mist.errors import MistInputError
-from mist.export.common import PLACEHOLDER, uniform_mesh_problems, with_stages
+from mist.export.common import PLACEHOLDER, interleaving_problems, plain_pipeline, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan
 from mist.specs.training import TrainingSpec
@@ -57,7 +57,7 @@ DEFAULT_ROTARY_BASE = 10000.0  # Megatron's --rotary-base default (an integer fl
 # ---------------------------------------------------------------------------------- problems
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob Megatron-LM cannot express; [] if the plan exports exactly."""
-    out = _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
+    out = _model_problems(plan) + interleaving_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
     return out + _recompute_problems(plan) + _offload_problems(plan) + _precision_problems(plan)
 
 
@@ -178,6 +178,7 @@ def nearest(plan: Plan) -> Plan:
     N, and the offloads and recomputation Megatron lacks dropped."""
     if _model_problems(plan):
         raise NotExpressible(f"{NAME} cannot run this plan: {_model_problems(plan)[0]}.")
+    plan = plain_pipeline(plan)
     if uniform_mesh_problems(plan, NAME):
         plan = _uniform_mesh(plan)
     zero = max(s.zero for s in plan.stages)

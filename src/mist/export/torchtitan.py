@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, uniform_mesh_problems, with_stages
+from mist.export.common import PLACEHOLDER, interleaving_problems, plain_pipeline, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
@@ -83,7 +83,7 @@ REGISTRY = (
 # ------------------------------------------------------------------ problems
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob of `plan` that torchtitan 0.3.0 cannot express."""
-    out = _model_problems(plan.model) + _unfixable_problems(plan)
+    out = _model_problems(plan.model) + _unfixable_problems(plan) + interleaving_problems(plan)
     out += uniform_mesh_problems(plan, NAME)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
@@ -228,6 +228,7 @@ def nearest(plan: Plan) -> Plan:
     unfixable = _model_problems(plan.model) + _unfixable_problems(plan)
     if unfixable:
         raise NotExpressible(f"torchtitan cannot run this plan or any near it: {unfixable[0]}.")
+    plan = plain_pipeline(plan)
     t = plan.training
     if t.param_dtype not in _TORCH_DTYPE or t.compute_dtype not in _TORCH_DTYPE:
         t = replace(t, param_dtype="bf16", compute_dtype="bf16", grad_dtype=None)

@@ -2,7 +2,8 @@
 
 `GradAccumSchedule` is the single-stage schedule: G micro-batches, each a forward then a backward,
 gradients accumulated (and reduced by the units' hooks at the last one). `PipelineSchedule` is
-its multi-stage sibling with the same `run` contract: non-interleaved 1F1B, with p2p of
+its multi-stage sibling with the same `run` contract: non-interleaved 1F1B (interleaved 1F1B is
+`interleaved.InterleavedSchedule`), with p2p of
 activations and gradients between neighbouring stages (which may differ in dp, tp and
 micro-batch: `Links`).
 """

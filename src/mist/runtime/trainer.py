@@ -24,6 +24,7 @@ from mist.runtime.config import TrainConfig
 from mist.runtime.data import split_micro_batches
 from mist.runtime.datasets import build_data, tokenizer_path
 from mist.runtime.flat import Comms, FlatUnit, all_gather_flat
+from mist.runtime.interleaved import ChunkedStageModule, ChunkRunners, InterleavedSchedule, chunk_links
 from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
@@ -103,16 +104,20 @@ class Trainer:
 
         self.saved = SavedTensorManager(self.device, self.memory, is_weight)
         self.timer = PhaseTimer(self.device)
-        self.runner = StageRunner(
-            self.module,
-            self.units,
-            st.recompute_layers,
-            st.recompute_attention,
-            st.recompute_activation,
-            st.offload.activations,
-            self.saved,
-            autocast,
-        )
+        self.runner: StageRunner | ChunkRunners
+        if isinstance(self.module, ChunkedStageModule):  # one runner per model chunk
+            self.runner = ChunkRunners.build(self.module, self.units, st, self.saved, autocast)
+        else:
+            self.runner = StageRunner(
+                self.module,
+                self.units,
+                st.recompute_layers,
+                st.recompute_attention,
+                st.recompute_activation,
+                st.offload.activations,
+                self.saved,
+                autocast,
+            )
         self.schedule = self._build_schedule()
         self.optimizer = ShardedAdamW(
             self.units,
@@ -128,7 +133,7 @@ class Trainer:
         self.start_step = 0
 
     # ------------------------------------------------------------ construction
-    def _build_module(self) -> StageModule:
+    def _build_module(self) -> StageModule | ChunkedStageModule:
         """This stage's modules in fp32 on the CPU, seeded exactly like the single-process model
         (on the meta device with --init-from)."""
         plan, lay = self.plan, self.groups.stage
@@ -138,7 +143,10 @@ class Trainer:
         # zeros and `hf_weights.load_into` fills the slices this rank owns, so that building holds
         # at most one unit's whole (TP-local) weights beyond what the rank keeps
         device = "meta" if self.cfg.init_from is not None else "cpu"
-        module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer, device=device)
+        if plan.virtual_stages > 1:  # interleaved 1F1B: the rank's v chunks (`runtime.interleaved`)
+            module = ChunkedStageModule(plan, lay.index, self.tp, flash, device=device)
+        else:
+            module = StageModule(spec, self.tp, flash, first, last, st.layers, lay.first_layer, device=device)
         local = {}
         for n, p in module.named_parameters():
             local[module.full_name(n)] = p
@@ -209,9 +217,12 @@ class Trainer:
             units[k].defer_reduce = True
         return units
 
-    def _build_schedule(self) -> PipelineSchedule | GradAccumSchedule:
+    def _build_schedule(self) -> PipelineSchedule | GradAccumSchedule | InterleavedSchedule:
         plan, groups, st = self.plan, self.groups, self.stage
         lay = groups.stage
+        if plan.virtual_stages > 1:
+            links = chunk_links(groups, plan.virtual_stages, st.micro_batch)
+            return InterleavedSchedule(plan.micro_batches, lay.index, plan.num_stages, links, self.device)
         if plan.num_stages == 1:
             return GradAccumSchedule(plan.micro_batches)
         last = lay.index == plan.num_stages - 1

@@ -2,16 +2,26 @@
 
 `simulate_plan` returns the prediction (the dict `mist simulate --json` prints); `plan_timeline`
 returns the same iteration played event by event as a `Timeline` record (what `--timeline`
-draws); `simulate_with_timeline` gives both from one evaluation of the stages."""
+draws); `simulate_with_timeline` gives both from one evaluation of the stages.
+
+An interleaved plan (`virtual_stages` v ≥ 2) is priced per model chunk for time — each chunk a
+stage of the chunk pipeline (its own blocks, edges, p2p at both ends, the embedding on the first
+chunk and the head on the last), played through the interleaved 1F1B order
+(`simulate.interleaved`) — and per stage (pipeline rank) for memory: all its chunks' states, and
+the saved activations of the micro-batch chunks in flight on it at its peak under that order,
+each chunk's own (`interleaved.held_saved_peak`; rank 0 holds the most). A stage's reported times
+are its chunks' sums."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
+from mist.rules.interleaved_order import chunk_recompute
+from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageInput, StageModel
@@ -23,6 +33,8 @@ ALLOCATOR_MARGIN = 0.05
 
 
 def stage_inputs(plan: Plan) -> list[StageInput]:
+    """Every stage's input (of an interleaved plan without its in-flight count, which
+    `_stage_results` takes from its chunks' saved activations)."""
     S = plan.num_stages
     out = []
     for i, s in enumerate(plan.stages):
@@ -47,6 +59,32 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 gpus_per_node=s.gpus_per_node,
                 cluster_gpus_per_node=plan.cluster.gpus_per_node,
             )
+        )
+    return out
+
+
+def chunk_inputs(plan: Plan, rank_inputs: list[StageInput]) -> list[list[StageInput]]:
+    """Per stage, one input per model chunk: a stage of the p·v-chunk pipeline (chunk c of rank
+    r is its stage c·p + r) with the rank's strategy, the chunk's blocks and its share of the
+    recomputed ones."""
+    S, v = plan.num_stages, plan.virtual_stages
+    out = []
+    for r, (s, st) in enumerate(zip(plan.stages, rank_inputs)):
+        rec = chunk_recompute(s.recompute_layers, s.chunks())
+        out.append(
+            [
+                replace(
+                    st,
+                    first=r == 0 and c == 0,
+                    last=r == S - 1 and c == v - 1,
+                    index=c * S + r,
+                    num_stages=S * v,
+                    layers=np.array([n]),
+                    recompute=np.array([rec[c]]),
+                    in_flight=0,
+                )
+                for c, n in enumerate(s.chunks())
+            ]
         )
     return out
 
@@ -91,12 +129,24 @@ class Timeline:
     stable: tuple[tuple[float, float], ...]
 
 
-def _stage_results(plan: Plan, profile) -> list:
-    """Every stage's `StageResult` (one candidate each)."""
+@dataclass(frozen=True)
+class _Chunks:
+    """Per (rank, chunk) steady forward and backward and first/last extras of an interleaved plan."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
+def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | None]:
+    """Every stage's `StageResult` (one candidate each); for an interleaved plan its times are its
+    chunks' sums, and the chunks' own times come with them."""
     t = plan.training
-    results = []
+    models = []
     prec = precision_for(t, profile)
-    for st, s in zip(stage_inputs(plan), plan.stages):
+    inputs = stage_inputs(plan)
+    for s in plan.stages:
         model = StageModel(
             plan.model,
             profile,
@@ -107,17 +157,61 @@ def _stage_results(plan: Plan, profile) -> list:
             recompute_attention=s.recompute_attention,
             recompute_activation=s.recompute_activation,
         )
-        results.append(model.evaluate(st))
-    return results
+        models.append(model)
+    if plan.virtual_stages == 1:
+        return [m.evaluate(st) for m, st in zip(models, inputs)], None
+    per_chunk = [[m.evaluate(c) for c in cs] for m, cs in zip(models, chunk_inputs(plan, inputs))]
+    # a rank's saved activations at its peak: its chunks' in flight under the interleaved order
+    results = []
+    for r, (m, st, cs) in enumerate(zip(models, inputs, per_chunk)):
+        saved = np.array([float(c.saved_per_microbatch[0]) for c in cs])
+        held = float(interleaved_in_flight(r, plan.num_stages, plan.micro_batches, saved))
+        results.append(m.evaluate(replace(st, in_flight=held)))
+    chunks = _Chunks(
+        *(
+            np.array([[float(getattr(c, k)[0]) for c in cs] for cs in per_chunk])
+            for k in ("fwd", "T", "first_extra", "last_extra")
+        )
+    )
+    chunks = replace(chunks, bwd=chunks.bwd - chunks.fwd)
+    return [_rank_result(r, cs) for r, cs in zip(results, per_chunk)], chunks
 
 
-def _pipeline(plan: Plan, results: list):
-    """Per-stage stable time T, forward F, first and last extras X, Y, and the iteration time."""
+def _rank_result(rank, chunks: list):
+    """A rank's result with its memory from `rank` (the whole rank) and its times, FLOPs and
+    channel volumes the sums of its chunks'."""
+
+    def total(k):
+        return sum(getattr(c, k) for c in chunks)
+
+    def total_dict(k):
+        return {n: sum(getattr(c, k)[n] for c in chunks) for n in getattr(chunks[0], k)}
+
+    return replace(
+        rank,
+        T=total("T"),
+        D=total("D"),
+        fwd=total("fwd"),
+        first_extra=total("first_extra"),
+        last_extra=total("last_extra"),
+        flops_per_microbatch=total("flops_per_microbatch"),
+        time_breakdown=total_dict("time_breakdown"),
+        delta_breakdown=total_dict("delta_breakdown"),
+        channels=total_dict("channels"),
+    )
+
+
+def _pipeline(plan: Plan, results: list, chunks: _Chunks | None = None):
+    """Per-stage stable time T, forward F, first and last extras X, Y, and the iteration time (of
+    an interleaved plan: its chunks played through the interleaved order)."""
     T = np.array([float(r.T[0]) for r in results])
     F = np.array([float(r.fwd[0]) for r in results])
     X = np.array([float(r.first_extra[0]) for r in results])
     Y = np.array([float(r.last_extra[0]) for r in results])
-    it = float(iteration_time(T, plan.micro_batches, first=X, last=Y, fwd=F))
+    if chunks is None:
+        it = float(iteration_time(T, plan.micro_batches, first=X, last=Y, fwd=F))
+    else:
+        it = float(interleaved_recurrence(chunks.fwd, chunks.bwd, chunks.first, chunks.last, plan.micro_batches))
     return T, F, X, Y, it
 
 
@@ -156,9 +250,9 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
     return entry, problem
 
 
-def _prediction(plan: Plan, profile, results: list) -> dict:
+def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | None) -> dict:
     t = plan.training
-    _, _, _, _, it = _pipeline(plan, results)
+    _, _, _, _, it = _pipeline(plan, results, chunks)
     G = plan.micro_batches
     tokens = t.global_batch * t.seq_len
     # model FLOPs of one iteration: every stage's per-micro-batch FLOPs × its dp × G (no recompute)
@@ -187,10 +281,16 @@ def _prediction(plan: Plan, profile, results: list) -> dict:
     }
 
 
-def _timeline(plan: Plan, results: list) -> Timeline:
-    T, F, X, Y, it = _pipeline(plan, results)
+def _timeline(plan: Plan, results: list, chunks: _Chunks | None) -> Timeline:
+    T, F, X, Y, it = _pipeline(plan, results, chunks)
     fwd, bwd = list(F), list(T - F)
-    ev_time, events = event_schedule(fwd, bwd, list(X), list(Y), plan.micro_batches)
+    if chunks is None:
+        ev_time, events = event_schedule(fwd, bwd, list(X), list(Y), plan.micro_batches)
+    else:  # (the events of every chunk of a rank on the rank's lanes)
+        ev_time, chunk_events = interleaved_event_schedule(
+            chunks.fwd.tolist(), chunks.bwd.tolist(), chunks.first.tolist(), chunks.last.tolist(), plan.micro_batches
+        )
+        events = [e[:5] for e in chunk_events]
     return Timeline(
         iteration_time_s=it,
         event_iteration_time_s=ev_time,
@@ -203,15 +303,15 @@ def _timeline(plan: Plan, results: list) -> Timeline:
 def simulate_plan(plan: Plan, profile) -> dict:
     """The prediction of `plan` on `profile`: iteration time, throughput, MFU, whether it fits, and
     per stage its times, memory and host memory (the dict `mist simulate --json` prints)."""
-    return _prediction(plan, profile, _stage_results(plan, profile))
+    return _prediction(plan, profile, *_stage_results(plan, profile))
 
 
 def plan_timeline(plan: Plan, profile) -> Timeline:
     """One iteration of `plan` on `profile` event by event (see `Timeline`)."""
-    return _timeline(plan, _stage_results(plan, profile))
+    return _timeline(plan, *_stage_results(plan, profile))
 
 
 def simulate_with_timeline(plan: Plan, profile) -> tuple[dict, Timeline]:
     """`simulate_plan` and `plan_timeline` from one evaluation of the stages."""
-    results = _stage_results(plan, profile)
-    return _prediction(plan, profile, results), _timeline(plan, results)
+    results, chunks = _stage_results(plan, profile)
+    return _prediction(plan, profile, results, chunks), _timeline(plan, results, chunks)

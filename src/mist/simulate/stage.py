@@ -73,7 +73,7 @@ class StageInput:
     nodes: int = 1  # nodes spanned by the stage mesh
     gpus_per_node: int = 1  # GPUs per node of the stage mesh
     cluster_gpus_per_node: int = 1
-    in_flight: int | None = None  # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
+    in_flight: float | None = None  # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """`mist tune`: the outer loops (pipeline depth pp, gradient accumulation G, and for the paper's
-space one TP degree for all stages) around intra-stage frontiers and the inter-stage program.
+space one TP degree for all stages) around intra-stage frontiers and the inter-stage program;
+for each (pp, G) also interleaved 1F1B with the space's chunk counts v (`tune.interleaved`).
 
 Pruning: a (pp, G) pair is skipped when a lower bound — every block at its fastest steady time,
 spread perfectly over pp stages, for G + pp − 1 micro-batch slots — is not below the best plan
@@ -26,6 +27,7 @@ from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.inter import best_split
+from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult
 from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
@@ -127,6 +129,7 @@ def tune(
                     host_cap,
                 )
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
+                _search_interleaved(state, tables, tp_fixed, model, cluster, training)
             done += 1
             if progress is not None:
                 progress(done, len(combos), state.best.objective)
@@ -178,6 +181,25 @@ def _search_tables(state: _Search, tables: StageTables, tp_fixed, model, cluster
     if split is not None and split.objective < state.best.objective:
         strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]
         state.best = _Best(split.objective, build_plan(model, cluster, training, G, strategies))
+
+
+def _search_interleaved(state: _Search, tables: StageTables, tp_fixed, model, cluster, training) -> None:
+    """Search one (pp, G, mesh, TP degree) with v ≥ 2 chunks per rank, for each v of the space
+    that applies (`interleaved.chunk_counts`)."""
+    pp, G, L = tables.pp, tables.G, model.num_layers
+    vs = chunk_counts(L, pp, G, tables.space.virtual_stages)
+    if not vs or not tables.tp_choices(tp_fixed):
+        return
+    lb_layer = tables.min_layer_time()
+    for v in vs:
+        # the bubble shrinks by v: G + (pp − 1)/v micro-batch slots of the fastest blocks
+        if (G + (pp - 1) / v) * lb_layer * L / pp >= state.best.objective:
+            continue
+        before = tables.evaluated
+        found = best_interleaved(tables, L, v, tp_fixed)
+        state.evaluated += tables.evaluated - before
+        if found is not None and found.time < state.best.objective:
+            state.best = _Best(found.time, build_plan(model, cluster, training, G, found.strategies, v))
 
 
 def _layer_range(sp: SearchSpace, L: int, pp: int, G: int, lb_layer: float, incumbent: float) -> tuple[int, int]:
@@ -242,7 +264,7 @@ def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
     )
 
 
-def build_plan(model, cluster, training, G: int, strategies: list[StageStrategy]) -> Plan:
+def build_plan(model, cluster, training, G: int, strategies: list[StageStrategy], virtual_stages: int = 1) -> Plan:
     """The plan of one stage strategy per stage (the frontier points the split chose)."""
     return Plan(
         model=model,
@@ -251,4 +273,5 @@ def build_plan(model, cluster, training, G: int, strategies: list[StageStrategy]
         micro_batches=G,
         stages=tuple(strategies),
         model_ref=preset_ref(model),
+        virtual_stages=virtual_stages,
     )

@@ -8,7 +8,9 @@ full        per stage: tensor parallel degree (a power of two within a node, div
             where it drops the s² scores), offload ratios of weights, gradients,
             optimizer states and activations in eighths; globally: pipeline depth (any
             divisor of the GPU count that gives whole-node or in-node stage meshes), any
-            layer split, G any divisor of the global batch.
+            layer split, G any divisor of the global batch; interleaved 1F1B with v = 2 or 4
+            chunks per rank where G is a multiple of pp and the blocks divide into pp·v equal
+            chunks.
 mist-paper  the limits of the paper's published implementation: G a power of two, micro-batch
             1, 2 or 4, one TP degree for all stages, ZeRO ≥ 1 (optimizer states always
             sharded), layers within round(L/pp) ± 2, its ratio grids, weight offload only with
@@ -54,10 +56,12 @@ class SearchSpace:
     # them only when no plan fits without them; "always" searches them from the start
     wg_policy: str = "if_needed"
     seed_space: str | None = None  # search this (smaller) space first for an incumbent
+    # model chunks per pipeline rank (interleaved 1F1B, `tune.interleaved`); 1: plain 1F1B only
+    virtual_stages: tuple = (1,)
 
 
 SPACES = {
-    "full": SearchSpace("full", seed_space="mist-paper"),
+    "full": SearchSpace("full", seed_space="mist-paper", virtual_stages=(1, 2, 4)),
     "mist-paper": SearchSpace(
         "mist-paper",
         uniform_tp=True,

@@ -1,0 +1,268 @@
+"""Interleaved 1F1B in the runtime: a rank holds v model chunks and runs Megatron-LM's order.
+
+`ChunkedStageModule` holds the rank's v chunks, each a `StageModule` of its own blocks (the
+embedding on the model's first chunk, the head on its last), and shows the trainer one stage:
+its units in chunk order — named "embedding", "blocks.k" (the rank's k-th block over all chunks)
+and "head" — and their full model names. `ChunkRunners` are one `StageRunner` per chunk over that
+chunk's units, so a chunk's units see the start of a micro-batch's backward (and, at the chunk's
+last micro-batch, do their gradient reduction) when that chunk's backward runs.
+`InterleavedSchedule` runs `rules.interleaved_order` — the order the simulator times — with p2p
+between consecutive chunks: chunk c of rank r sends to rank r + 1's chunk c, the last rank's
+chunk c to rank 0's chunk c + 1, and gradients come back the same way. Messages are tagged by
+micro-batch, the sending chunk's place in the model and kind. As in `PipelineSchedule`, sends are
+non-blocking (waited for at the end of the step) and receives block in the rank's order, so the
+waits follow the order's dependencies, which the event schedule plays without deadlock.
+
+PyTorch's `torch.distributed.pipelining.ScheduleInterleaved1F1B` is not used: it drives its own
+`PipelineStage` modules and gradient handling, while here each chunk's forward and backward must
+go through the runtime's flat units (ZeRO, offload, in-place accumulation, the reductions at a
+chunk's last micro-batch), which a schedule of our own can call directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mist.models import TPGroup
+from mist.plan import Plan
+from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, interleaved_one_f_one_b
+from mist.rules.pipeline_order import FORWARD
+from mist.runtime.flat import FlatUnit
+from mist.runtime.handoff import Piece, incoming, outgoing
+from mist.runtime.layout import RankGroups
+from mist.runtime.phase_timer import PhaseTimer
+from mist.runtime.schedule import _DTYPES, _HEADER, Links, _spans
+from mist.runtime.stage_runner import StageModule, StageRunner
+
+
+class ChunkedStageModule(nn.Module):
+    """A rank's v chunks, seen by the trainer as one stage (see the module docstring)."""
+
+    def __init__(self, plan: Plan, rank: int, tp: TPGroup, flash: bool, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        S, v, spec = plan.num_stages, plan.virtual_stages, plan.model
+        firsts = chunk_first_layers([s.chunks() for s in plan.stages])[rank]
+        layers = plan.stages[rank].chunks()
+        self.spec, self.first, self.last = spec, rank == 0, rank == S - 1
+        self.chunks = nn.ModuleList(
+            StageModule(
+                spec,
+                tp,
+                flash,
+                rank == 0 and c == 0,
+                rank == S - 1 and c == v - 1,
+                layers[c],
+                firsts[c],
+                dtype=dtype,
+                device=device,
+            )
+            for c in range(v)
+        )
+        # the rank's k-th block: (chunk, index in the chunk)
+        self._block = [(c, j) for c in range(v) for j in range(layers[c])]
+
+    @property
+    def embedding(self):
+        return self.chunks[0].embedding
+
+    @property
+    def head(self):
+        return self.chunks[-1].head
+
+    def full_name(self, local_name: str) -> str:
+        """The model's name of a parameter named by this module ("chunks.c.…") or by a unit prefix
+        of `unit_modules` ("embedding…", "blocks.k…", "head…")."""
+        head, _, rest = local_name.partition(".")
+        if head == "chunks":
+            c, _, rest = rest.partition(".")
+            return self.chunks[int(c)].full_name(rest)
+        if head == "blocks":
+            k, _, rest = rest.partition(".")
+            c, j = self._block[int(k)]
+            return self.chunks[c].full_name(f"blocks.{j}" + (f".{rest}" if rest else ""))
+        return self.chunks[0 if head == "embedding" else -1].full_name(local_name)
+
+    def unit_modules(self) -> list[tuple[str, nn.Module]]:
+        """(prefix, module) of every unit, chunk by chunk, in forward order within a chunk."""
+        out: list[tuple[str, nn.Module]] = []
+        k = 0
+        for m in self.chunks:
+            for prefix, mod in m.unit_modules():
+                if prefix.startswith("blocks."):
+                    prefix, k = f"blocks.{k}", k + 1
+                out.append((prefix, mod))
+        return out
+
+    def owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
+        own: dict[int, list] = {}
+        for m in self.chunks:
+            for key, val in m.owners().items():
+                own.setdefault(key, []).extend(val)
+        return own
+
+
+class ChunkRunners(list):
+    """One `StageRunner` per chunk, over the chunk's units (a list, in chunk order)."""
+
+    @classmethod
+    def build(cls, module: ChunkedStageModule, units: list[FlatUnit], stage, saved, autocast) -> ChunkRunners:
+        rec = chunk_recompute(stage.recompute_layers, stage.chunks())
+        out, at = cls(), 0
+        for c, m in enumerate(module.chunks):
+            n = len(m.unit_modules())
+            out.append(
+                StageRunner(
+                    m,
+                    units[at : at + n],
+                    rec[c],
+                    stage.recompute_attention,
+                    stage.recompute_activation,
+                    stage.offload.activations,
+                    saved,
+                    autocast,
+                )
+            )
+            at += n
+        return out
+
+
+def chunk_links(groups: RankGroups, v: int, rows: int) -> list[tuple[Links, int, int]]:
+    """Per chunk of this rank: its `Links` and the model positions (p·c + r) of the chunks it
+    receives from and sends to (−1: none)."""
+    S, r = len(groups.stages), groups.stage.index
+    me, dp_rank, tp_rank = groups.stage, groups.dp_rank, groups.tp_rank
+    out = []
+    for c in range(v):
+        k = c * S + r
+        prev = groups.stages[(r - 1) % S] if k > 0 else None
+        nxt = groups.stages[(r + 1) % S] if k < S * v - 1 else None
+        links = Links(
+            prev_in=tuple(incoming(me, dp_rank, tp_rank, prev)) if prev else (),
+            prev_out=tuple(outgoing(me, dp_rank, tp_rank, prev)) if prev else (),
+            next_in=tuple(incoming(me, dp_rank, tp_rank, nxt)) if nxt else (),
+            next_out=tuple(outgoing(me, dp_rank, tp_rank, nxt)) if nxt else (),
+            rows=rows,
+            grad_scale=me.dp / nxt.dp if nxt else 1.0,
+        )
+        out.append((links, k - 1 if prev else -1, k + 1 if nxt else -1))
+    return out
+
+
+class InterleavedSchedule:
+    """Interleaved 1F1B on rank `stage` of `stages` with v chunks (see the module docstring); the
+    same `run` / `forward_only` contract as `PipelineSchedule`, with `ChunkRunners` as runner."""
+
+    def __init__(self, micro_batches: int, stage: int, stages: int, links: list, device: torch.device):
+        self.G, self.i, self.stages, self.v = micro_batches, stage, stages, len(links)
+        self.links = links
+        self.device = torch.device(device)
+
+    def _tag(self, g: int, boundary: int, kind: int) -> int:
+        # boundary: the model position of the chunk that sends the activation (receives the gradient)
+        return 3 * (g * self.stages * self.v + boundary) + kind  # 0: header, 1: activation, 2: gradient
+
+    def _send_act(self, x: torch.Tensor, pieces: tuple[Piece, ...], g: int, k: int, pending: list) -> None:
+        x = x.detach().contiguous()
+        for p in pieces:
+            part = x[p.lo : p.hi]
+            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            head[0] = part.dim()
+            head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
+            head[_HEADER - 1] = _DTYPES.index(part.dtype)
+            pending.append((dist.isend(head, p.rank, tag=self._tag(g, k, 0)), head))
+            pending.append((dist.isend(part, p.rank, tag=self._tag(g, k, 1)), part))
+
+    def _recv_act(self, links: Links, g: int, k: int) -> torch.Tensor:
+        x = None
+        for p in links.prev_in:
+            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(head, p.rank, tag=self._tag(g, k, 0))
+            h = head.tolist()
+            shape = h[1 : 1 + h[0]]
+            if x is None:
+                x = torch.empty([links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]], device=self.device)
+            dist.recv(x[p.lo : p.hi], p.rank, tag=self._tag(g, k, 1))
+        assert x is not None
+        return x.requires_grad_(x.is_floating_point())
+
+    def _recv_grad(self, links: Links, out: torch.Tensor, g: int, k: int) -> torch.Tensor:
+        grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        for p in links.next_in:
+            dist.recv(grad[p.lo : p.hi], p.rank, tag=self._tag(g, k, 2))
+        if links.grad_scale != 1.0:
+            grad.mul_(links.grad_scale)
+        return grad
+
+    def _send_grad(self, gx: torch.Tensor, links: Links, g: int, k: int, pending: list) -> None:
+        gx = gx.contiguous()
+        for p in links.prev_out:
+            part = gx[p.lo : p.hi]
+            pending.append((dist.isend(part, p.rank, tag=self._tag(g, k, 2)), part))
+
+    def run(
+        self, runners: ChunkRunners, micro_batches, loss_scale: float = 1.0, timer: PhaseTimer | None = None
+    ) -> list[torch.Tensor]:
+        G = self.G
+        span = _spans(timer)
+        pending: list = []
+        inflight: dict[tuple[int, int], tuple] = {}
+        losses: list[torch.Tensor] = []
+
+        def forward(g: int, c: int) -> None:
+            links, src, dst = self.links[c]
+            runner = runners[c]
+            tokens, targets = micro_batches[g]
+            x = tokens if src < 0 else self._recv_act(links, g, src)
+            with span("fwd"):
+                before = runner.begin_forward()
+                out = runner.forward(x, targets if dst < 0 else None)
+                act = runner.saved.memory.activations - before
+            if dst < 0:
+                losses.append(out.detach())
+            else:
+                self._send_act(out, links.next_out, g, dst - 1, pending)
+            inflight[g, c] = (x, out, act)
+
+        def backward(g: int, c: int) -> None:
+            links, src, dst = self.links[c]
+            runner = runners[c]
+            x, out, act = inflight.pop((g, c))
+            grad = None if dst < 0 else self._recv_grad(links, out, g, dst - 1)
+            with span("bwd"):
+                runner.begin_backward(g, last=g == G - 1)
+                if dst < 0:
+                    (out * (loss_scale / G)).backward()
+                else:
+                    torch.autograd.backward(out, grad)
+                runner.end_backward(act)
+            if src >= 0:
+                self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), links, g, src, pending)
+
+        for kind, g, c in interleaved_one_f_one_b(self.i, self.stages, self.v, G):
+            (forward if kind == FORWARD else backward)(g, c)
+        for work, _ in pending:
+            work.wait()
+        return losses
+
+    @torch.no_grad()
+    def forward_only(self, runners: ChunkRunners, micro_batches) -> list[torch.Tensor]:
+        """Every micro-batch forward through every chunk, no backward (evaluation): the losses on
+        the rank holding the model's last chunk, [] elsewhere. Every rank takes (micro-batch,
+        chunk) in the same order, so each receive's sender is already past it."""
+        pending: list = []
+        losses: list[torch.Tensor] = []
+        for g, (tokens, targets) in enumerate(micro_batches):
+            for c, runner in enumerate(runners):
+                links, src, dst = self.links[c]
+                x = tokens if src < 0 else self._recv_act(links, g, src)
+                out = runner.forward(x, targets if dst < 0 else None)
+                if dst < 0:
+                    losses.append(out.detach())
+                else:
+                    self._send_act(out, links.next_out, g, dst - 1, pending)
+                runner.release_all()
+        for work, _ in pending:
+            work.wait()
+        return losses

@@ -171,6 +171,11 @@ def test_what_the_full_plan_needs_beyond_each_target():
     assert "model architecture" in beyond_target(plan, "torchtitan")  # llama-7b rotates a quarter of each head
     assert len(mg) == len(set(mg))
     assert knob_label("a sentence no pattern knows about at all") == "a sentence no pattern knows about …"
+    from mist.export.common import interleaving_problems
+
+    chunks = tuple(replace(s, chunk_layers=(s.layers // 2, s.layers - s.layers // 2)) for s in plan.stages)
+    inter = interleaving_problems(replace(plan, virtual_stages=2, stages=chunks))
+    assert [knob_label(p) for p in inter] == ["interleaved 1F1B (not exported yet)"]
     # a plan the target runs as it is needs nothing beyond it
     res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
     assert beyond_target(res.plan, "megatron") == []

@@ -22,6 +22,7 @@ _KNOB_LABELS = (
     (r"offload\.activations", "activation offload"),
     (r"offload\.optimizer \S+\) with ZeRO|offloads part of its state|of its gradients but", "fractional offload"),
     (r"optimizer (state )?but stage|differ in CPU offload|all its state under a pipeline", "per-stage offload"),
+    (r"virtual_stages", "interleaved 1F1B (not exported yet)"),
     (r"grad_dtype", "16-bit gradients"),
     (r"param_dtype|compute_dtype", "precision"),
     (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),

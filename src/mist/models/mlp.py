@@ -17,12 +17,13 @@ from mist.models.collectives import TPGroup
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
-GELU_APPROXIMATE = "tanh"
+GELU_APPROXIMATE = "tanh"  # the default of ModelSpec.gelu_approximate, what `mist profile` times
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation, the tanh approximation (`mist profile` times this same call)."""
-    return F.gelu(x, approximate=GELU_APPROXIMATE)
+def gelu(x: torch.Tensor, approximate: str = GELU_APPROXIMATE) -> torch.Tensor:
+    """The GELU MLP's activation (`mist profile` times this same call with the tanh form; the exact
+    erf form is one elementwise kernel of the same bytes)."""
+    return F.gelu(x, approximate=approximate)
 
 
 def _swiglu_grad(y: torch.Tensor, a: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
@@ -57,21 +58,22 @@ class _SwiGLU(torch.autograd.Function):
 class Activation(nn.Module):
     """The MLP's activation as a module (so that its re-run in backward can be labelled)."""
 
-    def __init__(self, gated: bool):
+    def __init__(self, gated: bool, gelu_approximate: str = GELU_APPROXIMATE):
         super().__init__()
         self.gated = gated
+        self.gelu_approximate = gelu_approximate
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return _SwiGLU.apply(y)
-        return gelu(y)
+        return gelu(y, self.gelu_approximate)
 
     def grad(self, y: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
         """The gradient at y of forward(y) given ga, by the backward kernels autograd runs for
         forward (gelu_backward; silu_backward and two products), without forward(y) itself."""
         if self.gated:
             return _swiglu_grad(y, F.silu(y.chunk(2, dim=-1)[0]), ga)
-        return torch.ops.aten.gelu_backward(ga, y, approximate=GELU_APPROXIMATE)
+        return torch.ops.aten.gelu_backward(ga, y, approximate=self.gelu_approximate)
 
 
 class MLP(nn.Module):
@@ -82,7 +84,7 @@ class MLP(nn.Module):
         # SwiGLU: gate and up projections fused into one column-parallel GEMM ([gate | up] per rank).
         self.fc1 = ColumnParallelLinear(spec.hidden_size, 2 * f if self.gated else f, tp, spec.bias, dtype, device)
         self.fc2 = RowParallelLinear(f, spec.hidden_size, tp, spec.bias, dtype, device, reduce=reduce)
-        self.act = Activation(self.gated)
+        self.act = Activation(self.gated, spec.gelu_approximate)
         self.recompute_activation = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

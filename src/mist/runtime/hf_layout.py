@@ -28,10 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mist.specs.loading import hf_rope
+from mist.specs.loading import HF_GELUS, hf_rope
 from mist.specs.model import ModelSpec
-
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Mist's MLP uses GELU's tanh approximation
 
 
 @dataclass(frozen=True)
@@ -148,15 +146,12 @@ def refusal(cfg: dict[str, Any], spec: ModelSpec, seq_len: int, source: str) -> 
                 f"{pre} has two LayerNorms per block (new decoder architecture); Mist's Falcon block has one "
                 "(num_ln_in_parallel_attn 1)."
             )
-        if cfg.get("activation", "gelu") not in TANH_GELUS:
-            return (
-                f"{pre} uses activation {cfg.get('activation', 'gelu')!r}; Mist's MLP computes GELU's tanh "
-                f"approximation ({' or '.join(TANH_GELUS)})."
-            )
+        if cfg.get("activation", "gelu") not in HF_GELUS:
+            return f"{pre} uses activation {cfg.get('activation')!r}; Mist's MLP computes GELU ({', '.join(HF_GELUS)})."
     if mt == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
-        if act not in TANH_GELUS:
-            return f"{pre} uses activation {act!r}; Mist's MLP computes GELU's tanh approximation."
+        if act not in HF_GELUS:
+            return f"{pre} uses activation {act!r}; Mist's MLP computes GELU ({', '.join(HF_GELUS)})."
         if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False):
             return f"{pre} scales attention differently from Mist's 1/sqrt(head_dim)."
     if spec.uses_rotary:
@@ -296,6 +291,10 @@ def hf_tensors(spec: ModelSpec, arch: HFArch) -> dict[str, HFTensor]:
 
 
 # ----------------------------------------------------------------------------- config.json
+# the Hugging Face activation name written for each GELU form (both in transformers' ACT2FN)
+_HF_GELU_NAME = {"tanh": "gelu_pytorch_tanh", "none": "gelu"}
+
+
 def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
     """The Hugging Face config.json of a ModelSpec (call `save_refusal` first)."""
     arch = arch_of_spec(spec)
@@ -329,7 +328,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
             "n_inner": spec.ffn_hidden_size,
             "n_positions": spec.max_position_embeddings,
             "layer_norm_epsilon": spec.norm_eps,
-            "activation_function": "gelu_new",
+            "activation_function": _HF_GELU_NAME[spec.gelu_approximate],
             # Mist trains without dropout
             "attn_pdrop": 0.0,
             "embd_pdrop": 0.0,
@@ -351,7 +350,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         "bias": spec.bias,
         "layer_norm_epsilon": spec.norm_eps,
         "max_position_embeddings": spec.max_position_embeddings,
-        "activation": "gelu_pytorch_tanh",
+        "activation": _HF_GELU_NAME[spec.gelu_approximate],
         "rope_parameters": rope,
         "rope_theta": spec.rope_theta,
     }

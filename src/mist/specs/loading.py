@@ -38,7 +38,15 @@ REQUIRED_FIELDS = (
     "vocab_size",
     "tie_embeddings",
 )
-OPTIONAL_FIELDS = ("bias", "rotary_fraction", "norm_eps", "max_position_embeddings", "name", "rope_theta")
+OPTIONAL_FIELDS = (
+    "bias",
+    "rotary_fraction",
+    "norm_eps",
+    "max_position_embeddings",
+    "name",
+    "rope_theta",
+    "gelu_approximate",
+)
 _INT_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -50,7 +58,7 @@ _INT_FIELDS = (
 )
 _BOOL_FIELDS = ("tie_embeddings", "bias")
 _FLOAT_FIELDS = ("rotary_fraction", "norm_eps", "rope_theta")
-_STR_FIELDS = ("family", "name")
+_STR_FIELDS = ("family", "name", "gelu_approximate")
 
 HF_MODEL_TYPES = ("llama", "mistral", "falcon", "gpt2", "gpt_neox")
 _HF_ALIASES = {"refinedwebmodel": "falcon", "refinedweb": "falcon", "gpt-neox": "gpt_neox"}
@@ -245,6 +253,10 @@ def _check_head_dim(c: _Cfg, h: Any, a: Any) -> None:
 
 
 DEFAULT_ROPE_THETA = 10000.0  # Hugging Face's default rotary base for these families
+# Hugging Face activation names of a GELU MLP → ModelSpec.gelu_approximate (torch's F.gelu form);
+# any other activation is costed as the tanh GELU (the same elementwise bytes), and `mist train
+# --init-from` refuses it (mist.runtime.hf_layout)
+HF_GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
 def hf_rope(d: dict) -> tuple[Any, str]:
@@ -324,6 +336,7 @@ def _hf_falcon(c: _Cfg) -> dict:
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("max_position_embeddings", default=2048),
         rope_theta=_rope_theta(c),
+        gelu_approximate=HF_GELUS.get(str(c.get("activation", default="gelu")), "tanh"),
     )
     # The new decoder architecture (Falcon-40B/180B) has two LayerNorms per block; our falcon
     # block has one, so such models come out 2h parameters per layer short.
@@ -352,6 +365,7 @@ def _hf_gpt2(c: _Cfg) -> dict:
         bias=True,
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("n_positions", "max_position_embeddings", default=1024),
+        gelu_approximate=HF_GELUS.get(str(c.get("activation_function", default="gelu_new")), "tanh"),
     )
 
 

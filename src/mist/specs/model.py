@@ -9,6 +9,7 @@ from mist.checks import is_int, is_number
 from mist.errors import MistInputError
 
 FAMILIES = ("gpt", "llama", "falcon")
+GELU_APPROXIMATIONS = ("tanh", "none")  # torch.nn.functional.gelu's `approximate`
 
 # The largest value each integer field may take: sanity bounds far above any trained model's
 # (Llama 3 405B: 126 layers, hidden 16,384, vocabulary 128,256), below what would overflow a
@@ -47,6 +48,9 @@ class ModelSpec:
     max_position_embeddings: int = 8192
     name: str = "custom"
     rope_theta: float = 10000.0  # rotary base (llama, falcon); changes the values, not the cost
+    # the GELU of gpt and falcon MLPs, as torch's F.gelu(approximate=...): "tanh" (GPT-2's
+    # gelu_new) or "none" (the exact erf form, Falcon's "gelu"); the same kernel cost
+    gelu_approximate: str = "tanh"
 
     def __post_init__(self) -> None:
         self.check()
@@ -78,6 +82,10 @@ class ModelSpec:
         eps = self.norm_eps
         if not is_number(eps) or not 0 < eps < math.inf:
             raise MistInputError(f"norm_eps must be a positive finite number, got {self.norm_eps}.")
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise MistInputError(
+                f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got {self.gelu_approximate!r}."
+            )
         if not is_number(self.rope_theta) or not 1 < self.rope_theta < math.inf:
             raise MistInputError(f"rope_theta must be a finite number above 1, got {self.rope_theta}.")
 

@@ -77,7 +77,7 @@ def _build() -> dict[str, ModelSpec]:
         p[name] = _paper(name, "falcon", L, h, a, gpt_ffn, 0.25)
 
     # ---- real models ---------------------------------------------------------------
-    def real(name, family, L, h, a, kv, ffn, vocab, ctx, tie=False, rope_theta=10000.0):
+    def real(name, family, L, h, a, kv, ffn, vocab, ctx, tie=False, rope_theta=10000.0, gelu="tanh"):
         p[name] = ModelSpec(
             family=family,
             num_layers=L,
@@ -93,6 +93,7 @@ def _build() -> dict[str, ModelSpec]:
             max_position_embeddings=ctx,
             name=name,
             rope_theta=rope_theta,
+            gelu_approximate=gelu,
         )
 
     real("llama2-7b", "llama", 32, 4096, 32, 32, 11008, 32000, 4096)
@@ -100,11 +101,11 @@ def _build() -> dict[str, ModelSpec]:
     real("llama2-70b", "llama", 80, 8192, 64, 8, 28672, 32000, 4096)
     real("llama3-8b", "llama", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0)
     real("llama3-70b", "llama", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0)
-    real("falcon-7b", "falcon", 32, 4544, 71, 1, 18176, 65024, 2048, tie=True)
+    real("falcon-7b", "falcon", 32, 4544, 71, 1, 18176, 65024, 2048, tie=True, gelu="none")  # exact GELU
     # The real Falcon-40B ("new decoder architecture") has two LayerNorms per block (one for
     # attention, one for the MLP); our falcon block has one, so this preset is 2h parameters
     # per layer (about 1M in total) short of the real count.
-    real("falcon-40b", "falcon", 60, 8192, 128, 8, 32768, 65024, 2048, tie=True)
+    real("falcon-40b", "falcon", 60, 8192, 128, 8, 32768, 65024, 2048, tie=True, gelu="none")
     return p
 
 

@@ -5,8 +5,10 @@ Run as a script (a separate process: Megatron keeps global state and patches log
 Each case is {"args": [...], "world_size": N, "env": {...}}. For each, Megatron's `parse_args`,
 `validate_args` and `core_transformer_config_from_args` (TransformerConfig's own checks) run on the
 arguments with WORLD_SIZE=N, and the result says what Megatron made of them (tp, pp, dp, micro-batch,
-number of micro-batches from its micro-batch calculator, decoder layers per pipeline rank from the
-parsed layout, recomputation, optimizer) or the error it raised.
+number of micro-batches from its micro-batch calculator, decoder layers per pipeline rank and per
+model chunk of each rank from the parsed layout, its virtual pipeline size, and with one its
+interleaved schedule's micro-batch group and forward order (`get_schedule_table`), recomputation,
+optimizer) or the error it raised.
 
 megatron-core 0.19.2 declares Python >= 3.12; .ci/targets/megatron.sh unzips its wheel into
 .ci/vendor/ and this checker runs it under the project's Python 3.11 with one shim: `typing.override`
@@ -64,17 +66,30 @@ def check(case: dict) -> dict:
     nmc.init_num_microbatches_calculator(
         0, None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     )
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    from megatron.core.transformer.enums import LayerType
+
     pp = args.pipeline_model_parallel_size
     lay = cfg.pipeline_model_parallel_layout
-    per_stage = [lay.get_num_layers_to_build(pp_rank=r) for r in range(pp)] if lay is not None else None
+    # decoder layers of each rank's model chunks, read from the parsed layout ([rank][chunk])
+    chunks = [[part.count(LayerType.decoder) for part in lay.layout[r]] for r in range(pp)] if lay is not None else None
+    vp = args.virtual_pipeline_model_parallel_size
+    group = cfg.microbatch_group_size_per_vp_stage
+    G = nmc.get_num_microbatches()
     return {
+        "vp": vp,
+        "config_vp": cfg.virtual_pipeline_model_parallel_size,
+        "chunk_layers": chunks,
+        "microbatch_group": group if vp else None,
+        # (micro-batch, chunk) of each forward of the interleaved schedule, in order
+        "forward_order": [list(x) for x in get_schedule_table(G, vp, group)] if vp else None,
         "ok": True,
         "tp": args.tensor_model_parallel_size,
         "pp": pp,
         "dp": args.data_parallel_size,
         "micro_batch": args.micro_batch_size,
-        "num_microbatches": nmc.get_num_microbatches(),
-        "stage_layers": per_stage,
+        "num_microbatches": G,
+        "stage_layers": [sum(c) for c in chunks] if chunks is not None else None,
         "num_layers": cfg.num_layers,
         "num_query_groups": cfg.num_query_groups,
         "normalization": cfg.normalization,

@@ -25,6 +25,7 @@ from mist.export import megatron as mg
 from mist.export.common import PLACEHOLDER
 from mist.export.records import NotExpressible
 from mist.plan import Offload, Plan, StageStrategy, load_plan
+from mist.rules.interleaved_order import chunk_of
 from mist.specs.presets import PRESETS
 from mist.specs.training import ClusterSpec, TrainingSpec
 
@@ -48,8 +49,10 @@ def make_plan(
     dtype: str = "bf16",
     grad_dtype: str | None = None,
     seq: int = 2048,
+    chunks: list[tuple[int, ...]] | None = None,
 ) -> Plan:
-    """A plan with one mesh on every stage (the GPUs split evenly over len(layers) stages)."""
+    """A plan with one mesh on every stage (the GPUs split evenly over len(layers) stages);
+    `chunks` (blocks per model chunk of each stage) makes it interleaved."""
     S, world = len(layers), nodes * gpn
     g = world // S
     s_nodes, s_gpn = (1, g) if g <= gpn else (g // gpn, gpn)
@@ -66,6 +69,7 @@ def make_plan(
             recompute_layers=(recompute or [0] * S)[i],
             offload=Offload(optimizer=optimizer_offload),
             recompute_attention=attention,
+            chunk_layers=chunks[i] if chunks else None,
         )
         for i, L in enumerate(layers)
     )
@@ -74,7 +78,8 @@ def make_plan(
     training = TrainingSpec(
         seq_len=seq, global_batch=mb * dp * G, param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype
     )
-    return Plan(PRESETS[model], ClusterSpec("h100", nodes, gpn), training, G, stages, model_ref=model)
+    v = len(chunks[0]) if chunks else 1
+    return Plan(PRESETS[model], ClusterSpec("h100", nodes, gpn), training, G, stages, model_ref=model, virtual_stages=v)
 
 
 # GPT, Llama with GQA (Llama 3 8B, 70B), paper Llama with partial rotary; × tp/pp/dp × recompute × ZeRO × offload
@@ -93,6 +98,22 @@ MATRIX = {
     ),
     "llama70b-gqa-pp8-tp4-full-offload": make_plan(
         "llama3-70b", 4, 8, [10] * 8, 4, 1, 64, zero=1, recompute=[10] * 8, optimizer_offload=1.0, seq=4096
+    ),
+    # interleaved 1F1B: 4 ranks × 2 equal chunks, 1 block of every chunk recomputed
+    "gpt-pp4-v2-block": make_plan("gpt3-1.3b", 1, 8, [6] * 4, 2, 1, 8, zero=1, recompute=[2] * 4, chunks=[(3, 3)] * 4),
+    # interleaved 1F1B: 2 ranks × 4 uneven chunks, up to 4 blocks of every chunk recomputed, offload
+    "llama3-gqa-pp2-v4-uneven": make_plan(
+        "llama3-8b",
+        2,
+        8,
+        [16, 16],
+        4,
+        1,
+        8,
+        zero=1,
+        recompute=[15, 15],
+        optimizer_offload=0.5,
+        chunks=[(3, 5, 4, 4), (5, 3, 4, 4)],
     ),
 }
 
@@ -192,6 +213,28 @@ def test_args_are_exactly_what_the_script_passes(name, tmp_path):
     argv, env = script_argv(out, tmp_path)
     assert argv == list(done.args)
     assert env["CDMC"] == done.env.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset")
+
+
+def test_interleaved_plan_is_a_layout_of_chunks():
+    plan = MATRIX["llama3-gqa-pp2-v4-uneven"]
+    a = mg.pretrain_args(plan)
+    # segment c·pp + r is chunk c of rank r
+    assert a[a.index("--pipeline-model-parallel-layout") + 1] == "Et*3|t*5|t*5|t*3|t*4|t*4|t*4|t*4L"
+    assert a[a.index("--recompute-num-layers") + 1] == "4"  # per chunk: 3+4+4+4 and 4+3+4+4 = 15
+    assert mg.problems(plan) == [] and mg.nearest(plan) == plan
+    for flag in ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"):
+        assert flag not in a  # Megatron takes one of the three; the layout says v and the chunks
+
+
+def test_interleaved_recompute_that_no_n_gives_is_refused_and_rounded_up():
+    plan = MATRIX["llama3-gqa-pp2-v4-uneven"]
+    odd = replace(plan, stages=(replace(plan.stages[0], recompute_layers=14), plan.stages[1]))  # 3+4+4+3
+    (why,) = mg.problems(odd)
+    assert why.startswith("stage 0 recomputes 14 of its 16 blocks (3+4+4+3 of its chunks of 3+5+4+4)")
+    assert "every model chunk (--recompute-num-layers)" in why
+    near = mg.nearest(odd)
+    assert [s.recompute_layers for s in near.stages] == [15, 15] and mg.problems(near) == []
+    assert near.virtual_stages == 4
 
 
 def test_refusals_name_stage_and_knob():
@@ -327,6 +370,7 @@ def test_megatron_accepts_the_matrix_and_its_negative_cases(tmp_path):
     fsdp = MATRIX["llama3-gqa-pp1-tp8-zero2"]
     uneven = MATRIX["gpt-pp4-uneven-selective-fp16"]
     bad_layout = [a.replace("Et*5|", "Et*4|") for a in mg.pretrain_args(uneven)]
+    interleaved = MATRIX["llama3-gqa-pp2-v4-uneven"]
     negatives = {
         # we always pair the offload fraction with the precision-aware optimizer: Megatron requires it
         "in conjunction with `--use-precision-aware-optimizer`": _case(
@@ -340,6 +384,18 @@ def test_megatron_accepts_the_matrix_and_its_negative_cases(tmp_path):
         ),
         # a layout must hold every layer (ours is built from the plan's stages)
         "must match num_layers": _case(uneven, bad_layout, mg.environment(uneven)),
+        # an interleaved layout has pp·v segments (ours: every chunk of every stage)
+        "must be divisible by pipeline_model_parallel_size": _case(
+            interleaved,
+            [a.replace("Et*3|", "Et*1|t*2|") for a in mg.pretrain_args(interleaved)],
+            mg.environment(interleaved),
+        ),
+        # Megatron takes the virtual stages from the layout or a flag, not both
+        "No more than one of the following arguments": _case(
+            interleaved,
+            mg.pretrain_args(interleaved) + ["--num-virtual-stages-per-pipeline-rank", "4"],
+            mg.environment(interleaved),
+        ),
         # we refuse activation offload; Megatron's layer-level offload rejects pipelines
         "Pipeline parallelism with CPU offloading": _case(
             uneven, mg.pretrain_args(uneven) + ["--cpu-offloading-num-layers", "2"], mg.environment(uneven)
@@ -382,6 +438,14 @@ def _check_against_plan(name: str, plan: Plan, r: dict) -> None:
     got = (r["tp"], r["pp"], r["dp"], r["micro_batch"], r["num_microbatches"])
     assert got == (s.tp, plan.num_stages, s.dp, s.micro_batch, plan.micro_batches), name
     assert (r["stage_layers"] or [r["num_layers"]]) == [x.layers for x in plan.stages], name
+    v = plan.virtual_stages
+    assert (r["vp"], r["config_vp"]) == ((v, v) if v > 1 else (None, None)), name
+    if plan.num_stages > 1:
+        assert r["chunk_layers"] == [list(x.chunks()) for x in plan.stages], name
+    if v > 1:  # Megatron's interleaved schedule: groups of pp micro-batches, Mist's forward order
+        G, pp = plan.micro_batches, plan.num_stages
+        assert r["microbatch_group"] == pp and G % pp == 0, name
+        assert [tuple(x) for x in r["forward_order"]] == [chunk_of(k, pp, v, True) for k in range(G * v)], name
 
 
 def test_tuned_plans_export_and_megatron_accepts_them(tmp_path):

@@ -33,7 +33,7 @@ def stage(layers, gpus, mb, dp, tp, zero=3, rc=0, nodes=1, **kw) -> StageStrateg
     return StageStrategy(layers, nodes, gpus // nodes, mb, dp, tp, zero, rc, **kw)
 
 
-def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, **train) -> Plan:
+def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, v=1, **train) -> Plan:
     train.setdefault("grad_dtype", "fp32")  # torchtitan reduces and keeps gradients in fp32
     return Plan(
         model=model,
@@ -41,6 +41,7 @@ def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, **train) -> Plan:
         training=TrainingSpec(seq_len=seq, global_batch=B, **train),
         micro_batches=G,
         stages=tuple(stages),
+        virtual_stages=v,
     )
 
 
@@ -75,7 +76,34 @@ def tp4_single_stage(m):  # no pipeline: dp 2 × tp 4, gradient accumulation 4
     return make(m, [stage(m.num_layers, 8, 1, 2, 4, rc=0)], 8, 4)
 
 
-PLANS = {f.__name__: f for f in (pp2_uneven, dp8_ddp_full, pp4_tp2_ddp, dp16_offload, tp4_single_stage)}
+def pp2_interleaved_uneven(m):  # interleaved 1F1B: 2 ranks × 2 uneven chunks, 3 blocks of rank 0 recomputed
+    h, q = m.num_layers // 2, m.num_layers // 4
+    stages = [
+        stage(h, 4, 2, 2, 2, zero=1, rc=3, chunk_layers=(q - 1, h - q + 1)),
+        stage(m.num_layers - h, 4, 2, 2, 2, zero=1, chunk_layers=(m.num_layers - h - q + 1, q - 1)),
+    ]
+    return make(m, stages, 32, 8, v=2)
+
+
+def pp4_interleaved_full(m):  # interleaved 1F1B: 4 ranks × 2 chunks, tp 2, every block recomputed
+    n = m.num_layers // 4
+    chunks = (n // 2, n - n // 2)
+    stages = [stage(n, 2, 1, 1, 2, zero=0, rc=n, chunk_layers=chunks) for _ in range(4)]
+    return make(m, stages, 8, 8, v=2)
+
+
+PLANS = {
+    f.__name__: f
+    for f in (
+        pp2_uneven,
+        dp8_ddp_full,
+        pp4_tp2_ddp,
+        dp16_offload,
+        tp4_single_stage,
+        pp2_interleaved_uneven,
+        pp4_interleaved_full,
+    )
+}
 MODELS = {"llama3-8b": LLAMA3_8B, "llama2-7b": LLAMA2_7B, "small-gqa": SMALL_GQA}
 
 
@@ -154,6 +182,46 @@ def test_per_stage_recompute_and_custom_model_write_a_module(tmp_path):
     assert "MAX_SEQ_LEN, ROPE_THETA = 8192, 10000.0" in text  # the model's rotary base (torchtitan's llama3: 500000)
     assert tt.registry_flavour(replace(LLAMA3_8B, rope_theta=10000.0)) is None
     compile(text, "mist_torchtitan_plan.py", "exec")
+
+
+def test_interleaved_plan_is_interleaved1f1b_with_a_part_per_chunk():
+    plan = pp2_interleaved_uneven(SMALL_GQA)  # chunks 2+4 and 4+2 of the 12 blocks
+    a = tt.args(plan)
+    assert value(a, "--parallelism.pipeline_parallel_schedule") == "Interleaved1F1B"
+    assert value(a, "--parallelism.pipeline_parallel_degree") == "2"
+    parts = a[a.index("--parallelism.module_fqns_per_model_part") + 1 :][:4]
+    # part c·pp + r is chunk c of rank r: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
+    assert parts == [
+        "tok_embeddings,layers.0,layers.1",
+        "layers.2,layers.3,layers.4,layers.5",
+        "layers.6,layers.7,layers.8,layers.9",
+        "layers.10,layers.11,norm,lm_head",
+    ]
+    # rank 0 recomputes 3 blocks spread over its chunks (2 + 1): the last ones of each
+    assert tt.recomputed_layers(plan) == [[0, 1, 9], []]
+    assert tt.problems(plan) == [] and tt.nearest(plan) == plan
+
+
+@pytest.mark.parametrize("pp, v, G", [(2, 2, 4), (2, 4, 8), (4, 2, 8), (4, 4, 12), (3, 2, 9)])
+def test_torch_interleaved1f1b_runs_the_order_mist_simulates(pp, v, G):
+    """torch.distributed.pipelining's Interleaved1F1B (what torchtitan builds) orders every rank's
+    forwards and backwards as `mist.rules.interleaved_order` does, when G is a multiple of pp."""
+    require_torchtitan()
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from mist.rules.interleaved_order import interleaved_one_f_one_b
+
+    # the per-rank order is computed from these four numbers (its __init__ needs live stages)
+    sched = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    rounds = max(1, G // pp)  # as its __init__ does
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, pp, G
+    sched.microbatches_per_round = G // rounds
+    kind = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    for r in range(pp):
+        ops = [a for a in sched._calculate_single_rank_operations(r) if a is not None]
+        torch_order = [(kind[a.computation_type], a.microbatch_index, a.stage_index) for a in ops]
+        mist_order = [(k, m, c * pp + r) for k, m, c in interleaved_one_f_one_b(r, pp, v, G)]
+        assert torch_order == mist_order
 
 
 def test_offload_all_is_the_cpu_offload_flag():
@@ -320,13 +388,27 @@ def check_layout(cfg, plan):
     if plan.num_stages > 1:  # torchtitan's pipeline runs local / microbatch micro-batches per step
         assert p.pipeline_parallel_microbatch_size == s0.micro_batch
         assert t.local_batch_size // p.pipeline_parallel_microbatch_size == plan.micro_batches
-        assert [sum(f.startswith("layers.") for f in part) for part in p.module_fqns_per_model_part] == [
-            s.layers for s in plan.stages
-        ]
+        check_parts(p, plan)
     else:  # gradient accumulation steps = global / (local × dp)
         assert t.global_batch_size // (t.local_batch_size * s0.dp) == plan.micro_batches
     assert t.enable_cpu_offload == (s0.offload.optimizer == 1.0)
     check_recompute(cfg.activation_checkpoint, plan)
+
+
+def check_parts(p, plan):
+    """The model parts' blocks are the plan's chunks, and torchtitan's own stage assignment for the
+    schedule gives every rank its chunks in order."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping, get_schedule_class
+
+    blocks = [sum(f.startswith("layers.") for f in part) for part in p.module_fqns_per_model_part]
+    assert blocks == [s.chunks()[c] for c in range(plan.virtual_stages) for s in plan.stages]
+    pp, parts = plan.num_stages, len(blocks)
+    for r, s in enumerate(plan.stages):
+        mine = _get_pp_rank_to_stage_indices_mapping(r, pp, p.pipeline_parallel_schedule, parts)
+        assert [blocks[i] for i in mine] == list(s.chunks())
+    interleaved = get_schedule_class(p.pipeline_parallel_schedule) is ScheduleInterleaved1F1B
+    assert interleaved == (plan.virtual_stages > 1)
 
 
 def check_recompute(ac, plan):
@@ -369,7 +451,7 @@ def check_model(cfg, plan):
     if tt.ac_mode(plan) == "blocks":  # the generated policy wraps exactly the plan's recomputed blocks
         cfg.activation_checkpoint.build().apply(model)
         wrapped = [int(i) for i, b in model.layers.named_children() if type(b).__name__ == "CheckpointWrapper"]
-        assert wrapped == [i for ids in tt.recomputed_layers(plan) for i in ids]
+        assert wrapped == sorted(i for ids in tt.recomputed_layers(plan) for i in ids)
 
 
 def tyro_error(args, out_dir, capsys) -> str:

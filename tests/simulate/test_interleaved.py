@@ -169,22 +169,24 @@ def test_interleaved_plan_simulates(tmp_path):
     assert times[1] < times[0] and times[2] < times[0]
 
 
-def test_export_refuses_interleaved_plans_and_approximates_them(tmp_path, capsys):
+def test_deepspeed_refuses_interleaved_plans_and_megatron_keeps_their_chunks(tmp_path, capsys):
     from mist.cli import main
 
     _interleaved_example(tmp_path, 2)
     with pytest.raises(SystemExit) as e:
-        main(["export", str(tmp_path / "v2.json"), "--to", "megatron", "--out", str(tmp_path / "out")])
+        main(["export", str(tmp_path / "v2.json"), "--to", "deepspeed", "--out", str(tmp_path / "out")])
     assert e.value.code == 2
-    assert "not exported yet" in capsys.readouterr().err
-    # the nearest plan each target runs is the plain pipeline of the same stages
+    assert "interleaved 1F1B (virtual_stages 2)" in " ".join(capsys.readouterr().err.split())
+    # DeepSpeed's nearest plan is the plain pipeline of the same stages; Megatron-LM's keeps the chunks
     from mist.export import TARGETS
 
     plan = load_plan(tmp_path / "v2.json")
-    for name in ("megatron", "deepspeed"):  # (torchtitan has no GPT decoder)
-        near = TARGETS[name].nearest(plan)
-        assert near.virtual_stages == 1 and all(s.chunk_layers is None for s in near.stages)
-        assert [s.layers for s in near.stages] == [s.layers for s in plan.stages]
+    near = TARGETS["deepspeed"].nearest(plan)
+    assert near.virtual_stages == 1 and all(s.chunk_layers is None for s in near.stages)
+    assert [s.layers for s in near.stages] == [s.layers for s in plan.stages]
+    near = TARGETS["megatron"].nearest(plan)
+    assert near.virtual_stages == 2 and [s.chunk_layers for s in near.stages] == [s.chunk_layers for s in plan.stages]
+    assert TARGETS["megatron"].problems(near) == []
 
 
 def test_the_documented_example_plan_loads():

@@ -106,11 +106,43 @@ def test_megatron_uneven_split_and_fp32_grads():
     uneven = [
         Plan(model=model30, cluster=cluster, training=training, micro_batches=G, stages=st)
         for G, st in megatron_candidates(model30, cluster, training)
-        if len(st) == 4
+        if len(st) == 4 and st[0].chunk_layers is None
     ]
     assert any(megatron_problems(p) == [] for p in uneven)  # exported as --pipeline-model-parallel-layout
     res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
     assert res.plan.training.grad_dtype == "fp32"
+
+
+def test_megatron_and_torchtitan_search_virtual_stages():
+    """v = 2 and 4 with equal chunks where G is a multiple of pp (the full space's chunk rule), every
+    candidate exported as it is; DeepSpeed has no interleaved schedule."""
+    spec, cluster, training, profile = setup(LLAMA.name, "h200", 8)  # 32 blocks
+    training = runs_training(training)
+    for cands in (megatron_candidates, torchtitan_candidates):
+        inter = [(G, st) for G, st in cands(spec, cluster, training) if st[0].chunk_layers]
+        vs = {len(st[0].chunk_layers) for _, st in inter}
+        assert vs == {2, 4}
+        for G, st in inter:
+            pp, v = len(st), len(st[0].chunk_layers)
+            assert G % pp == 0 and all(s.chunk_layers == (32 // (pp * v),) * v for s in st)
+        problems = importlib.import_module(f"mist.export.{cands.__name__.split('_')[0]}").problems
+        for G, st in inter[:: max(1, len(inter) // 20)]:
+            plan = Plan(spec, cluster, training, G, st, virtual_stages=len(st[0].chunk_layers))
+            assert problems(plan) == [], problems(plan)
+    assert not any(st[0].chunk_layers for _, st in deepspeed_candidates(spec, cluster, training))
+    # interleaved candidates are costed (memoized per rank and chunk) as `mist simulate` prices the plan
+    from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
+    from mist.tune.baselines import _Evaluator
+
+    ev = _Evaluator(spec, cluster, training, profile)
+    inter = [(G, st) for G, st in megatron_candidates(spec, cluster, training) if st[0].chunk_layers]
+    for G, st in inter[:: max(1, len(inter) // 12)]:
+        plan = ev.plan(G, st)
+        assert plan.virtual_stages == len(st[0].chunk_layers)
+        c, sim = ev.cost(G, st), simulate_plan(plan, profile)
+        assert c.time == pytest.approx(sim["iteration_time_s"], rel=1e-12) and c.fits == sim["fits"]
+        needs = [s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]]
+        assert list(c.needs) == pytest.approx(needs, rel=1e-9)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -171,11 +203,13 @@ def test_what_the_full_plan_needs_beyond_each_target():
     assert "model architecture" in beyond_target(plan, "torchtitan")  # llama-7b rotates a quarter of each head
     assert len(mg) == len(set(mg))
     assert knob_label("a sentence no pattern knows about at all") == "a sentence no pattern knows about …"
-    from mist.export.common import interleaving_problems
-
+    # interleaving: only DeepSpeed refuses it (Megatron-LM's layout and torchtitan's Interleaved1F1B run it)
     chunks = tuple(replace(s, chunk_layers=(s.layers // 2, s.layers - s.layers // 2)) for s in plan.stages)
-    inter = interleaving_problems(replace(plan, virtual_stages=2, stages=chunks))
-    assert [knob_label(p) for p in inter] == ["interleaved 1F1B (not exported yet)"]
+    inter = replace(plan, virtual_stages=2, stages=chunks)
+    assert "interleaved 1F1B" in beyond_target(inter, "deepspeed")
+    for target in ("megatron", "torchtitan"):
+        assert not any("interleaved" in k for k in beyond_target(inter, target))
+        assert beyond_target(inter, target) == beyond_target(plan, target)
     # a plan the target runs as it is needs nothing beyond it
     res = tuned("megatron-0.19", LLAMA.name, "h200", 8)
     assert beyond_target(res.plan, "megatron") == []

@@ -26,13 +26,6 @@ def uniform_mesh_problems(plan: Plan, target_name: str) -> list[str]:
     return problems
 
 
-def interleaving_problems(plan: Plan) -> list[str]:
-    """Mist does not write interleaved 1F1B launch files yet (Megatron-LM's virtual pipeline and
-    torchtitan's Interleaved1F1B need their own layer layouts): the sentence for such a plan."""
-    v = plan.virtual_stages
-    return [f"its interleaved 1F1B (virtual_stages {v}) is not exported yet"] if v > 1 else []
-
-
 def plain_pipeline(plan: Plan) -> Plan:
     """`plan` as plain 1F1B: every stage keeps its layers as one chunk (the nearest plans start
     from it)."""

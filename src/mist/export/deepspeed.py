@@ -19,6 +19,8 @@ What maps where:
 - tensor parallelism: AutoTP (`tensor_parallel.autotp_size`) on one-stage plans only; the
   pipeline engine has no tensor parallelism without model code of its own.
 - selective recomputation (attention core, MLP activation) is model code: refused.
+- interleaved 1F1B: the pipeline engine has no interleaved schedule: refused (`--approximate`
+  exports the plan as plain 1F1B).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, interleaving_problems, plain_pipeline, refuse, uniform_mesh_problems
+from mist.export.common import PLACEHOLDER, plain_pipeline, refuse, uniform_mesh_problems
 from mist.export.deepspeed_files import helper_module, launch_script
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan, StageStrategy
@@ -42,11 +44,23 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # ------------------------------------------------------------------ what DeepSpeed cannot run
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob DeepSpeed cannot express, naming the stage; [] if exportable."""
-    out = interleaving_problems(plan) + uniform_mesh_problems(plan, NAME)
+    out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME)
     for i, s in enumerate(plan.stages):
         out += _pipeline_problems(plan, i, s) + _recompute_problems(i, s) + _offload_problems(i, s)
         out += _global_knob_problems(plan, i, s)
     return out
+
+
+def _interleaving_problems(plan: Plan) -> list[str]:
+    """DeepSpeed's pipeline engine runs one contiguous block of layers per rank (`TrainSchedule`,
+    plain 1F1B): it has no interleaved schedule."""
+    v = plan.virtual_stages
+    if v == 1:
+        return []
+    return [
+        f"its interleaved 1F1B (virtual_stages {v}) has no DeepSpeed equivalent (its pipeline engine runs one "
+        "contiguous block of layers per stage with plain 1F1B)"
+    ]
 
 
 def _pipeline_problems(plan: Plan, i: int, s: StageStrategy) -> list[str]:

@@ -10,9 +10,16 @@ Megatron-LM checkout, not in the megatron-core wheel). What maps, and how:
 - parallelism: one global tp × dp grid with pp stages (Megatron orders ranks tp fastest and pp
   slowest, so stage i owns consecutive ranks, as in Mist); every stage's layer count is spelt out
   with `--pipeline-model-parallel-layout`; `--global-batch-size` = micro-batch × dp × G.
-- recomputation: Megatron's block method recomputes the first N blocks of every stage (N larger
-  than a stage recomputes all of it); Mist recomputes the last N of each stage, which costs the
-  same compute and memory. Counts that no single N produces are refused. Attention-core
+- interleaved 1F1B (virtual_stages v ≥ 2): the same layout string with pp·v segments, which
+  Megatron reads in the order Mist lays chunks out (segment c·pp + r is chunk c of rank r), so
+  every chunk, even or uneven, is exact; Megatron derives its virtual pipeline size (v) from it.
+  Its interleaved schedule takes micro-batches in groups of pp (`microbatch_group_size_per_vp_stage`
+  defaults to pp and G must be a multiple of it, which every interleaved plan is): the order Mist
+  simulates (`mist.rules.interleaved_order`).
+- recomputation: Megatron's block method recomputes the first N blocks of every stage, or with
+  interleaving of every model chunk (N larger than a chunk recomputes all of it); Mist recomputes
+  the last N of each chunk, which costs the same compute and memory. Counts that no single N
+  produces are refused. Attention-core
   recomputation is `--recompute-granularity selective --recompute-modules core_attn`, which cannot
   be combined with whole-block recomputation. Mist's MLP-activation-only recomputation has no
   dense-model equivalent (Megatron's `mlp` module recomputes the whole MLP) and is refused.
@@ -41,9 +48,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from mist.errors import MistInputError
-from mist.export.common import PLACEHOLDER, interleaving_problems, plain_pipeline, uniform_mesh_problems, with_stages
+from mist.export.common import PLACEHOLDER, plain_pipeline, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan
+from mist.rules.interleaved_order import chunk_recompute
 from mist.specs.training import TrainingSpec
 
 NAME = "Megatron-LM"
@@ -57,7 +65,7 @@ DEFAULT_ROTARY_BASE = 10000.0  # Megatron's --rotary-base default (an integer fl
 # ---------------------------------------------------------------------------------- problems
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob Megatron-LM cannot express; [] if the plan exports exactly."""
-    out = _model_problems(plan) + interleaving_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
+    out = _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
     return out + _recompute_problems(plan) + _offload_problems(plan) + _precision_problems(plan)
 
 
@@ -88,11 +96,20 @@ def _zero_problems(plan: Plan) -> list[str]:
     ]
 
 
+def chunk_recomputes(plan: Plan) -> list[tuple[int, ...]]:
+    """Blocks each model chunk of each stage recomputes whole (one chunk per stage without
+    interleaving), as Mist spreads a stage's `recompute_layers` over its chunks."""
+    return [chunk_recompute(s.recompute_layers, s.chunks()) for s in plan.stages]
+
+
 def block_recompute(plan: Plan) -> int | None:
-    """The one `--recompute-num-layers` N whose block recomputation (min(N, layers) blocks of
-    every stage) gives each stage its planned count; 0 for none, None if no N does."""
-    n = max(s.recompute_layers for s in plan.stages)
-    return n if all(s.recompute_layers == min(n, s.layers) for s in plan.stages) else None
+    """The one `--recompute-num-layers` N whose block recomputation (min(N, blocks) blocks of
+    every stage, or of every model chunk with interleaving) gives each its planned count; 0 for
+    none, None if no N does."""
+    per_chunk = chunk_recomputes(plan)
+    n = max(max(rc) for rc in per_chunk)
+    fits = all(rc == tuple(min(n, c) for c in s.chunks()) for rc, s in zip(per_chunk, plan.stages))
+    return n if fits else None
 
 
 def _selective_stages(plan: Plan, knob: str) -> list[int]:
@@ -104,7 +121,9 @@ def _selective_stages(plan: Plan, knob: str) -> list[int]:
 def _recompute_problems(plan: Plan) -> list[str]:
     out = []
     n = block_recompute(plan)
-    if n is None:
+    if n is None and plan.virtual_stages > 1:
+        out.append(_chunk_recompute_problem(plan))
+    elif n is None:
         top = max(range(plan.num_stages), key=lambda i: plan.stages[i].recompute_layers)
         most = plan.stages[top].recompute_layers
         i, s = next((i, s) for i, s in enumerate(plan.stages) if s.recompute_layers != min(most, s.layers))
@@ -131,6 +150,19 @@ def _recompute_problems(plan: Plan) -> list[str]:
             "for MoE experts (its dense 'mlp' module recomputes the whole MLP)"
         )
     return out
+
+
+def _chunk_recompute_problem(plan: Plan) -> str:
+    """The sentence for an interleaved plan whose chunks recompute counts no single N gives."""
+    per_chunk = chunk_recomputes(plan)
+    n = max(max(rc) for rc in per_chunk)
+    i = next(i for i, (rc, s) in enumerate(zip(per_chunk, plan.stages)) if rc != tuple(min(n, c) for c in s.chunks()))
+    s = plan.stages[i]
+    return (
+        f"stage {i} recomputes {s.recompute_layers} of its {s.layers} blocks ({'+'.join(map(str, per_chunk[i]))} "
+        f"of its chunks of {'+'.join(map(str, s.chunks()))}) but some chunk recomputes {n} (recompute_layers), and "
+        f"{NAME} recomputes the same first N blocks of every model chunk (--recompute-num-layers)"
+    )
 
 
 def _offload_problems(plan: Plan) -> list[str]:
@@ -175,21 +207,22 @@ def _precision_problems(plan: Plan) -> list[str]:
 def nearest(plan: Plan) -> Plan:
     """The closest plan Megatron-LM runs: same GPUs and global batch, one mesh and micro-batch,
     the highest ZeRO level and optimizer offload of any stage, block recomputation raised to one
-    N, and the offloads and recomputation Megatron lacks dropped."""
+    N (per chunk with interleaving), and the offloads and recomputation Megatron lacks dropped.
+    An interleaved plan keeps its chunks unless its stages' meshes differ (then it runs plain
+    1F1B: one mesh may change the number of micro-batches)."""
     if _model_problems(plan):
         raise NotExpressible(f"{NAME} cannot run this plan: {_model_problems(plan)[0]}.")
-    plan = plain_pipeline(plan)
     if uniform_mesh_problems(plan, NAME):
-        plan = _uniform_mesh(plan)
+        plan = _uniform_mesh(plain_pipeline(plan))
     zero = max(s.zero for s in plan.stages)
     opt = max(s.offload.optimizer for s in plan.stages)
-    n = max(s.recompute_layers for s in plan.stages)
+    n = max(max(rc) for rc in chunk_recomputes(plan))
     attn = n == 0 and any(s.recompute_attention for s in plan.stages)
     stages = [
         replace(
             s,
             zero=zero,
-            recompute_layers=min(n, s.layers),
+            recompute_layers=sum(min(n, c) for c in s.chunks()),
             recompute_attention=attn,
             recompute_activation=False,
             offload=Offload(optimizer=opt),
@@ -244,11 +277,13 @@ def _splits(plan: Plan, tp: int) -> bool:
 
 # ----------------------------------------------------------------------------------- args
 def layout(plan: Plan) -> str | None:
-    """`--pipeline-model-parallel-layout`: E (embedding) on stage 0, L (loss) on the last, each
-    stage's decoder blocks as t*n; None for a single stage."""
+    """`--pipeline-model-parallel-layout`: E (embedding) on stage 0's first chunk, L (loss) on the
+    last stage's last chunk, each chunk's decoder blocks as t*n, chunk 0 of every stage first,
+    then chunk 1, … (Megatron's segment c·pp + r is chunk c of rank r); None for a single stage."""
     if plan.num_stages == 1:
         return None
-    return "E" + "|".join(f"t*{s.layers}" for s in plan.stages) + "L"
+    segments = [f"t*{s.chunks()[c]}" for c in range(plan.virtual_stages) for s in plan.stages]
+    return "E" + "|".join(segments) + "L"
 
 
 def model_args(plan: Plan) -> list[str]:

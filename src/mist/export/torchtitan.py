@@ -12,6 +12,12 @@ How a plan maps:
 - mesh: one pipeline stage per rank group (`pipeline_parallel_degree` = stages, schedule 1F1B),
   one dp and tp for all stages; the layer split is always explicit
   (`module_fqns_per_model_part`), so uneven splits are exact.
+- interleaved 1F1B (virtual_stages v ≥ 2): schedule `Interleaved1F1B` with pp·v model parts.
+  torchtitan gives rank r the parts r, r + pp, r + 2·pp, … (its "loop" style), so part c·pp + r
+  is chunk c of rank r, the order Mist lays chunks out; even or uneven chunks are exact. With G a
+  multiple of pp (every interleaved plan) torch.distributed.pipelining runs its rounds of pp
+  micro-batches, Megatron-LM's order, which Mist simulates. FSDP2 under it stays ZeRO-1 (every
+  part's backward defers resharding and reduction to the last micro-batch, as below).
 - ZeRO: without a pipeline, 0 is replicated data parallelism (`data_parallel_replicate_degree`),
   2 and 3 are FSDP2 (`data_parallel_shard_degree`) without / with resharding after forward, and 1
   does not exist. Under a pipeline, torch.distributed.pipelining runs every micro-batch's backward
@@ -29,7 +35,8 @@ How a plan maps:
   micro-batches under a pipeline (torchtitan splits it into pipeline micro-batches) and the
   micro-batch alone without one (torchtitan accumulates global / (local × dp) steps).
 - recompute: none, all blocks (`activation-checkpoint:full`) or, per stage, the last N blocks
-  (a generated `FullAC` subclass keyed by layer id). Mist's attention-core / MLP-activation
+  (of each chunk with interleaving, as Mist spreads them) (a generated `FullAC` subclass keyed by
+  layer id). Mist's attention-core / MLP-activation
   recompute has no torchtitan equivalent (its selective mode is a per-op policy).
 - offload: `training.enable_cpu_offload` moves all weights, gradients and optimizer state, so only
   all-or-nothing plans without activation offload are exact, and only without a pipeline (under
@@ -44,16 +51,18 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, interleaving_problems, plain_pipeline, uniform_mesh_problems, with_stages
+from mist.export.common import PLACEHOLDER, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
+from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute
 from mist.specs.model import ModelSpec
 from mist.specs.training import TrainingSpec
 
 NAME = "torchtitan"
 SCRIPT = "run_torchtitan.sh"
 SCHEDULE = "1F1B"
+INTERLEAVED_SCHEDULE = "Interleaved1F1B"
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -83,7 +92,7 @@ REGISTRY = (
 # ------------------------------------------------------------------ problems
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob of `plan` that torchtitan 0.3.0 cannot express."""
-    out = _model_problems(plan.model) + _unfixable_problems(plan) + interleaving_problems(plan)
+    out = _model_problems(plan.model) + _unfixable_problems(plan)
     out += uniform_mesh_problems(plan, NAME)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
@@ -228,7 +237,6 @@ def nearest(plan: Plan) -> Plan:
     unfixable = _model_problems(plan.model) + _unfixable_problems(plan)
     if unfixable:
         raise NotExpressible(f"torchtitan cannot run this plan or any near it: {unfixable[0]}.")
-    plan = plain_pipeline(plan)
     t = plan.training
     if t.param_dtype not in _TORCH_DTYPE or t.compute_dtype not in _TORCH_DTYPE:
         t = replace(t, param_dtype="bf16", compute_dtype="bf16", grad_dtype=None)
@@ -280,11 +288,16 @@ def registry_flavour(m: ModelSpec) -> Flavour | None:
 
 
 def recomputed_layers(plan: Plan) -> list[list[int]]:
-    """Global ids of the blocks each stage recomputes whole (the last `recompute_layers`)."""
-    out, first = [], 0
-    for s in plan.stages:
-        out.append(list(range(first + s.layers - s.recompute_layers, first + s.layers)))
-        first += s.layers
+    """Global ids of the blocks each stage recomputes whole, in increasing order: the last
+    `recompute_layers` of the stage, or with interleaving the last ones of each chunk as Mist
+    spreads them (`chunk_recompute`)."""
+    firsts = chunk_first_layers([s.chunks() for s in plan.stages])
+    out = []
+    for s, first in zip(plan.stages, firsts):
+        ids: list[int] = []
+        for f, n, k in zip(first, s.chunks(), chunk_recompute(s.recompute_layers, s.chunks())):
+            ids += range(f + n - k, f + n)
+        out.append(ids)
     return out
 
 
@@ -298,16 +311,16 @@ def ac_mode(plan: Plan) -> str:
 
 
 def module_fqns(plan: Plan) -> list[list[str]]:
-    """The modules of each pipeline stage: stage 0 holds the embedding, the last the norm and head."""
+    """The modules of each model part, pp·v of them in model order (part c·pp + r is chunk c of
+    stage r, the part torchtitan's loop style gives rank r): the first holds the embedding, the
+    last the norm and head."""
     parts, first = [], 0
-    for i, s in enumerate(plan.stages):
-        names = [f"layers.{j}" for j in range(first, first + s.layers)]
-        if i == 0:
-            names.insert(0, "tok_embeddings")
-        if i == plan.num_stages - 1:
-            names += ["norm", "lm_head"]
-        parts.append(names)
-        first += s.layers
+    for c in range(plan.virtual_stages):
+        for s in plan.stages:
+            parts.append([f"layers.{j}" for j in range(first, first + s.chunks()[c])])
+            first += s.chunks()[c]
+    parts[0].insert(0, "tok_embeddings")
+    parts[-1] += ["norm", "lm_head"]
     return parts
 
 
@@ -341,7 +354,8 @@ def _parallel_args(plan: Plan) -> list[str]:
     if sharded and pp == 1:  # under a pipeline torchtitan's default (no resharding) is what runs
         out += ["--parallelism.fsdp_reshard_after_forward", "always" if s0.zero == 3 else "never"]
     if pp > 1:
-        out += ["--parallelism.pipeline_parallel_schedule", SCHEDULE]
+        schedule = SCHEDULE if plan.virtual_stages == 1 else INTERLEAVED_SCHEDULE
+        out += ["--parallelism.pipeline_parallel_schedule", schedule]
         out += ["--parallelism.pipeline_parallel_microbatch_size", str(s0.micro_batch)]
         out += ["--parallelism.module_fqns_per_model_part"] + [",".join(p) for p in module_fqns(plan)]
     return out

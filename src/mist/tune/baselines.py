@@ -7,6 +7,9 @@ closed form `pipeline.iteration_time`, the same allocator margin — with each s
 memoized, because a candidate usually differs from the previous one in one or two stages. The
 winner is re-simulated with `simulate_plan`; should the memoized path ever disagree with it (the
 simulator changed under us), the search is rerun calling `simulate_plan` for every candidate.
+Interleaved candidates (the target spaces' virtual pipeline stages: stages with `chunk_layers`)
+are costed the same way, each rank's chunks memoized with it and played through the interleaved
+order (`simulate.interleaved.interleaved_recurrence`), as `simulate_plan` plays them.
 
 Rules shared by all three (as the Mist paper's evaluation tuned the baselines):
   * every stage has the same GPU count: pp divides the world size; a stage's mesh is whole nodes
@@ -55,8 +58,9 @@ import numpy as np
 
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
+from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import iteration_time
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan, stage_inputs
+from mist.simulate.plan_sim import ALLOCATOR_MARGIN, chunk_inputs, simulate_plan, stage_inputs
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
@@ -155,6 +159,8 @@ class _Evaluator:
         self._models: dict = {}
 
     def plan(self, G: int, stages) -> Plan:
+        """The candidate as a plan; stages with `chunk_layers` make it interleaved (v chunks each)."""
+        chunks = stages[0].chunk_layers
         return Plan(
             model=self.model,
             cluster=self.cluster,
@@ -162,6 +168,7 @@ class _Evaluator:
             micro_batches=G,
             stages=tuple(stages),
             model_ref=self.model_ref,
+            virtual_stages=len(chunks) if chunks else 1,
         )
 
     def _stage_model(self, s: StageStrategy) -> StageModel:
@@ -197,22 +204,21 @@ class _Evaluator:
             )
         else:
             pp = len(stages)
-            rows = [self._stage.get((i, pp, G, s)) for i, s in enumerate(stages)]
+            interleaved = stages[0].chunk_layers is not None
+            rows: list = [self._stage.get((i, pp, G, s)) for i, s in enumerate(stages)]
             if any(r is None for r in rows):
-                inputs = stage_inputs(self.plan(G, stages))  # validates the plan
+                plan = self.plan(G, stages)
+                inputs = stage_inputs(plan)  # validates the plan
+                chunks = chunk_inputs(plan, inputs) if interleaved else [None] * pp
                 for i, (st, s) in enumerate(zip(inputs, stages)):
                     if rows[i] is None:
-                        r = self._stage_model(s).evaluate(st)
-                        rows[i] = self._stage[(i, pp, G, s)] = (
-                            float(r.T[0]),
-                            float(r.fwd[0]),
-                            float(r.first_extra[0]),
-                            float(r.last_extra[0]),
-                            float(r.peak[0]),
-                            float(r.host["peak_bytes"][0]),
-                        )
-            T, F, X, Y, P, H = (np.array(col) for col in zip(*rows))
-            it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
+                        rows[i] = self._stage[(i, pp, G, s)] = self._row(i, pp, G, s, st, chunks[i])
+            T, F, X, Y, P, H = (np.array(col) for col in zip(*(r[:6] for r in rows)))
+            if interleaved:  # the chunks played through the interleaved order, as simulate_plan does
+                cf, cb, cx, cy = (np.array([r[6][j] for r in rows]) for j in range(4))
+                it = float(interleaved_recurrence(cf, cb, cx, cy, G))
+            else:
+                it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
             needs = tuple(float(p) * (1 + ALLOCATOR_MARGIN) for p in P)
             host_ok = (
                 self.host_cap is None
@@ -225,6 +231,38 @@ class _Evaluator:
         self.count += 1
         self.min_need = min(self.min_need, max(c.needs))
         return c
+
+    def _row(self, i: int, pp: int, G: int, s: StageStrategy, st, chunks) -> tuple:
+        """Stage i's (T, F, X, Y, peak, host peak) and, for an interleaved stage (`chunks`, its
+        chunks' inputs), its chunks' (forward, backward, first, last) times: the rank's memory
+        with its chunks' in-flight activations, its times their sums (as `simulate_plan`)."""
+        m = self._stage_model(s)
+        if chunks is None:
+            r = m.evaluate(st)
+            return (
+                float(r.T[0]),
+                float(r.fwd[0]),
+                float(r.first_extra[0]),
+                float(r.last_extra[0]),
+                float(r.peak[0]),
+                float(r.host["peak_bytes"][0]),
+            )
+        cs = [self._chunk(m, s, c) for c in chunks]
+        saved = np.array([float(c.saved_per_microbatch[0]) for c in cs])
+        r = m.evaluate(replace(st, in_flight=float(interleaved_in_flight(i, pp, G, saved))))
+        f, t, x, y = (tuple(float(getattr(c, k)[0]) for c in cs) for k in ("fwd", "T", "first_extra", "last_extra"))
+        per_chunk = (f, tuple(a - b for a, b in zip(t, f)), x, y)
+        return (sum(t), sum(f), sum(x), sum(y), float(r.peak[0]), float(r.host["peak_bytes"][0]), per_chunk)
+
+    def _chunk(self, m: StageModel, s: StageStrategy, c):
+        """A chunk's result, memoized: it depends on its rank's strategy, its blocks and
+        recomputed ones, whether it holds the embedding or head, the pipeline's chunks and G (not
+        on its position, as a chunk's input holds no in-flight count)."""
+        key = ("chunk", s, c.first, c.last, c.num_stages, c.G, int(c.layers[0]), int(c.recompute[0]))
+        r = self._stage.get(key)
+        if r is None:
+            r = self._stage[key] = m.evaluate(c)
+        return r
 
 
 def _best_of(ev: _Evaluator, candidates, deadline: float):

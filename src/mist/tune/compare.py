@@ -22,7 +22,7 @@ _KNOB_LABELS = (
     (r"offload\.activations", "activation offload"),
     (r"offload\.optimizer \S+\) with ZeRO|offloads part of its state|of its gradients but", "fractional offload"),
     (r"optimizer (state )?but stage|differ in CPU offload|all its state under a pipeline", "per-stage offload"),
-    (r"virtual_stages", "interleaved 1F1B (not exported yet)"),
+    (r"virtual_stages", "interleaved 1F1B"),  # only DeepSpeed refuses it
     (r"grad_dtype", "16-bit gradients"),
     (r"param_dtype|compute_dtype", "precision"),
     (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),
@@ -47,7 +47,9 @@ def beyond_target(plan, target: str) -> list[str]:
 def short_summary(plan) -> str:
     st, t = plan.stages, plan.training
     grads = f", {t.grad_dtype} grads" if t.grad_dtype not in (None, t.param_dtype) else ""
-    parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s)"]
+    v = plan.virtual_stages
+    chunks = f" × {v} chunks (interleaved)" if v > 1 else ""
+    parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s){chunks}"]
     for s in st:
         off = "/".join(f"{v:g}" for v in s.offload.as_tuple())
         rc = (

@@ -16,7 +16,9 @@ megatron-0.19: pp with the even split, or when pp does not divide the layer coun
   (N ∈ {0, 1, half, all} of the largest stage) or, instead, the attention core
   (`--recompute-modules core_attn`); the distributed optimizer (ZeRO-1) on; optimizer
   offload fraction 0, 0.5 or 1 (`--optimizer-offload-fraction`, needs the distributed optimizer);
-  micro-batch 1/2/4/8.
+  micro-batch 1/2/4/8; virtual pipeline stages v = 2 or 4 (interleaved 1F1B, the layout with
+  pp·v chunks) where G is a multiple of pp and the blocks split into pp·v equal chunks, with the
+  same recompute N of every chunk (N ∈ {0, 1, half, all} of a chunk) or the attention core.
 deepspeed-0.19: the `deepspeed` baseline's rules (ZeRO 0–3 without a pipeline, ZeRO 0/1 with one,
   ZeRO-Infinity with ZeRO-3) with DeepSpeed's offload as it runs: gradients go to the CPU with the
   optimizer states, and with ZeRO-3 at pp = 1 part of the optimizer states (in eighths of a
@@ -24,7 +26,12 @@ deepspeed-0.19: the `deepspeed` baseline's rules (ZeRO 0–3 without a pipeline,
 torchtitan-0.3: Llama-family models only; fp32 gradients; replicated (ZeRO-0) or FSDP2 data
   parallelism (ZeRO-2/3 without a pipeline, ZeRO-1 under one: see `mist.export.torchtitan`), tp,
   pp with the balanced split, full activation checkpointing or none, CPU offload of all weights,
-  gradients and optimizer state (FSDP2, ZeRO-3, no pipeline) or none; micro-batch 1/2/4/8.
+  gradients and optimizer state (FSDP2, ZeRO-3, no pipeline) or none; micro-batch 1/2/4/8;
+  Interleaved1F1B with v = 2 or 4 model parts per rank under the same conditions as Megatron-LM's
+  (G a multiple of pp, equal chunks), full activation checkpointing or none.
+
+Interleaved candidates take their chunk rule from the full space's search
+(`mist.tune.interleaved.chunk_counts`) and are costed by `simulate_plan` (see `tune.baselines`).
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ from mist.tune.baselines import (
     _run,
     even_split,
 )
+from mist.tune.interleaved import chunk_counts
 from mist.tune.result import TuneResult
 from mist.tune.space import TARGET_SPACES, tp_degrees
 
 MEGATRON_OFFLOAD = (0.0, 0.5, 1.0)
 DEEPSPEED_PARTIAL_OFFLOAD = (0.25, 0.5, 0.75)
 TORCHTITAN_MICRO_BATCHES = (1, 2, 4, 8)
+TARGET_VIRTUAL_STAGES = (2, 4)  # model chunks per pipeline rank the target spaces try
 
 Candidate = tuple[int, tuple[StageStrategy, ...]]
 
@@ -83,6 +92,28 @@ def _stages(layers: list[int], n: int, g: int, tp: int, dp: int, b: int, **knobs
     )
 
 
+def _interleaved_stages(
+    L: int, pp: int, v: int, n: int, g: int, tp: int, dp: int, b: int, **knobs
+) -> tuple[StageStrategy, ...]:
+    """pp ranks of v equal chunks (L/(pp·v) blocks each); `recompute` blocks of every chunk."""
+    lc = L // (pp * v)
+    rc = min(knobs.pop("recompute"), lc)
+    return tuple(
+        StageStrategy(
+            layers=lc * v,
+            nodes=n,
+            gpus_per_node=g,
+            micro_batch=b,
+            dp=dp,
+            tp=tp,
+            recompute_layers=rc * v,
+            chunk_layers=(lc,) * v,
+            **knobs,
+        )
+        for _ in range(pp)
+    )
+
+
 def _exportable(
     ev: _Evaluator, candidates: Iterable[Candidate], problems: Callable[[Plan], list[str]], refused: list[str]
 ):
@@ -104,28 +135,27 @@ def _exportable(
 # ------------------------------------------------------------------ Megatron-LM 0.19
 def megatron_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
     """Uniform meshes × even/balanced-uneven split × one block-recompute N × optimizer offload."""
-    B = training.global_batch
+    B, L = training.global_batch, model.num_layers
     for pp, n, g, tp, dp, b in _meshes(model, cluster, MEGATRON_MICRO_BATCHES, B):
-        layers = even_split(model.num_layers, pp)
-        top = max(layers)
-        # (blocks recomputed, attention core recomputed): --recompute-granularity is one value, so
-        # selective core_attn recompute only without block recompute
-        recompute = [(rc, False) for rc in sorted({0, 1, top // 2, top})] + [(0, True)]
-        for rc, attn in recompute:
+        G = B // (b * dp)
+        layers = even_split(L, pp)
+        for rc, attn in _megatron_recompute(max(layers)):
             for off in MEGATRON_OFFLOAD:
-                stages = _stages(
-                    layers,
-                    n,
-                    g,
-                    tp,
-                    dp,
-                    b,
-                    recompute=rc,
-                    zero=1,
-                    offload=Offload(optimizer=off),
-                    recompute_attention=attn,
-                )
-                yield B // (b * dp), stages
+                knobs = dict(recompute=rc, zero=1, offload=Offload(optimizer=off), recompute_attention=attn)
+                yield G, _stages(layers, n, g, tp, dp, b, **knobs)
+        # virtual pipeline stages: --recompute-num-layers counts blocks of every chunk
+        for v in chunk_counts(L, pp, G, TARGET_VIRTUAL_STAGES):
+            for rc, attn in _megatron_recompute(L // (pp * v)):
+                for off in MEGATRON_OFFLOAD:
+                    knobs = dict(recompute=rc, zero=1, offload=Offload(optimizer=off), recompute_attention=attn)
+                    yield G, _interleaved_stages(L, pp, v, n, g, tp, dp, b, **knobs)
+
+
+def _megatron_recompute(top: int) -> list[tuple[int, bool]]:
+    """(blocks recomputed of a stage or chunk of `top` blocks, attention core recomputed):
+    --recompute-granularity is one value, so selective core_attn recompute only without block
+    recompute."""
+    return [(rc, False) for rc in sorted({0, 1, top // 2, top})] + [(0, True)]
 
 
 # ------------------------------------------------------------------ DeepSpeed 0.19
@@ -165,6 +195,13 @@ def torchtitan_candidates(model: ModelSpec, cluster: ClusterSpec, training: Trai
         for z, off in variants:
             for rc in (max(layers), 0):
                 yield B // (b * dp), _stages(layers, n, g, tp, dp, b, recompute=rc, zero=z, offload=off)
+        # Interleaved1F1B (no CPU offload under a pipeline): full activation checkpointing or none
+        G = B // (b * dp)
+        for v in chunk_counts(model.num_layers, pp, G, TARGET_VIRTUAL_STAGES):
+            for z in levels:
+                for rc in (model.num_layers, 0):
+                    stages = _interleaved_stages(model.num_layers, pp, v, n, g, tp, dp, b, recompute=rc, zero=z)
+                    yield G, stages
 
 
 # ------------------------------------------------------------------ entry point

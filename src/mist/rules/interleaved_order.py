@@ -33,6 +33,20 @@ def interleaved_warmup(rank: int, ranks: int, chunks: int, micro_batches: int) -
     return min((ranks - rank - 1) * 2 + (chunks - 1) * ranks, micro_batches * chunks)
 
 
+def depends_on(kind: str, m: int, rank: int, chunk: int, ranks: int, chunks: int) -> tuple[str, int, int, int] | None:
+    """The chunk-op (kind, rank, chunk, micro-batch) that the chunk-op (kind, m) on (rank, chunk)
+    waits for (see above), or None for the model's first chunk's forward."""
+    if kind == FORWARD:
+        if rank > 0:
+            return (FORWARD, rank - 1, chunk, m)
+        return (FORWARD, ranks - 1, chunk - 1, m) if chunk > 0 else None
+    if rank < ranks - 1:
+        return (BACKWARD, rank + 1, chunk, m)
+    if chunk < chunks - 1:
+        return (BACKWARD, 0, chunk + 1, m)
+    return (FORWARD, rank, chunk, m)
+
+
 def chunks_in_flight(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
     """Micro-batch chunks whose saved activations rank `rank` holds at its peak, the one it runs
     included: one more than its warm-up (the forward that follows it), at most G·v. Rank 0 holds

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from mist.rules.interleaved_order import chunks_in_flight, held_after_forwards, interleaved_one_f_one_b
+from mist.rules.interleaved_order import chunks_in_flight, depends_on, held_after_forwards, interleaved_one_f_one_b
 from mist.rules.pipeline_order import FORWARD
 from mist.simulate.pipeline import iteration_time
 
@@ -83,19 +83,13 @@ def interleaved_event_schedule(f, b, X, Y, G: int):
         for r in range(p):
             while pos[r] < len(orders[r]):
                 kind, m, c = orders[r][pos[r]]
+                src = depends_on(kind, m, r, c, p, v)
+                dep = done.get(src) if src is not None else 0.0
                 if kind == FORWARD:
-                    prev = (r - 1, c) if r > 0 else ((p - 1, c - 1) if c > 0 else None)
-                    dep = done.get(("F", *prev, m)) if prev else 0.0
                     if dep is not None and m == 0:
                         dep = max(dep, x_ready[r][c])
                     dur = f[r][c]
                 else:
-                    if r < p - 1:
-                        dep = done.get(("B", r + 1, c, m))
-                    elif c < v - 1:
-                        dep = done.get(("B", 0, c + 1, m))
-                    else:
-                        dep = done.get(("F", r, c, m))
                     dur = b[r][c]
                 if dep is None:
                     break
@@ -138,15 +132,7 @@ def _program(p: int, v: int, G: int) -> tuple:
             while pos[r] < len(orders[r]):
                 kind, m, c = orders[r][pos[r]]
                 fwd = kind == FORWARD
-                if fwd:
-                    prev = (r - 1, c) if r > 0 else ((p - 1, c - 1) if c > 0 else None)
-                    key = ("F", *prev, m) if prev else None
-                elif r < p - 1:
-                    key = ("B", r + 1, c, m)
-                elif c < v - 1:
-                    key = ("B", 0, c + 1, m)
-                else:
-                    key = ("F", r, c, m)
+                key = depends_on(kind, m, r, c, p, v)
                 if key is not None and key not in index:
                     break
                 index[(kind, r, c, m)] = len(prog)

@@ -63,6 +63,9 @@ class StageStrategy:
     recompute_attention: bool = False  # the blocks not recomputed whole recompute their attention core
     recompute_activation: bool = False  # ... and their MLP activation (fc2 re-runs it in backward)
     chunk_layers: tuple[int, ...] | None = None  # blocks per model chunk (interleaved plans only)
+    # Megatron-style sequence parallelism of the tp group (tp > 1): norms, residuals and the
+    # activations between the blocks hold s/tp of the sequence (`mist.models.collectives.TPGroup`)
+    sequence_parallel: bool = False
 
     @property
     def gpus(self) -> int:
@@ -75,6 +78,8 @@ class StageStrategy:
     def to_dict(self) -> dict:
         """The stage as a plan file writes it (no `chunk_layers` key in a plain 1F1B plan)."""
         d = asdict(self)
+        if not self.sequence_parallel:
+            del d["sequence_parallel"]
         if self.chunk_layers is None:
             del d["chunk_layers"]
         else:
@@ -142,7 +147,10 @@ class Plan:
             lines.append(
                 f"  stage {i}: {s.layers} layers{chunks} on {s.nodes}×{s.gpus_per_node} GPUs, "
                 f"b {s.micro_batch}, dp {s.dp}, tp {s.tp}, ZeRO-{s.zero}, "
-                f"recompute {s.recompute_layers}" + _selective_text(s) + (f", offload {off}" if off else "")
+                f"recompute {s.recompute_layers}"
+                + _selective_text(s)
+                + (f", offload {off}" if off else "")
+                + (", sequence parallel" if s.sequence_parallel else "")
             )
         return "\n".join(lines)
 
@@ -173,7 +181,7 @@ def check_plan(p: Plan) -> None:
         for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp"):
             _int(f"{where} {f}", getattr(s, f))
         _int(f"{where} recompute_layers", s.recompute_layers, 0)
-        for f in ("recompute_attention", "recompute_activation"):
+        for f in ("recompute_attention", "recompute_activation", "sequence_parallel"):
             if not isinstance(getattr(s, f), bool):
                 raise MistInputError(f"{where} {f} must be true or false, got {getattr(s, f)!r}.")
         if not is_int(s.zero) or s.zero not in (0, 1, 2, 3):
@@ -195,6 +203,12 @@ def check_plan(p: Plan) -> None:
                 raise MistInputError(f"{where} offload.{k} must be a ratio in [0, 1], got {v!r}.")
         if p.model.num_heads % s.tp:
             raise MistInputError(f"{where}: tp {s.tp} does not divide the model's {p.model.num_heads} attention heads.")
+        if s.sequence_parallel and s.tp == 1:
+            raise MistInputError(f"{where}: sequence_parallel needs tp > 1 (it shards the sequence over the tp group).")
+        if s.sequence_parallel and p.training.seq_len % s.tp:
+            raise MistInputError(
+                f"{where}: sequence_parallel needs tp {s.tp} to divide the sequence length {p.training.seq_len}."
+            )
         if s.tp > s.gpus_per_node or s.gpus_per_node % s.tp:
             raise MistInputError(
                 f"{where}: tp {s.tp} must divide its {s.gpus_per_node} GPUs per node "

@@ -17,6 +17,8 @@ a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that t
   symbolic sizes, so a traced tensor's size is a sympy expression (`size.node.expr`) in the
   batch and sequence symbols. Imported on first use: they pull in sympy, which the runtime and
   the CLI's start-up do not need.
+* `FloorDiv` (`torch.utils._sympy.functions`): the sympy function a ShapeEnv writes integer
+  division of sizes with (a sequence split over the TP ranks, s // tp). Imported on first use.
 * `TorchDispatchMode` (`torch.utils._python_dispatch`): sees every aten call (`func`, its
   arguments and outputs); the tracer records the ops with it.
 * `pytree` (`torch.utils._pytree`): `tree_leaves` flattens an aten call's nested arguments.
@@ -36,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.utils._sympy.functions import FloorDiv
 
 #: PyTorch releases tests/test_torch_compat.py passed on (version without the local "+cpu" part).
 CHECKED_VERSIONS = ("2.13.0",)
@@ -44,13 +47,19 @@ CHECKED_VERSIONS = ("2.13.0",)
 HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
 
 _SYMBOLIC_SHAPES = "torch.fx.experimental.symbolic_shapes"
-_LAZY = {"DimDynamic": _SYMBOLIC_SHAPES, "ShapeEnv": _SYMBOLIC_SHAPES, "StatelessSymbolicContext": _SYMBOLIC_SHAPES}
+_LAZY = {
+    "DimDynamic": _SYMBOLIC_SHAPES,
+    "ShapeEnv": _SYMBOLIC_SHAPES,
+    "StatelessSymbolicContext": _SYMBOLIC_SHAPES,
+    "FloorDiv": "torch.utils._sympy.functions",
+}
 
 __all__ = [
     "CHECKED_VERSIONS",
     "HAS_FUSED_ADAM",
     "DimDynamic",
     "FakeTensorMode",
+    "FloorDiv",
     "ShapeEnv",
     "StatelessSymbolicContext",
     "TorchDispatchMode",

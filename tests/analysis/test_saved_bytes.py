@@ -60,9 +60,9 @@ def measure_saved(fn) -> int:
     return seen
 
 
-def run_part(spec, part, tp, flash, recompute, b, s):
+def run_part(spec, part, tp, flash, recompute, b, s, sp=False):
     torch.manual_seed(0)
-    group = TPGroup(tp, tp - 1, None)  # a shard built without a process group
+    group = TPGroup(tp, tp - 1, None, sequence_parallel=sp)  # a shard built without a process group
     if part == "block":
         m = DecoderBlock(spec, group, flash, torch.float32)
     elif part == "pre":
@@ -71,7 +71,8 @@ def run_part(spec, part, tp, flash, recompute, b, s):
         m = Head(spec, group, torch.float32)
     init_weights(m, 0)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    # under sequence parallelism a block's and the head's input is this rank's 1/tp of the sequence
+    x = torch.randn(b, s // tp if sp else s, spec.hidden_size, requires_grad=True)
     tok = torch.randint(0, spec.vocab_size, (b, s))
     if part == "block":
         seen = measure_saved(lambda: run_block_as(m, x, recompute))
@@ -114,6 +115,53 @@ def test_pre_post_saved_bytes_match_cpu(family, part, tp):
     for b, s in SHAPES:
         measured = run_part(spec, part, tp, True, False, b, s)
         assert float(la.saved(b, s)) == pytest.approx(measured, rel=0.01), (b, s)
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("flash,recompute", [(True, False), (False, "attention"), (True, "activation"), (True, True)])
+def test_sequence_parallel_block_saved_bytes_match_cpu(family, tp, flash, recompute):
+    """Under sequence parallelism (the input a 1/tp shard of the sequence), exact to the byte."""
+    spec = SPECS[family]
+    la = analyze_layer(
+        spec, "block", tp=tp, flash=flash, dtype="fp32", target="cpu", recompute=recompute, sequence_parallel=True
+    )
+    for b, s in SHAPES:
+        measured = run_part(spec, "block", tp, flash, recompute, b, s, sp=True)
+        assert float(la.saved(b, s)) == measured, (b, s)
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("part", ["pre", "post"])
+def test_sequence_parallel_pre_post_saved_bytes_match_cpu(family, part):
+    spec = SPECS[family]
+    la = analyze_layer(spec, part, tp=2, dtype="fp32", target="cpu", sequence_parallel=True)
+    for b, s in SHAPES:
+        assert float(la.saved(b, s)) == run_part(spec, part, 2, True, False, b, s, sp=True), (b, s)
+
+
+def test_sequence_parallel_block_matches_korthikanti():
+    """GPT block, flash, no dropout, bf16, sequence parallelism over t ranks: every saved tensor is
+    1/t of the tp = 1 block's (Korthikanti et al. 2022, 34·sbh/t with dropout's 2·sbh masks
+    removed), plus the per-token norm statistics."""
+    spec = ModelSpec(
+        family="gpt",
+        num_layers=24,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=16,
+        ffn_hidden_size=8192,
+        vocab_size=50304,
+    )
+    b, s, h = 2, 2048, 2048
+    one = float(analyze_layer(spec, "block", tp=1, flash=True, dtype="bf16", target="cuda").saved(b, s))
+    assert one == pytest.approx(32 * s * b * h + 4 * b * 16 * s, rel=0.002)
+    for t in (2, 4, 8):
+        la = analyze_layer(spec, "block", tp=t, flash=True, dtype="bf16", target="cuda", sequence_parallel=True)
+        assert float(la.saved(b, s)) == pytest.approx(one / t, rel=1e-9), t
+        plain = analyze_layer(spec, "block", tp=t, flash=True, dtype="bf16", target="cuda")
+        # without it the two norms' inputs and outputs (8·sbh) are whole on every rank
+        assert float(plain.saved(b, s)) - float(la.saved(b, s)) == pytest.approx(8 * s * b * h * (1 - 1 / t), rel=0.01)
 
 
 def test_checkpointed_block_keeps_only_its_input():

@@ -85,6 +85,7 @@ def make_plan(
     recompute_attention=False,
     recompute_activation=False,
     grad_dtype=None,
+    sequence_parallel=False,
 ) -> Plan:
     spec = SPECS[family]
     gpus = dp * tp
@@ -100,6 +101,7 @@ def make_plan(
         offload=Offload(**(offload or {})),
         recompute_attention=recompute_attention,
         recompute_activation=recompute_activation,
+        sequence_parallel=sequence_parallel,
     )
     return Plan(
         model=spec,

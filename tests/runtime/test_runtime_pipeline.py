@@ -37,6 +37,7 @@ def pp_plan(family: str, stages: list[dict], *, dp=1, tp=1, G=2, b=2) -> Plan:
                 zero=s.get("zero", 0),
                 recompute_layers=s.get("recompute", 0),
                 offload=Offload(**s.get("offload", {})),
+                sequence_parallel=s.get("sp", False),
             )
         )
     gpus = sum(s.gpus for s in sts)

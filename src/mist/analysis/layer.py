@@ -63,6 +63,7 @@ class LayerAnalysis:
     saved_elts: list = field(default_factory=list)
     saved_whole: sympy.Expr = sympy.Integer(0)
     unit_batch: LayerAnalysis | None = None  # the exact b = 1 trace (memory at b = 1)
+    sequence_parallel: bool = False  # traced with the TP group's sequence parallelism
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -156,10 +157,13 @@ def analyze_layer(
     dtype: str = "bf16",
     target: str = "cuda",
     recompute: bool | str = False,
+    sequence_parallel: bool = False,
 ) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
     block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
-    "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`)."""
+    "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`).
+    `sequence_parallel` (tp > 1): the layer's input is this rank's 1/tp of the sequence, sizes
+    still in the whole sequence length S."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
@@ -169,15 +173,17 @@ def analyze_layer(
     parts = selective_modes(recompute)
     spec.check_tp(tp)
     rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
-    la = _analyze(spec, part, tp, flash, dtype, target, rc, False)
+    sp = bool(sequence_parallel) and tp > 1
+    la = _analyze(spec, part, tp, flash, dtype, target, rc, False, sp)
     if la.unit_batch is None:
-        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True)
+        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True, sp)
     return la
 
 
 @lru_cache(maxsize=512)
-def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
-    key = (spec, part, tp, flash, dtype, target, recompute, unit_batch)
+def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False) -> LayerAnalysis:
+    # (the key of a trace without sequence parallelism is the one it always had)
+    key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
     hit = disk_cache.load(key)
     if hit is not None:
         return hit
@@ -186,9 +192,10 @@ def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> Lay
     return la
 
 
-def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch) -> LayerAnalysis:
+def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False) -> LayerAnalysis:
     tdtype = torch_dtype(dtype)
-    group = TPGroup(tp, 0, None)
+    group = TPGroup(tp, 0, None, sequence_parallel=sp)
+    shards = tp if sp else 1
     h = spec.hidden_size
     holder = {}
 
@@ -203,15 +210,20 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         return m
 
     # the example sequence length must fit the learned positions of a gpt model
-    hint_s = HINT_S if spec.max_position_embeddings > HINT_S else max(2, spec.max_position_embeddings - 1)
+    # (under sequence parallelism, of the whole sequence: the inputs hold 1/tp of it)
+    hint_s = HINT_S if spec.max_position_embeddings > HINT_S * shards else max(2, spec.max_position_embeddings - 1)
+    if shards > 1:
+        hint_s = max(2, hint_s // shards)
     if hint_s == HINT_B:
         hint_s = 2
 
     def make_inputs(sym):
         if part == "pre":
-            return [sym((HINT_B, hint_s), torch.long, 2)]
+            return [sym((HINT_B, hint_s * shards), torch.long, 2)]
         x = sym((HINT_B, hint_s, h), tdtype, 2).requires_grad_()
         if part == "post":
+            if shards > 1:  # the loss is over the whole sequence: a target sized from x's shard
+                return [x, torch.zeros((x.shape[0], x.shape[1] * shards), dtype=torch.long)]
             return [x, sym((HINT_B, hint_s), torch.long, 2)]
         return [x]
 
@@ -233,7 +245,9 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
             label_recompute(trace, m.attn.core if sel == "attention" else m.mlp.act)
         return m
 
-    trace, _ = run_trace(build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch)
+    trace, _ = run_trace(
+        build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch, seq_shards=1 if part == "pre" else shards
+    )
     records = [
         replace(
             r,
@@ -274,6 +288,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         saved_numels=[sympy.expand(n) for n, _ in split],
         saved_elts=[e for _, e in split],
         saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))),
+        sequence_parallel=sp,
     )
 
 

@@ -33,6 +33,7 @@ from mist.models.collectives import observe_collectives
 from mist.torch_compat import (
     DimDynamic,
     FakeTensorMode,
+    FloorDiv,
     ShapeEnv,
     StatelessSymbolicContext,
     TorchDispatchMode,
@@ -108,7 +109,10 @@ class _Expr:
 
     def __call__(self, v) -> sympy.Expr:
         if isinstance(v, torch.SymInt):
-            return sympy.expand(sympy.sympify(v.node.expr).xreplace(self.subs))
+            e = sympy.sympify(v.node.expr).xreplace(self.subs)
+            # the only integer divisions of sizes are exact ones (the sequence split over the TP
+            # ranks, which a sequence-parallel plan requires to divide): plain quotients
+            return sympy.expand(e.replace(FloorDiv, lambda a, b: a / b))
         return sympy.Integer(int(v))
 
     def shape(self, t: torch.Tensor) -> tuple:
@@ -268,7 +272,9 @@ def _symbolic(
     return mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
 
 
-def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -> tuple[Trace, _Expr]:
+def run_trace(
+    build, make_inputs, forward, backward, unit_batch: bool = False, seq_shards: int = 1
+) -> tuple[Trace, _Expr]:
     """Build a module and trace forward + backward with symbolic (b, s).
 
     build(trace):                the module (constructed under fake mode: no real memory).
@@ -279,6 +285,9 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
     unit_batch:                  trace b = 1 exactly. PyTorch makes some reshapes views only
                                  when a dimension is 1, so b = 1 can keep fewer copies than the
                                  general symbolic b (e.g. the key in materialised attention).
+    seq_shards:                  the first input holds 1/seq_shards of the sequence (sequence
+                                 parallelism): its dim 1 is S/seq_shards. Later inputs may have
+                                 sizes derived from it (e.g. a target of the whole sequence).
     """
     trace = Trace()
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
@@ -287,7 +296,7 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
         for p in module.parameters():
             trace.param_sids.add(storage_id(p))
         inputs = make_inputs(lambda shape, dtype, n: _symbolic(mode, shape, dtype, n, unit_batch))
-        subs = {}
+        subs: dict = {}
         for t in inputs:  # every input is laid out [b, s, ...]
             lead = [t.shape[1]] if unit_batch else [t.shape[0], t.shape[1]]
             if not all(isinstance(d, torch.SymInt) for d in lead):
@@ -297,9 +306,9 @@ def run_trace(build, make_inputs, forward, backward, unit_batch: bool = False) -
                     f"PyTorch {torch.__version__} did not keep the traced batch/sequence "
                     "sizes symbolic; Mist's analysis needs symbolic shapes"
                 )
-            if not unit_batch:
-                subs[t.shape[0].node.expr] = B
-            subs[t.shape[1].node.expr] = S
+            for d, sym in ((t.shape[1], S / seq_shards), (None if unit_batch else t.shape[0], B)):
+                if d is not None and isinstance(d.node.expr, sympy.Symbol):
+                    subs.setdefault(d.node.expr, sym)
         ex = _Expr(subs)
         for t in inputs:
             trace.input_sids.add(storage_id(t))

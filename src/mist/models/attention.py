@@ -128,9 +128,9 @@ class Attention(nn.Module):
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         d, hq, hk = self.spec.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(x)
+        qkv = self.qkv(x)  # [b, s, ·]: the whole sequence also under sequence parallelism
+        b, s = qkv.shape[0], qkv.shape[1]
         if self.spec.rotary_dim:
             qkv = rotary_qk_(qkv, s, self.spec.rotary_dim, hq + hk, d, self.spec.rope_theta)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from mist.models.attention import Attention
-from mist.models.collectives import TPGroup, reduce_from_tp
+from mist.models.collectives import TPGroup, sp_shared
+from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.models.mlp import MLP
 from mist.models.norms import make_norm
 from mist.specs.model import ModelSpec
@@ -30,19 +31,19 @@ class DecoderBlock(nn.Module):
         self.spec, self.tp = spec, tp
         self.parallel = spec.parallel_block
         h, eps = spec.hidden_size, spec.norm_eps
-        self.norm1 = make_norm(spec.family, h, eps, dtype, device)
+        self.norm1 = make_norm(spec.family, h, eps, dtype, device, tp)
         self.attn = Attention(spec, tp, flash, dtype, device, reduce=not self.parallel)
         self.mlp = MLP(spec, tp, dtype, device, reduce=not self.parallel)
         if not self.parallel:
-            self.norm2 = make_norm(spec.family, h, eps, dtype, device)
+            self.norm2 = make_norm(spec.family, h, eps, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
             y = self.norm1(x)
-            out = reduce_from_tp(self.attn(y) + self.mlp(y), self.tp)
+            out = reduce_scatter_or_all_reduce(self.attn(y) + self.mlp(y), self.tp)
             for lin in (self.attn.dense, self.mlp.fc2):
                 if lin.bias is not None:
-                    out = out + lin.bias
+                    out = out + sp_shared(lin.bias, self.tp)
             return x + out
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))

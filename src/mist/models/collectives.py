@@ -1,7 +1,8 @@
 """Tensor-parallel communication used by the model modules.
 
 The autograd functions here are Megatron-style conjugate pairs (identity forward / all-reduce
-backward, and the reverse). With `group=None` they are a TP *shard built without a process
+backward, and the reverse; all-gather of the sequence forward / reduce-scatter backward, and the
+reverse, for sequence parallelism). With `group=None` they are a TP *shard built without a process
 group*: the collective is skipped (single process), but it is still announced to observers, so
 that `mist.analysis` records every collective the real run would issue, at the place it issues
 it. This is the one instrumentation point of the model code.
@@ -30,15 +31,24 @@ def observe_collectives(fn: Observer):
 
 
 class TPGroup:
-    """A tensor-parallel group: its size, this rank's index, and the process group (or None)."""
+    """A tensor-parallel group: its size, this rank's index, and the process group (or None).
 
-    def __init__(self, size: int = 1, rank: int = 0, group=None):
+    `sequence_parallel` (Megatron-style, Korthikanti et al. 2022): between the tensor-parallel
+    regions — norms, residuals, the block's input and output — each rank holds 1/size of the
+    sequence, [b, s/size, h]; a column-parallel linear all-gathers its input (and keeps only the
+    shard for backward, re-gathering it there), a row-parallel linear reduce-scatters its output.
+    Only meaningful with size > 1 (`sp` is False otherwise).
+    """
+
+    def __init__(self, size: int = 1, rank: int = 0, group=None, sequence_parallel: bool = False):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"invalid tensor-parallel rank {rank} of {size}")
         self.size, self.rank, self.group = size, rank, group
+        self.sp = bool(sequence_parallel) and size > 1
 
     def __repr__(self) -> str:
-        return f"TPGroup(size={self.size}, rank={self.rank}, group={'yes' if self.group else 'none'})"
+        sp = ", sequence_parallel" if self.sp else ""
+        return f"TPGroup(size={self.size}, rank={self.rank}, group={'yes' if self.group else 'none'}{sp})"
 
 
 class VocabShard(torch.nn.Module):
@@ -97,3 +107,108 @@ def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """All-reduce forward, identity backward (output of a row-parallel op)."""
     return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+# ------------------------------------------------------------------ sequence parallelism
+# The sequence is dimension 1 of the [b, s, ...] activations. A collective's announced tensor is
+# its full buffer (all-gather: the gathered output; reduce-scatter: the unreduced input), the
+# bytes the ring model `hardware.collectives` is written in.
+
+
+def gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[b, s/t, ...] shards → [b, s, ...] on every rank: the shards gathered into one [t, b, s/t,
+    ...] buffer, then laid out sequence-major (a copy, unless b = 1, where it is a view)."""
+    buf = x.new_empty((tp.size, *x.shape))
+    _announce("all_gather", buf, tp)
+    if tp.group is not None:
+        dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=tp.group)
+    b, sl = x.shape[0], x.shape[1]
+    return buf.transpose(0, 1).reshape(b, tp.size * sl, *x.shape[2:])
+
+
+def scatter_seq(y: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[b, s, ...] partial sums → this rank's [b, s/t, ...] shard of their sum: the sequence
+    chunks laid out rank-major (a copy, unless b = 1), then reduce-scattered."""
+    b, s = y.shape[0], y.shape[1]
+    if s % tp.size:
+        raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {tp.size}")
+    chunks = y.reshape(b, tp.size, s // tp.size, *y.shape[2:]).transpose(0, 1).contiguous()
+    _announce("reduce_scatter", chunks, tp)
+    out = chunks.new_empty(chunks.shape[1:])
+    if tp.group is not None:
+        dist.reduce_scatter(out, list(chunks.unbind(0)), group=tp.group)
+    return out
+
+
+def own_chunk(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's sequence chunk of a [b, s, ...] tensor every rank holds whole (no collective)."""
+    n = x.shape[1] // tp.size
+    return x[:, tp.rank * n : (tp.rank + 1) * n].contiguous()
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, tp):
+        ctx.tp = tp
+        return scatter_seq(y, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_seq(g, ctx.tp), None
+
+
+class _SplitToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return own_chunk(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_seq(g, ctx.tp), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return own_chunk(g, ctx.tp), None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, tp):
+        ctx.tp = tp
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_(g.contiguous(), ctx.tp), None
+
+
+def scatter_to_sp(y: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Reduce-scatter of partial sums forward, all-gather of the gradient backward (the output of
+    a row-parallel op under sequence parallelism)."""
+    return _ScatterToSP.apply(y, tp)
+
+
+def split_to_sp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's chunk of a tensor every rank holds whole forward, all-gather backward."""
+    return _SplitToSP.apply(x, tp)
+
+
+def gather_from_sp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """All-gather of the shards forward; backward, this rank's chunk of a gradient that every rank
+    holds whole."""
+    return _GatherFromSP.apply(x, tp)
+
+
+def sp_shared(p: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """A parameter every rank holds whole but, under sequence parallelism, applies to its own
+    sequence chunk only (norm weights, biases added after a reduce-scatter): its gradient is the
+    sum of the ranks' partial gradients, all-reduced in backward where it is made."""
+    return _SumGradOverTP.apply(p, tp) if tp.sp else p

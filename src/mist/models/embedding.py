@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mist.models.collectives import TPGroup, VocabShard, reduce_from_tp
+from mist.models.collectives import TPGroup, VocabShard, reduce_from_tp, split_to_sp
+from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.specs.model import ModelSpec
 
 
@@ -23,13 +24,20 @@ class Embedding(VocabShard):
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s] tokens → [b, s, h]; under sequence parallelism this rank's [b, s/t, h] shard:
+        the partial sums reduce-scattered, or (learned positions, added to the whole sequence
+        as Megatron-LM does) all-reduced, the positions added, and this rank's chunk taken."""
+        positions = self.position is not None
         if self.tp.size > 1:
             local = tokens - self.vocab_start
             outside = (local < 0) | (local >= self.vocab_local)
             x = F.embedding(local.masked_fill(outside, 0), self.word)
-            x = reduce_from_tp(x.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+            x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+            x = reduce_from_tp(x, self.tp) if positions else reduce_scatter_or_all_reduce(x, self.tp)
         else:
             x = F.embedding(tokens, self.word)
-        if self.position is not None:
+        if positions:
             x = x + self.position[: tokens.shape[1]]
+            if self.tp.sp:
+                x = split_to_sp(x, self.tp)
         return x

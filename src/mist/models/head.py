@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist.models.collectives import TPGroup, VocabShard, all_reduce_, copy_to_tp
+from mist.models.linear import gather_linear
 from mist.models.norms import make_norm
 from mist.specs.model import ModelSpec
 
@@ -63,11 +64,13 @@ class Head(VocabShard):
 
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__(spec, tp)
-        self.norm = make_norm(spec.family, spec.hidden_size, spec.norm_eps, dtype, device)
+        self.norm = make_norm(spec.family, spec.hidden_size, spec.norm_eps, dtype, device, self.tp)
         # With tied embeddings the runtime points `weight` at the embedding's word table.
         self.weight = nn.Parameter(torch.empty(self.vocab_local, spec.hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        y = copy_to_tp(self.norm(x), self.tp)
-        logits = F.linear(y, self.weight)
+        if self.tp.sp:  # x is this rank's sequence shard; the logits are of the whole sequence
+            logits = gather_linear(self.norm(x), self.weight, None, self.tp)
+        else:
+            logits = F.linear(copy_to_tp(self.norm(x), self.tp), self.weight)
         return vocab_parallel_cross_entropy(logits.flatten(0, -2), target.flatten(), self.vocab_start, self.tp)

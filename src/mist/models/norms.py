@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mist.models.collectives import TPGroup, sp_shared
+
 
 @functools.lru_cache(maxsize=1)
 def _has_cuda_kernels() -> bool:
@@ -91,26 +93,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device=None):
+    """`tp`: under sequence parallelism the norm sees its rank's sequence shard, and its weight's
+    gradient is summed over the TP group (`sp_shared`)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device=None, tp: TPGroup | None = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp = eps, tp or TPGroup()
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, sp_shared(self.weight, self.tp), self.eps)
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device=None):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device=None, tp: TPGroup | None = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp = eps, tp or TPGroup()
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        w, b = sp_shared(self.weight, self.tp), sp_shared(self.bias, self.tp)
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
-def make_norm(family: str, hidden: int, eps: float, dtype: torch.dtype, device=None) -> nn.Module:
+def make_norm(
+    family: str, hidden: int, eps: float, dtype: torch.dtype, device=None, tp: TPGroup | None = None
+) -> nn.Module:
     cls = RMSNorm if family == "llama" else LayerNorm
-    return cls(hidden, eps, dtype, device)
+    return cls(hidden, eps, dtype, device, tp)

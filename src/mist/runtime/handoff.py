@@ -12,6 +12,14 @@ stage i to i + 1 and the gradients of those activations back from i + 1 to i.
 With equal dp, tp and micro-batch on both sides this is one piece, all rows, between the ranks at
 the same (dp, tp) position: the plain peer-to-peer exchange.
 
+Under sequence parallelism a stage's TP rank t holds only the sequence positions
+[t·s/tp, (t+1)·s/tp) of its rows (`seq_range`). Pieces then also carry a range of sequence
+positions: a receiver takes each position from the sender TP rank that holds it (an SP sender),
+or from TP rank t mod (sender tp) as above (a sender whose TP ranks all hold the whole sequence).
+Two SP stages of equal tp exchange shards between equal TP positions: each rank sends and
+receives 1/tp of the activation, which is what the simulator prices (the boundary tensor of a
+stage is its own block output).
+
 A stage's place in the rank space is a `StageLayout`, defined here (pure, no torch) and used by
 `layout.py`, which builds the process groups from it.
 """
@@ -33,6 +41,8 @@ class StageLayout:
     first_layer: int
     layers: int
     micro_batch: int = 1
+    seq_len: int = 0  # the model's sequence length (needed under sequence parallelism)
+    sequence_parallel: bool = False
 
     @property
     def ranks(self) -> range:
@@ -45,14 +55,28 @@ class StageLayout:
     def dp_ranks(self, tp_rank: int) -> list[int]:
         return [self.first_rank + d * self.tp + tp_rank for d in range(self.dp)]
 
+    def seq_range(self, tp_rank: int) -> tuple[int, int]:
+        """The sequence positions [a, b) that TP rank `tp_rank` holds between blocks."""
+        if not self.sequence_parallel:
+            return 0, self.seq_len
+        n = self.seq_len // self.tp
+        return tp_rank * n, (tp_rank + 1) * n
+
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [lo, hi) of this rank's tensor, exchanged with `rank`."""
+    """Rows [lo, hi) of this rank's tensor, exchanged with `rank`; with `s_hi` set, only its
+    sequence positions [s_lo, s_hi) (local to this rank's tensor), else all of them."""
 
     rank: int
     lo: int
     hi: int
+    s_lo: int = 0
+    s_hi: int | None = None
+
+    def region(self) -> tuple[slice, slice]:
+        """The (rows, sequence) slices of this rank's [b, s, ...] tensor the piece covers."""
+        return slice(self.lo, self.hi), slice(self.s_lo, self.s_hi)
 
 
 def _overlaps(mine: StageLayout, dp_rank: int, other: StageLayout):
@@ -67,23 +91,52 @@ def _overlaps(mine: StageLayout, dp_rank: int, other: StageLayout):
     return out
 
 
+def _seq_pieces(mine: StageLayout, tp_rank: int, other: StageLayout, other_rank_at) -> list[tuple[int, int, int]]:
+    """(other's TP position, local [a, b)) for every rank of one replica of `other` that exchanges
+    sequence positions with TP rank `tp_rank` of `mine`, in sequence order."""
+    a, b = mine.seq_range(tp_rank)
+    if not other.sequence_parallel:
+        return [(other_rank_at, 0, b - a)]
+    out = []
+    for u in range(other.tp):
+        c, d = other.seq_range(u)
+        lo, hi = max(a, c), min(b, d)
+        if lo < hi:
+            out.append((u, lo - a, hi - a))
+    return out
+
+
+def _sliced(mine: StageLayout, other: StageLayout) -> bool:
+    """Whether pieces between the two stages carry sequence ranges (either is sequence-parallel)."""
+    return mine.sequence_parallel or other.sequence_parallel
+
+
 def incoming(mine: StageLayout, dp_rank: int, tp_rank: int, sender: StageLayout) -> list[Piece]:
     """What rank (dp_rank, tp_rank) of stage `mine` receives from stage `sender`, in row order
-    (rows in the receiver's tensor)."""
+    (rows and sequence positions in the receiver's tensor)."""
     base = dp_rank * mine.micro_batch
-    return [
-        Piece(sender.tp_ranks(e)[tp_rank % sender.tp], a - base, b - base)
-        for e, a, b in _overlaps(mine, dp_rank, sender)
-    ]
+    out = []
+    for e, a, b in _overlaps(mine, dp_rank, sender):
+        ranks = sender.tp_ranks(e)
+        for u, s_lo, s_hi in _seq_pieces(mine, tp_rank, sender, tp_rank % sender.tp):
+            seq = (s_lo, s_hi) if _sliced(mine, sender) else (0, None)
+            out.append(Piece(ranks[u], a - base, b - base, *seq))
+    return out
 
 
 def outgoing(mine: StageLayout, dp_rank: int, tp_rank: int, receiver: StageLayout) -> list[Piece]:
-    """What rank (dp_rank, tp_rank) of stage `mine` sends to stage `receiver` (rows in the
-    sender's tensor): its overlapping rows to every receiver whose TP position maps onto it."""
+    """What rank (dp_rank, tp_rank) of stage `mine` sends to stage `receiver` (rows and sequence
+    positions in the sender's tensor): what each receiver takes from it (`incoming`'s rule)."""
     base = dp_rank * mine.micro_batch
     out = []
     for d, a, b in _overlaps(mine, dp_rank, receiver):
         for r, t in zip(receiver.tp_ranks(d), range(receiver.tp)):
-            if t % mine.tp == tp_rank:
-                out.append(Piece(r, a - base, b - base))
+            for u, s_lo, s_hi in _seq_pieces(receiver, t, mine, t % mine.tp):
+                if u != tp_rank:
+                    continue
+                seq = (0, None)
+                if _sliced(mine, receiver):  # the receiver's range, in this rank's positions
+                    shift = receiver.seq_range(t)[0] - mine.seq_range(tp_rank)[0]
+                    seq = (s_lo + shift, s_hi + shift)
+                out.append(Piece(r, a - base, b - base, *seq))
     return out

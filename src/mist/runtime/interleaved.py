@@ -21,19 +21,21 @@ chunk's last micro-batch), which a schedule of our own can call directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mist.models import TPGroup
 from mist.plan import Plan
 from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, interleaved_one_f_one_b
 from mist.rules.pipeline_order import FORWARD
+from mist.runtime import p2p
 from mist.runtime.flat import FlatUnit
 from mist.runtime.handoff import Piece, incoming, outgoing
 from mist.runtime.layout import RankGroups
 from mist.runtime.phase_timer import PhaseTimer
-from mist.runtime.schedule import _DTYPES, _HEADER, Links, _spans
+from mist.runtime.schedule import Links, _spans
 from mist.runtime.stage_runner import StageModule, StageRunner
 
 
@@ -159,47 +161,21 @@ class InterleavedSchedule:
         self.links = links
         self.device = torch.device(device)
 
-    def _tag(self, g: int, boundary: int, kind: int) -> int:
+    def _tag(self, g: int, boundary: int) -> Callable[[int], int]:
         # boundary: the model position of the chunk that sends the activation (receives the gradient)
-        return 3 * (g * self.stages * self.v + boundary) + kind  # 0: header, 1: activation, 2: gradient
+        return lambda kind: 3 * (g * self.stages * self.v + boundary) + kind  # p2p.HEAD, ACTIVATION, GRADIENT
 
     def _send_act(self, x: torch.Tensor, pieces: tuple[Piece, ...], g: int, k: int, pending: list) -> None:
-        x = x.detach().contiguous()
-        for p in pieces:
-            part = x[p.lo : p.hi]
-            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            head[0] = part.dim()
-            head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
-            head[_HEADER - 1] = _DTYPES.index(part.dtype)
-            pending.append((dist.isend(head, p.rank, tag=self._tag(g, k, 0)), head))
-            pending.append((dist.isend(part, p.rank, tag=self._tag(g, k, 1)), part))
+        p2p.send_activation(x, pieces, self._tag(g, k), self.device, pending)
 
     def _recv_act(self, links: Links, g: int, k: int) -> torch.Tensor:
-        x = None
-        for p in links.prev_in:
-            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(head, p.rank, tag=self._tag(g, k, 0))
-            h = head.tolist()
-            shape = h[1 : 1 + h[0]]
-            if x is None:
-                x = torch.empty([links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]], device=self.device)
-            dist.recv(x[p.lo : p.hi], p.rank, tag=self._tag(g, k, 1))
-        assert x is not None
-        return x.requires_grad_(x.is_floating_point())
+        return p2p.recv_activation(links.prev_in, links.rows, self._tag(g, k), self.device)
 
     def _recv_grad(self, links: Links, out: torch.Tensor, g: int, k: int) -> torch.Tensor:
-        grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        for p in links.next_in:
-            dist.recv(grad[p.lo : p.hi], p.rank, tag=self._tag(g, k, 2))
-        if links.grad_scale != 1.0:
-            grad.mul_(links.grad_scale)
-        return grad
+        return p2p.recv_gradient(out, links.next_in, self._tag(g, k), self.device, links.grad_scale)
 
     def _send_grad(self, gx: torch.Tensor, links: Links, g: int, k: int, pending: list) -> None:
-        gx = gx.contiguous()
-        for p in links.prev_out:
-            part = gx[p.lo : p.hi]
-            pending.append((dist.isend(part, p.rank, tag=self._tag(g, k, 2)), part))
+        p2p.send_gradient(gx, links.prev_out, self._tag(g, k), pending)
 
     def run(
         self, runners: ChunkRunners, micro_batches, loss_scale: float = 1.0, timer: PhaseTimer | None = None

@@ -29,7 +29,9 @@ __all__ = ["RankGroups", "StageLayout", "build_groups", "stage_layouts", "tied_s
 def stage_layouts(plan: Plan) -> list[StageLayout]:
     out, rank, layer = [], 0, 0
     for i, s in enumerate(plan.stages):
-        out.append(StageLayout(i, rank, s.dp, s.tp, layer, s.layers, s.micro_batch))
+        out.append(
+            StageLayout(i, rank, s.dp, s.tp, layer, s.layers, s.micro_batch, plan.training.seq_len, s.sequence_parallel)
+        )
         rank += s.gpus
         layer += s.layers
     return out

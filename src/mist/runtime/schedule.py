@@ -10,13 +10,14 @@ micro-batch: `Links`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from mist.rules.pipeline_order import FORWARD, one_f_one_b
+from mist.runtime import p2p
 from mist.runtime.handoff import Piece
 from mist.runtime.phase_timer import PhaseTimer
 from mist.runtime.stage_runner import StageRunner
@@ -61,10 +62,6 @@ def _spans(timer):
     return timer.span if timer is not None else (lambda kind: nullcontext())
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-_HEADER = 8  # ndim, dims…, dtype code (int64)
-
-
 @dataclass(frozen=True)
 class Links:
     """This rank's pieces of the micro-batch tensors it exchanges with its neighbour stages
@@ -107,45 +104,20 @@ class PipelineSchedule:
         self.device = torch.device(device)
 
     # ------------------------------------------------------------ p2p
-    def _tag(self, g: int, kind: int) -> int:
-        return 3 * g + kind  # 0: header, 1: activation, 2: gradient
+    def _tag(self, g: int) -> Callable[[int], int]:
+        return lambda kind: 3 * g + kind  # p2p.HEAD, ACTIVATION, GRADIENT
 
     def _send_act(self, x: torch.Tensor, g: int, pending: list) -> None:
-        x = x.detach().contiguous()
-        for p in self.links.next_out:
-            part = x[p.lo : p.hi]
-            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            head[0] = part.dim()
-            head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
-            head[_HEADER - 1] = _DTYPES.index(part.dtype)
-            pending.append((dist.isend(head, p.rank, tag=self._tag(g, 0)), head))
-            pending.append((dist.isend(part, p.rank, tag=self._tag(g, 1)), part))
+        p2p.send_activation(x, self.links.next_out, self._tag(g), self.device, pending)
 
     def _recv_act(self, g: int) -> torch.Tensor:
-        x = None
-        for p in self.links.prev_in:
-            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(head, p.rank, tag=self._tag(g, 0))
-            h = head.tolist()
-            shape = h[1 : 1 + h[0]]
-            if x is None:
-                x = torch.empty([self.links.rows] + shape[1:], dtype=_DTYPES[h[_HEADER - 1]], device=self.device)
-            dist.recv(x[p.lo : p.hi], p.rank, tag=self._tag(g, 1))
-        return x.requires_grad_(x.is_floating_point())
+        return p2p.recv_activation(self.links.prev_in, self.links.rows, self._tag(g), self.device)
 
     def _recv_grad(self, out: torch.Tensor, g: int) -> torch.Tensor:
-        grad = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        for p in self.links.next_in:
-            dist.recv(grad[p.lo : p.hi], p.rank, tag=self._tag(g, 2))
-        if self.links.grad_scale != 1.0:
-            grad.mul_(self.links.grad_scale)
-        return grad
+        return p2p.recv_gradient(out, self.links.next_in, self._tag(g), self.device, self.links.grad_scale)
 
     def _send_grad(self, gx: torch.Tensor, g: int, pending: list) -> None:
-        gx = gx.contiguous()
-        for p in self.links.prev_out:
-            part = gx[p.lo : p.hi]
-            pending.append((dist.isend(part, p.rank, tag=self._tag(g, 2)), part))
+        p2p.send_gradient(gx, self.links.prev_out, self._tag(g), pending)
 
     # ------------------------------------------------------------ the step
     def run(

@@ -91,7 +91,7 @@ class Trainer:
         self.dtype, autocast, fp16 = working_dtypes(plan)
         self.grad_dtype = grad_dtype(plan)
         self.scaler = LossScaler(fp16)
-        self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group)
+        self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group, st.sequence_parallel)
         self.module = self._build_module()
         self.memory = MemoryAccount()
         self.units = self._build_units(self._unit_params())

@@ -156,6 +156,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | None]:
             prec,
             recompute_attention=s.recompute_attention,
             recompute_activation=s.recompute_activation,
+            sequence_parallel=s.sequence_parallel,
         )
         models.append(model)
     if plan.virtual_stages == 1:

@@ -322,8 +322,11 @@ class StageModel:
         precision: Precision | None = None,
         recompute_attention: bool = False,
         recompute_activation: bool = False,
+        sequence_parallel: bool = False,
     ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
+        # the layers as traced with the TP group's sequence parallelism (tp > 1 only)
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
         # what the blocks not checkpointed whole re-run in backward: their attention core, their
         # MLP activation (`mist.models.checkpointing`)
         self.selective = selective_name(recompute_attention, recompute_activation)
@@ -347,6 +350,7 @@ class StageModel:
             self.prec.trace_dtype,
             self.prec.target,
             self.selective,
+            self.sequence_parallel,
         )
         return lt, inv.reshape(np.shape(b))
 

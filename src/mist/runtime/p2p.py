@@ -1,0 +1,84 @@
+"""Point-to-point exchange of a micro-batch's activation and its gradient between neighbouring
+pipeline stages, piece by piece (`handoff.Piece`: rows and, under sequence parallelism, sequence
+positions of this rank's tensor). Used by the plain and the interleaved 1F1B schedules.
+
+An activation piece goes with a header (its shape and dtype) so that the receiver can allocate
+the tensor before the data arrives; a gradient has the shape of the activation it belongs to.
+Sends are non-blocking (appended to `pending`, waited for at the end of the step); receives
+block, piece by piece in row order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mist.runtime.handoff import Piece
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+HEADER = 8  # ndim, dims…, dtype code (int64)
+HEAD, ACTIVATION, GRADIENT = 0, 1, 2  # the message kinds a schedule's tags tell apart
+
+Tag = Callable[[int], int]  # message kind -> tag
+
+
+def _part(x: torch.Tensor, p: Piece) -> torch.Tensor:
+    return x[p.region()].contiguous()
+
+
+def send_activation(x: torch.Tensor, pieces, tag: Tag, device, pending: list) -> None:
+    x = x.detach()
+    for p in pieces:
+        part = _part(x, p)
+        head = torch.zeros(HEADER, dtype=torch.int64, device=device)
+        head[0] = part.dim()
+        head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
+        head[HEADER - 1] = DTYPES.index(part.dtype)
+        pending.append((dist.isend(head, p.rank, tag=tag(HEAD)), head))
+        pending.append((dist.isend(part, p.rank, tag=tag(ACTIVATION)), part))
+
+
+def _recv_region(x: torch.Tensor, p: Piece, tag: int) -> None:
+    """Receive piece `p` into its region of x (through a buffer where the region is strided)."""
+    dest = x[p.region()]
+    if dest.is_contiguous():
+        dist.recv(dest, p.rank, tag=tag)
+        return
+    buf = torch.empty(dest.shape, dtype=x.dtype, device=x.device)
+    dist.recv(buf, p.rank, tag=tag)
+    dest.copy_(buf)
+
+
+def recv_activation(pieces, rows: int, tag: Tag, device) -> torch.Tensor:
+    """The activation of this rank's `rows` rows (and its sequence positions), requiring grad."""
+    x = None
+    seq = max((p.s_hi for p in pieces if p.s_hi is not None), default=None)
+    for p in pieces:
+        head = torch.empty(HEADER, dtype=torch.int64, device=device)
+        dist.recv(head, p.rank, tag=tag(HEAD))
+        h = head.tolist()
+        shape = h[1 : 1 + h[0]]
+        if x is None:
+            dims = [rows, shape[1] if seq is None else seq] + shape[2:]
+            x = torch.empty(dims, dtype=DTYPES[h[HEADER - 1]], device=device)
+        _recv_region(x, p, tag(ACTIVATION))
+    assert x is not None, "a stage with a previous stage receives at least one piece"
+    return x.requires_grad_(x.is_floating_point())
+
+
+def recv_gradient(out: torch.Tensor, pieces, tag: Tag, device, scale: float = 1.0) -> torch.Tensor:
+    """The gradient of this rank's output `out`, from the next stage's ranks, times `scale`."""
+    grad = torch.empty(out.shape, dtype=out.dtype, device=device)
+    for p in pieces:
+        _recv_region(grad, p, tag(GRADIENT))
+    if scale != 1.0:
+        grad.mul_(scale)
+    return grad
+
+
+def send_gradient(gx: torch.Tensor, pieces, tag: Tag, pending: list) -> None:
+    for p in pieces:
+        part = _part(gx, p)
+        pending.append((dist.isend(part, p.rank, tag=tag(GRADIENT)), part))

@@ -50,9 +50,11 @@ def make_plan(
     grad_dtype: str | None = None,
     seq: int = 2048,
     chunks: list[tuple[int, ...]] | None = None,
+    sp: bool | None = None,
 ) -> Plan:
     """A plan with one mesh on every stage (the GPUs split evenly over len(layers) stages);
-    `chunks` (blocks per model chunk of each stage) makes it interleaved."""
+    `chunks` (blocks per model chunk of each stage) makes it interleaved. Sequence parallelism
+    (`sp`) defaults to on where tp > 1, as Megatron-LM's recipes run tensor parallelism."""
     S, world = len(layers), nodes * gpn
     g = world // S
     s_nodes, s_gpn = (1, g) if g <= gpn else (g // gpn, gpn)
@@ -70,6 +72,7 @@ def make_plan(
             offload=Offload(optimizer=optimizer_offload),
             recompute_attention=attention,
             chunk_layers=chunks[i] if chunks else None,
+            sequence_parallel=tp > 1 if sp is None else sp,
         )
         for i, L in enumerate(layers)
     )
@@ -180,6 +183,19 @@ def test_gpt_script_args(tmp_path):
     ):
         assert flag in a
     assert "--swiglu" not in a and "--group-query-attention" not in a
+
+
+def test_sequence_parallel_is_the_plans():
+    """--sequence-parallel exactly when the plan's stages use it; stages that differ are refused
+    (one flag for the pipeline), and the nearest plan turns it on wherever tp > 1."""
+    on = make_plan("gpt3-1.3b", 1, 8, [12, 12], tp=2, mb=2, G=8)
+    off = make_plan("gpt3-1.3b", 1, 8, [12, 12], tp=2, mb=2, G=8, sp=False)
+    assert "--sequence-parallel" in mg.parallel_args(on)
+    assert "--sequence-parallel" not in mg.parallel_args(off) and mg.problems(off) == []
+    mixed = replace(off, stages=(on.stages[0], off.stages[1]))
+    (why,) = mg.problems(mixed)
+    assert "stage 1 does not use sequence parallelism but stage 0 does" in why
+    assert all(s.sequence_parallel for s in mg.nearest(mixed).stages)
 
 
 def test_llama_gqa_args():

@@ -30,6 +30,7 @@ FALCON = load_model("falcon-7b")
 
 
 def stage(layers, gpus, mb, dp, tp, zero=3, rc=0, nodes=1, **kw) -> StageStrategy:
+    kw.setdefault("sequence_parallel", tp > 1)  # torchtitan's tensor parallelism always shards the sequence
     return StageStrategy(layers, nodes, gpus // nodes, mb, dp, tp, zero, rc, **kw)
 
 
@@ -254,7 +255,7 @@ def test_gpt_and_falcon_are_refused_in_one_sentence():
         (dict(zero=3), "stage 1 uses ZeRO-3 (zero 3) under a pipeline"),
         (dict(recompute_attention=True), "stage 1 recomputes the attention core of its other blocks"),
         (dict(recompute_activation=True), "stage 1 recomputes the MLP activation of its other blocks"),
-        (dict(tp=1, dp=4, micro_batch=1), "stage 1 has dp 4 but stage 0 has 2"),
+        (dict(tp=1, dp=4, micro_batch=1, sequence_parallel=False), "stage 1 has dp 4 but stage 0 has 2"),
     ],
 )
 def test_stage_knobs_are_named(change, words):
@@ -485,3 +486,13 @@ def test_torchtitan_rejects_what_we_refuse(tmp_path, capsys):
     parts = [p.split(",") for p in a[a.index("--parallelism.module_fqns_per_model_part") + 1 :][:2]]
     parts[1][-1] = "output"
     assert unknown_fqns(meta_model(parse(a, tmp_path)), parts) == ["output"]
+
+
+def test_tensor_parallelism_without_sequence_parallelism_is_refused():
+    """torchtitan's tensor-parallel plan always shards the sequence between the TP regions: a plan
+    with tp > 1 and no sequence parallelism is refused, and its nearest plan turns it on."""
+    plan = make(LLAMA3_8B, [stage(32, 8, 1, 4, 2, zero=2, sequence_parallel=False)], B=8, G=2)
+    (why,) = tt.problems(plan)
+    assert "stage 0 has tp 2 without sequence parallelism" in why
+    near = tt.nearest(plan)
+    assert near.stages[0].sequence_parallel and tt.problems(near) == []

@@ -26,6 +26,26 @@ def uniform_mesh_problems(plan: Plan, target_name: str) -> list[str]:
     return problems
 
 
+def sequence_parallel_problems(plan: Plan, target_name: str, always: bool = False) -> list[str]:
+    """Sentences for the stages whose sequence parallelism the target cannot follow: it has one
+    setting for the whole pipeline (stage 0's), or (`always`) shards the sequence whenever tp > 1."""
+    s0 = plan.stages[0]
+    out = []
+    for i, s in enumerate(plan.stages):
+        if always and s.tp > 1 and not s.sequence_parallel:
+            out.append(
+                f"stage {i} has tp {s.tp} without sequence parallelism, and {target_name}'s tensor parallelism "
+                "always shards the sequence of the norms and residuals"
+            )
+        elif i and s.sequence_parallel != s0.sequence_parallel:
+            out.append(
+                f"stage {i} {'uses' if s.sequence_parallel else 'does not use'} sequence parallelism but stage 0 "
+                f"{'does' if s0.sequence_parallel else 'does not'}, and {target_name} has one setting for the "
+                "whole pipeline"
+            )
+    return out
+
+
 def plain_pipeline(plan: Plan) -> Plan:
     """`plan` as plain 1F1B: every stage keeps its layers as one chunk (the nearest plans start
     from it)."""

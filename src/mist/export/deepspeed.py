@@ -47,6 +47,7 @@ def problems(plan: Plan) -> list[str]:
     out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME)
     for i, s in enumerate(plan.stages):
         out += _pipeline_problems(plan, i, s) + _recompute_problems(i, s) + _offload_problems(i, s)
+        out += _sequence_parallel_problems(i, s)
         out += _global_knob_problems(plan, i, s)
     return out
 
@@ -75,6 +76,12 @@ def _pipeline_problems(plan: Plan, i: int, s: StageStrategy) -> list[str]:
             "code of its own (AutoTP shards one-stage models only)"
         )
     return out
+
+
+def _sequence_parallel_problems(i: int, s: StageStrategy) -> list[str]:
+    if not s.sequence_parallel:
+        return []
+    return [f"stage {i} uses sequence parallelism, which DeepSpeed's AutoTP does not have"]
 
 
 def _autotp_problems(plan: Plan, s: StageStrategy) -> list[str]:
@@ -183,6 +190,7 @@ def nearest(plan: Plan) -> Plan:
             offload=offload,
             recompute_attention=False,
             recompute_activation=False,
+            sequence_parallel=False,
         )
         for s in plan.stages
     ]

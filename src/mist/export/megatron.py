@@ -48,7 +48,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from mist.errors import MistInputError
-from mist.export.common import PLACEHOLDER, plain_pipeline, uniform_mesh_problems, with_stages
+from mist.export.common import (
+    PLACEHOLDER,
+    plain_pipeline,
+    sequence_parallel_problems,
+    uniform_mesh_problems,
+    with_stages,
+)
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan
 from mist.rules.interleaved_order import chunk_recompute
@@ -66,6 +72,7 @@ DEFAULT_ROTARY_BASE = 10000.0  # Megatron's --rotary-base default (an integer fl
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob Megatron-LM cannot express; [] if the plan exports exactly."""
     out = _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
+    out += sequence_parallel_problems(plan, NAME)
     return out + _recompute_problems(plan) + _offload_problems(plan) + _precision_problems(plan)
 
 
@@ -218,9 +225,11 @@ def nearest(plan: Plan) -> Plan:
     opt = max(s.offload.optimizer for s in plan.stages)
     n = max(max(rc) for rc in chunk_recomputes(plan))
     attn = n == 0 and any(s.recompute_attention for s in plan.stages)
+    sp = any(s.sequence_parallel for s in plan.stages)
     stages = [
         replace(
             s,
+            sequence_parallel=sp and s.tp > 1,
             zero=zero,
             recompute_layers=sum(min(n, c) for c in s.chunks()),
             recompute_attention=attn,
@@ -340,7 +349,7 @@ def parallel_args(plan: Plan) -> list[str]:
     lay = layout(plan)
     if lay:
         args += ["--pipeline-model-parallel-layout", lay]
-    if s.tp > 1:
+    if s.sequence_parallel:
         args.append("--sequence-parallel")
     if s.zero == 1:
         args.append("--use-distributed-optimizer")

@@ -51,7 +51,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, uniform_mesh_problems, with_stages
+from mist.export.common import PLACEHOLDER, sequence_parallel_problems, uniform_mesh_problems, with_stages
 from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
@@ -93,7 +93,7 @@ REGISTRY = (
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob of `plan` that torchtitan 0.3.0 cannot express."""
     out = _model_problems(plan.model) + _unfixable_problems(plan)
-    out += uniform_mesh_problems(plan, NAME)
+    out += uniform_mesh_problems(plan, NAME) + sequence_parallel_problems(plan, NAME, always=True)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
 
@@ -273,6 +273,7 @@ def _nearest_stage(s: StageStrategy, dp: int, tp: int, mb: int, zero: int, offlo
         recompute_layers=s.layers if selective else s.recompute_layers,
         recompute_attention=False,
         recompute_activation=False,
+        sequence_parallel=tp > 1,
     )
 
 

@@ -172,7 +172,7 @@ class _Evaluator:
         )
 
     def _stage_model(self, s: StageStrategy) -> StageModel:
-        key = (s.tp, s.recompute_attention, s.recompute_activation)
+        key = (s.tp, s.recompute_attention, s.recompute_activation, s.sequence_parallel)
         m = self._models.get(key)
         if m is None:
             t = self.training
@@ -185,6 +185,7 @@ class _Evaluator:
                 precision_for(t, self.profile),
                 s.recompute_attention,
                 s.recompute_activation,
+                s.sequence_parallel,
             )
         return m
 

@@ -17,7 +17,6 @@ Names: L the model's blocks, pp the ranks, v chunks per rank, G micro-batches pe
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -77,7 +76,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
     cap = tables.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
     kinds = [(r == 0 and c == 0, r == pp - 1 and c == v - 1) for c in range(v)]
     parts: list = []
-    for (tp, dp, b), sel in itertools.product(tables.tp_choices(tp_fixed), tables.selective_choices()):
+    for (tp, dp, b), sel in tables.stage_choices(tp_fixed):
         grid, comp = tables.components(tp, dp, b, r == 0, r == pp - 1, sel)
         # every chunk kind's times and saved activations (strategies × recompute)
         res = {kind: compose(tables.components(tp, dp, b, *kind, sel)[1], lc, ks[None, :], 0, G) for kind in set(kinds)}

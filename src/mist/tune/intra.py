@@ -114,6 +114,8 @@ class StageTables:
         self.evaluated = 0
 
     def model(self, tp: int, sel: tuple = (False, False)) -> StageModel:
+        """The stage model of TP degree `tp` and `sel` = (attention recompute, activation
+        recompute[, sequence parallelism]) (`stage_choices`)."""
         if (tp, sel) not in self._models:
             self._models[tp, sel] = StageModel(
                 self.spec,
@@ -124,8 +126,19 @@ class StageTables:
                 self.precision,
                 recompute_attention=sel[0],
                 recompute_activation=sel[1],
+                sequence_parallel=len(sel) > 2 and bool(sel[2]),
             )
         return self._models[tp, sel]
+
+    def stage_choices(self, tp_fixed: int | None = None) -> list[tuple[tuple[int, int, int], tuple]]:
+        """((tp, dp, b), sel) of every layout and model variant a stage may take: sel is
+        (attention recompute, activation recompute, sequence parallelism), the last tried only
+        where tp > 1."""
+        out = []
+        for tdb, (attn, act) in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
+            for sp in self.space.sequence_parallel if tdb[0] > 1 else (False,):
+                out.append((tdb, (attn, act, bool(sp))))
+        return out
 
     def selective_choices(self) -> list[tuple[bool, bool]]:
         """(attention, activation) recomputation of the blocks not checkpointed whole. Attention
@@ -224,7 +237,7 @@ class StageTables:
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
         min_peak = min_host = np.inf
         cap = self.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
-        for (tp, dp, b), sel in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
+        for (tp, dp, b), sel in self.stage_choices(tp_fixed):
             grid, comp = self.components(tp, dp, b, first, last, sel)
             r = compose(comp, layers, cs[None, :], in_flight, self.G)
             self.evaluated += r.T.size
@@ -281,6 +294,7 @@ class StageTables:
             ),
             recompute_attention=bool(sel[0]),
             recompute_activation=bool(sel[1]),
+            sequence_parallel=len(sel) > 2 and bool(sel[2]),
         )
 
     def min_layer_time(self) -> float:

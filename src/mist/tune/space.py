@@ -6,7 +6,8 @@ full        per stage: tensor parallel degree (a power of two within a node, div
             ZeRO 0–3, any number of recomputed blocks, selective recomputation of the others
             (their MLP activation; their attention core, searched without flash attention,
             where it drops the s² scores), offload ratios of weights, gradients,
-            optimizer states and activations in eighths; globally: pipeline depth (any
+            optimizer states and activations in eighths, sequence parallelism on or off
+            where tp > 1; globally: pipeline depth (any
             divisor of the GPU count that gives whole-node or in-node stage meshes), any
             layer split, G any divisor of the global batch; interleaved 1F1B with v = 2 or 4
             chunks per rank where G is a multiple of pp and the blocks divide into pp·v equal
@@ -58,10 +59,12 @@ class SearchSpace:
     seed_space: str | None = None  # search this (smaller) space first for an incumbent
     # model chunks per pipeline rank (interleaved 1F1B, `tune.interleaved`); 1: plain 1F1B only
     virtual_stages: tuple = (1,)
+    # sequence parallelism of a stage's TP group (tried only where tp > 1)
+    sequence_parallel: tuple = (False,)
 
 
 SPACES = {
-    "full": SearchSpace("full", seed_space="mist-paper", virtual_stages=(1, 2, 4)),
+    "full": SearchSpace("full", seed_space="mist-paper", virtual_stages=(1, 2, 4), sequence_parallel=(False, True)),
     "mist-paper": SearchSpace(
         "mist-paper",
         uniform_tp=True,

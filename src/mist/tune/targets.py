@@ -11,7 +11,8 @@ Shared rules (from the baselines): every stage has the same GPUs, one dp, tp and
 every stage, pp a power of two with a valid equal stage mesh, tp a power of two within a node that
 splits the model, micro-batch × dp × G = global batch.
 
-megatron-0.19: pp with the even split, or when pp does not divide the layer count the balanced
+megatron-0.19: sequence parallelism on or off with tp > 1 (`--sequence-parallel`, one setting for
+  every stage); pp with the even split, or when pp does not divide the layer count the balanced
   uneven split (`--pipeline-model-parallel-layout`); fp32 gradients; block recomputation with one N for all stages
   (N ∈ {0, 1, half, all} of the largest stage) or, instead, the attention core
   (`--recompute-modules core_attn`); the distributed optimizer (ZeRO-1) on; optimizer
@@ -23,7 +24,8 @@ deepspeed-0.19: the `deepspeed` baseline's rules (ZeRO 0–3 without a pipeline,
   ZeRO-Infinity with ZeRO-3) with DeepSpeed's offload as it runs: gradients go to the CPU with the
   optimizer states, and with ZeRO-3 at pp = 1 part of the optimizer states (in eighths of a
   rank's share: 1/4, 1/2, 3/4).
-torchtitan-0.3: Llama-family models only; fp32 gradients; replicated (ZeRO-0) or FSDP2 data
+torchtitan-0.3: Llama-family models only; fp32 gradients; sequence parallelism whenever tp > 1 (its
+  tensor-parallel plan always shards the norms' sequence); replicated (ZeRO-0) or FSDP2 data
   parallelism (ZeRO-2/3 without a pipeline, ZeRO-1 under one: see `mist.export.torchtitan`), tp,
   pp with the balanced split, full activation checkpointing or none, CPU offload of all weights,
   gradients and optimizer state (FSDP2, ZeRO-3, no pipeline) or none; micro-batch 1/2/4/8;
@@ -133,7 +135,20 @@ def _exportable(
 
 
 # ------------------------------------------------------------------ Megatron-LM 0.19
+def _sequence_parallel(stages: tuple[StageStrategy, ...]) -> tuple[StageStrategy, ...]:
+    """The stages with their TP groups' sequence parallelism on (where tp > 1)."""
+    return tuple(replace(s, sequence_parallel=s.tp > 1) for s in stages)
+
+
 def megatron_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
+    """`_megatron_plain` and, with tp > 1, the same with `--sequence-parallel`."""
+    for G, stages in _megatron_plain(model, cluster, training):
+        yield G, stages
+        if stages[0].tp > 1:
+            yield G, _sequence_parallel(stages)
+
+
+def _megatron_plain(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
     """Uniform meshes × even/balanced-uneven split × one block-recompute N × optimizer offload."""
     B, L = training.global_batch, model.num_layers
     for pp, n, g, tp, dp, b in _meshes(model, cluster, MEGATRON_MICRO_BATCHES, B):
@@ -194,14 +209,15 @@ def torchtitan_candidates(model: ModelSpec, cluster: ClusterSpec, training: Trai
             variants.append((3, full))
         for z, off in variants:
             for rc in (max(layers), 0):
-                yield B // (b * dp), _stages(layers, n, g, tp, dp, b, recompute=rc, zero=z, offload=off)
+                stages = _stages(layers, n, g, tp, dp, b, recompute=rc, zero=z, offload=off)
+                yield B // (b * dp), _sequence_parallel(stages)
         # Interleaved1F1B (no CPU offload under a pipeline): full activation checkpointing or none
         G = B // (b * dp)
         for v in chunk_counts(model.num_layers, pp, G, TARGET_VIRTUAL_STAGES):
             for z in levels:
                 for rc in (model.num_layers, 0):
                     stages = _interleaved_stages(model.num_layers, pp, v, n, g, tp, dp, b, recompute=rc, zero=z)
-                    yield G, stages
+                    yield G, _sequence_parallel(stages)
 
 
 # ------------------------------------------------------------------ entry point

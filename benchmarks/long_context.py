@@ -84,8 +84,9 @@ def main(argv=None):
         "# Long-context training (`benchmarks/long_context.py`)\n\n"
         "bf16, flash attention, H200 profile; every step trains on 2^21 tokens (64 sequences at 32k, 16 at "
         "128k). Speedup = the target's best predicted iteration time / Mist's "
-        "full space's. The spaces have no sequence or context parallelism yet: 'no fit' marks what they "
-        "need.\n\n"
+        "full space's. Sequence parallelism (tp+sp in a plan) is searched by the full space and by "
+        "Megatron-LM's (on or off) and is always on in torchtitan's with tp > 1; no space has context "
+        "parallelism yet: 'no fit' marks what a space needs.\n\n"
     )
     for model, n, seq, batch in CASES:
         if (model, n, seq) in done:

@@ -58,7 +58,7 @@ def short_summary(plan) -> str:
             + ("+act" if s.recompute_activation else "")
         )
         parts.append(
-            f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp} z{s.zero} {rc}"
+            f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp}{'+sp' if s.sequence_parallel else ''} z{s.zero} {rc}"
             + (f" off {off}" if any(s.offload.as_tuple()) else "")
             + "]"
         )

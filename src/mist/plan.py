@@ -14,6 +14,10 @@ stage's chunk 0, stage 0 chunk 1, … (Megatron-LM's and torchtitan's layout); s
 holds the embedding, the last stage's last chunk the head. The stage's other fields hold for all
 its chunks; its `recompute_layers` spread over them (`rules.interleaved_order.chunk_recompute`).
 A plan without the two fields is a plain 1F1B plan (v = 1), and is written without them.
+
+`schedule` "zb-h1" (written only when set) runs the zero-bubble ZB-H1 schedule instead of 1F1B:
+every backward split into its input-gradient and its weight-gradient pass, the latter deferred
+into the bubble (`mist.rules.zero_bubble_order`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import yaml
 
 from mist.checks import is_int, is_number
 from mist.errors import MistInputError
+from mist.rules.zero_bubble_order import SCHEDULES, ZB_H1, zb_h1_problem
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
 from mist.specs.presets import PRESETS
@@ -35,7 +40,7 @@ from mist.userfiles import YAML_SUFFIXES, parse_json, parse_yaml, read_user_text
 
 OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
 PLAN_FIELDS = ("model", "cluster", "training", "micro_batches", "stages")
-OPTIONAL_PLAN_FIELDS = ("virtual_stages",)
+OPTIONAL_PLAN_FIELDS = ("virtual_stages", "schedule")
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class Plan:
     stages: tuple[StageStrategy, ...]
     model_ref: str | None = None  # the preset name or path the plan was written with
     virtual_stages: int = 1  # model chunks per stage (v); ≥ 2 runs interleaved 1F1B
+    # the pipeline schedule: "1f1b", or "zb-h1" (`rules.zero_bubble_order`: B and W split)
+    schedule: str = SCHEDULES[0]
 
     def __post_init__(self) -> None:
         check_plan(self)
@@ -114,6 +121,8 @@ class Plan:
         }
         if self.virtual_stages != 1:
             d["virtual_stages"] = self.virtual_stages
+        if self.schedule != SCHEDULES[0]:
+            d["schedule"] = self.schedule
         d["stages"] = [s.to_dict() for s in self.stages]
         return d
 
@@ -140,6 +149,7 @@ class Plan:
             f"{'flash' if t.flash_attention else 'non-flash'} attention, {t.param_dtype}"
             + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")
             + (f", interleaved 1F1B with {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else "")
+            + (", zero-bubble ZB-H1 schedule" if self.schedule == ZB_H1 else "")
         ]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
@@ -232,6 +242,30 @@ def check_plan(p: Plan) -> None:
         raise MistInputError(f"The stages use {gpus} GPUs but the cluster has {p.cluster.world_size}.")
     _check_placement(p)
     _check_chunks(p)
+    _check_schedule(p)
+
+
+def _check_schedule(p: Plan) -> None:
+    """A known schedule; ZB-H1 only without interleaving and with strategies it can split
+    (`rules.zero_bubble_order.zb_h1_problem`)."""
+    if p.schedule not in SCHEDULES:
+        raise MistInputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}.")
+    if p.schedule != ZB_H1:
+        return
+    if p.virtual_stages > 1:
+        raise MistInputError(f"The zb-h1 schedule does not interleave; the plan has virtual_stages {p.virtual_stages}.")
+    for i, s in enumerate(p.stages):
+        why = zb_h1_problem(
+            s.zero,
+            s.offload.weights,
+            s.offload.activations,
+            s.recompute_layers,
+            s.recompute_attention,
+            s.recompute_activation,
+            s.sequence_parallel,
+        )
+        if why is not None:
+            raise MistInputError(f"Stage {i} cannot run the zb-h1 schedule: it {why}.")
 
 
 def _check_chunks(p: Plan) -> None:
@@ -353,6 +387,7 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         stages=tuple(stages),
         model_ref=ref,
         virtual_stages=d.get("virtual_stages", 1),
+        schedule=d.get("schedule", SCHEDULES[0]),
     )
 
 

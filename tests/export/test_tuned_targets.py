@@ -97,3 +97,27 @@ def test_the_cases_span_pipelines_and_sharding(target):
     """The tuned plans are not all one shape: the matrix checks more than one layout per target."""
     plans = tuned_plans(target).values()
     assert len({(p.num_stages, p.stages[0].dp, p.stages[0].tp, p.stages[0].zero) for p in plans}) >= 3
+
+
+def test_zero_bubble_plans_are_refused_and_approximated_as_1f1b():
+    """No target runs ZB-H1: each names the schedule, and its nearest plan runs 1F1B."""
+    from dataclasses import replace
+
+    from mist.export import deepspeed, megatron, torchtitan
+    from mist.plan import Plan, StageStrategy
+    from mist.specs.loading import load_model
+    from mist.specs.training import ClusterSpec, TrainingSpec
+
+    stages = tuple(StageStrategy(16, 1, 4, 1, 4, 1, zero=1) for _ in range(2))
+    one = Plan(
+        load_model("llama3-8b"),
+        ClusterSpec("h100", 1, 8),
+        TrainingSpec(seq_len=2048, global_batch=32, grad_dtype="fp32"),
+        8,
+        stages,
+    )
+    zb = replace(one, schedule="zb-h1")
+    for target in (megatron, deepspeed, torchtitan):
+        assert not any("schedule" in p for p in target.problems(one))
+        assert any("zb-h1 schedule" in p for p in target.problems(zb)), target.NAME
+        assert target.nearest(zb).schedule == "1f1b"

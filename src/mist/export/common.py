@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from mist.export.records import NotExpressible
 from mist.plan import Offload, Plan, StageStrategy
+from mist.rules.zero_bubble_order import SCHEDULES
 
 # what the user must fill in before launching (data, tokenizer, checkpoints, hosts)
 PLACEHOLDER = "__FILL_IN__"
@@ -46,9 +47,23 @@ def sequence_parallel_problems(plan: Plan, target_name: str, always: bool = Fals
     return out
 
 
+def schedule_problems(plan: Plan, target_name: str) -> list[str]:
+    """A zero-bubble plan: none of the targets runs ZB-H1 as such (torchtitan's zero-bubble
+    schedules are interleaved or V-shaped)."""
+    if plan.schedule == SCHEDULES[0]:
+        return []
+    return [f"its {plan.schedule} schedule (split backward) has no {target_name} equivalent, which runs 1F1B"]
+
+
+def one_f_one_b(plan: Plan) -> Plan:
+    """`plan` on the 1F1B schedule (the nearest plans start from it)."""
+    return plan if plan.schedule == SCHEDULES[0] else replace(plan, schedule=SCHEDULES[0])
+
+
 def plain_pipeline(plan: Plan) -> Plan:
     """`plan` as plain 1F1B: every stage keeps its layers as one chunk (the nearest plans start
     from it)."""
+    plan = one_f_one_b(plan)
     if plan.virtual_stages == 1:
         return plan
     return replace(plan, virtual_stages=1, stages=tuple(replace(s, chunk_layers=None) for s in plan.stages))

@@ -30,7 +30,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, plain_pipeline, refuse, uniform_mesh_problems
+from mist.export.common import PLACEHOLDER, plain_pipeline, refuse, schedule_problems, uniform_mesh_problems
 from mist.export.deepspeed_files import helper_module, launch_script
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan, StageStrategy
@@ -44,7 +44,7 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # ------------------------------------------------------------------ what DeepSpeed cannot run
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob DeepSpeed cannot express, naming the stage; [] if exportable."""
-    out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME)
+    out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME) + schedule_problems(plan, NAME)
     for i, s in enumerate(plan.stages):
         out += _pipeline_problems(plan, i, s) + _recompute_problems(i, s) + _offload_problems(i, s)
         out += _sequence_parallel_problems(i, s)

@@ -51,7 +51,14 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, sequence_parallel_problems, uniform_mesh_problems, with_stages
+from mist.export.common import (
+    PLACEHOLDER,
+    one_f_one_b,
+    schedule_problems,
+    sequence_parallel_problems,
+    uniform_mesh_problems,
+    with_stages,
+)
 from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
@@ -94,6 +101,7 @@ def problems(plan: Plan) -> list[str]:
     """One sentence per knob of `plan` that torchtitan 0.3.0 cannot express."""
     out = _model_problems(plan.model) + _unfixable_problems(plan)
     out += uniform_mesh_problems(plan, NAME) + sequence_parallel_problems(plan, NAME, always=True)
+    out += schedule_problems(plan, NAME)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
 
@@ -240,7 +248,7 @@ def nearest(plan: Plan) -> Plan:
     t = plan.training
     if t.param_dtype not in _TORCH_DTYPE or t.compute_dtype not in _TORCH_DTYPE:
         t = replace(t, param_dtype="bf16", compute_dtype="bf16", grad_dtype=None)
-    plan = replace(plan, training=runs_training(t))
+    plan = one_f_one_b(replace(plan, training=runs_training(t)))
     dp, tp, mb = Counter((s.dp, s.tp, s.micro_batch) for s in plan.stages).most_common(1)[0][0]
     pipeline = plan.num_stages > 1
     zero = _nearest_zero(plan.stages, pipeline)

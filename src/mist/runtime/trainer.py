@@ -18,6 +18,7 @@ from mist.hardware import load_profile
 from mist.models import TPGroup
 from mist.models.dtypes import torch_dtype
 from mist.plan import Offload, Plan
+from mist.rules.zero_bubble_order import ZB_H1
 from mist.runtime import checkpoint, hf_weights
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.config import TrainConfig
@@ -34,6 +35,7 @@ from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
 from mist.runtime.sharding import full_meta_model, init_stage_params, kv_replicated_rows, tp_slice
 from mist.runtime.stage_runner import StageModule, StageRunner
 from mist.runtime.step_log import StepLog, StepRecord
+from mist.runtime.zero_bubble import ZeroBubbleSchedule
 
 
 def model_flops_per_step(plan: Plan) -> float:
@@ -235,7 +237,9 @@ class Trainer:
             rows=st.micro_batch,
             grad_scale=st.dp / nxt.dp if nxt else 1.0,
         )
-        return PipelineSchedule(plan.micro_batches, lay.index, plan.num_stages, links, self.device)
+        # ZB-H1 (`runtime.zero_bubble`): the same links, the backward split into B and W
+        cls = ZeroBubbleSchedule if plan.schedule == ZB_H1 else PipelineSchedule
+        return cls(plan.micro_batches, lay.index, plan.num_stages, links, self.device)
 
     # ------------------------------------------------------------ checkpoints
     def resume_from(self, path) -> None:

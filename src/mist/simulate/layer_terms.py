@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import sympy
 
 from mist.analysis import analyze_layer
+from mist.analysis.records import B, S
 from mist.simulate.layer_cost import phase_time
+from mist.simulate.weight_grad import held_gradient_bytes, weight_grad_fraction
 
 
 @dataclass
@@ -50,6 +53,10 @@ class LayerTerms:
     lead_fwd: np.ndarray
     lead_bwd: np.ndarray  # of `bwd` (with the selective re-runs when it has them)
     lead_bwd_ckpt: np.ndarray  # of a checkpointed block's backward stream: re-run + plain backward
+    # the zero-bubble split of `bwd` (`simulate.weight_grad`): W's seconds per layer (its part of
+    # the backward's kernels, no TP collectives) and the output gradients it keeps from B to W
+    wgrad: np.ndarray | None = None
+    wgrad_held: np.ndarray | None = None
 
 
 def _split(la, b, s):
@@ -142,6 +149,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
+    held = sympy.lambdify((B, S), held_gradient_bytes(la.records), modules="numpy")(b, s)
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -169,4 +177,6 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         split_numel_ckpt=split_ck[0],
         split_elt_ckpt=split_ck[1],
         split_whole_ckpt=split_ck[2],
+        wgrad=(bw.compute - lead(bw)) * weight_grad_fraction(profile, la, b, s),
+        wgrad_held=np.broadcast_to(np.asarray(held, dtype=np.float64), b.shape),
     )

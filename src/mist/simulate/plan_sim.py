@@ -10,7 +10,12 @@ chunk and the head on the last), played through the interleaved 1F1B order
 (`simulate.interleaved`) — and per stage (pipeline rank) for memory: all its chunks' states, and
 the saved activations of the micro-batch chunks in flight on it at its peak under that order,
 each chunk's own (`interleaved.held_saved_peak`; rank 0 holds the most). A stage's reported times
-are its chunks' sums."""
+are its chunks' sums.
+
+A ZB-H1 plan (`schedule` "zb-h1") splits every stage's backward into B and W
+(`zero_bubble.stage_weight_grad`, from the traced weight-gradient operators) and plays the
+zero-bubble order (`zero_bubble.zb_recurrence`); its memory holds every micro-batch until its W,
+with the output gradients of those past their B (`zero_bubble.zb_held`)."""
 
 from __future__ import annotations
 
@@ -21,10 +26,12 @@ import numpy as np
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.interleaved_order import chunk_recompute
+from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
-from mist.simulate.stage import StageInput, StageModel
+from mist.simulate.stage import StageInput, StageModel, ZeroBubbleHeld
+from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
 
 # The caching allocator rounds and fragments: feasibility keeps this fraction of the capacity
 # free on top of the predicted peak allocated bytes (a named, calibratable assumption; Mist's
@@ -116,7 +123,8 @@ def host_check(plan: Plan, profile, per_gpu_bytes: list[float]) -> dict:
 class Timeline:
     """One iteration of a plan played through an explicit 1F1B schedule (what `--timeline` draws).
 
-    events: (stage, kind, micro-batch, start s, end s), kind "F" forward, "B" backward, "X" the
+    events: (stage, kind, micro-batch, start s, end s), kind "F" forward, "B" backward (under
+    ZB-H1 its input-gradient pass, "W" the weight-gradient pass), "X" the
     first micro-batch's one-off, "Y" the last one's. channels: per stage, the standalone seconds of
     each transfer channel ("G2G", "C2G", "G2C", ...). stable: per stage, its stable forward and
     backward seconds. iteration_time_s is the closed form `simulate_plan` reports;
@@ -130,6 +138,13 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class _WeightGrads:
+    """Per stage the W seconds of a ZB-H1 plan's steady micro-batch (the rest of its backward is B)."""
+
+    w: np.ndarray
+
+
+@dataclass(frozen=True)
 class _Chunks:
     """Per (rank, chunk) steady forward and backward and first/last extras of an interleaved plan."""
 
@@ -139,7 +154,7 @@ class _Chunks:
     last: np.ndarray
 
 
-def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | None]:
+def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | None]:
     """Every stage's `StageResult` (one candidate each); for an interleaved plan its times are its
     chunks' sums, and the chunks' own times come with them."""
     t = plan.training
@@ -159,6 +174,8 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | None]:
             sequence_parallel=s.sequence_parallel,
         )
         models.append(model)
+    if plan.schedule == ZB_H1:
+        return _zero_bubble_results(plan, models, inputs)
     if plan.virtual_stages == 1:
         return [m.evaluate(st) for m, st in zip(models, inputs)], None
     per_chunk = [[m.evaluate(c) for c in cs] for m, cs in zip(models, chunk_inputs(plan, inputs))]
@@ -176,6 +193,20 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | None]:
     )
     chunks = replace(chunks, bwd=chunks.bwd - chunks.fwd)
     return [_rank_result(r, cs) for r, cs in zip(results, per_chunk)], chunks
+
+
+def _zero_bubble_results(plan: Plan, models: list, inputs: list) -> tuple[list, _WeightGrads]:
+    """Every stage's result under ZB-H1: W seconds and held output gradients from the trace, the
+    in-flight micro-batches and held bytes of the zero-bubble order."""
+    results, w = [], []
+    for i, (m, st) in enumerate(zip(models, inputs)):
+        wg = stage_weight_grad(m, st.b, st.layers, st.recompute, st.first, st.last)
+        saved = m.evaluate(st).saved_per_microbatch
+        earlier, waiting = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg.waiting_bytes)
+        held = ZeroBubbleHeld(waiting, wg.grad_bytes)
+        results.append(m.evaluate(replace(st, in_flight=earlier, waiting=held)))
+        w.append(float(wg.seconds[0]))
+    return results, _WeightGrads(np.array(w))
 
 
 def _rank_result(rank, chunks: list):
@@ -202,14 +233,18 @@ def _rank_result(rank, chunks: list):
     )
 
 
-def _pipeline(plan: Plan, results: list, chunks: _Chunks | None = None):
+def _pipeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None = None):
     """Per-stage stable time T, forward F, first and last extras X, Y, and the iteration time (of
-    an interleaved plan: its chunks played through the interleaved order)."""
+    an interleaved plan: its chunks played through the interleaved order; of a ZB-H1 plan: B and
+    W through the zero-bubble order)."""
     T = np.array([float(r.T[0]) for r in results])
     F = np.array([float(r.fwd[0]) for r in results])
     X = np.array([float(r.first_extra[0]) for r in results])
     Y = np.array([float(r.last_extra[0]) for r in results])
-    if chunks is None:
+    if isinstance(chunks, _WeightGrads):
+        f, b, w = split_backward(T, F, chunks.w)
+        it = float(zb_recurrence(f, b, w, X, Y, plan.micro_batches))
+    elif chunks is None:
         it = float(iteration_time(T, plan.micro_batches, first=X, last=Y, fwd=F))
     else:
         it = float(interleaved_recurrence(chunks.fwd, chunks.bwd, chunks.first, chunks.last, plan.micro_batches))
@@ -251,7 +286,7 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
     return entry, problem
 
 
-def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | None) -> dict:
+def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGrads | None) -> dict:
     t = plan.training
     _, _, _, _, it = _pipeline(plan, results, chunks)
     G = plan.micro_batches
@@ -267,8 +302,13 @@ def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | None) -> d
     host = host_check(plan, profile, [st["host_peak_bytes"] for st in stages])
     fits &= host["fits"]
     problems += host["problems"]
+    if isinstance(chunks, _WeightGrads):  # the part of each stage's backward that is W
+        T, F, _, _, _ = _pipeline(plan, results, chunks)
+        for st, w in zip(stages, split_backward(T, F, chunks.w)[2]):
+            st["weight_grad_time_s"] = float(w)
     return {
         "iteration_time_s": it,
+        "schedule": plan.schedule,
         "throughput_samples_per_s": t.global_batch / it,
         "tokens_per_s": tokens / it,
         "mfu": flops / it / (gpus * profile.peak_flops),
@@ -282,10 +322,13 @@ def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | None) -> d
     }
 
 
-def _timeline(plan: Plan, results: list, chunks: _Chunks | None) -> Timeline:
+def _timeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None) -> Timeline:
     T, F, X, Y, it = _pipeline(plan, results, chunks)
     fwd, bwd = list(F), list(T - F)
-    if chunks is None:
+    if isinstance(chunks, _WeightGrads):  # B and W of every stage on its lane
+        f, b, w = split_backward(T, F, chunks.w)
+        ev_time, events = zb_event_schedule(f, b, w, X, Y, plan.micro_batches)
+    elif chunks is None:
         ev_time, events = event_schedule(fwd, bwd, list(X), list(Y), plan.micro_batches)
     else:  # (the events of every chunk of a rank on the rank's lanes)
         ev_time, chunk_events = interleaved_event_schedule(

@@ -74,6 +74,18 @@ class StageInput:
     gpus_per_node: int = 1  # GPUs per node of the stage mesh
     cluster_gpus_per_node: int = 1
     in_flight: float | None = None  # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
+    # ZB-H1 (`simulate.zero_bubble`): how many of those wait for their weight-gradient pass W, and
+    # the output gradients each keeps for it; they also keep the head's saved activations
+    waiting: ZeroBubbleHeld | None = None
+
+
+@dataclass(frozen=True)
+class ZeroBubbleHeld:
+    """Of a stage's earlier micro-batches held, those waiting for their weight-gradient pass
+    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the output-gradient bytes each keeps."""
+
+    micro_batches: float | np.ndarray
+    grad_bytes: float | np.ndarray
 
 
 @dataclass
@@ -435,7 +447,7 @@ class StageModel:
     def evaluate(self, st: StageInput) -> StageResult:
         in_flight = earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None else st.in_flight
         comp = self.components(st)
-        return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G)
+        return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G, st.waiting)
 
     def components(self, st: StageInput) -> StageComponents:
         """Everything independent of layers, recomputed blocks and in-flight micro-batches."""
@@ -746,10 +758,12 @@ def _offloaded_saved(numel, elt, ix, offload_activations):
     return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(offload_activations))
 
 
-def compose(comp: StageComponents, layers, recompute, in_flight, G: int) -> StageResult:
+def compose(
+    comp: StageComponents, layers, recompute, in_flight, G: int, waiting: ZeroBubbleHeld | None = None
+) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
-    `in_flight` earlier micro-batches held, from `components` (all arrays broadcast against each
-    other)."""
+    `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
+    `components` (all arrays broadcast against each other)."""
     layers, n_ck = _arr(layers), _arr(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
@@ -772,7 +786,7 @@ def compose(comp: StageComponents, layers, recompute, in_flight, G: int) -> Stag
         "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
         "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
     }
-    mem = _memory(comp, layers, n_ck, in_flight)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting)
     flops = layers * lay.flops + ends.flops
     return StageResult(
         T=T,
@@ -825,7 +839,7 @@ class _Memory:
     saved_peak: np.ndarray
 
 
-def _memory(comp: StageComponents, layers, n_ck, in_flight) -> _Memory:
+def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleHeld | None = None) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
     grads = layers * s.layer_grads + s.end_grads
@@ -836,7 +850,11 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight) -> _Memory:
     A_last = np.where(ck, a.saved_ckpt, a.saved)
     saved_mb = blocks_saved + a.pre_saved
     states = weights + grads + opt + buffers
-    base_act = in_flight * saved_mb + a.p2p_buffers
+    # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
+    # runs the last stage's backward right after its forward) and its output gradients
+    held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
+    held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
+    base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
     fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck)
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
@@ -857,7 +875,7 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight) -> _Memory:
         breakdown=breakdown,
         host=_host_memory(comp.host, layers, n_ck, in_flight),
         saved_per_microbatch=saved_mb + 0 * peak,
-        saved_peak=(in_flight + 1) * saved_mb + a.post_saved + 0 * peak,
+        saved_peak=(in_flight + 1) * saved_mb + a.post_saved + held_post + 0 * peak,
     )
 
 

@@ -10,6 +10,7 @@ from mist.errors import MistInputError
 
 FAMILIES = ("gpt", "llama", "falcon")
 GELU_APPROXIMATIONS = ("tanh", "none")  # torch.nn.functional.gelu's `approximate`
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout")
 
 # The largest value each integer field may take: sanity bounds far above any trained model's
 # (Llama 3 405B: 126 layers, hidden 16,384, vocabulary 128,256), below what would overflow a
@@ -51,6 +52,11 @@ class ModelSpec:
     # the GELU of gpt and falcon MLPs, as torch's F.gelu(approximate=...): "tanh" (GPT-2's
     # gelu_new) or "none" (the exact erf form, Falcon's "gelu"); the same kernel cost
     gelu_approximate: str = "tanh"
+    # dropout probabilities in training (Megatron-LM's --attention-dropout, --hidden-dropout):
+    # on the attention probabilities (materialised attention only), and on the attention and MLP
+    # outputs before each residual add (falcon: once on their sum); `mist.models.dropout`
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         self.check()
@@ -88,6 +94,10 @@ class ModelSpec:
             )
         if not is_number(self.rope_theta) or not 1 < self.rope_theta < math.inf:
             raise MistInputError(f"rope_theta must be a finite number above 1, got {self.rope_theta}.")
+        for f in DROPOUT_FIELDS:
+            p = getattr(self, f)
+            if not is_number(p) or not 0.0 <= p < 1.0:
+                raise MistInputError(f"{f} must be a probability in [0, 1), got {p!r}.")
 
     def check_tp(self, tp: int) -> None:
         """Raise if the model cannot be split `tp` ways (heads, KV heads, FFN, vocabulary)."""
@@ -103,6 +113,16 @@ class ModelSpec:
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise MistInputError(
                 f"Tensor-parallel degree {tp} and num_kv_heads {self.num_kv_heads} must divide one another."
+            )
+
+    def check_attention(self, flash: bool) -> None:
+        """Raise if the attention kernel cannot run this model's attention dropout: Mist traces
+        flash attention on the CPU, whose kernel has no dropout (PyTorch falls back to the math
+        path), so a flash plan with attention dropout would not be the kernel a GPU runs."""
+        if flash and self.attention_dropout > 0:
+            raise MistInputError(
+                f"Flash attention cannot be planned with attention_dropout {self.attention_dropout}: "
+                "pass --no-flash (materialised attention) or set attention_dropout to 0."
             )
 
     def check_seq_len(self, seq_len: int) -> None:
@@ -125,6 +145,10 @@ class ModelSpec:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_fraction) if self.uses_rotary else 0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.attention_dropout > 0 or self.hidden_dropout > 0
 
     @property
     def gated_mlp(self) -> bool:
@@ -164,7 +188,11 @@ class ModelSpec:
         return self.num_layers * self.block_params() + self.embedding_params() + self.head_params()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for f in DROPOUT_FIELDS:  # a model without dropout is written as before it existed
+            if d[f] == 0.0:
+                del d[f]
+        return d
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -23,6 +23,10 @@ _KNOB_LABELS = (
     (r"offload\.optimizer \S+\) with ZeRO|offloads part of its state|of its gradients but", "fractional offload"),
     (r"optimizer (state )?but stage|differ in CPU offload|all its state under a pipeline", "per-stage offload"),
     (r"virtual_stages", "interleaved 1F1B"),  # only DeepSpeed refuses it
+    (r"schedule \(split backward\)", "ZB-H1 schedule"),
+    (r"without sequence parallelism", "tp without sequence parallelism"),
+    (r"uses sequence parallelism, which", "sequence parallelism"),
+    (r"sequence parallelism but stage", "per-stage sequence parallelism"),
     (r"grad_dtype", "16-bit gradients"),
     (r"param_dtype|compute_dtype", "precision"),
     (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),
@@ -48,7 +52,7 @@ def short_summary(plan) -> str:
     st, t = plan.stages, plan.training
     grads = f", {t.grad_dtype} grads" if t.grad_dtype not in (None, t.param_dtype) else ""
     v = plan.virtual_stages
-    chunks = f" × {v} chunks (interleaved)" if v > 1 else ""
+    chunks = f" × {v} chunks (interleaved)" if v > 1 else (", ZB-H1" if plan.schedule != "1f1b" else "")
     parts = [f"G {plan.micro_batches}{grads}, {len(st)} stage(s){chunks}"]
     for s in st:
         off = "/".join(f"{v:g}" for v in s.offload.as_tuple())

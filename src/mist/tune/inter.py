@@ -62,6 +62,13 @@ def _nondominated(V: np.ndarray, key: np.ndarray, limit: int | None = None) -> n
     return order[np.array(kept, dtype=int)]
 
 
+def _sum_term(opt) -> np.ndarray:
+    """What a frontier point adds to the Σ term: its T, or the schedule's own term when the
+    options carry one (`U`: ZB-H1's T less the W's that fill the bubble, `tune.zero_bubble`)."""
+    u = getattr(opt, "U", None)
+    return opt.T if u is None else u
+
+
 def _min_remaining(options, L, lmin, lmax):
     """rem[i][a]: least Σ T of stages i..pp−1 covering L − a layers (inf if impossible)."""
     pp = len(options)
@@ -75,7 +82,7 @@ def _min_remaining(options, L, lmin, lmax):
                 opt = options[i].get(l)
                 if nxt is None or opt is None or len(opt.T) == 0:
                     continue
-                best = min(best, float(opt.T.min()) + nxt)
+                best = min(best, float(_sum_term(opt).min()) + nxt)
             if best < np.inf:
                 rem[i][a] = best
     return rem
@@ -91,7 +98,8 @@ def best_split(
     bound: float = np.inf,
     wide_states: int = 512,
 ) -> Split | None:
-    """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers).
+    """options[i][l] -> object with arrays T, F, X, Y (frontier of stage i with l layers), and
+    optionally U, its term of the Σ (default T).
 
     Returns the best split, or None when no split is feasible (or none is below `bound`)."""
     pp = len(options)
@@ -141,7 +149,7 @@ def _run(options, L, G, lmin, lmax, max_states, bound, rem, xcap, ycap) -> Split
                 P, Q = -V[:, 2:3], -V[:, 3:4]
                 newV = np.stack(
                     np.broadcast_arrays(
-                        V[:, 0:1] + T[None, :],
+                        V[:, 0:1] + _sum_term(opt)[None, :],
                         np.maximum(V[:, 1:2], T[None, :]),
                         -np.minimum(P + F[None, :], xcap[i + 1]),
                         -np.minimum(Q + (T - F)[None, :], ycap[i + 1]),

@@ -1,6 +1,7 @@
 """`mist tune`: the outer loops (pipeline depth pp, gradient accumulation G, and for the paper's
 space one TP degree for all stages) around intra-stage frontiers and the inter-stage program;
-for each (pp, G) also interleaved 1F1B with the space's chunk counts v (`tune.interleaved`).
+for each (pp, G) also interleaved 1F1B with the space's chunk counts v (`tune.interleaved`) and
+the zero-bubble ZB-H1 schedule when the space has it (`tune.zero_bubble`).
 
 Pruning: a (pp, G) pair is skipped when a lower bound — every block at its fastest steady time,
 spread perfectly over pp stages, for G + pp − 1 micro-batch slots — is not below the best plan
@@ -21,6 +22,7 @@ import numpy as np
 
 from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
+from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
 from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
@@ -31,6 +33,7 @@ from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult
 from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
+from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,6 +133,7 @@ def tune(
                 )
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
                 _search_interleaved(state, tables, tp_fixed, model, cluster, training)
+                _search_zero_bubble(state, tables, tp_fixed, model, cluster, training)
             done += 1
             if progress is not None:
                 progress(done, len(combos), state.best.objective)
@@ -200,6 +204,23 @@ def _search_interleaved(state: _Search, tables: StageTables, tp_fixed, model, cl
         state.evaluated += tables.evaluated - before
         if found is not None and found.time < state.best.objective:
             state.best = _Best(found.time, build_plan(model, cluster, training, G, found.strategies, v))
+
+
+def _search_zero_bubble(state: _Search, tables: StageTables, tp_fixed, model, cluster, training) -> None:
+    """Search one (pp, G, mesh, TP degree) under the ZB-H1 schedule when the space has it
+    (`tune.zero_bubble`)."""
+    pp, G, L = tables.pp, tables.G, model.num_layers
+    if ZB_H1 not in tables.space.schedules or pp < 2 or not tables.tp_choices(tp_fixed):
+        return
+    # ZB-H1 still runs G micro-batches through the bottleneck stage
+    if G * tables.min_layer_time() * L / pp >= state.best.objective:
+        return
+    before = tables.evaluated
+    found = best_zero_bubble(tables, L, tp_fixed)
+    state.evaluated += tables.evaluated - before
+    if found is not None and found.time < state.best.objective:
+        plan = build_plan(model, cluster, training, G, found.strategies)
+        state.best = _Best(found.time, as_zero_bubble(plan))
 
 
 def _layer_range(sp: SearchSpace, L: int, pp: int, G: int, lb_layer: float, incumbent: float) -> tuple[int, int]:

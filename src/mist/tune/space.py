@@ -59,12 +59,20 @@ class SearchSpace:
     seed_space: str | None = None  # search this (smaller) space first for an incumbent
     # model chunks per pipeline rank (interleaved 1F1B, `tune.interleaved`); 1: plain 1F1B only
     virtual_stages: tuple = (1,)
+    # pipeline schedules searched besides plain/interleaved 1F1B ("zb-h1": `tune.zero_bubble`)
+    schedules: tuple = ("1f1b",)
     # sequence parallelism of a stage's TP group (tried only where tp > 1)
     sequence_parallel: tuple = (False,)
 
 
 SPACES = {
-    "full": SearchSpace("full", seed_space="mist-paper", virtual_stages=(1, 2, 4), sequence_parallel=(False, True)),
+    "full": SearchSpace(
+        "full",
+        seed_space="mist-paper",
+        virtual_stages=(1, 2, 4),
+        schedules=("1f1b", "zb-h1"),
+        sequence_parallel=(False, True),
+    ),
     "mist-paper": SearchSpace(
         "mist-paper",
         uniform_tp=True,

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")  # what `--timeline` may write (matplotlib's formats)
 LANES = ("compute", "collectives", "swap-in", "swap-out")
 CHANNEL_OF = {"collectives": "G2G", "swap-in": "C2G", "swap-out": "G2C"}
-# forward, backward, first micro-batch's one-off (optimizer step), last one's (final reduction)
-COLORS = {"F": "tab:blue", "B": "tab:orange", "X": "tab:green", "Y": "tab:purple"}
+# forward, backward (a zero-bubble plan's: B and its deferred W), first micro-batch's one-off (optimizer step), last one's (final reduction)
+COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:red", "X": "tab:green", "Y": "tab:purple"}
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
@@ -56,7 +56,7 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "") -> None:
     ax.set_xlabel("time (s)")
     ax.set_title(
         title
-        or f"one iteration: {timeline.iteration_time_s * 1e3:.1f} ms (blue forward, orange backward, green optimizer step, purple final reduction)"
+        or f"one iteration: {timeline.iteration_time_s * 1e3:.1f} ms (blue forward, orange backward (its input gradient under ZB-H1, red its weight gradients), green optimizer step, purple final reduction)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,183 @@
+"""The ZB-H1 zero-bubble pipeline schedule: each backward split into B (the input gradient, sent
+upstream at once) and W (the weight gradients, deferred), in the order of
+`mist.rules.zero_bubble_order` — the order the simulator times.
+
+B runs `torch.autograd.grad` from the stage's output (or scaled loss) to its input only, keeping
+the graph (`retain_graph`), while pre-hooks on the graph's "frontier" nodes record the gradients
+that reach them: a frontier node lies on a path from the output to the input and has a
+parameter's gradient accumulator among the nodes it reaches without crossing such a path (for a
+linear, its matmul's backward; for a norm, the norm's). W later runs `torch.autograd.backward`
+from those nodes, fed the recorded gradients, into the parameters only: autograd's
+`AccumulateGrad` writes the parameters' .grad and fires their post-accumulate hooks, so the flat
+units (`runtime.flat`) accumulate and reduce exactly as they do after a plain backward — their
+per-micro-batch state is opened at W's start and closed at its end, in micro-batch order. Each
+frontier node's gradient is pinned to the recorded one during W (a node reached both as a root
+and through another root would otherwise count twice). The graph, and with it the micro-batch's
+saved activations, is dropped after W: what the simulator's ZB-H1 memory model holds.
+
+The first stage sends no input gradient, and its W follows its B at once in the order: it runs
+its backward whole at W. The plans the runtime refuses are those `zb_h1_problem` names (the plan
+check already has): reentrant checkpointing runs its own backward, which cannot be split.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, zb_h1
+from mist.runtime.phase_timer import PhaseTimer
+from mist.runtime.schedule import PipelineSchedule, _spans
+from mist.runtime.stage_runner import StageRunner
+
+
+def _accumulator(t: torch.Tensor):
+    """The autograd node that accumulates into leaf `t`'s .grad (created on first request)."""
+    view = t.view_as(t).grad_fn
+    assert view is not None, "a leaf that requires grad"
+    return view.next_functions[0][0]
+
+
+def _parents(root) -> dict:
+    """node → the nodes whose backward feeds it (the reverse of `next_functions`), from `root`."""
+    rev: dict = defaultdict(list)
+    seen = {root}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            rev[nxt].append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return rev
+
+
+def _upward(start, rev, stop: set) -> tuple[set, set]:
+    """Nodes reached from `start` toward the output, not crossing `stop`; and the `stop` nodes hit."""
+    seen, hit = {start}, set()
+    queue = deque([start])
+    while queue:
+        for parent in rev.get(queue.popleft(), ()):
+            if parent in stop:
+                hit.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return seen, hit
+
+
+class _WeightPass:
+    """What one micro-batch's W needs: the frontier nodes, the gradients B recorded at them, the
+    graph (kept alive through `root`) and the parameters."""
+
+    def __init__(self, root: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]):
+        self.root: torch.Tensor | None = root
+        self.params = list(params)
+        rev = _parents(root.grad_fn)
+        path, _ = _upward(_accumulator(x), rev, set())
+        frontier: set = set()
+        for p in params:
+            frontier |= _upward(_accumulator(p), rev, path)[1]
+        self.nodes = list(frontier)
+        self.grads: dict = {}
+        self.handles = [n.register_prehook(self._recorder(n)) for n in self.nodes]
+
+    def _recorder(self, node):
+        def hook(grad_outputs):
+            self.grads[node] = grad_outputs
+
+        return hook
+
+    def input_grad(self, grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """B: the input's gradient, recording the frontier's gradients; the graph is kept."""
+        assert self.root is not None, "B runs once, before W"
+        try:
+            (gx,) = torch.autograd.grad(self.root, [x], grad, retain_graph=True, allow_unused=True)
+        finally:
+            for h in self.handles:
+                h.remove()
+        return gx if gx is not None else torch.zeros_like(x)
+
+    def weight_grads(self) -> None:
+        """W: from the frontier, with the recorded gradients, into the parameters' .grad."""
+        roots, grads, pins = [], [], []
+        for node in self.nodes:
+            recorded = self.grads.get(node)
+            if recorded is None:
+                continue
+            pins.append(node.register_prehook(lambda _, r=recorded: r))
+            for i, g in enumerate(recorded):
+                if g is not None:
+                    roots.append(GradientEdge(node, i))
+                    grads.append(g)
+        try:
+            if roots:
+                torch.autograd.backward(roots, grads, inputs=self.params)
+        finally:
+            for h in pins:
+                h.remove()
+        self.nodes, self.grads, self.root = [], {}, None
+
+
+class ZeroBubbleSchedule(PipelineSchedule):
+    """ZB-H1 on stage `stage` of `stages` (see the module docstring); p2p as `PipelineSchedule`."""
+
+    def run(
+        self, runner: StageRunner, micro_batches, loss_scale: float = 1.0, timer: PhaseTimer | None = None
+    ) -> list[torch.Tensor]:
+        G, first, last = self.G, self.i == 0, self.i == self.stages - 1
+        span = _spans(timer)
+        pending: list = []
+        inflight: dict[int, tuple] = {}
+        waiting: dict[int, tuple] = {}
+        losses: list[torch.Tensor] = []
+        params = [p for u in runner.units for p in u.params]
+
+        def forward(g: int) -> None:
+            tokens, targets = micro_batches[g]
+            x = tokens if first else self._recv_act(g)
+            with span("fwd"):
+                before = runner.begin_forward()
+                out = runner.forward(x, targets if last else None)
+                act = runner.saved.memory.activations - before
+            if last:
+                losses.append(out.detach())
+            else:
+                self._send_act(out, g, pending)
+            inflight[g] = (x, out, act)
+
+        def input_grad(g: int) -> None:
+            x, out, act = inflight.pop(g)
+            grad = None if last else self._recv_grad(out, g)
+            root = out * (loss_scale / G) if last else out
+            if first:  # nothing upstream: the whole backward runs at W, right after
+                waiting[g] = (root, grad, None, act)
+                return
+            with span("bwd"):
+                wp = _WeightPass(root, x, params)
+                gx = wp.input_grad(grad, x)
+            self._send_grad(gx, g, pending)
+            waiting[g] = (root, grad, wp, act)
+
+        def weight_grads(g: int) -> None:
+            root, grad, wp, act = waiting.pop(g)
+            with span("bwd"):
+                runner.begin_backward(g, last=g == G - 1)
+                if wp is None:
+                    torch.autograd.backward(root, grad)
+                else:
+                    wp.weight_grads()
+                runner.end_backward(act)
+
+        run = {FORWARD: forward, INPUT_GRAD: input_grad}
+        for kind, g in zb_h1(self.i, self.stages, G):
+            run.get(kind, weight_grads)(g)
+        for work, _ in pending:
+            work.wait()
+        return losses

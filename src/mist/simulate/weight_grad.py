@@ -1,0 +1,73 @@
+"""The split of a traced layer's backward into B (input gradient) and W (weight gradients), for
+the zero-bubble schedule (`simulate.zero_bubble`).
+
+From the symbolic trace's records (`mist.analysis.layer.LayerAnalysis.records`): a backward
+operator is a weight-gradient operator when it reduces over the tokens to a parameter-shaped
+result — every output's shape is free of b and s (and not a scalar) while an input's is not.
+That is the weight-gradient GEMM of every linear (dW = dYᵀ·X, (out × b·s)·(b·s × in)) and a
+bias gradient's reduction over the tokens (an embedding's dense backward too). Everything else
+in "bwd" — input-gradient GEMMs, attention, norms (whose fused backward yields the input and the
+weight gradient at once), elementwise and the TP collectives — is B. (The copies of a gradient
+into a leaf's .grad are `GRAD_ACCUM` records, priced by the schedule, not the layer.)
+
+W's time is its share of the layer's backward kernel time applied to the backward's stream time
+(without the TP collectives, which B waits for); B is the rest. What W needs beyond what B needs
+stays allocated from B to W: the layer's saved activations (the runtime keeps the autograd graph)
+and the gradient of every linear's output — the dYᵀ operand of each weight-gradient GEMM, which
+`held_gradient_bytes` sums from the records.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import sympy
+
+from mist.analysis.records import COLLECTIVE, GEMM, MEMORY, B, OpRecord, S
+from mist.simulate.layer_cost import kernel_time
+
+
+def _symbolic(shape) -> bool:
+    return any(sympy.sympify(d).free_symbols & {B, S} for d in shape)
+
+
+def is_weight_grad(rec: OpRecord) -> bool:
+    """Whether a traced record is part of W (see the module docstring)."""
+    if rec.phase != "bwd" or rec.kind not in (GEMM, MEMORY) or not rec.shapes_out:
+        return False
+    outs_fixed = all(len(s) > 0 and not _symbolic(s) for s in rec.shapes_out)
+    return outs_fixed and any(_symbolic(s) for s in rec.shapes_in)
+
+
+def weight_grad_records(records) -> list[OpRecord]:
+    """The W records of a layer, in trace order."""
+    return [r for r in records if is_weight_grad(r)]
+
+
+def held_gradient_bytes(records) -> sympy.Expr:
+    """Bytes of the output gradients the W GEMMs read (their dYᵀ operand, the first input), which
+    stay allocated from B to W: a sympy expression in b and s."""
+    total = sympy.Integer(0)
+    for r in weight_grad_records(records):
+        if r.kind != GEMM:
+            continue
+        out = r.shapes_out[0]
+        elt = r.bytes_written / sympy.Mul(*out)
+        total += sympy.Mul(*r.shapes_in[0]) * elt
+    return sympy.expand(total)
+
+
+def weight_grad_fraction(profile, la, b, s) -> np.ndarray:
+    """W's share of the layer's backward kernel time at (b, s) arrays (0 when it has none)."""
+    b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
+    ops = la.op_values("bwd", b, s)
+    recs = la.ops("bwd")
+    total = np.zeros(b.shape)
+    weight = np.zeros(b.shape)
+    for rec, op in zip(recs, ops):
+        if op.kind == COLLECTIVE:
+            continue
+        t = np.broadcast_to(kernel_time(profile, op, True), b.shape)
+        total = total + t
+        if is_weight_grad(rec):
+            weight = weight + t
+    return np.divide(weight, total, out=np.zeros(b.shape), where=total > 0)

@@ -1,0 +1,204 @@
+"""ZB-H1 pipeline time: each stage's backward split into B (input gradient) and W (weight
+gradients), played in the order of `mist.rules.zero_bubble_order`.
+
+Every stage i has a steady forward f[i], input-gradient pass b[i] and weight-gradient pass w[i]
+per micro-batch (f + b + w is its 1F1B steady time T), a first micro-batch extra X[i] (the lazy
+optimizer step, gathers, swaps) and a last micro-batch extra Y[i] (the final gradient reduction),
+on a side stream as in `pipeline`: X runs from the start of the iteration and the stage's first
+forward waits for it; Y runs after the stage's last operation — its last W, where the last
+gradients appear — without blocking anything.
+
+`zb_event_schedule` plays the order event by event (what `--timeline` draws);
+`zb_recurrence` is the same schedule compiled into a recurrence over the operations in
+dependency order, vectorized over leading candidate axes — the fast path that `mist simulate`
+reports and the tuner's price of a chosen plan (tests hold the two equal on random imbalanced
+pipelines). Where the tuner must rank many layer splits it uses the closed form
+`zb_iteration_time`, 1F1B's (`pipeline.iteration_time`, T = f + b + w) less the W's that fill
+the bubble:
+
+    T_iter = (G − 1)·max_i T_i + Σ_{i<S−1} (f_i + b_i − w_i) + T_{S−1}
+             + max(0, max_i (X_i − Σ_{j<i} f_j)) + max(0, max_i (Y_i − Σ_{j<i} (b_j + w_j)))
+
+exact for equal stages and w ≤ f + b: G·(f + b + w) + (S − 1)·(f + b − w), the paper's bubble
+(S − 1)(T_F + T_B − T_W) against 1F1B's (S − 1)(T_F + T_B + T_W). Each stage adds its own term
+to the sum, so the inter-stage program searches it as it searches 1F1B (`tune.zero_bubble`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, depends_on, held_after_forwards, zb_h1
+from mist.simulate.pipeline import iteration_time
+
+
+def zb_event_schedule(f, b, w, X, Y, G: int):
+    """Start/end of every operation of every stage: (iteration time, events), events as
+    (stage, kind, micro-batch, start, end) with kind "F", "B", "W", "X" or "Y". Arguments are
+    per-stage sequences."""
+    S = len(f)
+    orders = [zb_h1(i, S, G) for i in range(S)]
+    dur = {FORWARD: f, INPUT_GRAD: b}
+    events: list = [(i, "X", 0, 0.0, float(X[i])) for i in range(S) if X[i] > 0]
+    done: dict = {}
+    clock = [0.0] * S
+    pos = [0] * S
+    progress = True
+    while progress:
+        progress = False
+        for i in range(S):
+            while pos[i] < len(orders[i]):
+                kind, m = orders[i][pos[i]]
+                src = depends_on(kind, i, m, S)
+                dep = done.get(src, None) if src is not None else 0.0
+                if dep is None:
+                    break
+                if kind == FORWARD and m == 0:
+                    dep = max(dep, float(X[i]))
+                start = max(clock[i], dep)
+                end = start + float(dur.get(kind, w)[i])
+                done[(kind, i, m)] = end
+                clock[i] = end
+                events.append((i, kind, m, start, end))
+                pos[i] += 1
+                progress = True
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise RuntimeError("ZB-H1 schedule deadlocked")
+    ends = []
+    for i in range(S):
+        ends.append(clock[i] + float(Y[i]))
+        if Y[i] > 0:
+            events.append((i, "Y", G - 1, clock[i], clock[i] + float(Y[i])))
+    return max(ends), events
+
+
+@lru_cache(maxsize=64)
+def _program(S: int, G: int) -> tuple[tuple[int, int, int, bool], ...]:
+    """Every stage's operations in one order that respects every dependency (it does not depend
+    on the durations), each as (stage, kind 0/1/2 for F/B/W, index of the operation it waits for
+    or −1, whether it is the stage's first forward)."""
+    orders = [zb_h1(i, S, G) for i in range(S)]
+    index: dict = {}
+    prog: list[tuple[int, int, int, bool]] = []
+    pos = [0] * S
+    progress = True
+    while progress:
+        progress = False
+        for i in range(S):
+            while pos[i] < len(orders[i]):
+                kind, m = orders[i][pos[i]]
+                key = depends_on(kind, i, m, S)
+                if key is not None and key not in index:
+                    break
+                index[(kind, i, m)] = len(prog)
+                prog.append((i, "FBW".index(kind), index[key] if key else -1, kind == FORWARD and m == 0))
+                pos[i] += 1
+                progress = True
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise RuntimeError("ZB-H1 schedule deadlocked")
+    return tuple(prog)
+
+
+def zb_recurrence(f, b, w, X, Y, G: int):
+    """The event schedule's iteration time, vectorized over leading candidate axes: arrays of
+    shape (..., S). The same semantics as `zb_event_schedule` (tests hold them equal)."""
+    parts = [np.asarray(a, dtype=np.float64) for a in (f, b, w, X, Y)]
+    shape = np.broadcast_shapes(*(a.shape for a in parts))
+    f, b, w, X, Y = (np.broadcast_to(a, shape) for a in parts)
+    S, lead = shape[-1], shape[:-1]
+    dur = (f, b, w)
+    clock = [np.zeros(lead) for _ in range(S)]
+    ends: list[np.ndarray] = []
+    for i, kind, dep, first in _program(S, G):
+        start = clock[i] if dep < 0 else np.maximum(clock[i], ends[dep])
+        if first:
+            start = np.maximum(start, X[..., i])
+        end = start + dur[kind][..., i]
+        clock[i] = end
+        ends.append(end)
+    out = np.zeros(lead)
+    for i in range(S):
+        out = np.maximum(out, clock[i] + Y[..., i])
+    return out
+
+
+def bubble_fill(w):
+    """What each stage's W takes off the 1F1B closed form (arrays (..., S)): 2·w_i on every stage
+    but the last — its W's are no longer in the fill and drain, where 1F1B has them twice."""
+    w = np.asarray(w, dtype=np.float64)
+    fill = 2 * w
+    fill[..., -1] = 0.0
+    return fill
+
+
+def zb_iteration_time(f, b, w, X, Y, G: int):
+    """The closed form above, vectorized over leading candidate axes (arrays (..., S))."""
+    f, b, w = (np.asarray(a, dtype=np.float64) for a in (f, b, w))
+    T = f + b + w
+    return iteration_time(T, G, first=X, last=Y, fwd=f) - bubble_fill(w).sum(axis=-1)
+
+
+@lru_cache(maxsize=256)
+def _held(stage: int, stages: int, G: int) -> np.ndarray:
+    return np.array(held_after_forwards(stage, stages, G), dtype=np.float64)
+
+
+def zb_held(stage: int, stages: int, G: int, saved, waiting_bytes):
+    """(earlier micro-batches held, of them waiting for their W) at stage `stage`'s peak under
+    ZB-H1: the pair of `held_after_forwards` that holds the most bytes, with `saved` the saved
+    activations of one micro-batch and `waiting_bytes` what one waiting for its W holds on top
+    (`StageWeightGrad.waiting_bytes`), vectorized over candidates."""
+    saved, extra = np.broadcast_arrays(np.asarray(saved, dtype=np.float64), np.asarray(waiting_bytes, dtype=np.float64))
+    pairs = _held(stage, stages, G)  # (n, 2)
+    total = saved[..., None] * pairs[:, 0] + extra[..., None] * pairs[:, 1]
+    k = np.argmax(total, axis=-1)
+    return pairs[k, 0], pairs[k, 1]
+
+
+@dataclass(frozen=True)
+class StageWeightGrad:
+    """One micro-batch's W on a stage (arrays over micro-batch sizes): its seconds, the output
+    gradients it keeps from B to W, and the head's saved activations (last stage; else 0), which
+    a micro-batch waiting for its W keeps too — under 1F1B the last stage frees them at once."""
+
+    seconds: np.ndarray
+    grad_bytes: np.ndarray
+    head_saved_bytes: np.ndarray
+
+    @property
+    def waiting_bytes(self) -> np.ndarray:
+        """What a micro-batch waiting for its W holds beside the stage's saved activations."""
+        return self.grad_bytes + self.head_saved_bytes
+
+
+def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> StageWeightGrad:
+    """W of one micro-batch of a stage of `model` (a `simulate.stage.StageModel`), vectorized
+    over the micro-batch sizes `b`: its blocks that are not recomputed whole (a checkpointed
+    block's backward runs whole inside B), with the embedding's on the first stage and the head's
+    on the last (`simulate.weight_grad`)."""
+    b = np.asarray(b, dtype=np.float64)
+    blk, ix = model._terms("block", b)
+    plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
+    w = plain * blk.wgrad[ix]
+    held = plain * blk.wgrad_held[ix]
+    head = np.zeros_like(w)
+    for part, on in (("pre", first), ("post", last)):
+        if on:
+            lt, jx = model._terms(part, b)
+            w = w + lt.wgrad[jx]
+            held = held + lt.wgrad_held[jx]
+            if part == "post":
+                head = head + lt.saved[jx]
+    return StageWeightGrad(w, held, head)
+
+
+def split_backward(T, fwd, w):
+    """Per stage (F, B, W) from a stage's steady time T, its forward part and its W seconds: B is
+    the rest of the backward (W at most the whole backward)."""
+    T, fwd = np.asarray(T, dtype=np.float64), np.asarray(fwd, dtype=np.float64)
+    bwd = T - fwd
+    w = np.minimum(np.asarray(w, dtype=np.float64), bwd)
+    return fwd, bwd - w, w

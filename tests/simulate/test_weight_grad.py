@@ -1,0 +1,55 @@
+"""The B/W split of a traced layer's backward (`simulate.weight_grad`): which records are W, that
+they are priced, and what W keeps alive from B."""
+
+import numpy as np
+import pytest
+import sympy
+
+from mist.analysis import analyze_layer
+from mist.analysis.records import GEMM, GRAD_ACCUM
+from mist.hardware import load_profile
+from mist.simulate.layer_terms import layer_terms
+from mist.simulate.weight_grad import held_gradient_bytes, is_weight_grad, weight_grad_records
+from mist.specs.presets import get_preset
+
+GPT = get_preset("gpt3-1.3b")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weight_grad_gemms_are_the_forward_linears(tp):
+    """A GPT block: one W GEMM per linear (qkv, attention output, fc1, fc2), priced as GEMMs (the
+    copies into .grad are GRAD_ACCUM and not W), with exactly the forward GEMMs' FLOPs — half the
+    backward's GEMM FLOPs, a third of the block's; the output gradients W keeps from B are the
+    size of the linears' forward outputs."""
+    la = analyze_layer(GPT, "block", tp=tp)
+    w = weight_grad_records(la.records)
+    gemms = [r for r in w if r.kind == GEMM]
+    assert len(gemms) == 4 and len(w) == 4  # no bias in gpt3 presets: no bias reductions
+    assert not any(is_weight_grad(r) for r in la.records if r.kind == GRAD_ACCUM)
+    fwd = [r for r in la.records if r.phase == "fwd" and r.kind == GEMM]
+    bwd = [r for r in la.records if r.phase == "bwd" and r.kind == GEMM]
+    w_flops = sympy.expand(sum(r.flops for r in gemms))
+    assert sympy.expand(w_flops - sum(r.flops for r in fwd)) == 0
+    assert sympy.expand(2 * w_flops - sum(r.flops for r in bwd)) == 0
+    assert sympy.expand(held_gradient_bytes(la.records) - sum(r.bytes_written for r in fwd)) == 0
+
+
+def test_the_heads_weight_gradient_and_the_embeddings():
+    """The head's W is its vocabulary GEMM; the embedding's whole backward is W (nothing upstream
+    needs an input gradient of token ids)."""
+    post = weight_grad_records(analyze_layer(GPT, "post").records)
+    assert [r.kind for r in post] == [GEMM]
+    pre = analyze_layer(GPT, "pre")
+    assert {r.op for r in weight_grad_records(pre.records)} >= {"embedding_dense_backward"}
+
+
+def test_w_share_of_a_block_backward_on_l4():
+    """A gpt3-1.3b block at tp 1 on an L4: W is its share of the backward's kernel time, B the
+    rest with the TP collectives; W between a quarter and 60 % of the backward (half its GEMM
+    FLOPs, none of its attention)."""
+    prof = load_profile("l4")
+    lt = layer_terms(GPT, prof, "block", 1, True, 2048, np.array([1.0, 4.0]))
+    share = lt.wgrad / lt.bwd
+    assert np.all((share > 0.25) & (share < 0.6))
+    assert lt.wgrad[1] > 3 * lt.wgrad[0]  # it scales with the tokens
+    assert np.all(lt.wgrad_held > 0)

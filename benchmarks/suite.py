@@ -5,7 +5,11 @@ Aceso-style spaces, each searched with the same simulator. Writes a Markdown tab
 and a plot of speedups; rows are appended as cases finish, so a partial run keeps its results.
 
     PYTHONPATH=src python benchmarks/suite.py [--only l4|a100|h200] [--budget SEC] [--out DIR]
-                                              [--grad-dtype fp32] [--dtype bf16|fp16]
+                                              [--grad-dtype fp32] [--dtype bf16|fp16] [--ablate]
+
+The full space's schedule and sequence knobs (interleaved 1F1B, ZB-H1, sequence parallelism) are
+counted over the cases; with `--ablate`, every case whose full plan uses one is tuned again
+without it, and the table says what the knob buys there (time without / time with).
 
 Every case trains in bf16 (parameters and compute; the L4 and A100 profiles were measured in fp16,
 whose tensor-core rates equal bf16's on those GPUs). Each space keeps gradients as its system does:
@@ -23,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mist.analysis.layer import warm
@@ -30,6 +35,8 @@ from mist.hardware import load_profile
 from mist.specs.presets import get_preset
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces, short_summary  # noqa: F401
+from mist.tune.search import tune
+from mist.tune.space import get_space
 
 SIZES = [("1.3b", 2), ("2.7b", 4), ("7b", 8), ("13b", 16), ("22b", 32)]
 PRESET = {"gpt": "gpt3-{}", "llama": "llama-{}", "falcon": "falcon-{}"}
@@ -62,10 +69,41 @@ def all_cases(only=None):
         yield from gen()
 
 
-def run_case(c, budget, grad_dtype=None, dtype="bf16", spaces=SPACES):
-    """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
+# the full space's knobs a plan may use beyond 1F1B without sequence parallelism, and the space
+# fields that switch each off
+KNOBS = {
+    "interleaved 1F1B": dict(virtual_stages=(1,)),
+    "ZB-H1": dict(schedules=("1f1b",)),
+    "sequence parallelism": dict(sequence_parallel=(False,)),
+}
+
+
+def knobs_used(plan: dict | None) -> list[str]:
+    """The `KNOBS` a plan (as written to a file) uses."""
+    if not plan:
+        return []
+    used = {
+        "interleaved 1F1B": plan.get("virtual_stages", 1) > 1,
+        "ZB-H1": plan.get("schedule", "1f1b") != "1f1b",
+        "sequence parallelism": any(s.get("sequence_parallel") for s in plan["stages"]),
+    }
+    return [k for k, on in used.items() if on]
+
+
+def ablate(c, r, budget, grad_dtype=None, dtype="bf16") -> dict:
+    """Iteration time of the full space without each knob its plan uses (None: nothing fits)."""
+    full = next(s for s in r["spaces"] if s["space"] == "full")
+    cluster, training = _setup(c, grad_dtype, dtype)
+    out = {}
+    for knob in knobs_used(full.get("plan")):
+        space = replace(get_space("full"), name=f"full-without-{knob}", **KNOBS[knob])
+        res = tune(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), space, time_budget=budget)
+        out[knob] = res.iteration_time_s
+    return out
+
+
+def _setup(c, grad_dtype=None, dtype="bf16"):
     n = c["n"]
-    warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
     cluster = ClusterSpec(c["gpu"], max(1, n // 8), min(n, 8))
     training = TrainingSpec(
         seq_len=c["seq"],
@@ -75,6 +113,13 @@ def run_case(c, budget, grad_dtype=None, dtype="bf16", spaces=SPACES):
         compute_dtype=dtype,
         grad_dtype=grad_dtype,
     )
+    return cluster, training
+
+
+def run_case(c, budget, grad_dtype=None, dtype="bf16", spaces=SPACES):
+    """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
+    warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
+    cluster, training = _setup(c, grad_dtype, dtype)
     return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, spaces)
 
 
@@ -114,6 +159,20 @@ def markdown(rows) -> str:
             summary.append(
                 f"| {name} | {statistics.mean(vals):.3f}× | {max(vals):.3f}× | {min(vals):.3f}× | {len(vals)} |"
             )
+    summary.append("")
+    summary.append(
+        "| knob of the full plan | cases | gain where ablated (time without / with): mean | min | max | ablated |"
+    )
+    summary.append("|---|---|---|---|---|---|")
+    for knob in KNOBS:
+        users = [r for r in rows if knob in knobs_used(_full(r).get("plan"))]
+        gains = [
+            r["without"][knob] / _full(r)["iteration_time_s"]
+            for r in users
+            if r.get("without", {}).get(knob) and _full(r)["iteration_time_s"]
+        ]
+        g = f"{statistics.mean(gains):.3f}× | {min(gains):.3f}× | {max(gains):.3f}×" if gains else "- | - | -"
+        summary.append(f"| {knob} | {len(users)} of {len(rows)} | {g} | {len(gains)} |")
     tt = [s["tuning_time_s"] for r in rows for s in r["spaces"] if s["space"] == "full"]
     txt = (
         head
@@ -124,6 +183,10 @@ def markdown(rows) -> str:
     if tt:
         txt += f"\nFull-space tuning time: median {statistics.median(tt):.1f} s, max {max(tt):.1f} s over {len(tt)} cases.\n"
     return txt
+
+
+def _full(r) -> dict:
+    return next(s for s in r["spaces"] if s["space"] == "full")
 
 
 def preamble(grad_dtype, dtype="bf16", args="") -> str:
@@ -180,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--grad-dtype", choices=["fp32"], help="fp32 gradients in every space (default: each system's own)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="parameter and compute dtype")
+    ap.add_argument("--ablate", action="store_true", help="tune each case again without each new knob its plan uses")
     a = ap.parse_args(argv)
     args = "".join(
         f" {k} {v}"
@@ -206,6 +270,8 @@ def main(argv=None):
         t = time.perf_counter()
         r = run_case(c, a.budget, a.grad_dtype, a.dtype)
         r["wall_s"] = time.perf_counter() - t
+        if a.ablate:
+            r["without"] = ablate(c, r, a.budget, a.grad_dtype, a.dtype)
         rows.append(r)
         jpath.write_text(json.dumps(rows, indent=1))
         (out / f"{tag}.md").write_text(preamble(a.grad_dtype, a.dtype, args) + markdown(rows))

@@ -5,8 +5,8 @@ Under sequence parallelism a stage's TP ranks hold 1/tp of the sequence between 
 ones reduce-scatter their output, and the norm weights' and post-reduction biases' gradients are
 summed over the TP group. Every family alone; with dp, ZeRO, recomputation and offloading in one
 plan; in pipelines whose neighbouring stages differ in tp and in sequence parallelism (the
-boundary pieces then carry sequence ranges, `runtime.handoff`); and interleaved. Same tolerance
-and plain-PyTorch reference as `test_runtime_equivalence.py`; the simulator's device states and
+boundary pieces then carry sequence ranges, `runtime.handoff`); and interleaved, with different
+dp/tp per stage. Same tolerance and plain-PyTorch reference as `test_runtime_equivalence.py`; the simulator's device states and
 saved-activation peaks equal the runtime's to the byte (a CPU profile: the traces are the CPU's).
 """
 
@@ -91,6 +91,15 @@ PIPELINES = [
         "gpt4",
         "v2-sp-tp2|sp-tp2-zero1-recompute",
         [dict(layers=2, chunks=(1, 1), **SP2), dict(layers=2, chunks=(1, 1), zero=1, recompute=1, **SP2)],
+        dict(v=2),
+    ),
+    (
+        "falcon4",
+        "v2-sp-tp2|dp2-zero1-offload",
+        [
+            dict(layers=2, chunks=(1, 1), **SP2),
+            dict(layers=2, chunks=(1, 1), dp=2, zero=1, offload=dict(optimizer=0.5)),
+        ],
         dict(v=2),
     ),
 ]

@@ -34,7 +34,7 @@ def stage(layers, gpus, mb, dp, tp, zero=3, rc=0, nodes=1, **kw) -> StageStrateg
     return StageStrategy(layers, nodes, gpus // nodes, mb, dp, tp, zero, rc, **kw)
 
 
-def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, v=1, **train) -> Plan:
+def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, v=1, schedule="1f1b", **train) -> Plan:
     train.setdefault("grad_dtype", "fp32")  # torchtitan reduces and keeps gradients in fp32
     return Plan(
         model=model,
@@ -43,6 +43,7 @@ def make(model, stages, B, G, nodes=1, gpn=8, seq=2048, v=1, **train) -> Plan:
         micro_batches=G,
         stages=tuple(stages),
         virtual_stages=v,
+        schedule=schedule,
     )
 
 
@@ -496,3 +497,32 @@ def test_tensor_parallelism_without_sequence_parallelism_is_refused():
     assert "stage 0 has tp 2 without sequence parallelism" in why
     near = tt.nearest(plan)
     assert near.stages[0].sequence_parallel and tt.problems(near) == []
+
+
+def test_zero_bubble_plan_exports_a_schedule_torch_validates(tmp_path):
+    """A ZB-H1 plan runs from `zb_h1_schedule.csv`: torch.distributed.pipelining's own parser,
+    `_validate_schedule` and its comms lowering + simulation accept Mist's order (no deadlock, every
+    F before its I before its W), and torchtitan's config takes the file."""
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _simulate_comms_compute,
+        _validate_schedule,
+    )
+
+    S, G = 4, 8
+    stages = [stage(8, 2, 1, 2, 1, zero=1) for _ in range(S)]
+    plan = make(LLAMA3_8B, stages, B=16, G=G, schedule="zb-h1")
+    assert tt.problems(plan) == []
+    done, _ = export_plan(plan, "torchtitan", tmp_path)
+    assert tt.ZB_CSV in done.files
+    assert f'"$HERE/{tt.ZB_CSV}"' in (tmp_path / tt.SCRIPT).read_text()
+    rows = (tmp_path / tt.ZB_CSV).read_text().splitlines()
+    actions = {r: [_Action.from_str(a) for a in row.split(",")] for r, row in enumerate(rows)}
+    assert len(actions) == S and all(len(a) == 3 * G for a in actions.values())
+    assert _validate_schedule(actions, S, S, G) == {i: i for i in range(S)}
+    _simulate_comms_compute(_add_send_recv(actions, lambda s: s, S), lambda s: s, S)
+    cfg = parse(list(done.args), tmp_path)
+    assert cfg.parallelism.pipeline_parallel_schedule_csv == tt.ZB_CSV
+    # a nearest plan keeps the schedule where its stages can still split B from W
+    assert tt.nearest(plan).schedule == "zb-h1"

@@ -18,6 +18,11 @@ How a plan maps:
   multiple of pp (every interleaved plan) torch.distributed.pipelining runs its rounds of pp
   micro-batches, Megatron-LM's order, which Mist simulates. FSDP2 under it stays ZeRO-1 (every
   part's backward defers resharding and reduction to the last micro-batch, as below).
+- ZB-H1 (`schedule: zb-h1`): torch.distributed.pipelining runs a schedule given as a CSV of
+  actions per rank (`pipeline_parallel_schedule_csv`, `_PipelineScheduleRuntime`), with F, I
+  (input gradient) and W (weight gradients) actions. The export writes Mist's ZB-H1 order
+  (`rules.zero_bubble_order`, B as I) to `zb_h1_schedule.csv` beside the script; torch's own
+  validation and comms simulation accept it (tests). Not run on GPUs yet.
 - ZeRO: without a pipeline, 0 is replicated data parallelism (`data_parallel_replicate_degree`),
   2 and 3 are FSDP2 (`data_parallel_shard_degree`) without / with resharding after forward, and 1
   does not exist. Under a pipeline, torch.distributed.pipelining runs every micro-batch's backward
@@ -51,6 +56,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mist.errors import MistInputError
 from mist.export.common import (
     PLACEHOLDER,
     one_f_one_b,
@@ -63,6 +69,7 @@ from mist.export.records import Export, NotExpressible
 from mist.export.torchtitan_module import CONFIG_NAME, MODULE_NAME, module_text
 from mist.plan import Offload, Plan, StageStrategy
 from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute
+from mist.rules.zero_bubble_order import INPUT_GRAD, ZB_H1, zb_h1
 from mist.specs.model import ModelSpec
 from mist.specs.training import TrainingSpec
 
@@ -70,6 +77,7 @@ NAME = "torchtitan"
 SCRIPT = "run_torchtitan.sh"
 SCHEDULE = "1F1B"
 INTERLEAVED_SCHEDULE = "Interleaved1F1B"
+ZB_CSV = "zb_h1_schedule.csv"  # the ZB-H1 order as torch.distributed.pipelining's actions
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -101,7 +109,8 @@ def problems(plan: Plan) -> list[str]:
     """One sentence per knob of `plan` that torchtitan 0.3.0 cannot express."""
     out = _model_problems(plan.model) + _unfixable_problems(plan)
     out += uniform_mesh_problems(plan, NAME) + sequence_parallel_problems(plan, NAME, always=True)
-    out += schedule_problems(plan, NAME)
+    if plan.num_stages == 1:  # (a ZB-H1 plan of one stage is 1F1B's accumulation)
+        out += schedule_problems(plan, NAME)
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
 
@@ -248,13 +257,20 @@ def nearest(plan: Plan) -> Plan:
     t = plan.training
     if t.param_dtype not in _TORCH_DTYPE or t.compute_dtype not in _TORCH_DTYPE:
         t = replace(t, param_dtype="bf16", compute_dtype="bf16", grad_dtype=None)
+    schedule = plan.schedule
     plan = one_f_one_b(replace(plan, training=runs_training(t)))
     dp, tp, mb = Counter((s.dp, s.tp, s.micro_batch) for s in plan.stages).most_common(1)[0][0]
     pipeline = plan.num_stages > 1
     zero = _nearest_zero(plan.stages, pipeline)
     offload = Offload() if pipeline else _nearest_offload(plan.stages)
     stages = [_nearest_stage(s, dp, tp, mb, zero, offload) for s in plan.stages]
-    return with_stages(plan, stages)
+    near = with_stages(plan, stages)
+    if schedule == ZB_H1 and pipeline:  # kept where the nearest stages can still split B from W
+        try:
+            return replace(near, schedule=ZB_H1)
+        except MistInputError:
+            pass
+    return near
 
 
 def _nearest_zero(stages: tuple[StageStrategy, ...], pipeline: bool) -> int:
@@ -367,7 +383,19 @@ def _parallel_args(plan: Plan) -> list[str]:
         out += ["--parallelism.pipeline_parallel_schedule", schedule]
         out += ["--parallelism.pipeline_parallel_microbatch_size", str(s0.micro_batch)]
         out += ["--parallelism.module_fqns_per_model_part"] + [",".join(p) for p in module_fqns(plan)]
+        if plan.schedule == ZB_H1:  # the script passes it as a path beside itself
+            out += ["--parallelism.pipeline_parallel_schedule_csv", ZB_CSV]
     return out
+
+
+def zb_h1_csv(plan: Plan) -> str:
+    """The ZB-H1 order of every rank (one stage each) as torch.distributed.pipelining's
+    compute-only CSV: a row per rank of `{stage}{F|I|W}{micro-batch}` actions."""
+    S, G = plan.num_stages, plan.micro_batches
+    rows = []
+    for i in range(S):
+        rows.append(",".join(f"{i}{'I' if k == INPUT_GRAD else k}{g}" for k, g in zb_h1(i, S, G)))
+    return "\n".join(rows) + "\n"
 
 
 def _training_args(plan: Plan) -> list[str]:
@@ -402,6 +430,9 @@ def write(plan: Plan, out_dir: Path) -> Export:
         recomputed = recomputed_layers(plan) if ac_mode(plan) == "blocks" else None
         (out_dir / f"{MODULE_NAME}.py").write_text(module_text(model, plan.training.seq_len, recomputed))
         files.append(f"{MODULE_NAME}.py")
+    if plan.schedule == ZB_H1 and plan.num_stages > 1:
+        (out_dir / ZB_CSV).write_text(zb_h1_csv(plan))
+        files.append(ZB_CSV)
     env = {"NNODES": str(plan.cluster.nodes), "NPROC_PER_NODE": str(plan.cluster.gpus_per_node)}
     script = out_dir / SCRIPT
     script.write_text(script_text(plan, a, env))
@@ -418,7 +449,7 @@ def refuse_if_needed(plan: Plan) -> None:
 def script_text(plan: Plan, a: list[str], env: dict[str, str]) -> str:
     """The launch script: torchrun on every node, `-m torchtitan.train` with the plan's overrides."""
     summary = "\n".join(f"#   {line}" for line in plan.summary().splitlines())
-    lines = _arg_lines(a)
+    lines = _arg_lines(a).replace(shlex.quote(ZB_CSV), f'"$HERE/{ZB_CSV}"')
     return f"""#!/usr/bin/env bash
 # torchtitan 0.3.0 launch for a Mist plan (written by `mist export --to torchtitan`).
 {summary}

@@ -156,6 +156,7 @@ def _setup(
             raise MistInputError(f"--grad-dtype must be fp32 or the parameter dtype ({dt}), got {grad_dtype!r}.")
         training = replace(training, grad_dtype=grad_dtype)
     spec.check_seq_len(seq)
+    spec.check_attention(training.flash_attention)
     return spec, cluster, training, profile
 
 

@@ -71,6 +71,9 @@ class StageStrategy:
     # Megatron-style sequence parallelism of the tp group (tp > 1): norms, residuals and the
     # activations between the blocks hold s/tp of the sequence (`mist.models.collectives.TPGroup`)
     sequence_parallel: bool = False
+    # context parallelism: cp ranks per (data replica, TP group), each holding 2 of the sequence's
+    # 2·cp chunks (`mist.models.context_parallel`); the stage's GPUs are dp × cp × tp
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
@@ -85,6 +88,8 @@ class StageStrategy:
         d = asdict(self)
         if not self.sequence_parallel:
             del d["sequence_parallel"]
+        if self.cp == 1:
+            del d["cp"]
         if self.chunk_layers is None:
             del d["chunk_layers"]
         else:
@@ -161,6 +166,7 @@ class Plan:
                 + _selective_text(s)
                 + (f", offload {off}" if off else "")
                 + (", sequence parallel" if s.sequence_parallel else "")
+                + (f", cp {s.cp}" if s.cp > 1 else "")
             )
         return "\n".join(lines)
 
@@ -188,7 +194,7 @@ def check_plan(p: Plan) -> None:
     B = p.training.global_batch
     for i, s in enumerate(p.stages):
         where = f"Stage {i}"
-        for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp"):
+        for f in ("layers", "nodes", "gpus_per_node", "micro_batch", "dp", "tp", "cp"):
             _int(f"{where} {f}", getattr(s, f))
         _int(f"{where} recompute_layers", s.recompute_layers, 0)
         for f in ("recompute_attention", "recompute_activation", "sequence_parallel"):
@@ -201,9 +207,10 @@ def check_plan(p: Plan) -> None:
                 f"{where}: micro_batch {s.micro_batch} × dp {s.dp} × micro_batches {p.micro_batches} "
                 f"= {s.micro_batch * s.dp * p.micro_batches}, not the global batch {B}."
             )
-        if s.dp * s.tp != s.gpus:
+        if s.dp * s.cp * s.tp != s.gpus:
+            cp = f" × cp {s.cp}" if s.cp > 1 else ""
             raise MistInputError(
-                f"{where}: dp {s.dp} × tp {s.tp} = {s.dp * s.tp} does not equal its "
+                f"{where}: dp {s.dp}{cp} × tp {s.tp} = {s.dp * s.cp * s.tp} does not equal its "
                 f"{s.nodes}×{s.gpus_per_node} = {s.gpus} GPUs."
             )
         if s.recompute_layers > s.layers:
@@ -234,6 +241,7 @@ def check_plan(p: Plan) -> None:
                 f"{p.cluster.nodes}×{p.cluster.gpus_per_node}."
             )
     p.model.check_seq_len(p.training.seq_len)
+    p.model.check_attention(p.training.flash_attention)
     layers = sum(s.layers for s in p.stages)
     if layers != p.model.num_layers:
         raise MistInputError(f"The stages hold {layers} layers but the model has {p.model.num_layers}.")
@@ -242,6 +250,7 @@ def check_plan(p: Plan) -> None:
         raise MistInputError(f"The stages use {gpus} GPUs but the cluster has {p.cluster.world_size}.")
     _check_placement(p)
     _check_chunks(p)
+    _check_context(p)
     _check_schedule(p)
 
 
@@ -295,6 +304,37 @@ def _check_chunks(p: Plan) -> None:
             raise MistInputError(
                 f"Stage {i}: its chunk_layers {list(s.chunk_layers)} add up to {sum(s.chunk_layers)}, "
                 f"not its {s.layers} layers."
+            )
+
+
+def _check_context(p: Plan) -> None:
+    """Context parallelism as the runtime runs it: one cp for every stage (neighbouring stages
+    exchange each rank's positions with the rank of the same cp index), flash attention, the cp ×
+    tp ranks of a replica inside one node, and 2·cp chunks of whole tp shards."""
+    cps = {s.cp for s in p.stages}
+    if len(cps) > 1:
+        raise MistInputError(f"Every stage needs the same cp; the plan has {', '.join(map(str, sorted(cps)))}.")
+    cp = cps.pop()
+    if cp == 1:
+        return
+    t = p.training
+    if not t.flash_attention:
+        raise MistInputError(f"cp {cp} needs flash attention (context parallelism runs the fused kernel).")
+    for i, s in enumerate(p.stages):
+        split = 2 * cp * (s.tp if s.sequence_parallel else 1)
+        if t.seq_len % split:
+            raise MistInputError(
+                f"Stage {i}: the sequence length {t.seq_len} does not split into {split} equal parts "
+                f"(2·cp chunks{' of tp shards' if s.sequence_parallel else ''})."
+            )
+        if s.gpus_per_node % (s.cp * s.tp):
+            raise MistInputError(
+                f"Stage {i}: cp {s.cp} × tp {s.tp} must divide its {s.gpus_per_node} GPUs per node "
+                "(a replica's context- and tensor-parallel ranks share a node)."
+            )
+        if s.recompute_attention:
+            raise MistInputError(
+                f"Stage {i}: recompute_attention does not apply under cp {cp} (it runs its own attention)."
             )
 
 

@@ -86,9 +86,10 @@ def make_plan(
     recompute_activation=False,
     grad_dtype=None,
     sequence_parallel=False,
+    cp=1,
 ) -> Plan:
     spec = SPECS[family]
-    gpus = dp * tp
+    gpus = dp * tp * cp
     stage = StageStrategy(
         layers=spec.num_layers,
         nodes=1,
@@ -102,6 +103,7 @@ def make_plan(
         recompute_attention=recompute_attention,
         recompute_activation=recompute_activation,
         sequence_parallel=sequence_parallel,
+        cp=cp,
     )
     return Plan(
         model=spec,

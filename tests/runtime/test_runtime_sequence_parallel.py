@@ -54,12 +54,12 @@ def _memory_matches(plan: Plan, res: dict) -> None:
             assert p[k] == m[k], k
 
 
-def pp_plan(family: str, stages: list[dict], G: int = 2, b: int = 2, v: int = 1) -> Plan:
+def pp_plan(family: str, stages: list[dict], G: int = 2, b: int = 2, v: int = 1, schedule: str = "1f1b") -> Plan:
     sts = tuple(
         StageStrategy(
             layers=s["layers"],
             nodes=1,
-            gpus_per_node=s.get("dp", 1) * s.get("tp", 1),
+            gpus_per_node=s.get("dp", 1) * s.get("tp", 1) * s.get("cp", 1),
             micro_batch=b // s.get("dp", 1),
             dp=s.get("dp", 1),
             tp=s.get("tp", 1),
@@ -68,6 +68,7 @@ def pp_plan(family: str, stages: list[dict], G: int = 2, b: int = 2, v: int = 1)
             offload=Offload(**s.get("offload", {})),
             sequence_parallel=s.get("sp", False),
             chunk_layers=s.get("chunks"),
+            cp=s.get("cp", 1),
         )
         for s in stages
     )
@@ -78,6 +79,7 @@ def pp_plan(family: str, stages: list[dict], G: int = 2, b: int = 2, v: int = 1)
         micro_batches=G,
         stages=sts,
         virtual_stages=v,
+        schedule=schedule,
     )
 
 

@@ -21,7 +21,7 @@ from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, selective_modes
-from mist.models.collectives import TPGroup
+from mist.models.collectives import CPGroup, TPGroup
 from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
@@ -64,6 +64,7 @@ class LayerAnalysis:
     saved_whole: sympy.Expr = sympy.Integer(0)
     unit_batch: LayerAnalysis | None = None  # the exact b = 1 trace (memory at b = 1)
     sequence_parallel: bool = False  # traced with the TP group's sequence parallelism
+    cp: int = 1  # traced as context-parallel rank 0 of cp
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -158,12 +159,14 @@ def analyze_layer(
     target: str = "cuda",
     recompute: bool | str = False,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
     block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
     "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`).
     `sequence_parallel` (tp > 1): the layer's input is this rank's 1/tp of the sequence, sizes
-    still in the whole sequence length S."""
+    still in the whole sequence length S. `cp` > 1: the layer is context-parallel rank 0's of cp
+    (`mist.models.context_parallel`; its input 1/cp of the sequence, flash attention only)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
@@ -172,30 +175,35 @@ def analyze_layer(
         raise ValueError(f"recompute must be False, True or a selective part, got {recompute!r}")
     parts = selective_modes(recompute)
     spec.check_tp(tp)
+    spec.check_attention(flash)
     rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
     sp = bool(sequence_parallel) and tp > 1
-    la = _analyze(spec, part, tp, flash, dtype, target, rc, False, sp)
+    if cp > 1 and not flash:
+        raise ValueError("context parallelism runs flash attention only")
+    la = _analyze(spec, part, tp, flash, dtype, target, rc, False, sp, cp)
     if la.unit_batch is None:
-        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True, sp)
+        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True, sp, cp)
     return la
 
 
 @lru_cache(maxsize=512)
-def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False) -> LayerAnalysis:
-    # (the key of a trace without sequence parallelism is the one it always had)
+def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> LayerAnalysis:
+    # (the key of a trace without sequence or context parallelism is the one it always had)
     key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
+    key += (("cp", cp),) if cp > 1 else ()
     hit = disk_cache.load(key)
     if hit is not None:
         return hit
-    la = _trace_and_analyze(*key)
+    la = _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp)
     disk_cache.store(key, la)
     return la
 
 
-def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False) -> LayerAnalysis:
+def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> LayerAnalysis:
     tdtype = torch_dtype(dtype)
-    group = TPGroup(tp, 0, None, sequence_parallel=sp)
-    shards = tp if sp else 1
+    group = TPGroup(tp, 0, None, sequence_parallel=sp, cp=CPGroup(cp, 0, None))
+    tp_shards = tp if sp else 1
+    shards = tp_shards * cp  # of the whole sequence, in the layer's input
     h = spec.hidden_size
     holder = {}
 
@@ -216,14 +224,17 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         hint_s = max(2, hint_s // shards)
     if hint_s == HINT_B:
         hint_s = 2
+    if cp > 1:  # the rank's two chunks: an even local length (38, not the 37 of a whole sequence)
+        hint_s = 2 * (hint_s // 2 + 1)
+    pre_hint = hint_s * tp_shards  # the pre layer's tokens: the rank's positions, whole over tp
 
     def make_inputs(sym):
         if part == "pre":
-            return [sym((HINT_B, hint_s * shards), torch.long, 2)]
+            return [sym((HINT_B, pre_hint if cp > 1 else hint_s * shards), torch.long, 2)]
         x = sym((HINT_B, hint_s, h), tdtype, 2).requires_grad_()
         if part == "post":
-            if shards > 1:  # the loss is over the whole sequence: a target sized from x's shard
-                return [x, torch.zeros((x.shape[0], x.shape[1] * shards), dtype=torch.long)]
+            if tp_shards > 1:  # the loss is over the rank's positions: a target sized from x's shard
+                return [x, torch.zeros((x.shape[0], x.shape[1] * tp_shards), dtype=torch.long)]
             return [x, sym((HINT_B, hint_s), torch.long, 2)]
         return [x]
 
@@ -246,7 +257,12 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         return m
 
     trace, _ = run_trace(
-        build_and_hook, make_inputs, forward, backward, unit_batch=unit_batch, seq_shards=1 if part == "pre" else shards
+        build_and_hook,
+        make_inputs,
+        forward,
+        backward,
+        unit_batch=unit_batch,
+        seq_shards=cp if part == "pre" else shards,
     )
     records = [
         replace(
@@ -289,6 +305,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         saved_elts=[e for _, e in split],
         saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))),
         sequence_parallel=sp,
+        cp=cp,
     )
 
 

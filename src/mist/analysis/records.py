@@ -36,6 +36,11 @@ class AttentionParams:
     s: Any
     d: Any
     causal: bool
+    s_kv: Any = None  # keys per query row when not s (context parallelism's partial attentions)
+
+    @property
+    def keys(self):
+        return self.s if self.s_kv is None else self.s_kv
 
 
 @dataclass(frozen=True)

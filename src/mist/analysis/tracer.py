@@ -59,6 +59,7 @@ ATTENTION_OPS = {
 # `mist.models.attention`'s per-process cache of the rotary tables).
 _FREE_OPS = {
     "rotary_tables",
+    "cp_positions",
     "detach",
     "view",
     "_unsafe_view",
@@ -196,8 +197,8 @@ class _Recorder(TorchDispatchMode):
             params = _gemm_params(name, ins, ex)
             flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
         elif kind == ATTENTION:
-            params = _attention_params(name, args, kwargs, ex)
-            dense = 4 * params.b * params.heads * params.s**2 * params.d
+            params = _attention_params(func, name, args, kwargs, ex)
+            dense = 4 * params.b * params.heads * params.s * params.keys * params.d
             flops = sympy.expand(dense * (2 if "backward" in name else 1))
         tr.records.append(
             OpRecord(
@@ -218,7 +219,7 @@ class _Recorder(TorchDispatchMode):
 
 
 # Indexing operators touch only the selected elements of their large operand.
-_GATHERS = {"gather", "embedding", "index_select"}
+_GATHERS = {"gather", "embedding", "index_select", "index"}
 _SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
 
 
@@ -247,14 +248,23 @@ def _gemm_params(name: str, ins: list, ex: _Expr) -> GemmParams:
     return GemmParams(m=m, n=n, k=k, batch=bat)
 
 
-def _attention_params(name: str, args, kwargs, ex: _Expr) -> AttentionParams:
+def _attention_params(func, name: str, args, kwargs, ex: _Expr) -> AttentionParams:
     # forward: (q, k, v, ...); backward: (grad_out, q, k, v, out, lse, ...)
     tensors = [a for a in args if _is_tensor(a)]
     q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
     b, hq, s, d = ex.shape(q)
-    hk = ex.shape(k)[1]
-    causal = bool(kwargs.get("is_causal", True))
-    return AttentionParams(b=b, heads=hq, kv_heads=hk, s=s, d=d, causal=causal)
+    hk, keys = ex.shape(k)[1], ex.shape(k)[2]
+    return AttentionParams(b=b, heads=hq, kv_heads=hk, s=s, d=d, causal=_is_causal(func, args, kwargs), s_kv=keys)
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """The kernel's `is_causal` argument, wherever the call put it (its default if absent)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "is_causal":
+            if i < len(args):
+                return bool(args[i])
+            return bool(kwargs.get("is_causal", a.default_value))
+    return True
 
 
 def _symbolic(

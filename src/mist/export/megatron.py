@@ -309,8 +309,8 @@ def model_args(plan: Plan) -> list[str]:
         "--seq-length", str(t.seq_len),
         "--max-position-embeddings", str(max(m.max_position_embeddings, t.seq_len)),
         "--norm-epsilon", repr(m.norm_eps),
-        "--attention-dropout", "0.0",
-        "--hidden-dropout", "0.0",
+        "--attention-dropout", repr(m.attention_dropout),
+        "--hidden-dropout", repr(m.hidden_dropout),
     ]  # fmt: skip
     if m.num_kv_heads != m.num_heads:
         args += ["--group-query-attention", "--num-query-groups", str(m.num_kv_heads)]

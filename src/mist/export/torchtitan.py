@@ -134,6 +134,11 @@ def _model_problems(m: ModelSpec) -> list[str]:
             f"the model rotates {m.rotary_fraction:.0%} of each head's dimensions (rotary_fraction "
             f"{m.rotary_fraction:g}), and torchtitan's llama3 rotates all of them"
         )
+    if m.has_dropout:
+        out.append(
+            f"the model trains with dropout (attention_dropout {m.attention_dropout:g}, hidden_dropout "
+            f"{m.hidden_dropout:g}), and torchtitan's llama3 has none"
+        )
     return out
 
 
@@ -242,7 +247,7 @@ def _dtype_problems(plan: Plan) -> list[str]:
 
 # ------------------------------------------------------------------ nearest
 def nearest(plan: Plan) -> Plan:
-    """The closest plan torchtitan runs: same model (rotating all head dimensions), GPUs, global batch and layer split, with one
+    """The closest plan torchtitan runs: same model (rotating all head dimensions, no dropout), GPUs, global batch and layer split, with one
     dp/tp/micro-batch (the most common among stages), fp32 gradients, one ZeRO level (the highest;
     without a pipeline ZeRO-1 raised to ZeRO-2, under one ZeRO-2/3 lowered to the ZeRO-1 that FSDP2
     runs there), selective recompute turned into recompute of the stage's blocks (memory-safe),
@@ -251,6 +256,8 @@ def nearest(plan: Plan) -> Plan:
     the plan not fit: the CLI prints the prediction of both plans."""
     if plan.model.family == "llama" and plan.model.rotary_fraction != 1.0:  # costs the same
         plan = replace(plan, model=replace(plan.model, rotary_fraction=1.0), model_ref=None)
+    if plan.model.family == "llama" and plan.model.has_dropout:  # keeps fewer masks: costs a little less
+        plan = replace(plan, model=replace(plan.model, attention_dropout=0.0, hidden_dropout=0.0), model_ref=None)
     unfixable = _model_problems(plan.model) + _unfixable_problems(plan)
     if unfixable:
         raise NotExpressible(f"torchtitan cannot run this plan or any near it: {unfixable[0]}.")

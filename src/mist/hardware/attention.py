@@ -13,6 +13,10 @@ Modelling choices (documented because callers depend on them):
   it is compute-bound at training shapes. ``kv_heads`` is only validated.
 * **causal=False**: about twice the causal FLOPs, so twice the part of the causal time above the
   floor: ``t_full = t_causal + max(t_causal - floor, 0)``.
+* **queries and keys of different lengths** (``keys``: a context-parallel rank's partial
+  attentions, its n queries over n or j·n keys): priced as the square attention of the same work,
+  s = √(queries·keys), since the kernel's work (and the tables' scaling beyond the grid) goes with
+  queries × keys.
 * **backward**: the kernel(s) of the SDPA backward node alone. The H200 table's ``bwd_ms`` was
   derived as (fwd+bwd) − fwd of a timed ``backward()`` call, so it also contains the fixed cost of
   starting the autograd engine once per call (``backward_call_s`` of the host model, fitted on the
@@ -53,9 +57,11 @@ class AttentionTable:
         self._fwd = LogGrid(axes, self.fwd_s, _WORK_EXPONENTS, self.fwd_floor_s)
         self._bwd = LogGrid(axes, self.bwd_s, _WORK_EXPONENTS, self.bwd_floor_s)
 
-    def time(self, b, heads, kv_heads, s, d, causal=True, backward=False) -> np.ndarray:
+    def time(self, b, heads, kv_heads, s, d, causal=True, backward=False, keys=None) -> np.ndarray:
         """Seconds of the forward (or backward) flash kernel; numpy-broadcast over shapes."""
         b, heads, kv_heads, s, d = (np.asarray(x, dtype=float) for x in (b, heads, kv_heads, s, d))
+        if keys is not None:
+            s = np.sqrt(s * np.asarray(keys, dtype=float))
         if np.any(kv_heads > heads) or np.any(kv_heads <= 0):
             raise ValueError("attention_time: need 0 < kv_heads <= heads")
         grid = self._bwd if backward else self._fwd

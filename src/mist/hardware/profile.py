@@ -62,9 +62,10 @@ class GpuProfile:
         """y[m,n] = x[m,k] @ w[n,k]^T; `batch` independent GEMMs of that shape (bmm)."""
         return _out(self.gemm.time(m, n, k, batch))
 
-    def attention_time(self, b, heads, kv_heads, s, d, causal=True, backward=False):
-        """Fused flash SDPA kernel alone (forward or backward); GQA costs as MHA at `heads`."""
-        return _out(self.attention.time(b, heads, kv_heads, s, d, causal, backward))
+    def attention_time(self, b, heads, kv_heads, s, d, causal=True, backward=False, keys=None):
+        """Fused flash SDPA kernel alone (forward or backward); GQA costs as MHA at `heads`; `keys`
+        per query row when not s."""
+        return _out(self.attention.time(b, heads, kv_heads, s, d, causal, backward, keys))
 
     def memory_op_time(self, op, bytes_moved, backward=False):
         """Memory-bound kernel of aten op `op` (a str) moving `bytes_moved` (read + written)."""

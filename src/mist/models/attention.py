@@ -8,6 +8,10 @@ The core (q, k, v → context) is its own module, `AttentionCore`. With `recompu
 under reentrant checkpointing: only q, k and v are kept for backward and the core is re-run at the
 start of its backward (attention recomputation, Korthikanti et al. 2022's "selective"
 recomputation: without flash it drops the b·heads·s² softmax output for one more QKᵀ and softmax).
+
+Attention dropout (`ModelSpec.attention_dropout`, training only) drops the softmax probabilities of
+the materialised attention, drawn from the tensor-parallel stream (each rank's own heads;
+`mist.models.dropout`); flash attention with it is refused (`ModelSpec.check_attention`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from mist.models.collectives import TPGroup
+from mist.models.collectives import CPGroup, TPGroup
+from mist.models.context_parallel import context_attention, positions
+from mist.models.dropout import checkpoint, dropout, tp_stream
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
@@ -32,6 +37,18 @@ def _rotary_tables(seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, 
     Plain tensors even when first asked for under inference mode (an evaluation)."""
     with torch.inference_mode(False):
         return _build_tables(seq_len, rot_dim, base, dtype, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _context_tables(
+    seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device, cp: int, rank: int
+):
+    """The rows of `_rotary_tables(seq_len)` at the positions context-parallel rank `rank` of `cp`
+    holds (`mist.models.context_parallel.positions`), built once per key."""
+    cos, sin = _rotary_tables(seq_len, rot_dim, base, dtype, device)
+    with torch.inference_mode(False):
+        idx = positions(seq_len, cp, rank, device)
+        return cos[idx], sin[idx]
 
 
 def _build_tables(seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device):
@@ -97,15 +114,20 @@ class _RotaryQK(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def rotary_qk_(qkv: torch.Tensor, seq_len: int, rot_dim: int, heads: int, d: int, base: float) -> torch.Tensor:
+def rotary_qk_(
+    qkv: torch.Tensor, seq_len: int, rot_dim: int, heads: int, d: int, base: float, cp: CPGroup | None = None
+) -> torch.Tensor:
     """Rotate-half rotary on the first rot_dim dims of the first `heads` heads (q, then k) of
     qkv [b, s, n·d], in place; returns qkv. The caller splits the result into q, k and v (as
     `Attention` does): the backward rotates its incoming gradient in place, which must be that
     split's fresh concatenation (as flash-attn's in-place rotary and Megatron's fused softmax
-    work on their incoming gradients)."""
-    if isinstance(seq_len, int):  # a run: the cache itself, without the custom op's dispatch
+    work on their incoming gradients). Under context parallelism (`cp`) qkv holds the rank's
+    seq_len positions of a sequence cp times as long, rotated by their global positions."""
+    if isinstance(seq_len, int) and cp is not None and cp.size > 1:
+        cos, sin = _context_tables(seq_len * cp.size, rot_dim, float(base), qkv.dtype, qkv.device, cp.size, cp.rank)
+    elif isinstance(seq_len, int):  # a run: the cache itself, without the custom op's dispatch
         cos, sin = _rotary_tables(seq_len, rot_dim, float(base), qkv.dtype, qkv.device)
-    else:  # the symbolic trace: one opaque lookup
+    else:  # the symbolic trace: one opaque lookup (of the rank's rows under context parallelism)
         cos, sin = rotary_tables(seq_len, rot_dim, base, qkv.dtype, qkv.device)
     return _RotaryQK.apply(qkv, cos, sin, heads, d)
 
@@ -124,7 +146,7 @@ class Attention(nn.Module):
             spec.hidden_size, (spec.num_heads + 2 * kv_total) * d, tp, spec.bias, dtype, device
         )
         self.dense = RowParallelLinear(spec.hidden_size, spec.hidden_size, tp, spec.bias, dtype, device, reduce=reduce)
-        self.core = AttentionCore(flash)
+        self.core = AttentionCore(flash, spec.attention_dropout, tp)
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,13 +154,15 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # [b, s, ·]: the whole sequence also under sequence parallelism
         b, s = qkv.shape[0], qkv.shape[1]
         if self.spec.rotary_dim:
-            qkv = rotary_qk_(qkv, s, self.spec.rotary_dim, hq + hk, d, self.spec.rope_theta)
+            qkv = rotary_qk_(qkv, s, self.spec.rotary_dim, hq + hk, d, self.spec.rope_theta, self.tp.cp)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(b, s, hq, d).transpose(1, 2)
         k = k.view(b, s, hk, d).transpose(1, 2)
         v = v.view(b, s, hk, d).transpose(1, 2)
-        if self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(self.core, q, k, v, use_reentrant=True, preserve_rng_state=False)
+        if self.tp.cp.size > 1:  # flash only (`plan.check_plan`)
+            o = context_attention(q, k, v, self.tp.cp)
+        elif self.recompute_core and torch.is_grad_enabled():
+            o = checkpoint(self.core, q, k, v, dropout=self.core.p > 0)
         else:
             o = self.core(q, k, v)
         o = o.transpose(1, 2).reshape(b, s, hq * d)
@@ -146,14 +170,17 @@ class Attention(nn.Module):
 
 
 class AttentionCore(nn.Module):
-    """softmax(q·kᵀ/√d, causal)·v over [b, heads, s, d] (k, v may have fewer heads: GQA)."""
+    """softmax(q·kᵀ/√d, causal)·v over [b, heads, s, d] (k, v may have fewer heads: GQA), the
+    probabilities dropped with probability p in training (materialised attention only)."""
 
-    def __init__(self, flash: bool):
+    def __init__(self, flash: bool, p: float = 0.0, tp: TPGroup | None = None):
         super().__init__()
-        self.flash = flash
+        self.flash, self.p, self.tp = flash, p, tp or TPGroup()
 
     def forward(self, q, k, v):
         if self.flash:
+            if self.training and self.p > 0:  # refused at every entry (`ModelSpec.check_attention`)
+                raise RuntimeError("flash attention runs without attention dropout in Mist")
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self._materialised(q, k, v)
 
@@ -167,4 +194,7 @@ class AttentionCore(nn.Module):
         scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
+        if self.training and self.p > 0:
+            with tp_stream(self.tp, probs):
+                probs = dropout(probs, self.p, True)
         return torch.matmul(probs, v)

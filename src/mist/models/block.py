@@ -2,6 +2,10 @@
 
 gpt, llama: x + attn(norm1(x)), then + mlp(norm2(·))      (sequential residuals)
 falcon:     x + attn(norm(x)) + mlp(norm(x))               (parallel; one all-reduce for both)
+
+With `ModelSpec.hidden_dropout` (training only) the attention and MLP outputs are dropped before
+their residual add (falcon: their sum, once): from the shared stream when every TP rank holds the
+output whole, from the tensor-parallel stream under sequence parallelism (`mist.models.dropout`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from torch import nn
 
 from mist.models.attention import Attention
 from mist.models.collectives import TPGroup, sp_shared
+from mist.models.dropout import dropout, tp_stream
 from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.models.mlp import MLP
 from mist.models.norms import make_norm
@@ -44,6 +49,17 @@ class DecoderBlock(nn.Module):
             for lin in (self.attn.dense, self.mlp.fc2):
                 if lin.bias is not None:
                     out = out + sp_shared(lin.bias, self.tp)
-            return x + out
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+            return x + self._drop(out)
+        x = x + self._drop(self.attn(self.norm1(x)))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        """Hidden dropout of a reduced output: replicated over the TP ranks (the same masks from
+        the shared stream), or under sequence parallelism this rank's own shard."""
+        p = self.spec.hidden_dropout
+        if not self.training or p <= 0:
+            return y
+        if not self.tp.sp:
+            return dropout(y, p, True)
+        with tp_stream(self.tp, y):
+            return dropout(y, p, True)

@@ -9,13 +9,16 @@ The blocks that are not checkpointed whole may recompute parts of themselves (`S
   activation — the MLP keeps fc1's output but not the activation's: fc2 re-runs the activation in
                its backward (`act_linear`; Korthikanti et al. 2022 recompute the cheap elementwise
                ops for the same reason: they hold memory out of proportion to their time).
+With dropout in the model, the re-runs draw the masks of the forward (`mist.models.dropout`); the
+re-run of `act_linear` has no dropout in it (the hidden dropout follows fc2), so nothing to replay.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from mist.models.dropout import checkpoint
 
 SELECTIVE = ("attention", "activation")
 
@@ -83,4 +86,4 @@ def run_block(
     block.mlp.recompute_activation = activation and not recompute
     if not recompute:
         return block(x)
-    return checkpoint(block, x, use_reentrant=True, preserve_rng_state=False)
+    return checkpoint(block, x, dropout=block.spec.has_dropout)

@@ -30,6 +30,20 @@ def observe_collectives(fn: Observer):
         _observers.remove(fn)
 
 
+class CPGroup:
+    """A context-parallel group: its size, this rank's index, and the process group (or None: a
+    shard built without one, as `mist.analysis` traces it; the collectives are then announced
+    but skipped)."""
+
+    def __init__(self, size: int = 1, rank: int = 0, group=None):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"invalid context-parallel rank {rank} of {size}")
+        self.size, self.rank, self.group = size, rank, group
+
+    def __repr__(self) -> str:
+        return f"CPGroup(size={self.size}, rank={self.rank}, group={'yes' if self.group else 'none'})"
+
+
 class TPGroup:
     """A tensor-parallel group: its size, this rank's index, and the process group (or None).
 
@@ -38,13 +52,19 @@ class TPGroup:
     sequence, [b, s/size, h]; a column-parallel linear all-gathers its input (and keeps only the
     shard for backward, re-gathering it there), a row-parallel linear reduce-scatters its output.
     Only meaningful with size > 1 (`sp` is False otherwise).
+
+    `cp`: the context-parallel group this rank's TP group sits in (`mist.models.context_parallel`):
+    the layers then hold 2 of the sequence's 2·cp chunks; attention and the position tables use it.
     """
 
-    def __init__(self, size: int = 1, rank: int = 0, group=None, sequence_parallel: bool = False):
+    def __init__(
+        self, size: int = 1, rank: int = 0, group=None, sequence_parallel: bool = False, cp: CPGroup | None = None
+    ):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"invalid tensor-parallel rank {rank} of {size}")
         self.size, self.rank, self.group = size, rank, group
         self.sp = bool(sequence_parallel) and size > 1
+        self.cp = cp or CPGroup()
 
     def __repr__(self) -> str:
         sp = ", sequence_parallel" if self.sp else ""

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist.models.collectives import TPGroup, VocabShard, reduce_from_tp, split_to_sp
+from mist.models.context_parallel import rank_positions
 from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.specs.model import ModelSpec
 
@@ -37,7 +38,15 @@ class Embedding(VocabShard):
         else:
             x = F.embedding(tokens, self.word)
         if positions:
-            x = x + self.position[: tokens.shape[1]]
+            x = x + self._positions(tokens.shape[1], x.device)
             if self.tp.sp:
                 x = split_to_sp(x, self.tp)
         return x
+
+    def _positions(self, s: int, device) -> torch.Tensor:
+        """The learned position rows of the rank's s tokens: the first s, or under context
+        parallelism those at the positions it holds of a sequence cp times as long."""
+        cp = self.tp.cp
+        if cp.size == 1:
+            return self.position[:s]
+        return self.position[rank_positions(s * cp.size, cp.size, cp.rank, device)]

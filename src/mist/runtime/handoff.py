@@ -20,6 +20,11 @@ Two SP stages of equal tp exchange shards between equal TP positions: each rank 
 receives 1/tp of the activation, which is what the simulator prices (the boundary tensor of a
 stage is its own block output).
 
+Under context parallelism every stage has the same cp (`plan.check_plan`): the ranks of a data
+replica are cp groups of tp, and each holds the same 2 of the sequence's 2·cp chunks on every
+stage, so rank (d, c, t) exchanges only with ranks of cp index c, by the rules above over its
+local sequence (s/cp positions).
+
 A stage's place in the rank space is a `StageLayout`, defined here (pure, no torch) and used by
 `layout.py`, which builds the process groups from it.
 """
@@ -31,8 +36,9 @@ from dataclasses import dataclass
 
 @dataclass
 class StageLayout:
-    """Where one pipeline stage sits: its global ranks (dp replicas × tp ranks, from `first_rank`),
-    its layers and its micro-batch (`layout.stage_layouts` builds one per stage of a plan)."""
+    """Where one pipeline stage sits: its global ranks (dp replicas × cp × tp ranks, from
+    `first_rank`, tp fastest), its layers and its micro-batch (`layout.stage_layouts` builds one
+    per stage of a plan). A "replica" index below is d·cp + c: data replica d, context rank c."""
 
     index: int
     first_rank: int
@@ -41,19 +47,29 @@ class StageLayout:
     first_layer: int
     layers: int
     micro_batch: int = 1
-    seq_len: int = 0  # the model's sequence length (needed under sequence parallelism)
+    seq_len: int = 0  # positions a rank's replica holds: the sequence length / cp
     sequence_parallel: bool = False
+    cp: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding each parameter shard: dp × cp (their gradients are averaged)."""
+        return self.dp * self.cp
 
     @property
     def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.dp * self.tp)
+        return range(self.first_rank, self.first_rank + self.replicas * self.tp)
 
-    def tp_ranks(self, dp_rank: int) -> list[int]:
-        base = self.first_rank + dp_rank * self.tp
+    def tp_ranks(self, replica: int) -> list[int]:
+        base = self.first_rank + replica * self.tp
         return list(range(base, base + self.tp))
 
     def dp_ranks(self, tp_rank: int) -> list[int]:
-        return [self.first_rank + d * self.tp + tp_rank for d in range(self.dp)]
+        """Every replica's TP rank `tp_rank`: the group a parameter shard's gradients reduce over."""
+        return [self.first_rank + r * self.tp + tp_rank for r in range(self.replicas)]
+
+    def cp_ranks(self, dp_rank: int, tp_rank: int) -> list[int]:
+        return [self.first_rank + (dp_rank * self.cp + c) * self.tp + tp_rank for c in range(self.cp)]
 
     def seq_range(self, tp_rank: int) -> tuple[int, int]:
         """The sequence positions [a, b) that TP rank `tp_rank` holds between blocks."""
@@ -111,26 +127,26 @@ def _sliced(mine: StageLayout, other: StageLayout) -> bool:
     return mine.sequence_parallel or other.sequence_parallel
 
 
-def incoming(mine: StageLayout, dp_rank: int, tp_rank: int, sender: StageLayout) -> list[Piece]:
-    """What rank (dp_rank, tp_rank) of stage `mine` receives from stage `sender`, in row order
-    (rows and sequence positions in the receiver's tensor)."""
+def incoming(mine: StageLayout, dp_rank: int, tp_rank: int, sender: StageLayout, cp_rank: int = 0) -> list[Piece]:
+    """What rank (dp_rank, cp_rank, tp_rank) of stage `mine` receives from stage `sender`, in row
+    order (rows and sequence positions in the receiver's tensor)."""
     base = dp_rank * mine.micro_batch
     out = []
     for e, a, b in _overlaps(mine, dp_rank, sender):
-        ranks = sender.tp_ranks(e)
+        ranks = sender.tp_ranks(e * sender.cp + cp_rank)
         for u, s_lo, s_hi in _seq_pieces(mine, tp_rank, sender, tp_rank % sender.tp):
             seq = (s_lo, s_hi) if _sliced(mine, sender) else (0, None)
             out.append(Piece(ranks[u], a - base, b - base, *seq))
     return out
 
 
-def outgoing(mine: StageLayout, dp_rank: int, tp_rank: int, receiver: StageLayout) -> list[Piece]:
-    """What rank (dp_rank, tp_rank) of stage `mine` sends to stage `receiver` (rows and sequence
-    positions in the sender's tensor): what each receiver takes from it (`incoming`'s rule)."""
+def outgoing(mine: StageLayout, dp_rank: int, tp_rank: int, receiver: StageLayout, cp_rank: int = 0) -> list[Piece]:
+    """What rank (dp_rank, cp_rank, tp_rank) of stage `mine` sends to stage `receiver` (rows and
+    sequence positions in the sender's tensor): what each receiver takes from it (`incoming`'s rule)."""
     base = dp_rank * mine.micro_batch
     out = []
     for d, a, b in _overlaps(mine, dp_rank, receiver):
-        for r, t in zip(receiver.tp_ranks(d), range(receiver.tp)):
+        for r, t in zip(receiver.tp_ranks(d * receiver.cp + cp_rank), range(receiver.tp)):
             for u, s_lo, s_hi in _seq_pieces(receiver, t, mine, t % mine.tp):
                 if u != tp_rank:
                     continue

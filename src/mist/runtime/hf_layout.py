@@ -318,6 +318,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
             "mlp_bias": spec.bias,
             "rope_parameters": rope,
             "rope_theta": spec.rope_theta,
+            "attention_dropout": spec.attention_dropout,  # Llama has no hidden dropout
         }
     if arch.model_type == "gpt2":
         return {
@@ -329,10 +330,10 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
             "n_positions": spec.max_position_embeddings,
             "layer_norm_epsilon": spec.norm_eps,
             "activation_function": _HF_GELU_NAME[spec.gelu_approximate],
-            # Mist trains without dropout
-            "attn_pdrop": 0.0,
+            # the plan's dropout (Mist has no embedding dropout)
+            "attn_pdrop": spec.attention_dropout,
             "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0,
+            "resid_pdrop": spec.hidden_dropout,
         }
     grouped = arch.qkv_layout == "grouped"
     return {
@@ -353,6 +354,8 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         "activation": _HF_GELU_NAME[spec.gelu_approximate],
         "rope_parameters": rope,
         "rope_theta": spec.rope_theta,
+        "attention_dropout": spec.attention_dropout,
+        "hidden_dropout": spec.hidden_dropout,
     }
 
 

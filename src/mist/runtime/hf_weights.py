@@ -40,15 +40,16 @@ from mist.runtime import hf_layout
 from mist.runtime.hf_layout import HFArch, Piece
 from mist.runtime.sharding import tp_slice
 from mist.specs.loading import load_model
-from mist.specs.model import ModelSpec
+from mist.specs.model import DROPOUT_FIELDS, ModelSpec
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 DEFAULT_SHARD_BYTES = 5 * 1000**3
-# fields of the two ModelSpecs that must agree: all but the name, and the number of positions
-# only where they are learned weights (gpt; added below)
-_FIELDS = tuple(f for f in ModelSpec.field_names() if f not in ("name", "max_position_embeddings"))
+# fields of the two ModelSpecs that must agree: all but the name, the dropout probabilities (how
+# the plan trains, not what the weights compute), and the number of positions only where they
+# are learned weights (gpt; added below)
+_FIELDS = tuple(f for f in ModelSpec.field_names() if f not in ("name", "max_position_embeddings", *DROPOUT_FIELDS))
 
 
 @dataclass(frozen=True)

@@ -134,17 +134,17 @@ def chunk_links(groups: RankGroups, v: int, rows: int) -> list[tuple[Links, int,
     """Per chunk of this rank: its `Links` and the model positions (p·c + r) of the chunks it
     receives from and sends to (−1: none)."""
     S, r = len(groups.stages), groups.stage.index
-    me, dp_rank, tp_rank = groups.stage, groups.dp_rank, groups.tp_rank
+    me, dp_rank, tp_rank, cp_rank = groups.stage, groups.data_rank, groups.tp_rank, groups.cp_rank
     out = []
     for c in range(v):
         k = c * S + r
         prev = groups.stages[(r - 1) % S] if k > 0 else None
         nxt = groups.stages[(r + 1) % S] if k < S * v - 1 else None
         links = Links(
-            prev_in=tuple(incoming(me, dp_rank, tp_rank, prev)) if prev else (),
-            prev_out=tuple(outgoing(me, dp_rank, tp_rank, prev)) if prev else (),
-            next_in=tuple(incoming(me, dp_rank, tp_rank, nxt)) if nxt else (),
-            next_out=tuple(outgoing(me, dp_rank, tp_rank, nxt)) if nxt else (),
+            prev_in=tuple(incoming(me, dp_rank, tp_rank, prev, cp_rank)) if prev else (),
+            prev_out=tuple(outgoing(me, dp_rank, tp_rank, prev, cp_rank)) if prev else (),
+            next_in=tuple(incoming(me, dp_rank, tp_rank, nxt, cp_rank)) if nxt else (),
+            next_out=tuple(outgoing(me, dp_rank, tp_rank, nxt, cp_rank)) if nxt else (),
             rows=rows,
             grad_scale=me.dp / nxt.dp if nxt else 1.0,
         )

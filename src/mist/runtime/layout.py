@@ -30,7 +30,18 @@ def stage_layouts(plan: Plan) -> list[StageLayout]:
     out, rank, layer = [], 0, 0
     for i, s in enumerate(plan.stages):
         out.append(
-            StageLayout(i, rank, s.dp, s.tp, layer, s.layers, s.micro_batch, plan.training.seq_len, s.sequence_parallel)
+            StageLayout(
+                i,
+                rank,
+                s.dp,
+                s.tp,
+                layer,
+                s.layers,
+                s.micro_batch,
+                plan.training.seq_len // s.cp,
+                s.sequence_parallel,
+                s.cp,
+            )
         )
         rank += s.gpus
         layer += s.layers
@@ -44,10 +55,11 @@ class RankGroups:
     rank: int
     world: int
     stage: StageLayout
-    dp_rank: int
+    dp_rank: int  # replica index d·cp + c (`StageLayout`): the rank in the gradient-reduction group
     tp_rank: int
     tp_group: object = None
-    dp_group: object = None
+    dp_group: object = None  # the stage's replicas at this TP rank (dp × cp ranks)
+    cp_group: object = None
     kv_group: object = None  # ranks sharing copies of one KV head (tp > num_kv_heads)
     kv_size: int = 1
     # pipeline with tied embeddings: (local rows lo, hi, group) of this rank's word-embedding shard
@@ -55,6 +67,16 @@ class RankGroups:
     tied: list = field(default_factory=list)
     stages: list[StageLayout] = field(default_factory=list)
     created: list = field(default_factory=list)
+
+    @property
+    def data_rank(self) -> int:
+        """The data replica: which rows of a micro-batch this rank trains on."""
+        return self.dp_rank // self.stage.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """The context-parallel index: which 2 of the sequence's 2·cp chunks this rank holds."""
+        return self.dp_rank % self.stage.cp
 
     def destroy(self) -> None:
         for g in self.created:
@@ -68,12 +90,12 @@ class RankGroups:
     def incoming(self, offset: int) -> list[Piece]:
         """The pieces of a micro-batch tensor this rank receives from the stage `offset` away."""
         other = self._neighbour(offset)
-        return [] if other is None else incoming(self.stage, self.dp_rank, self.tp_rank, other)
+        return [] if other is None else incoming(self.stage, self.data_rank, self.tp_rank, other, self.cp_rank)
 
     def outgoing(self, offset: int) -> list[Piece]:
         """The pieces of a micro-batch tensor this rank sends to the stage `offset` away."""
         other = self._neighbour(offset)
-        return [] if other is None else outgoing(self.stage, self.dp_rank, self.tp_rank, other)
+        return [] if other is None else outgoing(self.stage, self.data_rank, self.tp_rank, other, self.cp_rank)
 
 
 def tied_segments(first: StageLayout, last: StageLayout, vocab: int) -> list[tuple[int, int, list[int]]]:
@@ -85,7 +107,7 @@ def tied_segments(first: StageLayout, last: StageLayout, vocab: int) -> list[tup
         ranks = []
         for s in (first, last):
             t = lo // (vocab // s.tp)
-            ranks += [s.tp_ranks(d)[t] for d in range(s.dp)]
+            ranks += [s.tp_ranks(r)[t] for r in range(s.replicas)]
         out.append((lo, hi, sorted(ranks)))
     return out
 
@@ -107,17 +129,22 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
         return g
 
     for s in layouts:
-        for d in range(s.dp):
-            g = make(s.tp_ranks(d))
+        for r in range(s.replicas):
+            g = make(s.tp_ranks(r))
             if g is not None:
                 rg.tp_group = g
         for t in range(s.tp):
             g = make(s.dp_ranks(t))
             if g is not None:
                 rg.dp_group = g
+        for d in range(s.dp):
+            for t in range(s.tp):
+                g = make(s.cp_ranks(d, t))
+                if g is not None:
+                    rg.cp_group = g
         if s.tp > kv_heads:
             rep = s.tp // kv_heads
-            for d in range(s.dp):
+            for d in range(s.replicas):
                 tps = s.tp_ranks(d)
                 for k in range(kv_heads):
                     g = make(tps[k * rep : (k + 1) * rep])

@@ -38,11 +38,13 @@ def _stage_bytes(plan: Plan, i: int, host_only: bool) -> float:
             units.append((m.vocab_size * m.hidden_size / s.tp, 0.0, 0.0, 0.0))
     total = 0.0
     for params, offload_weights, offload_grads, offload_optimizer in units:
-        host = unit_host_states(params, s.dp, s.zero, offload_weights, offload_grads, offload_optimizer, G, prec)
+        host = unit_host_states(params, s.dp * s.cp, s.zero, offload_weights, offload_grads, offload_optimizer, G, prec)
         total += float(sum(host[:3]))
         if not host_only:
             total += float(
-                sum(unit_states(params, s.dp, s.zero, offload_weights, offload_grads, offload_optimizer, G, prec))
+                sum(
+                    unit_states(params, s.dp * s.cp, s.zero, offload_weights, offload_grads, offload_optimizer, G, prec)
+                )
             )
     return total
 

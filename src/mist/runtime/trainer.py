@@ -16,6 +16,9 @@ import torch.distributed as dist
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.models import TPGroup
+from mist.models.collectives import CPGroup
+from mist.models.context_parallel import local_tokens
+from mist.models.dropout import seed_dropout
 from mist.models.dtypes import torch_dtype
 from mist.plan import Offload, Plan
 from mist.rules.zero_bubble_order import ZB_H1
@@ -93,7 +96,8 @@ class Trainer:
         self.dtype, autocast, fp16 = working_dtypes(plan)
         self.grad_dtype = grad_dtype(plan)
         self.scaler = LossScaler(fp16)
-        self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group, st.sequence_parallel)
+        cp = CPGroup(lay.cp, groups.cp_rank, groups.cp_group)
+        self.tp = TPGroup(lay.tp, groups.tp_rank, groups.tp_group, st.sequence_parallel, cp)
         self.module = self._build_module()
         self.memory = MemoryAccount()
         self.units = self._build_units(self._unit_params())
@@ -188,7 +192,8 @@ class Trainer:
 
     def _build_units(self, unit_params) -> list[FlatUnit]:
         plan, st, groups = self.plan, self.stage, self.groups
-        comms = Comms(st.dp, groups.dp_rank, groups.dp_group, groups.kv_group, groups.kv_size)
+        # gradients are averaged over the dp × cp replicas (each a token mean of its positions)
+        comms = Comms(st.dp * st.cp, groups.dp_rank, groups.dp_group, groups.kv_group, groups.kv_size)
         copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         units: list[FlatUnit] = []
         for prefix, plist, infos in unit_params:
@@ -271,16 +276,15 @@ class Trainer:
         lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
         pos = getattr(self.data, "position", None)  # the sampler's, for packed token data
         batch = self.data.global_batch(step)
-        mbs = [
-            (x.to(self.device), y.to(self.device))
-            for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.dp_rank)
-        ]
+        mbs = self._micro_batches(batch)
+        if self.plan.model.has_dropout:  # this step's masks (`mist.models.dropout`)
+            seed_dropout(cfg.seed, step, g.stage.index, g.dp_rank, g.tp_rank)
         self._sync()
         t0 = time.perf_counter()
         self.timer.reset()
         losses = self.schedule.run(self.runner, mbs, self.scaler.scale, timer=self.timer)
         for k, idx in self.tied.items():
-            self.units[k].reduce_deferred(idx, g.tied, 1.0 / self.stage.dp)
+            self.units[k].reduce_deferred(idx, g.tied, 1.0 / (self.stage.dp * self.stage.cp))
         res = self.optimizer.step(lr, self.device, timer=self.timer)
         loss = self._global_loss(losses)
         self._sync()
@@ -301,6 +305,15 @@ class Trainer:
         self.history.append(rec)
         return rec
 
+    def _micro_batches(self, batch: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (tokens, targets) of each micro-batch: its data replica's rows, and under
+        context parallelism its 2 of the 2·cp sequence chunks."""
+        g, cp = self.groups, self.stage.cp
+        return [
+            (local_tokens(x, cp, g.cp_rank).to(self.device), local_tokens(y, cp, g.cp_rank).to(self.device))
+            for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, g.data_rank)
+        ]
+
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean of the micro-batch losses over the whole global batch, on every rank."""
         g = self.groups
@@ -308,7 +321,7 @@ class Trainer:
         loss = torch.stack(losses).float().mean() if last else torch.zeros((), dtype=torch.float32, device=self.device)
         if last and g.dp_group is not None:
             dist.all_reduce(loss, group=g.dp_group)
-            loss /= self.stage.dp
+            loss /= self.stage.dp * self.stage.cp
         if self.plan.num_stages > 1:
             # the loss exists on the last stage: every rank (rank 0 reports it) gets it from there
             dist.broadcast(loss, src=g.stages[-1].first_rank)
@@ -317,12 +330,13 @@ class Trainer:
     def evaluate(self) -> float:
         """The mean loss over the fixed evaluation batches, forward only (collective)."""
         total = 0.0
-        for batch in self.eval_batches:
-            mbs = [
-                (x.to(self.device), y.to(self.device))
-                for x, y in split_micro_batches(batch, self.plan.micro_batches, self.stage.dp, self.groups.dp_rank)
-            ]
-            total += float(self._global_loss(self.schedule.forward_only(self.runner, mbs)).item())
+        self.module.eval()  # no dropout
+        try:
+            for batch in self.eval_batches:
+                mbs = self._micro_batches(batch)
+                total += float(self._global_loss(self.schedule.forward_only(self.runner, mbs)).item())
+        finally:
+            self.module.train()
         return total / len(self.eval_batches)
 
     def _peak_bytes(self) -> int:

@@ -41,7 +41,7 @@ def kernel_time(profile, op: OpValues, backward: bool) -> np.ndarray:
     if isinstance(p, GemmParams):
         return profile.gemm_time(p.m, p.n, p.k, p.batch)
     if isinstance(p, AttentionParams):
-        return profile.attention_time(p.b, p.heads, p.kv_heads, p.s, p.d, p.causal, backward)
+        return profile.attention_time(p.b, p.heads, p.kv_heads, p.s, p.d, p.causal, backward, p.s_kv)
     return profile.memory_op_time(op.op, op.bytes_moved, backward)
 
 

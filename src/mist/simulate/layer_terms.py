@@ -94,12 +94,14 @@ def layer_terms(
     target: str = "cuda",
     selective: str | bool = False,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
     with the layer traced in `dtype` on the `target` device kind. `selective`: what the blocks
     that are not checkpointed whole re-run in backward ("attention", "activation", both joined by
     "+"; `mist.models.checkpointing.selective_name`); their backward then includes the re-runs.
-    `sequence_parallel`: the layer traced with the TP group's sequence parallelism."""
+    `sequence_parallel`: the layer traced with the TP group's sequence parallelism; `cp`: as a
+    context-parallel rank of cp."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
     return _layer_terms(
         spec,
@@ -113,16 +115,17 @@ def layer_terms(
         target,
         selective if part == "block" else False,
         bool(sequence_parallel) and tp > 1,
+        int(cp),
     )
 
 
 @lru_cache(maxsize=512)
-def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, sp) -> LayerTerms:
+def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, sp, cp) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
-    links = profile.link_model() if tp > 1 else None  # own section or shipped file
-    kw = dict(tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp)
+    links = profile.link_model() if tp > 1 or cp > 1 else None  # own section or shipped file
+    kw = dict(tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
     la = analyze_layer(spec, part, recompute=selective or False, **kw)
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)

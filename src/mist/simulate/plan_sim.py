@@ -54,7 +54,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 layers=np.array([s.layers]),
                 recompute=np.array([s.recompute_layers]),
                 b=np.array([s.micro_batch]),
-                dp=np.array([s.dp]),
+                dp=np.array([s.dp * s.cp]),  # the replicas a shard's gradients and states span
                 tp=s.tp,
                 zero=np.array([s.zero]),
                 offload_weights=np.array([s.offload.weights]),
@@ -172,6 +172,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | 
             recompute_attention=s.recompute_attention,
             recompute_activation=s.recompute_activation,
             sequence_parallel=s.sequence_parallel,
+            cp=s.cp,
         )
         models.append(model)
     if plan.schedule == ZB_H1:
@@ -292,7 +293,7 @@ def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGra
     G = plan.micro_batches
     tokens = t.global_batch * t.seq_len
     # model FLOPs of one iteration: every stage's per-micro-batch FLOPs × its dp × G (no recompute)
-    flops = sum(float(r.flops_per_microbatch[0]) * s.tp * s.dp * G for r, s in zip(results, plan.stages))
+    flops = sum(float(r.flops_per_microbatch[0]) * s.tp * s.dp * s.cp * G for r, s in zip(results, plan.stages))
     gpus = plan.cluster.world_size
     capacity = profile.memory_bytes
     entries = [_stage_prediction(i, r, capacity, profile) for i, r in enumerate(results)]

@@ -335,10 +335,13 @@ class StageModel:
         recompute_attention: bool = False,
         recompute_activation: bool = False,
         sequence_parallel: bool = False,
+        cp: int = 1,
     ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
-        # the layers as traced with the TP group's sequence parallelism (tp > 1 only)
+        # the layers as traced with the TP group's sequence parallelism (tp > 1 only), and as a
+        # context-parallel rank of cp (its StageInput's dp then counts the dp × cp replicas)
         self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        self.cp = cp
         # what the blocks not checkpointed whole re-run in backward: their attention core, their
         # MLP activation (`mist.models.checkpointing`)
         self.selective = selective_name(recompute_attention, recompute_activation)
@@ -363,6 +366,7 @@ class StageModel:
             self.prec.target,
             self.selective,
             self.sequence_parallel,
+            self.cp,
         )
         return lt, inv.reshape(np.shape(b))
 

@@ -46,6 +46,8 @@ OPTIONAL_FIELDS = (
     "name",
     "rope_theta",
     "gelu_approximate",
+    "attention_dropout",
+    "hidden_dropout",
 )
 _INT_FIELDS = (
     "num_layers",
@@ -57,7 +59,7 @@ _INT_FIELDS = (
     "max_position_embeddings",
 )
 _BOOL_FIELDS = ("tie_embeddings", "bias")
-_FLOAT_FIELDS = ("rotary_fraction", "norm_eps", "rope_theta")
+_FLOAT_FIELDS = ("rotary_fraction", "norm_eps", "rope_theta", "attention_dropout", "hidden_dropout")
 _STR_FIELDS = ("family", "name", "gelu_approximate")
 
 HF_MODEL_TYPES = ("llama", "mistral", "falcon", "gpt2", "gpt_neox")
@@ -303,6 +305,7 @@ def _hf_llama(c: _Cfg) -> dict:
         norm_eps=c.number("rms_norm_eps", default=1e-6),
         max_position_embeddings=c.get("max_position_embeddings", default=131072 if mistral else 2048),
         rope_theta=_rope_theta(c),
+        attention_dropout=c.number("attention_dropout", default=0.0),  # Llama has no hidden dropout
     )
 
 
@@ -337,6 +340,8 @@ def _hf_falcon(c: _Cfg) -> dict:
         max_position_embeddings=c.get("max_position_embeddings", default=2048),
         rope_theta=_rope_theta(c),
         gelu_approximate=HF_GELUS.get(str(c.get("activation", default="gelu")), "tanh"),
+        attention_dropout=c.number("attention_dropout", default=0.0),
+        hidden_dropout=c.number("hidden_dropout", default=0.0),
     )
     # The new decoder architecture (Falcon-40B/180B) has two LayerNorms per block; our falcon
     # block has one, so such models come out 2h parameters per layer short.
@@ -366,6 +371,9 @@ def _hf_gpt2(c: _Cfg) -> dict:
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("n_positions", "max_position_embeddings", default=1024),
         gelu_approximate=HF_GELUS.get(str(c.get("activation_function", default="gelu_new")), "tanh"),
+        # GPT2Config's defaults; its embedding dropout (embd_pdrop) is not modelled
+        attention_dropout=c.number("attn_pdrop", default=0.1),
+        hidden_dropout=c.number("resid_pdrop", default=0.1),
     )
 
 
@@ -394,6 +402,8 @@ def _hf_gpt_neox(c: _Cfg) -> dict:
         rotary_fraction=c.number("rotary_pct", "partial_rotary_factor", default=0.25),
         norm_eps=c.number("layer_norm_eps", default=1e-5),
         max_position_embeddings=c.get("max_position_embeddings", default=2048),
+        attention_dropout=c.number("attention_dropout", default=0.0),
+        hidden_dropout=c.number("hidden_dropout", default=0.0),
     )
 
 

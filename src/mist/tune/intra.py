@@ -103,12 +103,14 @@ class StageTables:
         with_wg: bool,
         precision=None,
         host_cap: float | None = None,
+        cp: int = 1,
     ):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
         self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
         # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it
         self.host_cap = host_cap
+        self.cp = cp  # context parallelism of every stage (its ranks count as replicas below)
         self._models: dict = {}
         self._comps: dict = {}
         self.evaluated = 0
@@ -127,6 +129,7 @@ class StageTables:
                 recompute_attention=sel[0],
                 recompute_activation=sel[1],
                 sequence_parallel=len(sel) > 2 and bool(sel[2]),
+                cp=self.cp,
             )
         return self._models[tp, sel]
 
@@ -136,7 +139,9 @@ class StageTables:
         where tp > 1."""
         out = []
         for tdb, (attn, act) in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
-            for sp in self.space.sequence_parallel if tdb[0] > 1 else (False,):
+            # (sequence parallelism splits the sequence, or each of the 2·cp chunks, over tp)
+            split = tdb[0] * (2 * self.cp if self.cp > 1 else 1)
+            for sp in self.space.sequence_parallel if tdb[0] > 1 and self.seq % split == 0 else (False,):
                 out.append((tdb, (attn, act, bool(sp))))
         return out
 
@@ -147,7 +152,8 @@ class StageTables:
         return list(itertools.product(attn, self.space.recompute_activation))
 
     def tp_choices(self, tp_fixed: int | None = None) -> list[tuple[int, int, int]]:
-        """(tp, dp, b) triples allowed for a stage of this mesh."""
+        """(tp, dp, b) triples allowed for a stage of this mesh (dp: data replicas; with context
+        parallelism a replica is cp × tp GPUs of one node)."""
         n = self.nodes * self.gpn
         out = []
         for tp in tp_degrees(self.spec, self.gpn, MAX_TP):
@@ -155,7 +161,9 @@ class StageTables:
                 continue
             if self.space.tp_values is not None and tp not in self.space.tp_values:
                 continue
-            dp = n // tp
+            if self.gpn % (tp * self.cp):
+                continue
+            dp = n // (tp * self.cp)
             if self.B % (self.G * dp):
                 continue
             b = self.B // (self.G * dp)
@@ -194,7 +202,7 @@ class StageTables:
     ) -> tuple[StrategyGrid, StageComponents]:
         key = (tp, dp, b, first, last, sel)
         if key not in self._comps:
-            grid = self.strategy_grid(dp)
+            grid = self.strategy_grid(dp * self.cp)
             n = len(grid)
             st = StageInput(
                 first=first,
@@ -204,7 +212,7 @@ class StageTables:
                 layers=np.ones(n),
                 recompute=np.zeros(n),
                 b=np.full(n, b),
-                dp=np.full(n, dp),
+                dp=np.full(n, dp * self.cp),  # the replicas of a shard: dp × cp
                 tp=tp,
                 zero=grid.zero,
                 offload_weights=grid.offload_weights,
@@ -295,6 +303,7 @@ class StageTables:
             recompute_attention=bool(sel[0]),
             recompute_activation=bool(sel[1]),
             sequence_parallel=len(sel) > 2 and bool(sel[2]),
+            cp=self.cp,
         )
 
     def min_layer_time(self) -> float:

@@ -79,6 +79,8 @@ class _Search:
     evaluated: int = 0
     min_peak: float = np.inf  # see `_infeasible`
     min_host: float = np.inf
+    t0: float = 0.0  # when the search started (perf_counter), and its time budget
+    time_budget: float | None = None
 
 
 def tune(
@@ -95,7 +97,7 @@ def tune(
     sp = get_space(space) if isinstance(space, str) else space
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
-    state = _Search()
+    state = _Search(t0=t0, time_budget=time_budget)
     budget_hit = False
     node_host, host_source = node_host_memory(cluster, profile)
     host_cap = None if node_host is None else node_host / cluster.gpus_per_node
@@ -105,12 +107,37 @@ def tune(
     phases = (True,) if sp.wg_policy == "always" else (False, True)
     if all(v == 0 for v in sp.offload_weights) and all(v == 0 for v in sp.offload_grads):
         phases = (False,)
+    for cp in _cp_values(sp, training, cluster.gpus_per_node):
+        if cp > 1 and state.best.plan is not None and not _activation_bound(state.best.plan):
+            break
+        budget_hit = _search_phases(
+            state, sp, phases, combos, cp, model, cluster, training, profile, host_cap, progress
+        )
+        budget_hit = budget_hit or (time_budget is not None and time.perf_counter() - t0 > time_budget)
+        if budget_hit:
+            break
+    elapsed = time.perf_counter() - t0
+    if state.best.plan is None:
+        reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
+        if budget_hit:
+            reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
+        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason)
+    plan = state.best.plan
+    predicted = simulate_plan(plan, profile)
+    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None)
+
+
+def _search_phases(state, sp, phases, combos, cp, model, cluster, training, profile, host_cap, progress) -> bool:
+    """Search every (pp, G) pair with context parallelism cp, first without weight/gradient
+    offload, then with it if nothing fit; True when the time budget ran out."""
+    t0, budget = state.t0, state.time_budget
     for with_wg in phases:
         done = 0
         for (pp, nodes, gpn), G in combos:
-            if time_budget is not None and time.perf_counter() - t0 > time_budget:
-                budget_hit = True
-                break
+            if budget is not None and time.perf_counter() - t0 > budget:
+                return True
+            if gpn % cp:
+                continue
             tps: list = [None]
             if sp.uniform_tp:
                 tps = tp_degrees(model, gpn, MAX_UNIFORM_TP)
@@ -126,10 +153,11 @@ def tune(
                     nodes,
                     gpn,
                     cluster.gpus_per_node,
-                    B,
+                    training.global_batch,
                     with_wg,
                     precision_for(training, profile),
                     host_cap,
+                    cp,
                 )
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
                 _search_interleaved(state, tables, tp_fixed, model, cluster, training)
@@ -137,17 +165,20 @@ def tune(
             done += 1
             if progress is not None:
                 progress(done, len(combos), state.best.objective)
-        if state.best.plan is not None or budget_hit:
-            break
-    elapsed = time.perf_counter() - t0
-    if state.best.plan is None:
-        reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
-        if budget_hit:
-            reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
-        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason)
-    plan = state.best.plan
-    predicted = simulate_plan(plan, profile)
-    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None)
+        if state.best.plan is not None:
+            return False
+    return False
+
+
+def _activation_bound(plan: Plan) -> bool:
+    """Whether a plan pays for its activations' memory (recomputation of any kind, activation
+    offload): only then can context parallelism, which moves activation memory to more ranks at
+    the price of the K/V exchange, make it faster. (A pruning rule of the search: it can miss a
+    pipeline that would gain from the larger G that fewer data replicas allow.)"""
+    return any(
+        s.recompute_layers or s.recompute_attention or s.recompute_activation or s.offload.activations
+        for s in plan.stages
+    )
 
 
 def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile, time_budget) -> None:
@@ -159,6 +190,14 @@ def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, trai
     state.evaluated += seed.candidates_evaluated
     if seed.plan is not None and seed.iteration_time_s is not None:  # (a plan comes with its time)
         state.best = _Best(seed.iteration_time_s, seed.plan)
+
+
+def _cp_values(sp: SearchSpace, training: TrainingSpec, gpn: int) -> list[int]:
+    """The context-parallel degrees to try: the space's, with flash attention, dividing the
+    stage mesh's GPUs per node and splitting the sequence into 2·cp chunks."""
+    if not training.flash_attention:
+        return [1]
+    return [cp for cp in sp.cp_values if cp == 1 or (gpn % cp == 0 and training.seq_len % (2 * cp) == 0)]
 
 
 def _combos(cluster: ClusterSpec, sp: SearchSpace, L: int, B: int) -> list:

@@ -7,7 +7,8 @@ full        per stage: tensor parallel degree (a power of two within a node, div
             (their MLP activation; their attention core, searched without flash attention,
             where it drops the s² scores), offload ratios of weights, gradients,
             optimizer states and activations in eighths, sequence parallelism on or off
-            where tp > 1; globally: pipeline depth (any
+            where tp > 1; globally: context parallelism cp ∈ {1, 2, 4, 8} with flash
+            attention (the same on every stage, cp × tp within a node), pipeline depth (any
             divisor of the GPU count that gives whole-node or in-node stage meshes), any
             layer split, G any divisor of the global batch; interleaved 1F1B with v = 2 or 4
             chunks per rank where G is a multiple of pp and the blocks divide into pp·v equal
@@ -63,6 +64,8 @@ class SearchSpace:
     schedules: tuple = ("1f1b",)
     # sequence parallelism of a stage's TP group (tried only where tp > 1)
     sequence_parallel: tuple = (False,)
+    # context-parallel degrees, one for the whole plan (tried with flash attention only)
+    cp_values: tuple = (1,)
 
 
 SPACES = {
@@ -72,6 +75,7 @@ SPACES = {
         virtual_stages=(1, 2, 4),
         schedules=("1f1b", "zb-h1"),
         sequence_parallel=(False, True),
+        cp_values=(1, 2, 4, 8),
     ),
     "mist-paper": SearchSpace(
         "mist-paper",

@@ -85,8 +85,8 @@ def main(argv=None):
         "bf16, flash attention, H200 profile; every step trains on 2^21 tokens (64 sequences at 32k, 16 at "
         "128k). Speedup = the target's best predicted iteration time / Mist's "
         "full space's. Sequence parallelism (tp+sp in a plan) is searched by the full space and by "
-        "Megatron-LM's (on or off) and is always on in torchtitan's with tp > 1; no space has context "
-        "parallelism yet: 'no fit' marks what a space needs.\n\n"
+        "Megatron-LM's (on or off) and is always on in torchtitan's with tp > 1; context parallelism "
+        "(cpN in a plan) is searched by the full space only: 'no fit' marks what a space needs.\n\n"
     )
     for model, n, seq, batch in CASES:
         if (model, n, seq) in done:

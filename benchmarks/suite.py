@@ -7,7 +7,8 @@ and a plot of speedups; rows are appended as cases finish, so a partial run keep
     PYTHONPATH=src python benchmarks/suite.py [--only l4|a100|h200] [--budget SEC] [--out DIR]
                                               [--grad-dtype fp32] [--dtype bf16|fp16] [--ablate]
 
-The full space's schedule and sequence knobs (interleaved 1F1B, ZB-H1, sequence parallelism) are
+The full space's schedule and sequence knobs (interleaved 1F1B, ZB-H1, sequence and context
+parallelism) are
 counted over the cases; with `--ablate`, every case whose full plan uses one is tuned again
 without it, and the table says what the knob buys there (time without / time with).
 
@@ -75,6 +76,7 @@ KNOBS = {
     "interleaved 1F1B": dict(virtual_stages=(1,)),
     "ZB-H1": dict(schedules=("1f1b",)),
     "sequence parallelism": dict(sequence_parallel=(False,)),
+    "context parallelism": dict(cp_values=(1,)),
 }
 
 
@@ -86,6 +88,7 @@ def knobs_used(plan: dict | None) -> list[str]:
         "interleaved 1F1B": plan.get("virtual_stages", 1) > 1,
         "ZB-H1": plan.get("schedule", "1f1b") != "1f1b",
         "sequence parallelism": any(s.get("sequence_parallel") for s in plan["stages"]),
+        "context parallelism": any(s.get("cp", 1) > 1 for s in plan["stages"]),
     }
     return [k for k, on in used.items() if on]
 

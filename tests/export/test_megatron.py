@@ -51,6 +51,7 @@ def make_plan(
     seq: int = 2048,
     chunks: list[tuple[int, ...]] | None = None,
     sp: bool | None = None,
+    cp: int = 1,
 ) -> Plan:
     """A plan with one mesh on every stage (the GPUs split evenly over len(layers) stages);
     `chunks` (blocks per model chunk of each stage) makes it interleaved. Sequence parallelism
@@ -58,7 +59,7 @@ def make_plan(
     S, world = len(layers), nodes * gpn
     g = world // S
     s_nodes, s_gpn = (1, g) if g <= gpn else (g // gpn, gpn)
-    dp = g // tp
+    dp = g // (tp * cp)
     stages = tuple(
         StageStrategy(
             layers=L,
@@ -73,6 +74,7 @@ def make_plan(
             recompute_attention=attention,
             chunk_layers=chunks[i] if chunks else None,
             sequence_parallel=tp > 1 if sp is None else sp,
+            cp=cp,
         )
         for i, L in enumerate(layers)
     )
@@ -87,6 +89,8 @@ def make_plan(
 
 # GPT, Llama with GQA (Llama 3 8B, 70B), paper Llama with partial rotary; × tp/pp/dp × recompute × ZeRO × offload
 MATRIX = {
+    # context parallelism: 2 ranks of each sequence × tp 2 with sequence parallelism, 2 data replicas
+    "llama3-gqa-pp2-cp2-tp2-zero1": make_plan("llama3-8b", 2, 8, [16, 16], 2, 1, 16, zero=1, seq=32768, cp=2),
     "gpt-pp2-tp2-block-zero1": make_plan("gpt3-1.3b", 1, 8, [12, 12], 2, 2, 8, zero=1, recompute=[4, 4]),
     "gpt-pp4-uneven-selective-fp16": make_plan(
         "gpt3-1.3b", 2, 8, [5, 7, 6, 6], 2, 1, 16, attention=True, dtype="fp16", grad_dtype="fp32"
@@ -196,6 +200,13 @@ def test_sequence_parallel_is_the_plans():
     (why,) = mg.problems(mixed)
     assert "stage 1 does not use sequence parallelism but stage 0 does" in why
     assert all(s.sequence_parallel for s in mg.nearest(mixed).stages)
+
+
+def test_context_parallel_args():
+    plan = MATRIX["llama3-gqa-pp2-cp2-tp2-zero1"]
+    assert mg.problems(plan) == []
+    a = " ".join(mg.parallel_args(plan))
+    assert "--tensor-model-parallel-size 2" in a and "--context-parallel-size 2 --cp-comm-type allgather" in a
 
 
 def test_llama_gqa_args():

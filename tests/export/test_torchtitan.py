@@ -526,3 +526,19 @@ def test_zero_bubble_plan_exports_a_schedule_torch_validates(tmp_path):
     assert cfg.parallelism.pipeline_parallel_schedule_csv == tt.ZB_CSV
     # a nearest plan keeps the schedule where its stages can still split B from W
     assert tt.nearest(plan).schedule == "zb-h1"
+
+
+def test_context_parallel_plan_exports_with_mists_rank_groups(tmp_path):
+    """cp 2 × tp 2 (sequence-parallel) × dp 2 with FSDP2: torchtitan's config and ParallelDims take
+    it, and rank 0's context-parallel, tensor-parallel and data-parallel groups are Mist's (tp
+    fastest, then cp, then dp). A cp plan without ZeRO is refused (torchtitan shards over cp)."""
+    plan = make(LLAMA3_8B, [stage(32, 8, 1, 2, 2, zero=2, cp=2)], B=4, G=2, seq=8192)
+    assert tt.problems(plan) == []
+    done, _ = export_plan(plan, "torchtitan", tmp_path)
+    cfg = parse(list(done.args), tmp_path)
+    assert cfg.parallelism.context_parallel_degree == 2
+    meshes = build_meshes(cfg.parallelism, 8)
+    assert meshes["cp"] == [0, 2] and meshes["tp"] == [0, 1] and meshes["batch"] == [0, 4]
+    plain = make(LLAMA3_8B, [stage(32, 8, 1, 2, 2, zero=0, cp=2)], B=4, G=2, seq=8192)
+    assert any("cp 2 without ZeRO" in p for p in tt.problems(plain))
+    assert tt.nearest(plain).stages[0].zero == 2

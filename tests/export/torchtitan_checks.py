@@ -53,7 +53,7 @@ def build_meshes(parallelism, world: int) -> dict[str, list[int]]:
     init_fake_mode(world, "fake_backend")
     try:
         dims.build_mesh()
-        axes = {"pp": dims.pp_enabled, "tp": dims.tp_enabled, "batch": dims.dp_enabled}
+        axes = {"pp": dims.pp_enabled, "tp": dims.tp_enabled, "batch": dims.dp_enabled, "cp": dims.cp_enabled}
         return {a: dims.get_mesh(a).mesh.flatten().tolist() for a, on in axes.items() if on}
     finally:
         dist.destroy_process_group()

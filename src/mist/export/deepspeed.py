@@ -79,9 +79,15 @@ def _pipeline_problems(plan: Plan, i: int, s: StageStrategy) -> list[str]:
 
 
 def _sequence_parallel_problems(i: int, s: StageStrategy) -> list[str]:
-    if not s.sequence_parallel:
-        return []
-    return [f"stage {i} uses sequence parallelism, which DeepSpeed's AutoTP does not have"]
+    out = []
+    if s.sequence_parallel:
+        out.append(f"stage {i} uses sequence parallelism, which DeepSpeed's AutoTP does not have")
+    if s.cp > 1:
+        out.append(
+            f"stage {i} has cp {s.cp}: DeepSpeed's sequence parallelism (Ulysses) splits attention heads "
+            "with all-to-all, not Mist's context parallelism"
+        )
+    return out
 
 
 def _autotp_problems(plan: Plan, s: StageStrategy) -> list[str]:
@@ -191,6 +197,7 @@ def nearest(plan: Plan) -> Plan:
             recompute_attention=False,
             recompute_activation=False,
             sequence_parallel=False,
+            cp=1,
         )
         for s in plan.stages
     ]

@@ -258,11 +258,11 @@ def _uniform_mesh(plan: Plan) -> Plan:
             "nodes or node fractions, and Megatron-LM runs one mesh for the whole pipeline."
         )
     nodes, gpn = (1, g) if g <= K else (g // K, K)
-    B = plan.training.global_batch
+    B, cp = plan.training.global_batch, plan.stages[0].cp  # (cp is the same on every stage)
     for tp in _prefer([s.tp for s in plan.stages], g):
-        if gpn % tp or not _splits(plan, tp) or B % (g // tp):
+        if gpn % (tp * cp) or not _splits(plan, tp) or B % (g // (tp * cp)):
             continue
-        dp = g // tp
+        dp = g // (tp * cp)
         for mb in _prefer([s.micro_batch for s in plan.stages], B // dp):
             stages = [replace(s, nodes=nodes, gpus_per_node=gpn, tp=tp, dp=dp, micro_batch=mb) for s in plan.stages]
             return replace(with_stages(plan, stages), micro_batches=B // (dp * mb))
@@ -354,6 +354,8 @@ def parallel_args(plan: Plan) -> list[str]:
         args += ["--pipeline-model-parallel-layout", lay]
     if s.sequence_parallel:
         args.append("--sequence-parallel")
+    if s.cp > 1:  # K/V all-gathered, as Mist runs and prices it (Megatron's default is a p2p ring)
+        args += ["--context-parallel-size", str(s.cp), "--cp-comm-type", "allgather"]
     if s.zero == 1:
         args.append("--use-distributed-optimizer")
     elif s.zero in ZERO_FSDP:

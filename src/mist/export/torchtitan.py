@@ -23,6 +23,10 @@ How a plan maps:
   (input gradient) and W (weight gradients) actions. The export writes Mist's ZB-H1 order
   (`rules.zero_bubble_order`, B as I) to `zb_h1_schedule.csv` beside the script; torch's own
   validation and comms simulation accept it (tests). Not run on GPUs yet.
+- context parallelism (cp > 1): `context_parallel_degree`, torchtitan's default "headtail" load
+  balancer (rank r holds chunks r and 2·cp − 1 − r, Mist's layout) and torch's all-gather of K/V
+  for SDPA, which is what Mist runs and prices. torchtitan then shards parameters with FSDP2 over
+  dp × cp (`fsdp_enabled`), so a cp plan must shard: ZeRO-2/3 without a pipeline, ZeRO-1 under one.
 - ZeRO: without a pipeline, 0 is replicated data parallelism (`data_parallel_replicate_degree`),
   2 and 3 are FSDP2 (`data_parallel_shard_degree`) without / with resharding after forward, and 1
   does not exist. Under a pipeline, torch.distributed.pipelining runs every micro-batch's backward
@@ -166,8 +170,14 @@ def _unfixable_problems(plan: Plan) -> list[str]:
 
 def _zero_problems(plan: Plan) -> list[str]:
     out: list[str] = []
-    if plan.stages[0].dp == 1:
+    s0 = plan.stages[0]
+    if s0.dp == 1 and s0.cp == 1:
         return out  # ZeRO does nothing without data parallelism
+    if s0.cp > 1 and s0.zero == 0:
+        out.append(
+            f"stage 0 has cp {s0.cp} without ZeRO, and torchtitan shards the parameters with FSDP2 over the "
+            "context-parallel ranks (plan with zero 2 or 3, or zero 1 under a pipeline)"
+        )
     for i, s in enumerate(plan.stages):
         if s.zero == 1 and plan.num_stages == 1:
             out.append(
@@ -269,6 +279,8 @@ def nearest(plan: Plan) -> Plan:
     dp, tp, mb = Counter((s.dp, s.tp, s.micro_batch) for s in plan.stages).most_common(1)[0][0]
     pipeline = plan.num_stages > 1
     zero = _nearest_zero(plan.stages, pipeline)
+    if plan.stages[0].cp > 1 and zero == 0:  # FSDP2 over the context-parallel ranks
+        zero = 1 if pipeline else 2
     offload = Offload() if pipeline else _nearest_offload(plan.stages)
     stages = [_nearest_stage(s, dp, tp, mb, zero, offload) for s in plan.stages]
     near = with_stages(plan, stages)
@@ -372,7 +384,7 @@ def args(plan: Plan) -> list[str]:
 
 def _parallel_args(plan: Plan) -> list[str]:
     s0, pp = plan.stages[0], plan.num_stages
-    sharded = s0.dp > 1 and s0.zero >= 1  # ZeRO-1 only under a pipeline (problems)
+    sharded = s0.dp * s0.cp > 1 and s0.zero >= 1  # ZeRO-1 only under a pipeline (problems)
     out = [
         "--parallelism.data_parallel_replicate_degree",
         str(1 if sharded else s0.dp),
@@ -380,6 +392,8 @@ def _parallel_args(plan: Plan) -> list[str]:
         str(s0.dp if sharded else 1),
         "--parallelism.tensor_parallel_degree",
         str(s0.tp),
+        "--parallelism.context_parallel_degree",
+        str(s0.cp),
         "--parallelism.pipeline_parallel_degree",
         str(pp),
     ]

@@ -27,6 +27,8 @@ _KNOB_LABELS = (
     (r"without sequence parallelism", "tp without sequence parallelism"),
     (r"uses sequence parallelism, which", "sequence parallelism"),
     (r"sequence parallelism but stage", "per-stage sequence parallelism"),
+    (r"has cp \d+: DeepSpeed", "context parallelism"),
+    (r"cp \d+ without ZeRO", "context parallelism without ZeRO"),
     (r"grad_dtype", "16-bit gradients"),
     (r"param_dtype|compute_dtype", "precision"),
     (r"the model is a|rotary_fraction|bias true|tie_embeddings", "model architecture"),
@@ -62,7 +64,8 @@ def short_summary(plan) -> str:
             + ("+act" if s.recompute_activation else "")
         )
         parts.append(
-            f"[{s.layers}L b{s.micro_batch} dp{s.dp} tp{s.tp}{'+sp' if s.sequence_parallel else ''} z{s.zero} {rc}"
+            f"[{s.layers}L b{s.micro_batch} dp{s.dp}{f' cp{s.cp}' if s.cp > 1 else ''} "
+            f"tp{s.tp}{'+sp' if s.sequence_parallel else ''} z{s.zero} {rc}"
             + (f" off {off}" if any(s.offload.as_tuple()) else "")
             + "]"
         )

@@ -172,7 +172,7 @@ class _Evaluator:
         )
 
     def _stage_model(self, s: StageStrategy) -> StageModel:
-        key = (s.tp, s.recompute_attention, s.recompute_activation, s.sequence_parallel)
+        key = (s.tp, s.recompute_attention, s.recompute_activation, s.sequence_parallel, s.cp)
         m = self._models.get(key)
         if m is None:
             t = self.training
@@ -186,6 +186,7 @@ class _Evaluator:
                 s.recompute_attention,
                 s.recompute_activation,
                 s.sequence_parallel,
+                s.cp,
             )
         return m
 

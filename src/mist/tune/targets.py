@@ -11,6 +11,10 @@ Shared rules (from the baselines): every stage has the same GPUs, one dp, tp and
 every stage, pp a power of two with a valid equal stage mesh, tp a power of two within a node that
 splits the model, micro-batch × dp × G = global batch.
 
+Both Megatron-LM and torchtitan also run every candidate with context parallelism cp ∈ {2, 4, 8}
+(flash attention; the cp ranks taken from the data-parallel ones, micro-batches scaled to keep
+the global batch: `_context_parallel`).
+
 megatron-0.19: sequence parallelism on or off with tp > 1 (`--sequence-parallel`, one setting for
   every stage); pp with the even split, or when pp does not divide the layer count the balanced
   uneven split (`--pipeline-model-parallel-layout`); fp32 gradients; block recomputation with one N for all stages
@@ -140,9 +144,35 @@ def _sequence_parallel(stages: tuple[StageStrategy, ...]) -> tuple[StageStrategy
     return tuple(replace(s, sequence_parallel=s.tp > 1) for s in stages)
 
 
+TARGET_CP = (2, 4, 8)  # context-parallel degrees the target spaces try
+
+
+def _context_parallel(
+    candidates: Iterable[Candidate], training: TrainingSpec, sharded: bool = False
+) -> Iterator[Candidate]:
+    """Every candidate, and with flash attention the same with cp of its data-parallel ranks
+    running context parallelism instead (dp / cp replicas, cp times the micro-batches: the same
+    GPUs and global batch), where cp divides dp, cp × tp fits a node and the sequence splits into
+    2·cp chunks (of tp shards under sequence parallelism). `sharded`: only candidates with ZeRO
+    (torchtitan shards over the context-parallel ranks with FSDP2). The candidates without context
+    parallelism come first (a time-budgeted search sees them first)."""
+    plain = list(candidates)
+    yield from plain
+    for G, stages in plain:
+        s0 = stages[0]
+        if s0.recompute_attention or (sharded and s0.zero == 0):  # (the attention-core recompute has no
+            continue  # meaning under cp, `plan`)
+        for cp in TARGET_CP if training.flash_attention else ():
+            split = 2 * cp * (s0.tp if s0.sequence_parallel else 1)
+            if s0.dp % cp or s0.gpus_per_node % (s0.tp * cp) or training.seq_len % split:
+                continue
+            yield G * cp, tuple(replace(s, dp=s.dp // cp, cp=cp) for s in stages)
+
+
 def megatron_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
-    """`_megatron_plain` and, with tp > 1, the same with `--sequence-parallel`."""
-    for G, stages in _megatron_plain(model, cluster, training):
+    """`_megatron_plain` and, with tp > 1, the same with `--sequence-parallel`; each also with
+    context parallelism."""
+    for G, stages in _context_parallel(_megatron_plain(model, cluster, training), training):
         yield G, stages
         if stages[0].tp > 1:
             yield G, _sequence_parallel(stages)
@@ -197,6 +227,11 @@ def deepspeed_candidates(model: ModelSpec, cluster: ClusterSpec, training: Train
 
 # ------------------------------------------------------------------ torchtitan 0.3
 def torchtitan_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
+    """`_torchtitan_plain`, each also with context parallelism."""
+    return _context_parallel(_torchtitan_plain(model, cluster, training), training, sharded=True)
+
+
+def _torchtitan_plain(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Iterator[Candidate]:
     """Uniform meshes × replicate/FSDP2 × full AC or none × all-or-nothing CPU offload (FSDP2)."""
     B = training.global_batch
     full = Offload(weights=1.0, grads=1.0, optimizer=1.0)

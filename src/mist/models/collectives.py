@@ -166,48 +166,23 @@ def own_chunk(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x[:, tp.rank * n : (tp.rank + 1) * n].contiguous()
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, tp):
+def _conjugate(name: str, forward, backward) -> type:
+    """An autograd function running forward(x, tp) and, on the gradient, backward(g, tp)."""
+
+    def fwd(ctx, x, tp):
         ctx.tp = tp
-        return scatter_seq(y, tp)
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, g):
-        return gather_seq(g, ctx.tp), None
+    def bwd(ctx, g):
+        return backward(g, ctx.tp), None
 
-
-class _SplitToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return own_chunk(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_seq(g, ctx.tp), None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return gather_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return own_chunk(g, ctx.tp), None
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, p, tp):
-        ctx.tp = tp
-        return p.view_as(p)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce_(g.contiguous(), ctx.tp), None
+_ScatterToSP = _conjugate("_ScatterToSP", scatter_seq, gather_seq)
+_SplitToSP = _conjugate("_SplitToSP", own_chunk, gather_seq)
+_GatherFromSP = _conjugate("_GatherFromSP", gather_seq, own_chunk)
+_SumGradOverTP = _conjugate("_SumGradOverTP", lambda p, tp: p.view_as(p), lambda g, tp: all_reduce_(g.contiguous(), tp))
 
 
 def scatter_to_sp(y: torch.Tensor, tp: TPGroup) -> torch.Tensor:

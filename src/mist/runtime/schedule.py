@@ -130,17 +130,7 @@ class PipelineSchedule:
         losses: list[torch.Tensor] = []
 
         def forward(g: int) -> None:
-            tokens, targets = micro_batches[g]
-            x = tokens if first else self._recv_act(g)
-            with span("fwd"):
-                before = runner.begin_forward()
-                out = runner.forward(x, targets if last else None)
-                act = runner.saved.memory.activations - before
-            if last:
-                losses.append(out.detach())
-            else:
-                self._send_act(out, g, pending)
-            inflight[g] = (x, out, act)
+            self._forward(runner, micro_batches, g, span, pending, inflight, losses)
 
         def backward(g: int) -> None:
             x, out, act = inflight.pop(g)
@@ -160,6 +150,22 @@ class PipelineSchedule:
         for work, _ in pending:
             work.wait()
         return losses
+
+    def _forward(self, runner: StageRunner, micro_batches, g: int, span, pending: list, inflight: dict, losses: list):
+        """Micro-batch g's forward: its input received (or its tokens), its output sent on (or its
+        loss kept); `inflight[g]` = (input, output, the activation bytes it saved)."""
+        first, last = self.i == 0, self.i == self.stages - 1
+        tokens, targets = micro_batches[g]
+        x = tokens if first else self._recv_act(g)
+        with span("fwd"):
+            before = runner.begin_forward()
+            out = runner.forward(x, targets if last else None)
+            act = runner.saved.memory.activations - before
+        if last:
+            losses.append(out.detach())
+        else:
+            self._send_act(out, g, pending)
+        inflight[g] = (x, out, act)
 
     @torch.no_grad()
     def forward_only(self, runner: StageRunner, micro_batches) -> list[torch.Tensor]:

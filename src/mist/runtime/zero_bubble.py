@@ -140,17 +140,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
         params = [p for u in runner.units for p in u.params]
 
         def forward(g: int) -> None:
-            tokens, targets = micro_batches[g]
-            x = tokens if first else self._recv_act(g)
-            with span("fwd"):
-                before = runner.begin_forward()
-                out = runner.forward(x, targets if last else None)
-                act = runner.saved.memory.activations - before
-            if last:
-                losses.append(out.detach())
-            else:
-                self._send_act(out, g, pending)
-            inflight[g] = (x, out, act)
+            self._forward(runner, micro_batches, g, span, pending, inflight, losses)
 
         def input_grad(g: int) -> None:
             x, out, act = inflight.pop(g)

@@ -10,11 +10,14 @@ reference as `test_runtime_equivalence.py`; the simulator's device states and sa
 peaks equal the runtime's to the byte (a CPU profile: the traces are the CPU's).
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from rt_helpers import CFG, compare, make_plan, reference, run_plan
+from rt_helpers import CFG, SPECS, compare, make_plan, reference, run_plan
 from test_runtime_sequence_parallel import _memory_matches, pp_plan
+
+SPECS.setdefault("llama4", replace(SPECS["llama"], num_layers=4, name="tiny-llama4"))
 
 CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
@@ -58,6 +61,17 @@ PIPELINES = [
         dict(v=2),
     ),
     ("gpt4", "zb-h1-cp2|cp2", [dict(layers=3, **CP2), dict(layers=1, **CP2)], dict(schedule="zb-h1", G=4)),
+    # everything in one plan: interleaving, context and sequence parallelism, ZeRO over the cp
+    # replicas, recomputation, optimizer and activation offload
+    (
+        "llama4",
+        "v2-cp2-tp2-sp-zero1-recompute-offload|cp2-activations",
+        [
+            dict(layers=2, chunks=(1, 1), tp=2, sp=True, zero=1, recompute=1, offload=dict(optimizer=0.5), **CP2),
+            dict(layers=2, chunks=(1, 1), offload=dict(activations=0.5), **CP2),
+        ],
+        dict(v=2),
+    ),
 ]
 
 

@@ -110,9 +110,8 @@ def tune(
     for cp in _cp_values(sp, training, cluster.gpus_per_node):
         if cp > 1 and state.best.plan is not None and not _activation_bound(state.best.plan):
             break
-        budget_hit = _search_phases(
-            state, sp, phases, combos, cp, model, cluster, training, profile, host_cap, progress
-        )
+        near = combos if cp == 1 or state.best.plan is None else _around(combos, state.best.plan, cp)
+        budget_hit = _search_phases(state, sp, phases, near, cp, model, cluster, training, profile, host_cap, progress)
         budget_hit = budget_hit or (time_budget is not None and time.perf_counter() - t0 > time_budget)
         if budget_hit:
             break
@@ -168,6 +167,16 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
         if state.best.plan is not None:
             return False
     return False
+
+
+def _around(combos: list, plan: Plan, cp: int) -> list:
+    """The (mesh, G) pairs a context-parallel refinement of `plan` (found without it) searches:
+    its pipeline mesh, with its G (the micro-batch cp times larger) or cp·G (the same micro-batch:
+    fewer data replicas run more micro-batches). A local search: context parallelism changes a
+    plan's activation memory, not where its pipeline is cut."""
+    s0 = plan.stages[0]
+    mesh = (plan.num_stages, s0.nodes, s0.gpus_per_node)
+    return [(m, G) for m, G in combos if m == mesh and G in (plan.micro_batches, plan.micro_batches * cp)]
 
 
 def _activation_bound(plan: Plan) -> bool:

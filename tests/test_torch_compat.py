@@ -72,10 +72,13 @@ def _check_fused_adam(device: torch.device) -> None:
 
 def test_fake_tensors_with_symbolic_sizes():
     """Under FakeTensorMode with a ShapeEnv, dynamic dimensions are SymInts whose `node.expr` is
-    a sympy symbol, sizes of results are expressions in them, and no data is allocated."""
+    a sympy symbol, sizes of results are expressions in them, and no data is allocated. The
+    tracer's mode (`symbolic_fake_mode`) adds no entry to the dispatch cache."""
     import sympy
 
-    mode = tc.FakeTensorMode(shape_env=tc.ShapeEnv(), allow_non_fake_inputs=False)
+    mode = tc.symbolic_fake_mode()
+    assert mode.shape_env is not None and mode.cache_enabled is False
+    tc.FakeTensorMode.cache_clear()
     with mode:
         with tc.unset_fake_temporarily():
             real = torch.zeros((3, 5, 8))
@@ -89,6 +92,7 @@ def test_fake_tensors_with_symbolic_sizes():
         y = (x @ torch.zeros((8, 4))).reshape(-1, 4)
         assert sympy.expand(sympy.sympify(y.shape[0].node.expr) - eb * es) == 0
         assert type(y).__name__ == "FakeTensor"
+    assert len(tc.FakeTensorMode.cache) == 0 and tc.FakeTensorMode.cache_info().misses == 0
 
 
 def test_dispatch_mode_sees_aten_calls_and_pytree_flattens_them():

@@ -12,7 +12,10 @@ a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that t
   the same arithmetic in plain tensor ops where `HAS_FUSED_ADAM` is false.
 * `FakeTensorMode`, `unset_fake_temporarily` (`torch._subclasses.fake_tensor`): tensors with
   shapes, dtypes and storages but no data; `analysis.tracer` builds and runs a layer under it.
-  `unset_fake_temporarily` makes a real tensor while the mode is active.
+  `unset_fake_temporarily` makes a real tensor while the mode is active. `symbolic_fake_mode`
+  makes one with a ShapeEnv and its dispatch cache off (`FakeTensorMode.cache_enabled`): in a
+  trace with symbolic sizes almost no call repeats, so building cache entries cost more than they
+  saved (a Llama-3 8B block's trace took 1.25 s with the cache, 0.56 s without).
 * `ShapeEnv`, `DimDynamic`, `StatelessSymbolicContext` (`torch.fx.experimental.symbolic_shapes`):
   symbolic sizes, so a traced tensor's size is a sympy expression (`size.node.expr`) in the
   batch and sequence symbols. Imported on first use: they pull in sympy, which the runtime and
@@ -66,6 +69,7 @@ __all__ = [
     "fused_adam_",
     "pytree",
     "storage_id",
+    "symbolic_fake_mode",
     "torch_release",
     "unset_fake_temporarily",
 ]
@@ -113,6 +117,15 @@ def fused_adam_(
         amsgrad=False,
         maximize=False,
     )
+
+
+def symbolic_fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode with a fresh ShapeEnv, only fake inputs, and no dispatch cache."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    mode.cache_enabled = False
+    return mode
 
 
 def storage_id(t: torch.Tensor) -> int:

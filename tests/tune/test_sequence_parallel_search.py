@@ -5,11 +5,12 @@ it keeps more activation memory."""
 from dataclasses import replace
 
 from mist.hardware import load_profile
+from mist.plan import StageStrategy
 from mist.simulate.plan_sim import simulate_plan
 from mist.specs.presets import get_preset
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.intra import StageTables
-from mist.tune.search import tune
+from mist.tune.search import _no_more_tp, build_plan, tune
 from mist.tune.space import get_space
 
 
@@ -51,3 +52,16 @@ def test_context_parallelism_is_searched_for_long_sequences_and_resimulates():
     r = tune(spec, ClusterSpec("h200", 1, 8), TrainingSpec(seq_len=131072, global_batch=16), prof, "full")
     assert r.plan is not None and all(s.cp > 1 for s in r.plan.stages)
     assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+
+
+def test_context_parallel_refinement_adds_no_tensor_parallelism():
+    """The cp refinement keeps the TP degrees up to the best plan's largest: its stage choices
+    at tp 2 are tp 1 and 2 (with cp 2 in an 8-GPU node), and an explicit list is only cut."""
+    spec, prof = get_preset("llama3-8b"), load_profile("h200")
+    cluster, training = ClusterSpec("h200", 1, 8), TrainingSpec(seq_len=32768, global_batch=64)
+    plan = build_plan(spec, cluster, training, 8, [StageStrategy(32, 1, 8, 2, 4, 2, sequence_parallel=True)])
+    narrowed = _no_more_tp(get_space("full"), plan)
+    assert narrowed.tp_values == (1, 2) and narrowed.cp_values == get_space("full").cp_values
+    tables = StageTables(spec, prof, 32768, True, narrowed, 1, 8, 1, 8, 8, 64, False, cp=2)
+    assert {tdb[0] for tdb, _ in tables.stage_choices()} == {1, 2}
+    assert _no_more_tp(replace(get_space("full"), tp_values=(2, 8)), plan).tp_values == (2,)

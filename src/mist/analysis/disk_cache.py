@@ -48,6 +48,17 @@ def _path(key) -> Path | None:
     return d / (hashlib.sha256(repr(key).encode()).hexdigest()[:24] + ".pkl")
 
 
+def enabled() -> bool:
+    """Whether this process has a disk cache (a folder, not MIST_CACHE_DIR=off)."""
+    return _dir() is not None
+
+
+def has(key) -> bool:
+    """Whether an entry is stored under `key` (not read: `load` may still find it unreadable)."""
+    p = _path(key)
+    return p is not None and p.is_file()
+
+
 def load(key):
     p = _path(key)
     if p is None or not p.is_file():

@@ -76,7 +76,8 @@ class LayerAnalysis:
 
     def _fn(self, key: str, exprs):
         if key not in self._fns:
-            self._fns[key] = sympy.lambdify((B, S), list(exprs), modules="numpy")
+            # (docstring_limit=0: no docstring, which would print every expression once more)
+            self._fns[key] = sympy.lambdify((B, S), list(exprs), modules="numpy", docstring_limit=0)
         return self._fns[key]
 
     def _eval(self, key: str, exprs, b, s) -> np.ndarray:
@@ -167,6 +168,39 @@ def analyze_layer(
     `sequence_parallel` (tp > 1): the layer's input is this rank's 1/tp of the sequence, sizes
     still in the whole sequence length S. `cp` > 1: the layer is context-parallel rank 0's of cp
     (`mist.models.context_parallel`; its input 1/cp of the sequence, flash attention only)."""
+    args = _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp)
+    la = _analyze(*args[:7], False, *args[7:])
+    if la.unit_batch is None:
+        la.unit_batch = _analyze(*args[:7], True, *args[7:])
+    return la
+
+
+@dataclass(frozen=True)
+class AnalysisRequest:
+    """The arguments of one `analyze_layer` call, as a record a worker process can take."""
+
+    spec: ModelSpec
+    part: str
+    tp: int
+    flash: bool
+    dtype: str
+    target: str
+    recompute: bool | str = False
+    sequence_parallel: bool = False
+    cp: int = 1
+
+    def run(self) -> LayerAnalysis:
+        return analyze_layer(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def on_disk(self) -> bool:
+        """Whether the disk cache holds both traces of this analysis (any b, and b = 1)."""
+        args = _normalized(*(getattr(self, f.name) for f in fields(self)))
+        return all(disk_cache.has(_key(*args[:7], ub, *args[7:])) for ub in (False, True))
+
+
+def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp) -> tuple:
+    """(spec, part, tp, flash, dtype, target, recompute, sp, cp) checked, with `recompute` in its
+    canonical form and sequence parallelism only where tp > 1."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
@@ -177,20 +211,21 @@ def analyze_layer(
     spec.check_tp(tp)
     spec.check_attention(flash)
     rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
-    sp = bool(sequence_parallel) and tp > 1
     if cp > 1 and not flash:
         raise ValueError("context parallelism runs flash attention only")
-    la = _analyze(spec, part, tp, flash, dtype, target, rc, False, sp, cp)
-    if la.unit_batch is None:
-        la.unit_batch = _analyze(spec, part, tp, flash, dtype, target, rc, True, sp, cp)
-    return la
+    return spec, part, tp, flash, dtype, target, rc, bool(sequence_parallel) and tp > 1, cp
+
+
+def _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> tuple:
+    """The disk-cache key of one trace (one without sequence or context parallelism keeps the key
+    it always had)."""
+    key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
+    return key + ((("cp", cp),) if cp > 1 else ())
 
 
 @lru_cache(maxsize=512)
 def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> LayerAnalysis:
-    # (the key of a trace without sequence or context parallelism is the one it always had)
-    key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
-    key += (("cp", cp),) if cp > 1 else ()
+    key = _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp)
     hit = disk_cache.load(key)
     if hit is not None:
         return hit

@@ -34,11 +34,11 @@ from mist.torch_compat import (
     DimDynamic,
     FakeTensorMode,
     FloorDiv,
-    ShapeEnv,
     StatelessSymbolicContext,
     TorchDispatchMode,
     pytree,
     storage_id,
+    symbolic_fake_mode,
     unset_fake_temporarily,
 )
 
@@ -300,7 +300,7 @@ def run_trace(
                                  sizes derived from it (e.g. a target of the whole sequence).
     """
     trace = Trace()
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    mode = symbolic_fake_mode()
     with mode:
         module = build(trace)
         for p in module.parameters():

@@ -107,15 +107,16 @@ def _gather(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     if cp.group is not None:
         dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=cp.group)
     n = x.shape[2] // 2
-    parts = [buf[j, :, :, :n] for j in range(cp.size)]
-    parts += [buf[2 * cp.size - 1 - j, :, :, n:] for j in range(cp.size, 2 * cp.size)]
+    # (`narrow` rather than indexing: one view op each, which keeps the symbolic trace short)
+    parts = [buf[j].narrow(2, 0, n) for j in range(cp.size)]
+    parts += [buf[2 * cp.size - 1 - j].narrow(2, n, n) for j in range(cp.size, 2 * cp.size)]
     return torch.cat(parts, dim=2)
 
 
 def _scatter(full: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """Gradients [b, h, s, d] in global order, summed over the ranks → this rank's [b, h, 2n, d]."""
     n = full.shape[2] // (2 * cp.size)
-    chunk = lambda j: full[:, :, j * n : (j + 1) * n]  # noqa: E731
+    chunk = lambda j: full.narrow(2, j * n, n)  # noqa: E731
     buf = torch.stack([torch.cat((chunk(r), chunk(2 * cp.size - 1 - r)), dim=2) for r in range(cp.size)])
     _announce("reduce_scatter", buf, cp)
     out = buf.new_empty(buf.shape[1:])
@@ -137,14 +138,14 @@ class _ContextAttention(torch.autograd.Function):
         out = q.new_empty((b, s, h, d)).transpose(1, 2)
         lses, extras = [], []
         for i, j in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
-            qi = q[:, :, i * n : (i + 1) * n]
-            o, lse, ex = _flash(qi, kf[:, :, j * n : (j + 1) * n], vf[:, :, j * n : (j + 1) * n], True)
+            qi = q.narrow(2, i * n, n)
+            o, lse, ex = _flash(qi, kf.narrow(2, j * n, n), vf.narrow(2, j * n, n), True)
             ex_all = [ex]
             if j > 0:
-                o2, lse2, ex2 = _flash(qi, kf[:, :, : j * n], vf[:, :, : j * n], False)
+                o2, lse2, ex2 = _flash(qi, kf.narrow(2, 0, j * n), vf.narrow(2, 0, j * n), False)
                 o, lse = _merge(o, lse, o2, lse2)
                 ex_all.append(ex2)
-            out[:, :, i * n : (i + 1) * n].copy_(o)
+            out.narrow(2, i * n, n).copy_(o)
             lses.append(lse)
             extras.append(ex_all)
         del kf, vf
@@ -163,18 +164,17 @@ class _ContextAttention(torch.autograd.Function):
         n = q.shape[2] // 2
         dqs = []
         for i, j in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
-            sl = slice(i * n, (i + 1) * n)
-            qi, gi, oi, li = q[:, :, sl], g[:, :, sl], out[:, :, sl], lse[:, :, sl]
-            own = slice(j * n, (j + 1) * n)
-            dq, dk, dv = _flash_backward(gi, qi, kf[:, :, own], vf[:, :, own], oi, li, True, ctx.extras[i][0])
-            dkf[:, :, own] += dk
-            dvf[:, :, own] += dv
+            qi, gi, oi, li = (t.narrow(2, i * n, n) for t in (q, g, out, lse))
+            kj, vj = kf.narrow(2, j * n, n), vf.narrow(2, j * n, n)
+            dq, dk, dv = _flash_backward(gi, qi, kj, vj, oi, li, True, ctx.extras[i][0])
+            dkf.narrow(2, j * n, n).add_(dk)
+            dvf.narrow(2, j * n, n).add_(dv)
             if j > 0:
-                early = slice(0, j * n)
-                dq2, dk, dv = _flash_backward(gi, qi, kf[:, :, early], vf[:, :, early], oi, li, False, ctx.extras[i][1])
+                ke, ve = kf.narrow(2, 0, j * n), vf.narrow(2, 0, j * n)
+                dq2, dk, dv = _flash_backward(gi, qi, ke, ve, oi, li, False, ctx.extras[i][1])
                 dq = dq + dq2
-                dkf[:, :, early] += dk
-                dvf[:, :, early] += dv
+                dkf.narrow(2, 0, j * n).add_(dk)
+                dvf.narrow(2, 0, j * n).add_(dv)
             dqs.append(dq)
         del kf, vf
         return torch.cat(dqs, dim=2), _scatter(dkf, cp), _scatter(dvf, cp), None

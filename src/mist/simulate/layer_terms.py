@@ -14,6 +14,7 @@ import numpy as np
 import sympy
 
 from mist.analysis import analyze_layer
+from mist.analysis.layer import AnalysisRequest
 from mist.analysis.records import B, S
 from mist.simulate.layer_cost import phase_time
 from mist.simulate.weight_grad import held_gradient_bytes, weight_grad_fraction
@@ -119,6 +120,15 @@ def layer_terms(
     )
 
 
+def analyses(spec, part, tp, flash, dtype="bf16", target="cuda", selective=False, sp=False, cp=1) -> list:
+    """The `AnalysisRequest`s `layer_terms` reads for these arguments: the layer as it runs
+    (with its selective recomputation), and for a block also without it and checkpointed whole.
+    (tests/analysis/test_prefetch.py checks that these leave `layer_terms` nothing to trace.)"""
+    kw = dict(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
+    rcs = [selective or False] + ([False] if selective else []) + ([True] if part == "block" else [])
+    return [AnalysisRequest(recompute=rc, **kw) for rc in rcs]
+
+
 @lru_cache(maxsize=512)
 def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, sp, cp) -> LayerTerms:
     profile = key.obj
@@ -152,7 +162,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
-    held = sympy.lambdify((B, S), held_gradient_bytes(la.records), modules="numpy")(b, s)
+    held = sympy.lambdify((B, S), held_gradient_bytes(la.records), modules="numpy", docstring_limit=0)(b, s)
     return LayerTerms(
         params=la.params,
         fwd=per(f),

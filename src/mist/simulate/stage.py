@@ -46,7 +46,7 @@ from mist.models.checkpointing import selective_name
 from mist.rules.grad_accumulation import accumulates_in_place_by_level
 from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
 from mist.rules.pipeline_order import earlier_in_flight
-from mist.simulate.layer_terms import LayerTerms, layer_terms
+from mist.simulate.layer_terms import LayerTerms, analyses, layer_terms
 from mist.simulate.precision import Precision, default_precision
 from mist.simulate.states import unit_host_states, unit_states
 
@@ -350,6 +350,24 @@ class StageModel:
         # step run in the rank's own thread, one after another (and on the same cores)
         self.serial = self.prec.target == "cpu"
         self.interference = profile.interference_model()  # own section or shipped file
+
+    def analyses(self) -> list:
+        """The layer analyses (`AnalysisRequest`) this stage model's terms read."""
+        return [
+            r
+            for part in ("pre", "block", "post")
+            for r in analyses(
+                self.spec,
+                part,
+                self.tp,
+                self.flash,
+                self.prec.trace_dtype,
+                self.prec.target,
+                self.selective if part == "block" else False,
+                self.sequence_parallel,
+                self.cp,
+            )
+        ]
 
     # ------------------------------------------------------------------ helpers
     def _terms(self, part, b):

@@ -145,6 +145,10 @@ class StageTables:
                 out.append((tdb, (attn, act, bool(sp))))
         return out
 
+    def analyses(self, tp_fixed: int | None = None) -> list:
+        """The layer analyses (`AnalysisRequest`) every stage choice's model reads."""
+        return [r for tdb, sel in self.stage_choices(tp_fixed) for r in self.model(tdb[0], sel).analyses()]
+
     def selective_choices(self) -> list[tuple[bool, bool]]:
         """(attention, activation) recomputation of the blocks not checkpointed whole. Attention
         only without flash attention: with it the core keeps little (q, k, v, output)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from mist.analysis.prefetch import TracePool
 from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
 from mist.rules.zero_bubble_order import ZB_H1
@@ -81,6 +82,7 @@ class _Search:
     min_host: float = np.inf
     t0: float = 0.0  # when the search started (perf_counter), and its time budget
     time_budget: float | None = None
+    pool: TracePool | None = None  # traces the layers ahead of the search (see `_prefetch`)
 
 
 def tune(
@@ -94,10 +96,15 @@ def tune(
 ) -> TuneResult:
     """Search the space for the fastest plan that fits. `progress(done, total, best_s)` is
     called after every (pp, G) pair when given."""
+    with TracePool() as pool:
+        return _tune(model, cluster, training, profile, space, time_budget, progress, pool)
+
+
+def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
-    state = _Search(t0=t0, time_budget=time_budget)
+    state = _Search(t0=t0, time_budget=time_budget, pool=pool)
     budget_hit = False
     node_host, host_source = node_host_memory(cluster, profile)
     host_cap = None if node_host is None else node_host / cluster.gpus_per_node
@@ -110,8 +117,12 @@ def tune(
     for cp in _cp_values(sp, training, cluster.gpus_per_node):
         if cp > 1 and state.best.plan is not None and not _activation_bound(state.best.plan):
             break
-        near = combos if cp == 1 or state.best.plan is None else _around(combos, state.best.plan, cp)
-        budget_hit = _search_phases(state, sp, phases, near, cp, model, cluster, training, profile, host_cap, progress)
+        near, cp_sp = combos, sp
+        if cp > 1 and state.best.plan is not None:
+            near, cp_sp = _around(combos, state.best.plan, cp), _no_more_tp(sp, state.best.plan)
+        budget_hit = _search_phases(
+            state, cp_sp, phases, near, cp, model, cluster, training, profile, host_cap, progress
+        )
         budget_hit = budget_hit or (time_budget is not None and time.perf_counter() - t0 > time_budget)
         if budget_hit:
             break
@@ -130,6 +141,7 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
     """Search every (pp, G) pair with context parallelism cp, first without weight/gradient
     offload, then with it if nothing fit; True when the time budget ran out."""
     t0, budget = state.t0, state.time_budget
+    _prefetch(state, sp, combos, cp, model, cluster, training, profile)
     for with_wg in phases:
         done = 0
         for (pp, nodes, gpn), G in combos:
@@ -169,6 +181,37 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
     return False
 
 
+def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, cluster, training, profile) -> None:
+    """Trace every layer analysis the (pp, G) pairs' stage tables will read, in parallel worker
+    processes (`mist.analysis.prefetch`), before the search reads them one by one."""
+    if state.pool is None:
+        return
+    requests = []
+    for (pp, nodes, gpn), G in combos:
+        if gpn % cp:
+            continue
+        tps: list = tp_degrees(model, gpn, MAX_UNIFORM_TP) if sp.uniform_tp else [None]
+        tables = StageTables(
+            model,
+            profile,
+            training.seq_len,
+            training.flash_attention,
+            sp,
+            pp,
+            G,
+            nodes,
+            gpn,
+            cluster.gpus_per_node,
+            training.global_batch,
+            False,
+            precision_for(training, profile),
+            None,
+            cp,
+        )
+        requests += [r for tp in tps for r in tables.analyses(tp)]
+    state.pool.prefetch(requests)
+
+
 def _around(combos: list, plan: Plan, cp: int) -> list:
     """The (mesh, G) pairs a context-parallel refinement of `plan` (found without it) searches:
     its pipeline mesh, with its G (the micro-batch cp times larger) or cp·G (the same micro-batch:
@@ -177,6 +220,16 @@ def _around(combos: list, plan: Plan, cp: int) -> list:
     s0 = plan.stages[0]
     mesh = (plan.num_stages, s0.nodes, s0.gpus_per_node)
     return [(m, G) for m, G in combos if m == mesh and G in (plan.micro_batches, plan.micro_batches * cp)]
+
+
+def _no_more_tp(sp: SearchSpace, plan: Plan) -> SearchSpace:
+    """`sp` limited to the TP degrees up to the largest of `plan`'s stages: the context-parallel
+    refinement takes its cp ranks from the data replicas or from the TP group, never adds TP (both
+    split the activations of a sequence; a plan that did not need more TP without context
+    parallelism does not with it). It also spares the traces of larger TP shards under cp."""
+    top = max(s.tp for s in plan.stages)
+    allowed = [t for t in (sp.tp_values or [2**i for i in range(top.bit_length())]) if t <= top]
+    return replace(sp, tp_values=tuple(allowed))
 
 
 def _activation_bound(plan: Plan) -> bool:
@@ -195,7 +248,7 @@ def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, trai
     an incumbent that prunes most of the larger search (under this space's limits on the
     pipeline depth and TP degrees)."""
     sub = replace(get_space(seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
-    seed = tune(model, cluster, training, profile, sub, time_budget)
+    seed = _tune(model, cluster, training, profile, sub, time_budget, None, state.pool)
     state.evaluated += seed.candidates_evaluated
     if seed.plan is not None and seed.iteration_time_s is not None:  # (a plan comes with its time)
         state.best = _Best(seed.iteration_time_s, seed.plan)

@@ -1,0 +1,104 @@
+"""Trace the layer analyses a search is about to read in worker processes, ahead of it.
+
+A first search of a model traces tens of layer variants (TP degrees, recomputation, sequence and
+context parallelism), each taking a fraction of a second of one core; the search itself then
+reads them from the disk cache. `TracePool.prefetch` traces the missing ones in parallel, one
+variant per task, into that cache, so a first run takes about the trace time over the number of
+cores. The workers are forked (Linux), so they start in milliseconds with the parent's imports
+and need no `if __name__ == "__main__"` guard in a user's script, which spawned workers would
+(each re-imports the main module); each runs torch on one thread, the way forked workers must
+when the parent may have started torch's thread pool. They live as long as the pool.
+
+Nothing is prefetched without a disk cache (the workers hand their traces back through it), with
+one core, off Linux, or for fewer than `MIN_PARALLEL` missing traces. MIST_TRACE_WORKERS sets the number of
+workers (0 or 1: trace in the process, as without this module). A trace that fails in a worker is
+left to the search, which traces it again in its own process and reports the error there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from mist.analysis import disk_cache
+from mist.analysis.layer import AnalysisRequest
+
+# below this many missing traces, starting the workers does not pay: their first traces (about
+# a second each to warm up the fake-tensor machinery, against a few tenths of a second a trace
+# after it) cost more than the parallelism saves
+MIN_PARALLEL = 6
+
+
+def default_workers() -> int:
+    """MIST_TRACE_WORKERS, else the CPUs this process may run on (at most 8)."""
+    env = os.environ.get("MIST_TRACE_WORKERS", "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        cpus = os.cpu_count() or 1
+    return min(cpus, 8)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _trace(req: AnalysisRequest) -> bool:
+    try:
+        req.run()
+    except Exception:  # noqa: BLE001 - the search traces it again and reports it
+        return False
+    return True
+
+
+def _cost(req: AnalysisRequest) -> tuple:
+    # the longest traces first (context parallelism, large TP groups, recomputation), so that the
+    # workers finish together
+    return (-req.cp, -req.tp, req.recompute is not True, req.part != "block")
+
+
+class TracePool:
+    """Worker processes that trace `AnalysisRequest`s into the disk cache (a context manager)."""
+
+    def __init__(self, workers: int | None = None):
+        self.workers = default_workers() if workers is None else workers
+        self.traced = 0  # analyses traced by the workers so far
+        self._executor: ProcessPoolExecutor | None = None
+
+    def prefetch(self, requests: Iterable[AnalysisRequest]) -> int:
+        """Trace the requests the disk cache lacks, in parallel; the number traced."""
+        if self.workers < 2 or not disk_cache.enabled() or not sys.platform.startswith("linux"):
+            return 0
+        todo = sorted((r for r in dict.fromkeys(requests) if not r.on_disk()), key=_cost)
+        if len(todo) < (2 if self._executor is not None else MIN_PARALLEL):
+            return 0
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                max_workers=min(self.workers, len(todo)),
+                mp_context=multiprocessing.get_context("fork"),
+                initializer=_one_thread,
+            )
+        done = sum(self._executor.map(_trace, todo))
+        self.traced += done
+        return done
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def __enter__(self) -> TracePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +69,13 @@ def markdown(rows) -> str:
     txt = "\n".join(out) + f"\n\nCases with a plan that fits in the full space: {fits} of {len(rows)}.\n"
     if tt:
         txt += f"Full-space tuning time: median {statistics.median(tt):.1f} s, max {max(tt):.1f} s.\n"
+        first = {}
+        for i, r in enumerate(rows):  # the cases run in order: a model's first one traces its layers
+            first.setdefault(r["model"], i)
+        cold = ", ".join(f"{m} {tt[i]:.1f} s" for m, i in first.items())
+        warm = [t for i, t in enumerate(tt) if i not in first.values()]
+        txt += f"First case of each model (an empty trace cache): {cold}."
+        txt += f" The other cases (traces cached): median {statistics.median(warm):.1f} s.\n" if warm else "\n"
     return txt
 
 
@@ -80,13 +89,16 @@ def main(argv=None):
     jpath = out / "long-context.json"
     rows = json.loads(jpath.read_text()) if jpath.exists() else []
     done = {(r["model"], r["nodes"] * r["gpus_per_node"], r["seq_len"]) for r in rows}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     pre = (
         "# Long-context training (`benchmarks/long_context.py`)\n\n"
+        f"Computed at commit {commit or 'unknown'} on a machine with {os.cpu_count()} cores.\n\n"
         "bf16, flash attention, H200 profile; every step trains on 2^21 tokens (64 sequences at 32k, 16 at "
         "128k). Speedup = the target's best predicted iteration time / Mist's "
         "full space's. Sequence parallelism (tp+sp in a plan) is searched by the full space and by "
         "Megatron-LM's (on or off) and is always on in torchtitan's with tp > 1; context parallelism "
-        "(cpN in a plan) is searched by the full space only: 'no fit' marks what a space needs.\n\n"
+        "(cpN in a plan) is searched by all three (torchtitan's with FSDP only); 'no fit' marks what a "
+        "space needs. Run with an empty trace cache (MIST_CACHE_DIR) for the first-run times.\n\n"
     )
     for model, n, seq, batch in CASES:
         if (model, n, seq) in done:

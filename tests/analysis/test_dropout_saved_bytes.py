@@ -1,7 +1,9 @@
 """With dropout the symbolic prediction of the bytes kept for backward still equals a real CPU
 forward's to the byte (its bool masks and the dropped probabilities included), and the increments
 are Korthikanti et al. 2022's: 2·sbh/t for the two hidden-dropout masks, and without flash
-3·a·s²·b/t for the attention-probability mask (1 byte) and the dropout's output (2 bytes)."""
+3·a·s²·b/t for the attention-probability mask (1 byte) and the dropout's output (2 bytes). The
+embedding output's hidden dropout adds its mask to the pre layer: sbh, sbh/t under sequence
+parallelism, sbh/cp under context parallelism."""
 
 from dataclasses import replace
 
@@ -43,6 +45,30 @@ def test_block_saved_bytes_with_dropout_match_cpu(family, tp, sp, flash, recompu
         # the probabilities' mask and the dropout's fp32 output, unless the core is recomputed
         attn = 0 if flash or recompute == "attention" else 5 * a * s * s * b
         assert float(la.saved(b, s)) - float(plain.saved(b, s)) == masks + attn, (b, s)
+
+
+PRE_CASES = [  # tp, sequence parallel, cp
+    (1, False, 1),
+    (2, False, 1),
+    (2, True, 1),
+    (2, False, 2),
+    (2, True, 2),
+]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])  # learned positions (dropped after), none
+@pytest.mark.parametrize("tp,sp,cp", PRE_CASES)
+def test_pre_layer_saved_bytes_grow_by_the_embedding_dropout_mask(family, tp, sp, cp):
+    spec = replace(SPECS[family], hidden_dropout=0.1)
+    la = analyze_layer(spec, "pre", tp=tp, dtype="fp32", target="cpu", sequence_parallel=sp, cp=cp)
+    plain = analyze_layer(SPECS[family], "pre", tp=tp, dtype="fp32", target="cpu", sequence_parallel=sp, cp=cp)
+    h = spec.hidden_size
+    for b, s in ((1, 16), (3, 64)):
+        if cp == 1:  # (a CPU run of one context-parallel rank needs its group: the increment only)
+            assert float(la.saved(b, s)) == run_part(spec, "pre", tp, True, False, b, s, sp=sp), (b, s)
+        # the 1-byte mask of the rank's output: its sequence shard under sp, its positions under cp
+        mask = b * s * h // (tp if sp else 1) // cp
+        assert float(la.saved(b, s)) - float(plain.saved(b, s)) == mask, (b, s)
 
 
 GPT_1_3B = ModelSpec(

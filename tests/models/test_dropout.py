@@ -1,5 +1,5 @@
 """Dropout: the ModelSpec fields (checked, loaded, written as before at 0), the blocks in training
-and evaluation mode, the refusal of flash attention with attention dropout, and recomputation
+and evaluation mode, the embedding output's hidden dropout and its streams, the refusal of flash attention with attention dropout, and recomputation
 replaying the masks (in one process, TP shards built without a process group; the runtime's
 gloo runs are in tests/runtime/test_runtime_dropout.py)."""
 
@@ -13,10 +13,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from mist.cli import main
 from mist.errors import MistInputError
-from mist.models import CausalLM, DecoderBlock, TPGroup, init_weights
+from mist.models import CausalLM, DecoderBlock, Embedding, TPGroup, init_weights
 from mist.models.checkpointing import run_block_as
 from mist.models.dropout import dropout, seed_dropout, tp_stream
 from mist.plan import Plan, StageStrategy, load_plan
+from mist.runtime.hf_layout import hf_config
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
 from mist.specs.training import ClusterSpec, TrainingSpec
@@ -75,6 +76,12 @@ def test_hugging_face_dropout_names():
     assert load_model_dict({**llama, "attention_dropout": 0.1}).attention_dropout == 0.1
     with pytest.raises(MistInputError, match="attention_dropout must be a probability"):
         load_model_dict({**llama, "attention_dropout": 1.5})
+    # GPT-2's embd_pdrop is the hidden dropout (Mist drops the embedding output with it): written so
+    written = hf_config(spec("gpt", **DROP))
+    assert (written["attn_pdrop"], written["embd_pdrop"], written["resid_pdrop"]) == (0.1, 0.2, 0.2)
+    assert load_model_dict(written).hidden_dropout == 0.2
+    with pytest.raises(MistInputError, match="embd_pdrop 0.0 differs from resid_pdrop 0.2"):
+        load_model_dict({**written, "embd_pdrop": 0.0})
 
 
 # ------------------------------------------------------------------------------ flash is refused
@@ -187,3 +194,39 @@ def test_masks_are_a_function_of_the_seed_and_the_step():
     assert torch.equal(a, b)
     seed_dropout(5, 2, 0, 0, 0)  # another step: other masks
     assert not torch.equal(full(x), a)
+
+
+def _embedding_mask(s: ModelSpec, tp: TPGroup, tok: torch.Tensor):
+    """(training output, evaluation output, the saved bool mask) of an Embedding shard, step 0."""
+    m = Embedding(s, tp, torch.float32)
+    init_weights(m, 0)
+    seed_dropout(3, 0, 0, 0, tp.rank)
+    kept: list = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = m(tok)
+    after = torch.rand(8)  # the shared stream's next draw (the first block's)
+    masks = [t for t in kept if t.dtype == torch.bool and t.shape[-1] == s.hidden_size]  # (not the vocab shard's)
+    assert len(masks) == 1
+    return out, m.eval()(tok), masks[0], after
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_embedding_output_dropout_and_its_streams(family):
+    """The embedding output is dropped (GPT: after its learned positions are added) with the
+    blocks' rule: held whole by the TP ranks, the masks of the shared stream, identical on the ranks
+    and a single rank's; under sequence parallelism each rank's own shard, from the tensor-parallel
+    stream (independent masks), the shared stream left as it was."""
+    s = spec(family, hidden_dropout=0.3)
+    tok = torch.randint(0, 128, (2, 16))
+    out, plain, mask, after = _embedding_mask(s, TPGroup(), tok)
+    assert mask.shape == (2, 16, 64)
+    torch.testing.assert_close(out, plain * mask / 0.7)  # positions included in what is dropped
+    for rank in (0, 1):
+        _, _, m2, a2 = _embedding_mask(s, TPGroup(2, rank), tok)
+        assert torch.equal(m2, mask) and torch.equal(a2, after)
+    shards = [_embedding_mask(s, TPGroup(2, r, sequence_parallel=True), tok) for r in (0, 1)]
+    assert [tuple(sh[2].shape) for sh in shards] == [(2, 8, 64)] * 2
+    assert not torch.equal(shards[0][2], shards[1][2])
+    seed_dropout(3, 0, 0, 0, 0)
+    untouched = torch.rand(8)
+    assert all(torch.equal(sh[3], untouched) for sh in shards) and not torch.equal(after, untouched)

@@ -3,7 +3,8 @@
 - Hidden dropout without sequence parallelism acts on outputs every TP rank holds whole: the
   ranks draw identical masks from the shared stream, the same masks a single rank draws, so a
   tp = 2 run equals the tp = 1 run (same seed) — masks that differed between the ranks would make
-  the replicated weights (norms, biases) and the losses differ.
+  the replicated weights (norms, biases) and the losses differ. The embedding output's dropout
+  follows the same rule (the pre layer of these runs drops too).
 - Recomputation (whole blocks, the attention core, the MLP activation) re-runs forwards that draw
   the masks of the first run, also from the tensor-parallel stream (attention dropout; hidden
   dropout under sequence parallelism): the same losses and weights as without recomputation.
@@ -18,7 +19,9 @@ import numpy as np
 import pytest
 from rt_helpers import SPECS, make_plan, run_plan
 
+import mist.models.embedding as embedding
 from mist.hardware import load_profile
+from mist.models.dropout import dropout, tp_stream
 from mist.simulate.plan_sim import simulate_plan
 
 CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
@@ -44,6 +47,24 @@ def test_tp2_hidden_dropout_masks_are_the_single_ranks(family):
     # the masks are drawn: without dropout the losses differ
     plain = run_plan(make_plan(family, G=2))
     assert not np.allclose(one["metrics"]["losses"], plain["metrics"]["losses"], rtol=1e-3)
+
+
+def test_tp2_embedding_dropout_is_the_single_ranks(monkeypatch):
+    """gpt (learned positions, dropped with the word embeddings): the embedding's masks are part
+    of what the tp = 2 run shares with the single rank — without them the losses change, and drawn
+    from each rank's own stream (the wrong one for an output the ranks hold whole) they no longer
+    match. (The workers are forked: they run the patched embedding.)"""
+    one = run_plan(make_plan("gpt-hdrop", G=2))
+    monkeypatch.setattr(embedding, "hidden_dropout", lambda x, p, tp, training: x)
+    assert not np.allclose(one["metrics"]["losses"], run_plan(make_plan("gpt-hdrop", G=2))["metrics"]["losses"])
+
+    def own_stream(x, p, tp, training):
+        with tp_stream(tp, x):
+            return dropout(x, p, training)
+
+    monkeypatch.setattr(embedding, "hidden_dropout", own_stream)
+    wrong = run_plan(make_plan("gpt-hdrop", tp=2, G=2))
+    assert not np.allclose(one["metrics"]["losses"], wrong["metrics"]["losses"], rtol=1e-3)
 
 
 SELECTIVE = dict(recompute_attention=True, recompute_activation=True)

@@ -66,7 +66,8 @@ class MistPipelineModule(PipelineModule):
 # (plans without dropout write no such keys in MODEL, and no note)
 _DROPOUT_NOTE = (
     "# MODEL's attention_dropout and hidden_dropout are the plan's dropout probabilities: apply them\n"
-    "# in your blocks (deepspeed.checkpointing restores the RNG states, so recomputed blocks replay\n"
+    "# in your blocks, and hidden_dropout also to the embedding output, as Mist and Megatron-LM do\n"
+    "# (deepspeed.checkpointing restores the RNG states, so recomputed blocks replay\n"
     "# the masks; AutoTP keeps no tensor-parallel RNG stream: ranks seeded alike, as the replicated\n"
     "# hidden dropout needs, also drop alike on their own attention heads)\n"
 )

@@ -5,7 +5,8 @@ falcon:     x + attn(norm(x)) + mlp(norm(x))               (parallel; one all-re
 
 With `ModelSpec.hidden_dropout` (training only) the attention and MLP outputs are dropped before
 their residual add (falcon: their sum, once): from the shared stream when every TP rank holds the
-output whole, from the tensor-parallel stream under sequence parallelism (`mist.models.dropout`).
+output whole, from the tensor-parallel stream under sequence parallelism (`mist.models.dropout`'s
+`hidden_dropout`, which the embedding output's dropout shares).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from mist.models.attention import Attention
 from mist.models.collectives import TPGroup, sp_shared
-from mist.models.dropout import dropout, tp_stream
+from mist.models.dropout import hidden_dropout
 from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.models.mlp import MLP
 from mist.models.norms import make_norm
@@ -54,12 +55,5 @@ class DecoderBlock(nn.Module):
         return x + self._drop(self.mlp(self.norm2(x)))
 
     def _drop(self, y: torch.Tensor) -> torch.Tensor:
-        """Hidden dropout of a reduced output: replicated over the TP ranks (the same masks from
-        the shared stream), or under sequence parallelism this rank's own shard."""
-        p = self.spec.hidden_dropout
-        if not self.training or p <= 0:
-            return y
-        if not self.tp.sp:
-            return dropout(y, p, True)
-        with tp_stream(self.tp, y):
-            return dropout(y, p, True)
+        """Hidden dropout of a reduced output (the stream as `hidden_dropout` picks it)."""
+        return hidden_dropout(y, self.spec.hidden_dropout, self.tp, self.training)

@@ -1,5 +1,12 @@
-"""Dropout in the blocks, and the random streams that make it correct under tensor parallelism
-and recomputation.
+"""Dropout in the blocks and on the embedding output, and the random streams that make it correct
+under tensor parallelism and recomputation.
+
+Where. `ModelSpec.attention_dropout` drops the attention probabilities (`mist.models.attention`);
+`ModelSpec.hidden_dropout` drops each block's attention and MLP outputs before their residual add
+(falcon: their sum, once; `mist.models.block`) and the embedding output, after GPT's learned
+positions are added (`mist.models.embedding`), as Megatron-LM (its embedding dropout is
+`--hidden-dropout`), GPT-2 (`embd_pdrop`) and GPT-NeoX do. The hidden dropouts all go through
+`hidden_dropout` below, which picks their stream.
 
 The op. `dropout` is aten's `native_dropout` called directly: the one operator a GPU runs for
 F.dropout, which on a CPU would instead run bernoulli_ and a multiply and keep a mask in the
@@ -13,7 +20,8 @@ blocks need):
   shared stream     torch's default generator of the device. Seeded identically on the ranks of
                     one tensor-parallel group, so they draw identical masks for the tensors they
                     hold whole: the hidden dropouts without sequence parallelism, whose inputs
-                    (the reduced attention and MLP outputs) are replicated over the group.
+                    (the reduced attention and MLP outputs, the embedding output) are replicated
+                    over the group.
   tensor-parallel   a per-rank stream, used under `tp_stream(tp)` (a fork: the default
   stream            generator's state is swapped in and out) for the dropouts of what the rank
                     holds alone: the attention probabilities of its own heads, and under sequence
@@ -50,6 +58,19 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if not training or p <= 0.0:
         return x
     return torch.native_dropout(x, p, True)[0]
+
+
+def hidden_dropout(x: torch.Tensor, p: float, tp: TPGroup, training: bool) -> torch.Tensor:
+    """The hidden dropout of an activation in the residual stream's layout (a block's reduced
+    attention or MLP output, the embedding output): held whole by every TP rank, from the shared
+    stream (identical masks); under sequence parallelism this rank's own sequence shard, from the
+    tensor-parallel stream. x itself outside training or at p = 0."""
+    if not training or p <= 0.0:
+        return x
+    if not tp.sp:
+        return dropout(x, p, True)
+    with tp_stream(tp, x):
+        return dropout(x, p, True)
 
 
 # ------------------------------------------------------------------ the tensor-parallel stream

@@ -1,4 +1,9 @@
-"""Input embedding: vocab-parallel word embedding (+ learned positions for gpt)."""
+"""Input embedding: vocab-parallel word embedding (+ learned positions for gpt), then in training
+the hidden dropout (`ModelSpec.hidden_dropout`, Megatron-LM's embedding dropout, GPT-2's
+`embd_pdrop`) on the output, after the positions are added: from the shared stream when every TP
+rank holds the output whole, from the tensor-parallel stream when sequence parallelism leaves each
+rank its own shard (`mist.models.dropout.hidden_dropout`, the blocks' rule). Under context
+parallelism the output, and so the mask, covers this rank's positions only."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from torch import nn
 
 from mist.models.collectives import TPGroup, VocabShard, reduce_from_tp, split_to_sp
 from mist.models.context_parallel import rank_positions
+from mist.models.dropout import hidden_dropout
 from mist.models.linear import reduce_scatter_or_all_reduce
 from mist.specs.model import ModelSpec
 
@@ -27,7 +33,8 @@ class Embedding(VocabShard):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """[b, s] tokens → [b, s, h]; under sequence parallelism this rank's [b, s/t, h] shard:
         the partial sums reduce-scattered, or (learned positions, added to the whole sequence
-        as Megatron-LM does) all-reduced, the positions added, and this rank's chunk taken."""
+        as Megatron-LM does) all-reduced, the positions added, and this rank's chunk taken; then
+        the hidden dropout in training (the module docstring)."""
         positions = self.position is not None
         if self.tp.size > 1:
             local = tokens - self.vocab_start
@@ -41,7 +48,7 @@ class Embedding(VocabShard):
             x = x + self._positions(tokens.shape[1], x.device)
             if self.tp.sp:
                 x = split_to_sp(x, self.tp)
-        return x
+        return hidden_dropout(x, self.spec.hidden_dropout, self.tp, self.training)
 
     def _positions(self, s: int, device) -> torch.Tensor:
         """The learned position rows of the rank's s tokens: the first s, or under context

@@ -330,9 +330,9 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
             "n_positions": spec.max_position_embeddings,
             "layer_norm_epsilon": spec.norm_eps,
             "activation_function": _HF_GELU_NAME[spec.gelu_approximate],
-            # the plan's dropout (Mist has no embedding dropout)
+            # the plan's dropout (Mist drops the embedding output with the hidden dropout)
             "attn_pdrop": spec.attention_dropout,
-            "embd_pdrop": 0.0,
+            "embd_pdrop": spec.hidden_dropout,
             "resid_pdrop": spec.hidden_dropout,
         }
     grouped = arch.qkv_layout == "grouped"
@@ -355,7 +355,7 @@ def hf_config(spec: ModelSpec, dtype: str = "float32") -> dict[str, Any]:
         "rope_parameters": rope,
         "rope_theta": spec.rope_theta,
         "attention_dropout": spec.attention_dropout,
-        "hidden_dropout": spec.hidden_dropout,
+        "hidden_dropout": spec.hidden_dropout,  # (Falcon has no embedding dropout, Mist does)
     }
 
 

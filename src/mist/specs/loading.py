@@ -358,6 +358,12 @@ def _hf_gpt2(c: _Cfg) -> dict:
     V = c.need("vocab_size")
     c.check()
     inner = c.get("n_inner", default=4 * h if isinstance(h, int) else h)
+    hidden = c.number("resid_pdrop", default=0.1)
+    if c.number("embd_pdrop", default=hidden) != hidden:
+        raise MistInputError(
+            f"Hugging Face config {c.source}: embd_pdrop {c.get('embd_pdrop')} differs from resid_pdrop {hidden}; "
+            "Mist drops the embedding output with the hidden dropout (Megatron-LM's rule), so set them equal."
+        )
     return dict(
         family="gpt",
         num_layers=L,
@@ -371,9 +377,11 @@ def _hf_gpt2(c: _Cfg) -> dict:
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
         max_position_embeddings=c.get("n_positions", "max_position_embeddings", default=1024),
         gelu_approximate=HF_GELUS.get(str(c.get("activation_function", default="gelu_new")), "tanh"),
-        # GPT2Config's defaults; its embedding dropout (embd_pdrop) is not modelled
+        # GPT2Config's defaults. Its embedding dropout (embd_pdrop) is the hidden dropout, as in
+        # Megatron-LM (ModelSpec has one probability for both; GPT-2's released configs set
+        # embd_pdrop = resid_pdrop, and a config where they differ is refused above)
         attention_dropout=c.number("attn_pdrop", default=0.1),
-        hidden_dropout=c.number("resid_pdrop", default=0.1),
+        hidden_dropout=hidden,
     )
 
 

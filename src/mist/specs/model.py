@@ -54,7 +54,8 @@ class ModelSpec:
     gelu_approximate: str = "tanh"
     # dropout probabilities in training (Megatron-LM's --attention-dropout, --hidden-dropout):
     # on the attention probabilities (materialised attention only), and on the attention and MLP
-    # outputs before each residual add (falcon: once on their sum); `mist.models.dropout`
+    # outputs before each residual add (falcon: once on their sum) and on the embedding output
+    # (Megatron-LM's embedding dropout); `mist.models.dropout`
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
 

@@ -121,7 +121,7 @@ def fused_adam_(
 
 def symbolic_fake_mode() -> FakeTensorMode:
     """A FakeTensorMode with a fresh ShapeEnv, only fake inputs, and no dispatch cache."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv  # lazy: pulls in sympy (module docstring)
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     mode.cache_enabled = False

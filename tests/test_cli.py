@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -183,5 +184,6 @@ def test_timeline_path_checked_before_simulating(tmp_path, capsys):
 
 
 def test_tiny_memory_limit_is_not_shown_as_zero(capsys):
-    code, _, err = run(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--memory-limit", "1e-6"], capsys)
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama.yaml")
+    code, _, err = run(["tune", "--model", tiny, "--gpu", "l4", "--memory-limit", "1e-6"], capsys)
     assert code == 2 and "against the 9.99e-07 GiB of a l4" in err and "0.0 GiB" not in err

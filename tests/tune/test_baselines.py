@@ -271,3 +271,21 @@ def test_no_candidate_at_all_is_explained(prof):
     r = tune_megatron(model, cluster, training, prof)
     assert r.plan is None and r.candidates_evaluated == 0
     assert r.infeasible_reason.startswith("No megatron candidate exists")
+
+
+def test_batched_costing_equals_one_at_a_time(prof):
+    """`_Evaluator.warm` evaluates the stage rows of many candidates per `StageModel.evaluate`
+    (plain and interleaved, chunks first): every cost equals the one-at-a-time one exactly."""
+    from mist.export import megatron as mg_export
+    from mist.tune.targets import megatron_candidates
+
+    model, cluster, _ = case("llama-2.7b", 8, True)
+    training = mg_export.runs_training(TrainingSpec(seq_len=2048, global_batch=64))
+    every = list(megatron_candidates(model, cluster, training))
+    piped = [c for c in every if len(c[1]) > 1 and not c[1][0].chunk_layers]
+    cands = every[:100] + piped[:150] + [c for c in every if c[1][0].chunk_layers][:150]
+    assert any(st[0].chunk_layers for _, st in cands) and any(len(st) > 1 and not st[0].chunk_layers for _, st in cands)
+    batched, single = (bl._Evaluator(model, cluster, training, prof) for _ in range(2))
+    batched.warm(cands)
+    for G, stages in cands:
+        assert batched.cost(G, stages) == single.cost(G, stages)

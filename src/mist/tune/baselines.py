@@ -50,9 +50,10 @@ Aceso (EuroSys'24): iterative bottleneck alleviation per (pp, b) configuration, 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -234,45 +235,132 @@ class _Evaluator:
         self.min_need = min(self.min_need, max(c.needs))
         return c
 
+    def warm(self, candidates) -> None:
+        """Evaluate the stage rows that `cost` will need for `candidates` in batches: one
+        `StageModel.evaluate` per stage model and stage position over all their strategies (the
+        arrays of a `StageInput`), element for element what one evaluation each gives; for an
+        interleaved candidate its chunks first, then its ranks with their in-flight counts."""
+        if self.exact:
+            return
+        plain: dict = {}  # row key -> (model, input)
+        chunk_jobs: dict = {}  # chunk key -> (model, chunk input)
+        ranks = []  # (row key, model, input, stage index, pp, G, chunk keys)
+        for G, stages in candidates:
+            pp = len(stages)
+            keys = [(i, pp, G, s) for i, s in enumerate(stages)]
+            if all(k in self._stage for k in keys):
+                continue
+            interleaved = stages[0].chunk_layers is not None
+            try:
+                plan = self.plan(G, stages)
+                inputs = stage_inputs(plan)
+                chunks = chunk_inputs(plan, inputs) if interleaved else None
+            except ValueError:
+                continue  # (`cost` raises it for the candidate)
+            for i, (key, st, s) in enumerate(zip(keys, inputs, stages)):
+                if key in self._stage:
+                    continue
+                m = self._stage_model(s)
+                if chunks is None:
+                    plain[key] = (m, st)
+                    continue
+                cks = [_chunk_key(s, c) for c in chunks[i]]
+                chunk_jobs.update({ck: (m, c) for ck, c in zip(cks, chunks[i]) if ck not in self._stage})
+                ranks.append((key, m, st, i, pp, G, cks))
+        self._stage.update(zip(plain, _evaluate_many(list(plain.values()), _ROW_COLS)))
+        self._stage.update(zip(chunk_jobs, _evaluate_many(list(chunk_jobs.values()), _CHUNK_COLS)))
+        jobs = []
+        for _, m, st, i, pp, G, cks in ranks:
+            saved = np.array([self._stage[ck][0] for ck in cks])
+            jobs.append((m, replace(st, in_flight=float(interleaved_in_flight(i, pp, G, saved)))))
+        for (key, *_, cks), (peak, host) in zip(ranks, _evaluate_many(jobs, ("peak", "host_peak"))):
+            self._stage[key] = _interleaved_row([self._stage[ck] for ck in cks], peak, host)
+
     def _row(self, i: int, pp: int, G: int, s: StageStrategy, st, chunks) -> tuple:
         """Stage i's (T, F, X, Y, peak, host peak) and, for an interleaved stage (`chunks`, its
         chunks' inputs), its chunks' (forward, backward, first, last) times: the rank's memory
         with its chunks' in-flight activations, its times their sums (as `simulate_plan`)."""
         m = self._stage_model(s)
         if chunks is None:
-            r = m.evaluate(st)
-            return (
-                float(r.T[0]),
-                float(r.fwd[0]),
-                float(r.first_extra[0]),
-                float(r.last_extra[0]),
-                float(r.peak[0]),
-                float(r.host["peak_bytes"][0]),
-            )
+            return _evaluate_many([(m, st)], _ROW_COLS)[0]
         cs = [self._chunk(m, s, c) for c in chunks]
-        saved = np.array([float(c.saved_per_microbatch[0]) for c in cs])
+        saved = np.array([c[0] for c in cs])
         r = m.evaluate(replace(st, in_flight=float(interleaved_in_flight(i, pp, G, saved))))
-        f, t, x, y = (tuple(float(getattr(c, k)[0]) for c in cs) for k in ("fwd", "T", "first_extra", "last_extra"))
-        per_chunk = (f, tuple(a - b for a, b in zip(t, f)), x, y)
-        return (sum(t), sum(f), sum(x), sum(y), float(r.peak[0]), float(r.host["peak_bytes"][0]), per_chunk)
+        return _interleaved_row(cs, float(r.peak[0]), float(r.host["peak_bytes"][0]))
 
-    def _chunk(self, m: StageModel, s: StageStrategy, c):
-        """A chunk's result, memoized: it depends on its rank's strategy, its blocks and
-        recomputed ones, whether it holds the embedding or head, the pipeline's chunks and G (not
-        on its position, as a chunk's input holds no in-flight count)."""
-        key = ("chunk", s, c.first, c.last, c.num_stages, c.G, int(c.layers[0]), int(c.recompute[0]))
+    def _chunk(self, m: StageModel, s: StageStrategy, c) -> tuple:
+        """A chunk's `_CHUNK_COLS`, memoized (`_chunk_key`)."""
+        key = _chunk_key(s, c)
         r = self._stage.get(key)
         if r is None:
-            r = self._stage[key] = m.evaluate(c)
+            r = self._stage[key] = _evaluate_many([(m, c)], _CHUNK_COLS)[0]
         return r
+
+
+def _chunk_key(s: StageStrategy, c) -> tuple:
+    """What a chunk's result depends on: its rank's strategy, its blocks and recomputed ones,
+    whether it holds the embedding or head, the pipeline's chunks and G (not its position, as a
+    chunk's input holds no in-flight count)."""
+    return ("chunk", s, c.first, c.last, c.num_stages, c.G, int(c.layers[0]), int(c.recompute[0]))
+
+
+def _interleaved_row(cs: list, peak: float, host_peak: float) -> tuple:
+    """An interleaved rank's row from its chunks' `_CHUNK_COLS` and its memory peaks."""
+    f, t, x, y = (tuple(c[k] for c in cs) for k in (1, 2, 3, 4))
+    per_chunk = (f, tuple(a - b for a, b in zip(t, f)), x, y)
+    return (sum(t), sum(f), sum(x), sum(y), peak, host_peak, per_chunk)
+
+
+# what a stage row keeps of a `StageResult`, and what a chunk's keeps
+_ROW_COLS = ("T", "fwd", "first_extra", "last_extra", "peak", "host_peak")
+_CHUNK_COLS = ("saved_per_microbatch", "fwd", "T", "first_extra", "last_extra")
+
+
+def _evaluate_many(jobs: list, cols: tuple) -> list[tuple]:
+    """`cols` of each (stage model, single-strategy input) job, evaluated in batches: the jobs
+    of one model whose inputs differ only in their strategy arrays (and in-flight count) share
+    one `evaluate`."""
+    groups: dict = {}
+    for n, (m, st) in enumerate(jobs):
+        batched = _BATCHED + (("in_flight",) if st.in_flight is not None else ())
+        shared = (id(m), batched) + tuple(getattr(st, f.name) for f in fields(st) if f.name not in batched)
+        groups.setdefault(shared, (m, batched, []))[2].append((n, st))
+    out: list = [None] * len(jobs)
+    for m, batched, members in groups.values():
+        sts = [st for _, st in members]
+        r = m.evaluate(
+            replace(sts[0], **{f: np.concatenate([np.ravel(getattr(st, f)) for st in sts]) for f in batched})
+        )
+        columns = [r.host["peak_bytes"] if c == "host_peak" else getattr(r, c) for c in cols]
+        for j, (n, _) in enumerate(members):
+            out[n] = tuple(float(np.ravel(c)[j]) for c in columns)
+    return out
+
+
+# candidates costed per batch (`_Evaluator.warm`), and the fields of a stage that vary within one
+_BATCH = 256
+_BATCHED = (
+    "layers",
+    "recompute",
+    "b",
+    "dp",
+    "zero",
+    "offload_weights",
+    "offload_grads",
+    "offload_optimizer",
+    "offload_activations",
+)
 
 
 def _best_of(ev: _Evaluator, candidates, deadline: float):
     best, best_c = None, None
-    for G, stages in candidates:
-        c = ev.cost(G, stages)
-        if c.fits and (best_c is None or c.time < best_c.time):
-            best, best_c = (G, stages), c
+    it = iter(candidates)
+    while batch := list(itertools.islice(it, _BATCH)):
+        ev.warm(batch)
+        for G, stages in batch:
+            c = ev.cost(G, stages)
+            if c.fits and (best_c is None or c.time < best_c.time):
+                best, best_c = (G, stages), c
         if time.monotonic() > deadline:
             break
     return best

@@ -149,27 +149,8 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
                 return True
             if gpn % cp:
                 continue
-            tps: list = [None]
-            if sp.uniform_tp:
-                tps = tp_degrees(model, gpn, MAX_UNIFORM_TP)
-            for tp_fixed in tps:
-                tables = StageTables(
-                    model,
-                    profile,
-                    training.seq_len,
-                    training.flash_attention,
-                    sp,
-                    pp,
-                    G,
-                    nodes,
-                    gpn,
-                    cluster.gpus_per_node,
-                    training.global_batch,
-                    with_wg,
-                    precision_for(training, profile),
-                    host_cap,
-                    cp,
-                )
+            tables = _stage_tables(sp, (pp, nodes, gpn), G, with_wg, host_cap, cp, model, cluster, training, profile)
+            for tp_fixed in _tp_loop(sp, model, gpn):
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
                 _search_interleaved(state, tables, tp_fixed, model, cluster, training)
                 _search_zero_bubble(state, tables, tp_fixed, model, cluster, training)
@@ -187,29 +168,39 @@ def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, clu
     if state.pool is None:
         return
     requests = []
-    for (pp, nodes, gpn), G in combos:
-        if gpn % cp:
+    for mesh, G in combos:
+        if mesh[2] % cp:
             continue
-        tps: list = tp_degrees(model, gpn, MAX_UNIFORM_TP) if sp.uniform_tp else [None]
-        tables = StageTables(
-            model,
-            profile,
-            training.seq_len,
-            training.flash_attention,
-            sp,
-            pp,
-            G,
-            nodes,
-            gpn,
-            cluster.gpus_per_node,
-            training.global_batch,
-            False,
-            precision_for(training, profile),
-            None,
-            cp,
-        )
-        requests += [r for tp in tps for r in tables.analyses(tp)]
+        tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile)
+        requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
     state.pool.prefetch(requests)
+
+
+def _stage_tables(sp: SearchSpace, mesh, G: int, with_wg: bool, host_cap, cp: int, model, cluster, training, profile):
+    """The stage tables of one (pp, nodes, gpus per node) mesh and G."""
+    pp, nodes, gpn = mesh
+    return StageTables(
+        model,
+        profile,
+        training.seq_len,
+        training.flash_attention,
+        sp,
+        pp,
+        G,
+        nodes,
+        gpn,
+        cluster.gpus_per_node,
+        training.global_batch,
+        with_wg,
+        precision_for(training, profile),
+        host_cap,
+        cp,
+    )
+
+
+def _tp_loop(sp: SearchSpace, model, gpn: int) -> list:
+    """The TP degree every stage shares, one search each (the mist-paper space), or [None]."""
+    return tp_degrees(model, gpn, MAX_UNIFORM_TP) if sp.uniform_tp else [None]
 
 
 def _around(combos: list, plan: Plan, cp: int) -> list:
@@ -280,8 +271,9 @@ def _search_tables(state: _Search, tables: StageTables, tp_fixed, model, cluster
     if (G + pp - 1) * lb_layer * L / pp >= state.best.objective:
         return
     lo, hi = _layer_range(tables.space, L, pp, G, lb_layer, state.best.objective)
+    before = tables.evaluated
     options = _stage_options(state, tables, L, lo, hi, tp_fixed)
-    state.evaluated += tables.evaluated
+    state.evaluated += tables.evaluated - before
     split = best_split(options, L, G, lmin=lo, lmax=hi, bound=state.best.objective)
     if split is not None and split.objective < state.best.objective:
         strategies = [options[i][l].strategies[k] for i, (l, k) in enumerate(zip(split.layers, split.choice))]

@@ -78,3 +78,19 @@ def test_nothing_is_prefetched_without_a_cache_or_a_second_worker(monkeypatch, t
     monkeypatch.setenv("MIST_TRACE_WORKERS", "0")
     assert TracePool().workers == 0
     assert not any(r.on_disk() for r in requests)
+
+
+def test_a_worker_that_dies_leaves_the_tracing_to_the_process(monkeypatch, tmp_path):
+    """A worker killed mid-trace (here it exits at once) ends the prefetching without an error;
+    the pool then traces nothing more, and the analyses stay for the search to trace."""
+    import os
+
+    from mist.analysis.layer import AnalysisRequest
+
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(AnalysisRequest, "run", lambda self: os._exit(3))
+    requests = _tables().analyses()
+    with TracePool(workers=2) as pool:
+        assert pool.prefetch(requests) == 0 and pool.workers == 0
+        assert pool.prefetch(requests) == 0
+    assert not any(r.on_disk() for r in requests)

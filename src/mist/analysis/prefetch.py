@@ -12,7 +12,8 @@ when the parent may have started torch's thread pool. They live as long as the p
 Nothing is prefetched without a disk cache (the workers hand their traces back through it), with
 one core, off Linux, or for fewer than `MIN_PARALLEL` missing traces. MIST_TRACE_WORKERS sets the number of
 workers (0 or 1: trace in the process, as without this module). A trace that fails in a worker is
-left to the search, which traces it again in its own process and reports the error there.
+left to the search, which traces it again in its own process and reports the error there; a
+worker that dies (killed, out of memory) ends the prefetching, and the search traces in-process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -88,13 +90,18 @@ class TracePool:
                 mp_context=multiprocessing.get_context("fork"),
                 initializer=_one_thread,
             )
-        done = sum(self._executor.map(_trace, todo))
+        try:
+            done = sum(self._executor.map(_trace, todo))
+        except BrokenProcessPool:  # a worker died (killed, out of memory): trace in the process
+            self.close()
+            self.workers = 0
+            return 0
         self.traced += done
         return done
 
     def close(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown()
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
 
     def __enter__(self) -> TracePool:

@@ -13,7 +13,6 @@ from functools import lru_cache
 import numpy as np
 import sympy
 
-from mist.analysis import analyze_layer
 from mist.analysis.layer import AnalysisRequest
 from mist.analysis.records import B, S
 from mist.simulate.layer_cost import phase_time
@@ -121,9 +120,8 @@ def layer_terms(
 
 
 def analyses(spec, part, tp, flash, dtype="bf16", target="cuda", selective=False, sp=False, cp=1) -> list:
-    """The `AnalysisRequest`s `layer_terms` reads for these arguments: the layer as it runs
-    (with its selective recomputation), and for a block also without it and checkpointed whole.
-    (tests/analysis/test_prefetch.py checks that these leave `layer_terms` nothing to trace.)"""
+    """The `AnalysisRequest`s `layer_terms` reads, in this order: the layer as it runs (with its
+    selective recomputation), then for a block without it (if selective) and checkpointed whole."""
     kw = dict(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
     rcs = [selective or False] + ([False] if selective else []) + ([True] if part == "block" else [])
     return [AnalysisRequest(recompute=rc, **kw) for rc in rcs]
@@ -135,8 +133,9 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
     links = profile.link_model() if tp > 1 or cp > 1 else None  # own section or shipped file
-    kw = dict(tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
-    la = analyze_layer(spec, part, recompute=selective or False, **kw)
+    # the layer as it runs, [without its selective recomputation,] [checkpointed whole]
+    reads = [r.run() for r in analyses(spec, part, tp, flash, dtype, target, selective, sp, cp)]
+    la = reads[0]
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)
     # blocks run as a stream: each costs total − lead and the stream pays one lead per phase
@@ -148,12 +147,12 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     bwd, lead_bwd, tp_bwd = per(bw), lead(bw), bw.comm
     plain = bw
     if selective:  # only ever for blocks
-        plain = phase_time(profile, links, analyze_layer(spec, part, **kw), "bwd", b, s)
+        plain = phase_time(profile, links, reads[1], "bwd", b, s)
         ra = phase_time(profile, links, la, "recompute", b, s)
         rc_sel = per(ra)
         bwd, lead_bwd, tp_bwd = bwd + rc_sel, np.maximum(bw.lead, ra.lead), bw.comm + ra.comm
     if block:
-        ck = analyze_layer(spec, part, recompute=True, **kw)
+        ck = reads[-1]
         rc = phase_time(profile, links, ck, "recompute", b, s)
         recompute, saved_ck, bwd_ck, fwd_ck = per(rc), ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
         lead_ck = np.maximum(rc.lead, plain.lead)

@@ -191,7 +191,7 @@ class InterleavedSchedule:
             runner = runners[c]
             tokens, targets = micro_batches[g]
             x = tokens if src < 0 else self._recv_act(links, g, src)
-            with span("fwd"):
+            with span("fwd", g):
                 before = runner.begin_forward()
                 out = runner.forward(x, targets if dst < 0 else None)
                 act = runner.saved.memory.activations - before
@@ -206,7 +206,7 @@ class InterleavedSchedule:
             runner = runners[c]
             x, out, act = inflight.pop((g, c))
             grad = None if dst < 0 else self._recv_grad(links, out, g, dst - 1)
-            with span("bwd"):
+            with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if dst < 0:
                     (out * (loss_scale / G)).backward()

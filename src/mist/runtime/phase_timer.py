@@ -1,6 +1,11 @@
 """Per micro-batch compute time of one rank: each forward and each backward of a step (waits for
 activations or gradients from neighbour stages excluded), and the optimizer step.
 
+A micro-batch's forward or backward may run in several spans: one per model chunk of an
+interleaved stage, and the input-gradient (B) and weight-gradient (W) passes of a zero-bubble
+backward. Spans carry their micro-batch, and `seconds` sums each micro-batch's spans, so that a
+stage's forward and backward are whole in every schedule (as the simulator's stage times are).
+
 From them `stage_times` derives what the simulator predicts per stage: the steady time T of a
 micro-batch (the median forward of micro-batches 2…G plus the median backward of 1…G−1) and the
 one-off extra D of an iteration (the first forward's and the last backward's excess over those
@@ -21,30 +26,43 @@ import torch
 class PhaseTimer:
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self.spans: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
+        self.reset()
 
     def reset(self) -> None:
-        self.spans = {"fwd": [], "bwd": [], "opt": []}
+        # kind -> [(micro-batch or None, the span: seconds on CPU, a pair of events on CUDA)]
+        self.spans: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
 
     @contextmanager
-    def span(self, kind: str):
+    def span(self, kind: str, micro_batch: int | None = None):
+        """Time the block as part of `micro_batch`'s `kind` (None: a span of its own)."""
         if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             yield
             b.record()
-            self.spans[kind].append((a, b))
+            self.spans[kind].append((micro_batch, (a, b)))
         else:
             t0 = time.perf_counter()
             yield
-            self.spans[kind].append(time.perf_counter() - t0)
+            self.spans[kind].append((micro_batch, time.perf_counter() - t0))
 
     def seconds(self) -> dict[str, list[float]]:
-        """The step's spans in seconds (on CUDA after synchronizing)."""
+        """The step's times in seconds (on CUDA after synchronizing): per kind, one per micro-batch
+        in micro-batch order (the sum of its spans), then the spans of no micro-batch in turn."""
         if self.cuda:
             torch.cuda.synchronize()
-            return {k: [a.elapsed_time(b) * 1e-3 for a, b in v] for k, v in self.spans.items()}
-        return {k: list(v) for k, v in self.spans.items()}
+        out = {}
+        for kind, spans in self.spans.items():
+            per: dict[int, float] = {}
+            alone = []
+            for g, v in spans:
+                t = v[0].elapsed_time(v[1]) * 1e-3 if self.cuda else v
+                if g is None:
+                    alone.append(t)
+                else:
+                    per[g] = per.get(g, 0.0) + t
+            out[kind] = [per[g] for g in sorted(per)] + alone
+        return out
 
 
 def stage_times(fwd: list[float], bwd: list[float], opt: float) -> tuple[float, float]:

@@ -39,9 +39,9 @@ class GradAccumSchedule:
         losses = []
         for g, (tokens, targets) in enumerate(micro_batches):
             runner.start_micro_batch(g, last=g == self.G - 1)
-            with span("fwd"):
+            with span("fwd", g):
                 loss = runner.forward(tokens, targets)
-            with span("bwd"):
+            with span("bwd", g):
                 (loss * (loss_scale / self.G)).backward()
                 runner.finish_micro_batch()
             losses.append(loss.detach())
@@ -59,7 +59,7 @@ class GradAccumSchedule:
 
 def _spans(timer):
     """timer.span, or a do-nothing context when there is no timer."""
-    return timer.span if timer is not None else (lambda kind: nullcontext())
+    return timer.span if timer is not None else (lambda kind, micro_batch=None: nullcontext())
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class PipelineSchedule:
         def backward(g: int) -> None:
             x, out, act = inflight.pop(g)
             grad = None if last else self._recv_grad(out, g)
-            with span("bwd"):
+            with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if last:
                     (out * (loss_scale / G)).backward()
@@ -157,7 +157,7 @@ class PipelineSchedule:
         first, last = self.i == 0, self.i == self.stages - 1
         tokens, targets = micro_batches[g]
         x = tokens if first else self._recv_act(g)
-        with span("fwd"):
+        with span("fwd", g):
             before = runner.begin_forward()
             out = runner.forward(x, targets if last else None)
             act = runner.saved.memory.activations - before

@@ -149,7 +149,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
             if first:  # nothing upstream: the whole backward runs at W, right after
                 waiting[g] = (root, grad, None, act)
                 return
-            with span("bwd"):
+            with span("bwd", g):
                 wp = _WeightPass(root, x, params)
                 gx = wp.input_grad(grad, x)
             self._send_grad(gx, g, pending)
@@ -157,7 +157,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
 
         def weight_grads(g: int) -> None:
             root, grad, wp, act = waiting.pop(g)
-            with span("bwd"):
+            with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if wp is None:
                     torch.autograd.backward(root, grad)

@@ -7,7 +7,11 @@ the graph (`retain_graph`), while pre-hooks on the graph's "frontier" nodes reco
 that reach them: a frontier node lies on a path from the output to the input and has a
 parameter's gradient accumulator among the nodes it reaches without crossing such a path (for a
 linear, its matmul's backward; for a norm, the norm's). W later runs `torch.autograd.backward`
-from those nodes, fed the recorded gradients, into the parameters only: autograd's
+from those nodes, fed the recorded gradients, into the parameters each of them owns (those it
+reaches off the path): a node's input-side output then leads to no requested parameter, so
+autograd does not compute it again (with every parameter requested from every node, W re-ran the
+input-gradient chain below each frontier node, the whole backward once more). Frontier nodes
+that share a parameter run in one call. Autograd's
 `AccumulateGrad` writes the parameters' .grad and fires their post-accumulate hooks, so the flat
 units (`runtime.flat`) accumulate and reduce exactly as they do after a plain backward — their
 per-micro-batch state is opened at W's start and closed at its end, in micro-batch order. Each
@@ -72,6 +76,34 @@ def _upward(start, rev, stop: set) -> tuple[set, set]:
     return seen, hit
 
 
+def _share_groups(nodes: list, owned: dict) -> list[tuple[list, list]]:
+    """The frontier nodes in groups that share no parameter with one another (a parameter reached
+    from two nodes — used twice in the stage — gets its gradient from one backward call, summed by
+    autograd, as after a plain backward); each group with its parameters, in node order."""
+    group_of: dict = {}  # id(parameter) -> group index
+    groups: list[tuple[list, list]] = []
+    for node in nodes:
+        hit = sorted({group_of[id(p)] for p in owned[node] if id(p) in group_of})
+        if not hit:
+            groups.append(([], []))
+            target = len(groups) - 1
+        else:
+            target = hit[0]
+            for j in reversed(hit[1:]):  # merge the other groups into the first
+                g_nodes, g_params = groups[j]
+                groups[target][0].extend(g_nodes)
+                groups[target][1].extend(g_params)
+                for p in g_params:
+                    group_of[id(p)] = target
+                groups[j] = ([], [])
+        groups[target][0].append(node)
+        for p in owned[node]:
+            if id(p) not in group_of:
+                group_of[id(p)] = target
+                groups[target][1].append(p)
+    return [g for g in groups if g[0]]
+
+
 class _WeightPass:
     """What one micro-batch's W needs: the frontier nodes, the gradients B recorded at them, the
     graph (kept alive through `root`) and the parameters."""
@@ -81,10 +113,12 @@ class _WeightPass:
         self.params = list(params)
         rev = _parents(root.grad_fn)
         path, _ = _upward(_accumulator(x), rev, set())
-        frontier: set = set()
-        for p in params:
-            frontier |= _upward(_accumulator(p), rev, path)[1]
-        self.nodes = list(frontier)
+        owned: dict = defaultdict(list)  # frontier node -> the parameters it reaches off the path
+        for p in self.params:
+            for node in _upward(_accumulator(p), rev, path)[1]:
+                owned[node].append(p)
+        self.nodes = list(owned)
+        self.groups = _share_groups(self.nodes, owned)
         self.grads: dict = {}
         self.handles = [n.register_prehook(self._recorder(n)) for n in self.nodes]
 
@@ -105,20 +139,23 @@ class _WeightPass:
         return gx if gx is not None else torch.zeros_like(x)
 
     def weight_grads(self) -> None:
-        """W: from the frontier, with the recorded gradients, into the parameters' .grad."""
-        roots, grads, pins = [], [], []
-        for node in self.nodes:
-            recorded = self.grads.get(node)
-            if recorded is None:
-                continue
-            pins.append(node.register_prehook(lambda _, r=recorded: r))
-            for i, g in enumerate(recorded):
-                if g is not None:
-                    roots.append(GradientEdge(node, i))
-                    grads.append(g)
+        """W: from the frontier, with the recorded gradients, into the parameters' .grad (one
+        backward per group of frontier nodes, into the parameters the group owns)."""
+        pins = []
         try:
-            if roots:
-                torch.autograd.backward(roots, grads, inputs=self.params)
+            for nodes, params in self.groups:
+                roots, grads = [], []
+                for node in nodes:
+                    recorded = self.grads.get(node)
+                    if recorded is None:
+                        continue
+                    pins.append(node.register_prehook(lambda _, r=recorded: r))
+                    for i, g in enumerate(recorded):
+                        if g is not None:
+                            roots.append(GradientEdge(node, i))
+                            grads.append(g)
+                if roots:
+                    torch.autograd.backward(roots, grads, inputs=params)
         finally:
             for h in pins:
                 h.remove()

@@ -1,0 +1,68 @@
+"""ZB-H1's split backward in one process (`runtime.zero_bubble._WeightPass`): B then W give the
+gradients of a plain backward, and W computes weight gradients only — no node of the
+input-gradient chain (the path from the output to the stage input) runs again, except the
+frontier nodes themselves, whose input-side outputs W does not request."""
+
+import pytest
+import torch
+from rt_helpers import SPECS
+
+from mist.models import init_weights
+from mist.models.block import DecoderBlock
+from mist.models.collectives import TPGroup
+from mist.models.head import Head
+from mist.runtime.zero_bubble import _accumulator, _parents, _upward, _WeightPass
+
+
+class _Stage(torch.nn.Module):
+    """A last pipeline stage: two blocks and the head with its loss."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(DecoderBlock(spec, TPGroup(), True, torch.float32) for _ in range(2))
+        self.head = Head(spec, TPGroup(), torch.float32)
+
+    def forward(self, x, targets):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x, targets)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "falcon"])
+def test_weight_pass_reruns_no_input_gradient_node(family):
+    torch.manual_seed(0)
+    spec = SPECS[family]
+    stage = _Stage(spec)
+    init_weights(stage, seed=0)
+    params = list(stage.parameters())
+    targets = torch.randint(0, spec.vocab_size, (2, 16))
+    x0 = torch.randn(2, 16, spec.hidden_size)
+
+    x = x0.clone().requires_grad_()
+    stage(x, targets).backward()
+    plain = [p.grad.clone() for p in params]
+    plain_x = x.grad.clone()
+    stage.zero_grad(set_to_none=True)
+
+    x = x0.clone().requires_grad_()
+    loss = stage(x, targets)
+    wp = _WeightPass(loss, x, params)
+    path, _ = _upward(_accumulator(x), _parents(loss.grad_fn), set())
+    below = path - set(wp.nodes)  # the chain's nodes that own no parameter
+    runs = {"B": 0, "W": 0}
+    phase = ["B"]
+
+    def count(*_):
+        runs[phase[0]] += 1
+
+    hooks = [n.register_prehook(count) for n in below]
+    gx = wp.input_grad(None, x)
+    phase[0] = "W"
+    wp.weight_grads()
+    for h in hooks:
+        h.remove()
+
+    assert runs["B"] > 10 and runs["W"] == 0, runs
+    torch.testing.assert_close(gx, plain_x)
+    for p, g in zip(params, plain):
+        torch.testing.assert_close(p.grad, g)

@@ -77,7 +77,8 @@ def plan_summary(plan: dict) -> str:
             f"[{s['layers']}L b{s['micro_batch']} dp{s['dp']} tp{s['tp']} z{s['zero']} "
             f"rc{s['recompute_layers']}" + (f" off {o}" if any(off.values()) else "") + "]"
         )
-    return f"G {plan['micro_batches']} " + " ".join(parts)
+    schedule = f" {plan['schedule']}" if plan.get("schedule", "1f1b") != "1f1b" else ""
+    return f"G {plan['micro_batches']}{schedule} " + " ".join(parts)
 
 
 def tune(model: str, profile: str, extra: list[str], plan_path: Path) -> dict:
@@ -140,6 +141,7 @@ def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, 
                     "saved_activation_peak_bytes",
                     "stable_time_s",
                     "delta_time_s",
+                    "weight_grad_time_s",
                 )
                 + HOST_KEYS
             }
@@ -174,9 +176,10 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
         "of `mist validate`; errors are (predicted − measured) / measured.",
         "",
         "| case | plan (tuned) | predicted step (s) | measured step (s) | error | T per stage pred/meas (ms) "
-        "| D per stage pred/meas (ms) | states pred/meas (MiB) | saved activations pred/meas (MiB) "
+        "| D per stage pred/meas (ms) | W per stage pred/meas (ms) | states pred/meas (MiB) "
+        "| saved activations pred/meas (MiB) "
         "| host: states + activations + CPU Adam gradients pred/meas (MiB) | peak pred/meas (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         st = " · ".join(
@@ -195,12 +198,13 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
         )
 
         def ms(k):
-            return " · ".join(f"{s[k]['predicted'] * 1e3:.0f}/{s[k]['measured'] * 1e3:.0f}" for s in r["stages"])
+            show = lambda v: "–" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
+            return " · ".join(f"{show(s[k]['predicted'])}/{show(s[k]['measured'])}" for s in r["stages"])
 
         out.append(
             f"| {r['case']} | {r['plan_summary']} | {r['predicted_step_s']:.3f} | "
             f"{r['measured_step_s']:.3f} | {r['step_time_error']:+.1%} | {ms('stable_time_s')} | "
-            f"{ms('delta_time_s')} | {st} | {sa} | {ho} | {pk} |"
+            f"{ms('delta_time_s')} | {ms('weight_grad_time_s')} | {st} | {sa} | {ho} | {pk} |"
         )
     s = summary(rows)
     out += [
@@ -213,7 +217,9 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
         f"terms) on {s['host_exact']}/{s['stage_count']}. The peak column compares the "
         "simulator's peak (with operator temporaries) with the runtime's accounted peak (without them), "
         "so it is an upper bound, not a byte match. T and D per stage: see `mist.runtime.phase_timer` "
-        "(with G = 1, D is 0 by definition).",
+        "(with G = 1, D is 0 by definition). W: the weight-gradient pass of one micro-batch of a ZB-H1 "
+        "stage (– where the stage has none of its own: 1F1B, or the first stage, whose W is its whole "
+        "backward).",
     ]
     return "\n".join(out) + "\n"
 

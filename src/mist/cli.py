@@ -548,6 +548,7 @@ def validate(
     labels = {
         "stable_time": ("T, steady micro-batch (ms)", 1e-3),
         "delta_time": ("D, one-off per iteration (ms)", 1e-3),
+        "weight_grad_time": ("W, weight gradients of a micro-batch (ms)", 1e-3),
         "peak_memory": ("peak memory (MiB)", MiB),
         "state_memory": ("states (MiB)", MiB),
         "saved_activations": ("saved activations (MiB)", MiB),
@@ -558,12 +559,12 @@ def validate(
     for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
             label, unit = labels[name]
-            mv = ms.get(key)
-            if name.startswith("host") and not ps[key] and not mv:
-                continue  # nothing offloaded of this kind
+            pv, mv = ps.get(key), ms.get(key)
+            if (name.startswith("host") and not pv and not mv) or (pv is None and mv is None):
+                continue  # nothing offloaded of this kind; no W of its own (not a ZB-H1 stage)
             t.add_row(
                 f"stage {i} {label}",
-                f"{ps[key] / unit:.3f}",
+                "-" if pv is None else f"{pv / unit:.3f}",
                 "-" if mv is None else f"{mv / unit:.3f}",
                 fmt(err[name][i]),
             )

@@ -21,6 +21,7 @@ MIN_STEPS = 2  # the first step warms up (allocations, caches); the measurement 
 STAGE_ERRORS = (
     ("stable_time", "stable_time_s"),
     ("delta_time", "delta_time_s"),
+    ("weight_grad_time", "weight_grad_time_s"),  # ZB-H1 stages but the first (None elsewhere)
     ("peak_memory", "peak_memory_bytes"),
     ("state_memory", "state_bytes"),
     ("saved_activations", "saved_activation_peak_bytes"),
@@ -43,7 +44,7 @@ def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> d
     pairs = list(zip(pred["stages"], metrics.get("stages", [])))
     errors = {
         "step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
-        **{name: [_rel(ps[key], ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
+        **{name: [_rel(ps.get(key), ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
     }
     out = {"predicted": pred, "measured": metrics, "errors": errors, "warnings": mismatch(plan, profile)}
     if drift is not None:

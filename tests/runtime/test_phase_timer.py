@@ -53,7 +53,7 @@ def test_spans_of_no_micro_batch_stay_apart():
             pass
     assert len(timer.seconds()["opt"]) == 2
     timer.reset()
-    assert timer.seconds() == {"fwd": [], "bwd": [], "opt": []}
+    assert timer.seconds() == {"fwd": [], "bwd": [], "wgrad": [], "opt": []}
 
 
 @pytest.mark.parametrize("G", [1, 3])

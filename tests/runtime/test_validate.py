@@ -101,3 +101,37 @@ def test_validate_needs_a_step_after_the_warm_up(tmp_path, capsys, steps):
         f"error: mist validate needs --steps of at least 2, because the first step is warm-up "
         f"and only the later ones are measured, got {steps}."
     )
+
+
+def test_validate_puts_a_zero_bubble_stage_w_next_to_its_prediction(tmp_path):
+    """A ZB-H1 stage after the first times its W passes on their own (they are also in its
+    backward, T); the first stage, whose W is its whole backward, reports none."""
+    from dataclasses import replace
+
+    from test_runtime_pipeline import pp_plan
+
+    plan = pp_plan("llama", [dict(layers=2), dict(layers=1)], G=4)
+    prof = ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"
+    plan = replace(plan, cluster=replace(plan.cluster, gpu=str(prof)), schedule="zb-h1")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "COLUMNS": "200",
+    }
+    base = [sys.executable, "-m", "mist", "validate", str(path), "--local", "--steps", "2", "--no-drift"]
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    (_, p1), (m0, m1) = out["predicted"]["stages"], out["measured"]["stages"]
+    assert m0["weight_grad_time_s"] is None and out["errors"]["weight_grad_time"][0] is None
+    assert 0 < m1["weight_grad_time_s"] < m1["stable_time_s"]
+    assert 0 < p1["weight_grad_time_s"] < p1["stable_time_s"]
+    err = out["errors"]["weight_grad_time"][1]
+    assert err == pytest.approx((p1["weight_grad_time_s"] - m1["weight_grad_time_s"]) / m1["weight_grad_time_s"])
+    r = subprocess.run(base, capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("│")[1].strip() for line in r.stdout.splitlines() if line.count("│") >= 4}
+    assert "stage 1 W, weight gradients of a micro-batch (ms)" in rows
+    assert "stage 0 W, weight gradients of a micro-batch (ms)" in rows  # predicted, measured "-"

@@ -30,7 +30,8 @@ class PhaseTimer:
 
     def reset(self) -> None:
         # kind -> [(micro-batch or None, the span: seconds on CPU, a pair of events on CUDA)]
-        self.spans: dict[str, list] = {"fwd": [], "bwd": [], "opt": []}
+        # ("wgrad": a ZB-H1 stage's W passes, also inside its "bwd")
+        self.spans: dict[str, list] = {"fwd": [], "bwd": [], "wgrad": [], "opt": []}
 
     @contextmanager
     def span(self, kind: str, micro_batch: int | None = None):
@@ -74,3 +75,11 @@ def stage_times(fwd: list[float], bwd: list[float], opt: float) -> tuple[float, 
         return fwd[0] + bwd[0] + opt, 0.0
     tf, tb = statistics.median(fwd[1:]), statistics.median(bwd[:-1])
     return tf + tb, (fwd[0] - tf) + (bwd[-1] - tb) + opt
+
+
+def weight_grad_time(wgrad: list[float]) -> float | None:
+    """A ZB-H1 stage's steady W time of one micro-batch (None without W spans): the median over
+    micro-batches 1…G−1, as T's backward (the last W also closes the step's gradients)."""
+    if not wgrad:
+        return None
+    return statistics.median(wgrad[:-1]) if len(wgrad) > 1 else wgrad[0]

@@ -33,7 +33,7 @@ from mist.runtime.layout import RankGroups
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.optimizer import LossScaler, ShardedAdamW, lr_at
 from mist.runtime.param_role import ParamRole
-from mist.runtime.phase_timer import PhaseTimer, stage_times
+from mist.runtime.phase_timer import PhaseTimer, stage_times, weight_grad_time
 from mist.runtime.schedule import GradAccumSchedule, Links, PipelineSchedule
 from mist.runtime.sharding import full_meta_model, init_stage_params, kv_replicated_rows, tp_slice
 from mist.runtime.stage_runner import StageModule, StageRunner
@@ -300,6 +300,7 @@ class Trainer:
             "time_s": dt,
             "stable_time_s": T,
             "delta_time_s": D,
+            "weight_grad_time_s": weight_grad_time(spans["wgrad"]),
             "data_position": (pos.epoch, pos.index) if pos is not None else None,
         }
         self.history.append(rec)
@@ -439,6 +440,8 @@ class Trainer:
         times = [r["time_s"] for r in self.history]
         steady = self.history[1:] if len(self.history) > 1 else self.history  # the first step warms up
         step_time, T, D = (sum(r[k] for r in steady) / len(steady) for k in ("time_s", "stable_time_s", "delta_time_s"))
+        ws = [r["weight_grad_time_s"] for r in steady if r.get("weight_grad_time_s") is not None]
+        W = sum(ws) / len(ws) if ws else -1.0  # (-1: this rank runs no W of its own)
         try:
             peak_flops = load_profile(self.plan.cluster.gpu).peak_flops
         except MistInputError:
@@ -466,7 +469,7 @@ class Trainer:
                 self.saved.host_peak,
                 self.optimizer.host_grad_peak,
             ],
-            [T, D],
+            [T, D, W],
         )
         return {
             "step_time_s": step_time,
@@ -486,6 +489,7 @@ class Trainer:
             # device part of weights, gradients and optimizer states; the most saved-activation
             # bytes kept on the device at once), comparable byte for byte with `mist simulate`
             # stable_time_s, delta_time_s: the stage's T and D (see `phase_timer`), slowest rank;
+            # weight_grad_time_s: a ZB-H1 stage's W of one micro-batch (None: no W of its own);
             # host_*: host memory of the offloaded state tails, the most offloaded activation
             # bytes held at once, the CPU AdamW's fp32 gradient copies (`mist simulate`'s host_memory)
             "stages": [
@@ -500,8 +504,9 @@ class Trainer:
                     "host_optimizer_grad_bytes": hg,
                     "stable_time_s": t,
                     "delta_time_s": d,
+                    "weight_grad_time_s": w if w >= 0 else None,
                 }
-                for (p, h, a, st, sa, hp, hg), (t, d) in per_stage
+                for (p, h, a, st, sa, hp, hg), (t, d, w) in per_stage
             ],
         }
 

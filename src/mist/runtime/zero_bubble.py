@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -194,7 +195,9 @@ class ZeroBubbleSchedule(PipelineSchedule):
 
         def weight_grads(g: int) -> None:
             root, grad, wp, act = waiting.pop(g)
-            with span("bwd", g):
+            # the W time of its own ("wgrad"); the first stage's W is its whole backward
+            w_span = span("wgrad", g) if wp is not None else nullcontext()
+            with span("bwd", g), w_span:
                 runner.begin_backward(g, last=g == G - 1)
                 if wp is None:
                     torch.autograd.backward(root, grad)

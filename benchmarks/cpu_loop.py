@@ -134,7 +134,7 @@ def run_case(name: str, model: str, extra: list[str], profile: str, steps: int, 
     for ps, ms in zip(pred["stages"], meas["stages"]):
         stages.append(
             {
-                k: {"predicted": ps[k], "measured": ms[k]}
+                k: {"predicted": ps.get(k), "measured": ms.get(k)}  # (W: ZB-H1 stages only)
                 for k in (
                     "peak_memory_bytes",
                     "state_bytes",

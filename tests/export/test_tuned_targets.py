@@ -28,6 +28,10 @@ MODELS = {
     "torchtitan": ("llama-2.7b-rope", "llama3-8b", "llama2-7b"),
 }
 CLUSTERS = (("l4", 1, 4), ("a100", 1, 8), ("h200", 2, 8))
+# seconds per search: what is checked is that the plan a target's space picks exports exactly and
+# that the framework accepts it, not how good the plan is (a search at its budget keeps the best
+# plan of the candidates it costed; a short budget still costs at least one batch of them)
+BUDGET_S = 2
 
 _tuned: dict = {}
 
@@ -41,7 +45,7 @@ def tuned_plans(target: str) -> dict:
             for gpu, nodes, gpn in CLUSTERS:
                 training = TrainingSpec(seq_len=2048, global_batch=8 * nodes * gpn)
                 res = run_space(
-                    TARGET_SPACES[target], model, ClusterSpec(gpu, nodes, gpn), training, load_profile(gpu), 20
+                    TARGET_SPACES[target], model, ClusterSpec(gpu, nodes, gpn), training, load_profile(gpu), BUDGET_S
                 )
                 assert res.plan is not None, res.infeasible_reason
                 plans[f"{m}-{nodes * gpn}x{gpu}"] = res.plan

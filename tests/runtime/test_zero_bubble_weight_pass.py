@@ -1,7 +1,9 @@
 """ZB-H1's split backward in one process (`runtime.zero_bubble._WeightPass`): B then W give the
 gradients of a plain backward, and W computes weight gradients only — no node of the
 input-gradient chain (the path from the output to the stage input) runs again, except the
-frontier nodes themselves, whose input-side outputs W does not request."""
+frontier nodes themselves, whose input-side outputs W does not request; and a frontier node that
+computed its weight gradient in B anyway (Llama's RMSNorm, a custom autograd.Function) does not run
+in W at all."""
 
 import pytest
 import torch
@@ -49,13 +51,18 @@ def test_weight_pass_reruns_no_input_gradient_node(family):
     wp = _WeightPass(loss, x, params)
     path, _ = _upward(_accumulator(x), _parents(loss.grad_fn), set())
     below = path - set(wp.nodes)  # the chain's nodes that own no parameter
-    runs = {"B": 0, "W": 0}
+    norms = [n for n in wp.nodes if "RMSNorm" in n.name()]
+    assert (len(norms) == 5) == (family == "llama")  # 2 per block and the final norm
+    runs = {"B": 0, "W": 0, "norms B": 0, "norms W": 0}
     phase = ["B"]
 
     def count(*_):
         runs[phase[0]] += 1
 
-    hooks = [n.register_prehook(count) for n in below]
+    def count_norm(*_):
+        runs["norms " + phase[0]] += 1
+
+    hooks = [n.register_prehook(count) for n in below] + [n.register_prehook(count_norm) for n in norms]
     gx = wp.input_grad(None, x)
     phase[0] = "W"
     wp.weight_grads()
@@ -63,6 +70,7 @@ def test_weight_pass_reruns_no_input_gradient_node(family):
         h.remove()
 
     assert runs["B"] > 10 and runs["W"] == 0, runs
+    assert runs["norms B"] == len(norms) and runs["norms W"] == 0, runs
     torch.testing.assert_close(gx, plain_x)
     for p, g in zip(params, plain):
         torch.testing.assert_close(p.grad, g)

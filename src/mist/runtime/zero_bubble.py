@@ -11,7 +11,9 @@ from those nodes, fed the recorded gradients, into the parameters each of them o
 reaches off the path): a node's input-side output then leads to no requested parameter, so
 autograd does not compute it again (with every parameter requested from every node, W re-ran the
 input-gradient chain below each frontier node, the whole backward once more). Frontier nodes
-that share a parameter run in one call. Autograd's
+that share a parameter run in one call. A frontier node that computed its weight-side gradients
+in B anyway (a custom autograd.Function: RMSNorm's fused backward returns both) is not run again:
+W starts below it, from those gradients (`_WeightPass._producer`). Autograd's
 `AccumulateGrad` writes the parameters' .grad and fires their post-accumulate hooks, so the flat
 units (`runtime.flat`) accumulate and reduce exactly as they do after a plain backward — their
 per-micro-batch state is opened at W's start and closed at its end, in micro-batch order. Each
@@ -121,11 +123,28 @@ class _WeightPass:
         self.nodes = list(owned)
         self.groups = _share_groups(self.nodes, owned)
         self.grads: dict = {}
+        # frontier node -> [(its weight-side edge, the gradient B already computed for it)]
+        self.produced: dict = {}
         self.handles = [n.register_prehook(self._recorder(n)) for n in self.nodes]
+        self.handles += [n.register_hook(self._producer(n, path)) for n in self.nodes]
 
     def _recorder(self, node):
         def hook(grad_outputs):
             self.grads[node] = grad_outputs
+
+        return hook
+
+    def _producer(self, node, path: set):
+        """A hook that keeps the weight-side gradients a frontier node computed during B anyway.
+        Autograd's own nodes compute only the outputs a backward needs (B: none of the weight
+        side); a custom autograd.Function (RMSNorm's fused kernel) returns them all, and W then
+        starts below it from what B computed instead of running it a second time."""
+        sides = [(i, nxt, nr) for i, (nxt, nr) in enumerate(node.next_functions) if nxt is not None and nxt not in path]
+
+        def hook(grad_inputs, grad_outputs):
+            got = [(GradientEdge(nxt, nr), grad_inputs[i]) for i, nxt, nr in sides]
+            if got and all(g is not None for _, g in got):
+                self.produced[node] = got
 
         return hook
 
@@ -137,6 +156,8 @@ class _WeightPass:
         finally:
             for h in self.handles:
                 h.remove()
+        for node in self.produced:  # W starts below these nodes: their output gradients are not needed
+            self.grads.pop(node, None)
         return gx if gx is not None else torch.zeros_like(x)
 
     def weight_grads(self) -> None:
@@ -147,6 +168,11 @@ class _WeightPass:
             for nodes, params in self.groups:
                 roots, grads = [], []
                 for node in nodes:
+                    if node in self.produced:
+                        for edge, g in self.produced[node]:
+                            roots.append(edge)
+                            grads.append(g)
+                        continue
                     recorded = self.grads.get(node)
                     if recorded is None:
                         continue
@@ -160,7 +186,7 @@ class _WeightPass:
         finally:
             for h in pins:
                 h.remove()
-        self.nodes, self.grads, self.root = [], {}, None
+        self.nodes, self.grads, self.produced, self.root = [], {}, {}, None
 
 
 class ZeroBubbleSchedule(PipelineSchedule):

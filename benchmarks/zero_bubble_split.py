@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.autograd.graph import GradientEdge
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -54,18 +53,11 @@ class LastStage(torch.nn.Module):
 
 
 def _all_params_w(wp: _WeightPass) -> None:
-    """W from every frontier node into all parameters in one call (the earlier runtime's W)."""
-    roots, grads, pins = [], [], []
-    for node in wp.nodes:
-        recorded = wp.grads.get(node)
-        if recorded is None:
-            continue
-        pins.append(node.register_prehook(lambda _, r=recorded: r))
-        for i, g in enumerate(recorded):
-            if g is not None:
-                roots.append(GradientEdge(node, i))
-                grads.append(g)
+    """W from every frontier node into all parameters in one call (the earlier runtime's W; the
+    roots are the runtime's own, so RMSNorm's is taken below the norm as the runtime does now)."""
+    pins: list = []
     try:
+        roots, grads = wp.roots(wp.nodes, pins)
         torch.autograd.backward(roots, grads, inputs=wp.params)
     finally:
         for h in pins:

@@ -160,27 +160,34 @@ class _WeightPass:
             self.grads.pop(node, None)
         return gx if gx is not None else torch.zeros_like(x)
 
+    def roots(self, nodes, pins: list) -> tuple[list, list]:
+        """W's backward roots for frontier `nodes` and their gradients: below a node that computed
+        its weight side in B, the edges it produced; otherwise the node itself with the gradients
+        B recorded at it, pinned to them (a pre-hook, appended to `pins` for the caller to remove)."""
+        roots, grads = [], []
+        for node in nodes:
+            if node in self.produced:
+                for edge, g in self.produced[node]:
+                    roots.append(edge)
+                    grads.append(g)
+                continue
+            recorded = self.grads.get(node)
+            if recorded is None:
+                continue
+            pins.append(node.register_prehook(lambda _, r=recorded: r))
+            for i, g in enumerate(recorded):
+                if g is not None:
+                    roots.append(GradientEdge(node, i))
+                    grads.append(g)
+        return roots, grads
+
     def weight_grads(self) -> None:
         """W: from the frontier, with the recorded gradients, into the parameters' .grad (one
         backward per group of frontier nodes, into the parameters the group owns)."""
-        pins = []
+        pins: list = []
         try:
             for nodes, params in self.groups:
-                roots, grads = [], []
-                for node in nodes:
-                    if node in self.produced:
-                        for edge, g in self.produced[node]:
-                            roots.append(edge)
-                            grads.append(g)
-                        continue
-                    recorded = self.grads.get(node)
-                    if recorded is None:
-                        continue
-                    pins.append(node.register_prehook(lambda _, r=recorded: r))
-                    for i, g in enumerate(recorded):
-                        if g is not None:
-                            roots.append(GradientEdge(node, i))
-                            grads.append(g)
+                roots, grads = self.roots(nodes, pins)
                 if roots:
                     torch.autograd.backward(roots, grads, inputs=params)
         finally:

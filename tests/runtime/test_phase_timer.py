@@ -29,10 +29,12 @@ def test_zero_bubble_stage_counts_both_backward_passes():
             _work(timer, "bwd", g, B_S if kind == INPUT_GRAD else W_S)
     spans = timer.seconds()
     assert len(spans["fwd"]) == len(spans["bwd"]) == G
-    T, D = stage_times(spans["fwd"], spans["bwd"], 0.0)
-    # sleeps only overrun: T is at least F + B + W, and far from F + one of the two passes
-    assert F_S + B_S + W_S <= T < F_S + B_S + W_S + 0.02
-    assert abs(D) < 0.02
+    T, _ = stage_times(spans["fwd"], spans["bwd"], 0.0)
+    # sleeps only overrun, never fall short: T holds F + B + W (F + one of the passes is at most
+    # F + W = 0.04 s plus overruns, a bound a busy machine could pass; this lower bound it cannot)
+    assert T >= F_S + B_S + W_S
+    # each micro-batch's backward holds both of its passes
+    assert all(b >= B_S + W_S for b in spans["bwd"])
 
 
 def test_interleaved_stage_sums_its_chunks():
@@ -43,7 +45,7 @@ def test_interleaved_stage_sums_its_chunks():
     spans = timer.seconds()
     assert len(spans["fwd"]) == len(spans["bwd"]) == G
     T, _ = stage_times(spans["fwd"], spans["bwd"], 0.0)
-    assert v * (F_S + B_S) <= T < v * (F_S + B_S) + 0.02
+    assert T >= v * (F_S + B_S)  # every chunk of the micro-batch (sleeps only overrun)
 
 
 def test_spans_of_no_micro_batch_stay_apart():

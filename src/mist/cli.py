@@ -142,14 +142,29 @@ def simulate(
 
 
 def _setup(
-    model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype=None, host_memory=None, grad_dtype=None
+    model,
+    gpu,
+    nodes,
+    gpus_per_node,
+    seq,
+    global_batch,
+    no_flash,
+    dtype=None,
+    host_memory=None,
+    grad_dtype=None,
+    compile_blocks=False,
 ):
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
     profile = load_profile(gpu)
     dt = profile_dtype(profile) if dtype is None else dtype
     training = TrainingSpec(
-        seq_len=seq, global_batch=global_batch, flash_attention=not no_flash, param_dtype=dt, compute_dtype=dt
+        seq_len=seq,
+        global_batch=global_batch,
+        flash_attention=not no_flash,
+        param_dtype=dt,
+        compute_dtype=dt,
+        compile_blocks=compile_blocks,
     )
     if grad_dtype is not None:
         if grad_dtype not in (dt, "fp32"):
@@ -238,6 +253,12 @@ def tune(
         None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."
     ),
     host_memory: HostMemOpt = None,
+    compile_blocks: bool = typer.Option(
+        False,
+        "--compile-blocks",
+        help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
+        "them: tp 1, flash attention, no selective recomputation, no zb-h1.",
+    ),
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
@@ -251,7 +272,7 @@ def tune(
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
     spec, cluster, training, profile = _setup(
-        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
+        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype, compile_blocks
     )
     if memory_limit is not None:
         if not 0 < memory_limit * GiB <= profile.memory_bytes:

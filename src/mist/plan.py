@@ -31,6 +31,7 @@ import yaml
 
 from mist.checks import is_int, is_number
 from mist.errors import MistInputError
+from mist.rules.compiled_blocks import compiled_block_problem, compiled_schedule_problem
 from mist.rules.zero_bubble_order import SCHEDULES, ZB_H1, zb_h1_problem
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
@@ -252,6 +253,21 @@ def check_plan(p: Plan) -> None:
     _check_chunks(p)
     _check_context(p)
     _check_schedule(p)
+    _check_compiled(p)
+
+
+def _check_compiled(p: Plan) -> None:
+    """Compiled blocks (`training.compile_blocks`) only where `mist.rules.compiled_blocks` allows them."""
+    if not p.training.compile_blocks:
+        return
+    why = compiled_schedule_problem(p.schedule)
+    if why is not None:
+        raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
+    for i, s in enumerate(p.stages):
+        recompute = "attention" if s.recompute_attention else "activation" if s.recompute_activation else False
+        why = compiled_block_problem(s.tp, p.training.flash_attention, recompute, s.cp, p.model.has_dropout)
+        if why is not None:
+            raise MistInputError(f"Stage {i} cannot run compiled blocks (training.compile_blocks): {why}.")
 
 
 def _check_schedule(p: Plan) -> None:

@@ -16,12 +16,14 @@ import sympy
 import torch
 
 from mist.analysis import disk_cache
+from mist.analysis.compiled import capture, trace_compiled
 from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
+from mist.models.compiled import check_compiled_block
 from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
@@ -65,6 +67,7 @@ class LayerAnalysis:
     unit_batch: LayerAnalysis | None = None  # the exact b = 1 trace (memory at b = 1)
     sequence_parallel: bool = False  # traced with the TP group's sequence parallelism
     cp: int = 1  # traced as context-parallel rank 0 of cp
+    compiled: bool = False  # a block as `mist.models.compiled` compiles it
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -161,14 +164,17 @@ def analyze_layer(
     recompute: bool | str = False,
     sequence_parallel: bool = False,
     cp: int = 1,
+    compiled: bool = False,
 ) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
     block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
     "attention", "activation" or "attention+activation" (`run_block(attention=, activation=)`).
     `sequence_parallel` (tp > 1): the layer's input is this rank's 1/tp of the sequence, sizes
     still in the whole sequence length S. `cp` > 1: the layer is context-parallel rank 0's of cp
-    (`mist.models.context_parallel`; its input 1/cp of the sequence, flash attention only)."""
-    args = _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp)
+    (`mist.models.context_parallel`; its input 1/cp of the sequence, flash attention only).
+    `compiled`: a block as `mist.models.compiled` compiles it (`mist.analysis.compiled`; the
+    embedding and the head run eager either way)."""
+    args = _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp, compiled)
     la = _analyze(*args[:7], False, *args[7:])
     if la.unit_batch is None:
         la.unit_batch = _analyze(*args[:7], True, *args[7:])
@@ -188,6 +194,7 @@ class AnalysisRequest:
     recompute: bool | str = False
     sequence_parallel: bool = False
     cp: int = 1
+    compiled: bool = False
 
     def run(self) -> LayerAnalysis:
         return analyze_layer(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -198,9 +205,10 @@ class AnalysisRequest:
         return all(disk_cache.has(_key(*args[:7], ub, *args[7:])) for ub in (False, True))
 
 
-def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp) -> tuple:
-    """(spec, part, tp, flash, dtype, target, recompute, sp, cp) checked, with `recompute` in its
-    canonical form and sequence parallelism only where tp > 1."""
+def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp, compiled=False) -> tuple:
+    """(spec, part, tp, flash, dtype, target, recompute, sp, cp, compiled) checked, with
+    `recompute` in its canonical form, sequence parallelism only where tp > 1 and `compiled` only
+    for a block."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     if target not in TARGETS:
@@ -213,28 +221,35 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
     rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
     if cp > 1 and not flash:
         raise ValueError("context parallelism runs flash attention only")
-    return spec, part, tp, flash, dtype, target, rc, bool(sequence_parallel) and tp > 1, cp
+    compiled = bool(compiled) and part == "block"
+    if compiled:
+        check_compiled_block(tp, flash, rc, cp, spec.has_dropout)
+    return spec, part, tp, flash, dtype, target, rc, bool(sequence_parallel) and tp > 1, cp, compiled
 
 
-def _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> tuple:
-    """The disk-cache key of one trace (one without sequence or context parallelism keeps the key
-    it always had)."""
+def _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1, compiled=False) -> tuple:
+    """The disk-cache key of one trace (one without sequence or context parallelism or
+    compilation keeps the key it always had)."""
     key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
-    return key + ((("cp", cp),) if cp > 1 else ())
+    return key + ((("cp", cp),) if cp > 1 else ()) + (("compiled",) if compiled else ())
 
 
 @lru_cache(maxsize=512)
-def _analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> LayerAnalysis:
-    key = _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp)
+def _analyze(
+    spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1, compiled=False
+) -> LayerAnalysis:
+    key = _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp, compiled)
     hit = disk_cache.load(key)
     if hit is not None:
         return hit
-    la = _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp)
+    la = _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp, compiled)
     disk_cache.store(key, la)
     return la
 
 
-def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1) -> LayerAnalysis:
+def _trace_and_analyze(
+    spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1, compiled=False
+) -> LayerAnalysis:
     tdtype = torch_dtype(dtype)
     group = TPGroup(tp, 0, None, sequence_parallel=sp, cp=CPGroup(cp, 0, None))
     tp_shards = tp if sp else 1
@@ -291,14 +306,21 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
             label_recompute(trace, m.attn.core if sel == "attention" else m.mlp.act)
         return m
 
-    trace, _ = run_trace(
-        build_and_hook,
-        make_inputs,
-        forward,
-        backward,
-        unit_batch=unit_batch,
-        seq_shards=cp if part == "pre" else shards,
-    )
+    if compiled:
+        # real (empty) weights and a small real input: dynamo compiles what it is given, and the
+        # captured graphs run nothing (`mist.analysis.compiled`)
+        m = build()
+        x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
+        trace, _ = trace_compiled(capture(m, x, recompute is True))
+    else:
+        trace, _ = run_trace(
+            build_and_hook,
+            make_inputs,
+            forward,
+            backward,
+            unit_batch=unit_batch,
+            seq_shards=cp if part == "pre" else shards,
+        )
     records = [
         replace(
             r,
@@ -341,6 +363,7 @@ def _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_bat
         saved_whole=sympy.expand(sum(whole.values(), sympy.Integer(0))),
         sequence_parallel=sp,
         cp=cp,
+        compiled=compiled,
     )
 
 

@@ -50,9 +50,9 @@ def live_bytes(trace: Trace) -> tuple[list, list]:
     fwd_totals = run(fwd, fwd_live, keep_fwd | trace.input_sids)
     # Backward starts with what forward saved (the layer output has been consumed downstream).
     bwd_live = {sid: b for sid, b in trace.saved.items() if sid not in skip}
-    bwd_keep = set()
-    if bwd:
-        # the gradient handed to the previous layer outlives this layer's backward
+    # the gradient handed to the previous layer outlives this layer's backward
+    bwd_keep = set(trace.keep_bwd)
+    if bwd and not bwd_keep:
         bwd_keep = {sid for sid in bwd[-1][2]}
     bwd_totals = run(bwd, bwd_live, bwd_keep)
     return _dedupe(fwd_totals), _dedupe(bwd_totals)

@@ -149,6 +149,8 @@ class Trace:
         self.grad_sids: set[int] = set()
         self.input_sids: set[int] = set()
         self.output_sids: set[int] = set()
+        # the input gradients handed to the previous layer (empty: the last backward op's outputs)
+        self.keep_bwd: set[int] = set()
         # Every tensor seen is kept alive for the whole trace: storage addresses identify
         # buffers, and a freed address would otherwise be reused by a later, different buffer.
         self.keep: list = []

@@ -92,6 +92,18 @@ def _rotate_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
     x.mul_(cos).addcmul_(rolled, sin.expand_as(rolled), value=sign)
 
 
+def _rotated(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """Out of place, the rotation `_rotate_` applies in place (sign 1): a new [b, s, n·d]."""
+    b, s = qkv.shape[0], qkv.shape[1]
+    r = cos.shape[-1]
+    x = qkv.view(b, s, -1, d)
+    head = x[:, :, :heads]
+    rot = head[..., :r] * cos + head[..., :r].roll(r // 2, dims=-1) * sin
+    if r < d:
+        rot = torch.cat((rot, head[..., r:]), dim=-1)
+    return torch.cat((rot, x[:, :, heads:]), dim=2).view(b, s, -1)
+
+
 class _RotaryQK(torch.autograd.Function):
     """Rotary on the q and k heads of the fused QKV projection's output, in place (as the
     original's fused rotary kernel on packed qkv): q, k and v stay views of one buffer, nothing is
@@ -123,6 +135,12 @@ def rotary_qk_(
     split's fresh concatenation (as flash-attn's in-place rotary and Megatron's fused softmax
     work on their incoming gradients). Under context parallelism (`cp`) qkv holds the rank's
     seq_len positions of a sequence cp times as long, rotated by their global positions."""
+    if torch.compiler.is_compiling():
+        if cp is not None and cp.size > 1:
+            raise NotImplementedError("compiled blocks run without context parallelism")
+        # a compiled block (`mist.models.compiled`): the tables and the rotation as plain tensor
+        # code in the graph (the tables are s·rot_dim elements), which Inductor fuses
+        return _rotated(qkv, *_build_tables(seq_len, rot_dim, float(base), qkv.dtype, qkv.device), heads, d)
     if isinstance(seq_len, int) and cp is not None and cp.size > 1:
         cos, sin = _context_tables(seq_len * cp.size, rot_dim, float(base), qkv.dtype, qkv.device, cp.size, cp.rank)
     elif isinstance(seq_len, int):  # a run: the cache itself, without the custom op's dispatch

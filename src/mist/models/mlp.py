@@ -64,6 +64,10 @@ class Activation(nn.Module):
         self.gelu_approximate = gelu_approximate
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
+        if self.gated and torch.compiler.is_compiling():
+            # a compiled block (`mist.models.compiled`): plain autograd, which Inductor fuses
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
         if self.gated:
             return _SwiGLU.apply(y)
         return gelu(y, self.gelu_approximate)

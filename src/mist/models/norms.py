@@ -88,7 +88,12 @@ class _RMSNormFn(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) · weight over the last dimension, as the blocks run it (`mist profile` times
-    this same call)."""
+    this same call). In a block compiled by `mist.models.compiled` it is the same arithmetic as
+    plain tensor code, which Inductor fuses with its neighbours and whose saved tensors
+    AOTAutograd's partitioner chooses."""
+    if torch.compiler.is_compiling():
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return _RMSNormFn.apply(x, weight, eps)
 
 

@@ -109,7 +109,9 @@ class ChunkRunners(list):
     """One `StageRunner` per chunk, over the chunk's units (a list, in chunk order)."""
 
     @classmethod
-    def build(cls, module: ChunkedStageModule, units: list[FlatUnit], stage, saved, autocast) -> ChunkRunners:
+    def build(
+        cls, module: ChunkedStageModule, units: list[FlatUnit], stage, saved, autocast, compiled: bool = False
+    ) -> ChunkRunners:
         rec = chunk_recompute(stage.recompute_layers, stage.chunks())
         out, at = cls(), 0
         for c, m in enumerate(module.chunks):
@@ -124,6 +126,7 @@ class ChunkRunners(list):
                     stage.offload.activations,
                     saved,
                     autocast,
+                    compiled=compiled,
                 )
             )
             at += n

@@ -8,7 +8,8 @@ them when backward reaches it (and prefetches the unit before). The last `recomp
 blocks run under reentrant checkpointing (`run_block`), the others, with `recompute_attention`
 and `recompute_activation`, re-run their attention core and their MLP activation in backward;
 activation offloading applies to the
-tensors saved by the decoder blocks. Gradient reduction happens in the units' own hooks.
+tensors saved by the decoder blocks. With `training.compile_blocks` the blocks run compiled
+(`mist.models.compiled`); the embedding and the head stay eager. Gradient reduction happens in the units' own hooks.
 A schedule object (`schedule.py`) decides the order of forwards and backwards.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from mist.models import DecoderBlock, Embedding, Head, TPGroup
 from mist.models.checkpointing import run_block
+from mist.models.compiled import compile_block
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.flat import FlatUnit
 from mist.runtime.sharding import local_to_full_name
@@ -89,8 +91,11 @@ class StageRunner:
         saved: SavedTensorManager,
         autocast_dtype=None,
         keep_last_for_backward: bool = True,
+        compiled: bool = False,
     ):
         self.module, self.units = module, units
+        # the blocks as they run: compiled with Inductor (`training.compile_blocks`) or eager
+        self.blocks = [compile_block(b) for b in module.blocks] if compiled else list(module.blocks)
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
         self.selective = dict(attention=recompute_attention, activation=recompute_activation)
         self.saved = saved
@@ -179,8 +184,8 @@ class StageRunner:
             if m.embedding is not None:
                 x = self._run(i, lambda: m.embedding(tokens), 0.0)
                 i += 1
-            n = len(m.blocks)
-            for j, blk in enumerate(m.blocks):
+            n = len(self.blocks)
+            for j, blk in enumerate(self.blocks):
                 recompute = j >= n - self.recompute_layers
                 x = self._run(
                     i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective), self.activation_ratio

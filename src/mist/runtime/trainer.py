@@ -112,7 +112,9 @@ class Trainer:
         self.timer = PhaseTimer(self.device)
         self.runner: StageRunner | ChunkRunners
         if isinstance(self.module, ChunkedStageModule):  # one runner per model chunk
-            self.runner = ChunkRunners.build(self.module, self.units, st, self.saved, autocast)
+            self.runner = ChunkRunners.build(
+                self.module, self.units, st, self.saved, autocast, compiled=t.compile_blocks
+            )
         else:
             self.runner = StageRunner(
                 self.module,
@@ -123,6 +125,7 @@ class Trainer:
                 st.offload.activations,
                 self.saved,
                 autocast,
+                compiled=t.compile_blocks,
             )
         self.schedule = self._build_schedule()
         self.optimizer = ShardedAdamW(

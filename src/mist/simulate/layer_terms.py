@@ -95,13 +95,14 @@ def layer_terms(
     selective: str | bool = False,
     sequence_parallel: bool = False,
     cp: int = 1,
+    compiled: bool = False,
 ) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
     with the layer traced in `dtype` on the `target` device kind. `selective`: what the blocks
     that are not checkpointed whole re-run in backward ("attention", "activation", both joined by
     "+"; `mist.models.checkpointing.selective_name`); their backward then includes the re-runs.
     `sequence_parallel`: the layer traced with the TP group's sequence parallelism; `cp`: as a
-    context-parallel rank of cp."""
+    context-parallel rank of cp; `compiled`: the blocks compiled (`mist.models.compiled`)."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
     return _layer_terms(
         spec,
@@ -116,25 +117,30 @@ def layer_terms(
         selective if part == "block" else False,
         bool(sequence_parallel) and tp > 1,
         int(cp),
+        bool(compiled) and part == "block",
     )
 
 
-def analyses(spec, part, tp, flash, dtype="bf16", target="cuda", selective=False, sp=False, cp=1) -> list:
+def analyses(
+    spec, part, tp, flash, dtype="bf16", target="cuda", selective=False, sp=False, cp=1, compiled=False
+) -> list:
     """The `AnalysisRequest`s `layer_terms` reads, in this order: the layer as it runs (with its
     selective recomputation), then for a block without it (if selective) and checkpointed whole."""
     kw = dict(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
+    if compiled and part == "block":
+        kw["compiled"] = True
     rcs = [selective or False] + ([False] if selective else []) + ([True] if part == "block" else [])
     return [AnalysisRequest(recompute=rc, **kw) for rc in rcs]
 
 
 @lru_cache(maxsize=512)
-def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, sp, cp) -> LayerTerms:
+def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, sp, cp, compiled) -> LayerTerms:
     profile = key.obj
     b = np.asarray(bs, dtype=np.float64)
     s = np.full_like(b, float(seq))
     links = profile.link_model() if tp > 1 or cp > 1 else None  # own section or shipped file
     # the layer as it runs, [without its selective recomputation,] [checkpointed whole]
-    reads = [r.run() for r in analyses(spec, part, tp, flash, dtype, target, selective, sp, cp)]
+    reads = [r.run() for r in analyses(spec, part, tp, flash, dtype, target, selective, sp, cp, compiled)]
     la = reads[0]
     f = phase_time(profile, links, la, "fwd", b, s)
     bw = phase_time(profile, links, la, "bwd", b, s)

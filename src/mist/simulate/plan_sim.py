@@ -173,6 +173,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | 
             recompute_activation=s.recompute_activation,
             sequence_parallel=s.sequence_parallel,
             cp=s.cp,
+            compiled=t.compile_blocks,
         )
         models.append(model)
     if plan.schedule == ZB_H1:

@@ -336,8 +336,11 @@ class StageModel:
         recompute_activation: bool = False,
         sequence_parallel: bool = False,
         cp: int = 1,
+        compiled: bool = False,
     ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
+        # the blocks compiled by `mist.models.compiled` (`TrainingSpec.compile_blocks`)
+        self.compiled = compiled
         # the layers as traced with the TP group's sequence parallelism (tp > 1 only), and as a
         # context-parallel rank of cp (its StageInput's dp then counts the dp × cp replicas)
         self.sequence_parallel = bool(sequence_parallel) and tp > 1
@@ -366,6 +369,7 @@ class StageModel:
                 self.selective if part == "block" else False,
                 self.sequence_parallel,
                 self.cp,
+                self.compiled,
             )
         ]
 
@@ -385,6 +389,7 @@ class StageModel:
             self.selective,
             self.sequence_parallel,
             self.cp,
+            self.compiled,
         )
         return lt, inv.reshape(np.shape(b))
 

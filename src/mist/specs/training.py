@@ -67,12 +67,15 @@ class TrainingSpec:
     compute_dtype: str = "bf16"
     flash_attention: bool = True
     grad_dtype: str | None = None
+    # regional torch.compile of the decoder blocks (`mist.models.compiled`); eager blocks if false
+    compile_blocks: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("Training field seq_len", self.seq_len, MAX_SEQ_LEN)
         _positive_int("Training field global_batch", self.global_batch, MAX_GLOBAL_BATCH)
-        if not isinstance(self.flash_attention, bool):
-            raise MistInputError(f"Training field flash_attention must be true or false, got {self.flash_attention!r}.")
+        for f in ("flash_attention", "compile_blocks"):
+            if not isinstance(getattr(self, f), bool):
+                raise MistInputError(f"Training field {f} must be true or false, got {getattr(self, f)!r}.")
         for f in ("param_dtype", "compute_dtype"):
             if getattr(self, f) not in DTYPE_BYTES:
                 raise MistInputError(
@@ -100,4 +103,6 @@ class TrainingSpec:
         d = asdict(self)
         if d["grad_dtype"] is None:  # plans without it read as before
             del d["grad_dtype"]
+        if not d["compile_blocks"]:  # as above: eager plans are written as they always were
+            del d["compile_blocks"]
         return d

@@ -104,8 +104,10 @@ class StageTables:
         precision=None,
         host_cap: float | None = None,
         cp: int = 1,
+        compiled: bool = False,
     ):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
+        self.compiled = compiled  # the blocks compiled (`training.compile_blocks`)
         self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
         # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it
@@ -130,6 +132,7 @@ class StageTables:
                 recompute_activation=sel[1],
                 sequence_parallel=len(sel) > 2 and bool(sel[2]),
                 cp=self.cp,
+                compiled=self.compiled,
             )
         return self._models[tp, sel]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mist.errors import MistInputError
 from mist.tune.result import TuneResult
 from mist.tune.space import BASELINE_SPACES, TARGET_SPACES, get_space
 
@@ -13,7 +14,11 @@ ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES + tuple(TARGET_SPACES.valu
 def run_space(
     space: str, model, cluster, training, profile, time_budget=None, progress=None, limits: dict | None = None
 ) -> TuneResult:
-    """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces."""
+    """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces.
+    Compiled blocks (`training.compile_blocks`) are searched in the full and mist-paper spaces:
+    the framework and baseline spaces stand for their frameworks' eager runs."""
+    if training.compile_blocks and space not in ("full", "mist-paper"):
+        raise MistInputError(f"--compile-blocks searches the full and mist-paper spaces, not {space}.")
     if space in TARGET_SPACES.values():
         from mist.tune.targets import tune_target  # lazy: keeps torch out of the CLI start-up
 

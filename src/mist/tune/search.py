@@ -21,8 +21,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mist.analysis.prefetch import TracePool
+from mist.errors import MistInputError
 from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
+from mist.rules.compiled_blocks import compiled_block_problem
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
 from mist.simulate.precision import precision_for
@@ -33,7 +35,7 @@ from mist.tune.inter import best_split
 from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult
-from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
+from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, compiled_space, get_space, tp_degrees
 from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble
 
 
@@ -102,6 +104,11 @@ def tune(
 
 def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
+    if training.compile_blocks:
+        why = compiled_block_problem(1, training.flash_attention, False, 1, model.has_dropout)
+        if why is not None:
+            raise MistInputError(f"--compile-blocks: {why}.")
+        sp = compiled_space(sp)
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
     state = _Search(t0=t0, time_budget=time_budget, pool=pool)
@@ -195,6 +202,7 @@ def _stage_tables(sp: SearchSpace, mesh, G: int, with_wg: bool, host_cap, cp: in
         precision_for(training, profile),
         host_cap,
         cp,
+        training.compile_blocks,
     )
 
 

@@ -25,7 +25,7 @@ loop and the baselines all draw from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mist.errors import MistInputError
 from mist.specs.model import ModelSpec
@@ -141,4 +141,18 @@ def get_space(name: str) -> SearchSpace:
         return SPACES[name]
     raise MistInputError(
         f"Unknown search space {name!r}; choose one of {', '.join(list(SPACES) + list(BASELINE_SPACES))}."
+    )
+
+
+def compiled_space(sp: SearchSpace) -> SearchSpace:
+    """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): tp 1,
+    no context or sequence parallelism, no selective recomputation, no ZB-H1."""
+    return replace(
+        sp,
+        tp_values=(1,),
+        cp_values=(1,),
+        sequence_parallel=(False,),
+        recompute_attention=(False,),
+        recompute_activation=(False,),
+        schedules=tuple(x for x in sp.schedules if x != "zb-h1") or ("1f1b",),
     )

@@ -1,0 +1,366 @@
+"""Trace a compiled decoder block: the forward and backward graphs AOTAutograd hands to Inductor.
+
+The block is compiled by `mist.models.compiled.compile_block`, the call the runtime makes, with an
+`inner_compile` that keeps each partitioned graph instead of generating code for it; one forward
+and backward at small example sizes (batch and sequence marked dynamic) produce both graphs, with
+every size a symbol that maps to the canonical (b, s). Nothing is computed: the captured graphs
+answer with empty tensors of their outputs' sizes.
+
+From the graphs, into the eager tracer's `Trace`, so that the rest of `mist.analysis` (saved
+bytes, liveness, FLOPs) is shared:
+
+* **saved for backward**: the forward graph's outputs that the backward graph takes (the
+  partitioner's choice), by storage (views of one buffer count once; parameters not at all), in
+  the order the compiled function hands them to autograd's saved-tensor hooks;
+* **kernels**: GEMMs and attention run as library calls (extern kernels), priced like the eager
+  ones. Inductor fuses the pointwise and reduction operators between them; each maximal run of
+  them between two extern kernels is priced as one fused kernel ("fused", the profile's
+  `elementwise` class) that reads the tensors entering the run and writes the ones used after it
+  or kept. Inductor's scheduler may split a run into several kernels where iteration spaces differ
+  (a row reduction next to a column reduction): the bytes are those of the run, the launch count a
+  lower bound;
+* **liveness**: a run's intermediates are never materialised; its written tensors live from the
+  run to their last use, like an eager operator's outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx
+
+from mist.analysis.records import ATTENTION, GEMM, MEMORY, B, OpRecord, S
+from mist.analysis.tracer import ATTENTION_OPS, Trace, _attention_params, _Expr, _gemm_params
+from mist.models.compiled import compile_block
+
+FUSED = "fused"
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+# Operators that return a view of their first argument (no kernel, no new storage).
+_VIEWS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "_reshape_alias",
+    "permute",
+    "transpose",
+    "t",
+    "expand",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "as_strided",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "detach",
+    "diagonal",
+}
+
+
+class CompiledGraphs:
+    """The partitioned graphs of one compiled block and the names dynamo gave their inputs
+    (parameters are named after their module path): the training forward and its backward, and,
+    for a checkpointed block, the inference forward its first run (without grad) executes."""
+
+    def __init__(self, fw, bw, names: list[str], inference=None, inference_names: list[str] | None = None):
+        self.fw, self.bw, self.names = fw, bw, names
+        self.inference, self.inference_names = inference, inference_names
+
+
+def _name(node: torch.fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    return getattr(t, "__name__", str(t))
+
+
+def _empty_like_outputs(gm: torch.fx.GraphModule):
+    """A boxed callable returning empty tensors (and the sizes) `gm`'s outputs would have."""
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int  # lazy: capture only
+
+    outs = list(gm.graph.nodes)[-1].args[0]
+
+    def concrete(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty([hint_int(d) for d in v.shape], dtype=v.dtype)
+        if isinstance(v, torch.SymInt):
+            return hint_int(v)
+        return v
+
+    def run(args):
+        args.clear()
+        return [None if o is None else concrete(o.meta["val"]) for o in outs]
+
+    run._boxed_call = True
+    return run
+
+
+def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False) -> CompiledGraphs:
+    """Compile `block` as the runtime does and keep its graphs for one forward and backward at x
+    (with `recompute`, also for the forward without grad that checkpointing runs first)."""
+    import torch._functorch.config as functorch_config  # lazy: Inductor only where blocks are compiled
+    import torch._inductor.config as inductor_config  # lazy: as above
+
+    graphs: list[torch.fx.GraphModule] = []
+    names: list[list[str]] = []
+
+    def inner(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return _empty_like_outputs(gm)
+
+    def note_inputs(gm, example_inputs):
+        names.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+
+    # caches would answer with compiled code and skip `inner`
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        run = compile_block(block, inner_compile=inner, on_graph=note_inputs)
+        if recompute:
+            with torch.no_grad():
+                run(x)
+        out = run(x)
+        out.backward(torch.empty_like(out))
+        torch._dynamo.reset()
+    if len(graphs) != 2 + recompute or len(names) != 1 + recompute:
+        raise RuntimeError(
+            f"a compiled block gave {len(graphs)} graphs (a graph break?); Mist prices one forward and one backward"
+        )
+    if recompute:
+        return CompiledGraphs(graphs[1], graphs[2], names[1], graphs[0], names[0])
+    return CompiledGraphs(graphs[0], graphs[1], names[0])
+
+
+class _Graphs:
+    """Storage identities while the `Trace` of the captured graphs is built: a node's storage is
+    its base's (through views), keyed (graph, node name)."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.sid: dict[tuple[str, str], int] = {}  # (graph, node name) -> storage id
+        self.base: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def key(self, g: str, n: torch.fx.Node) -> tuple[str, str]:
+        return self.base.get((g, n.name), (g, n.name))
+
+    def new_sid(self, k: tuple[str, str]) -> int:
+        if k not in self.sid:
+            self.sid[k] = len(self.sid) + 1
+        return self.sid[k]
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else n
+
+
+def _tensor_nodes(args) -> list[torch.fx.Node]:
+    """The distinct tensor-valued nodes among `args` (nested), in order."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, found.append)
+    out: list[torch.fx.Node] = []
+    for a in found:
+        if isinstance(_val(a), torch.Tensor) and a not in out:
+            out.append(a)
+    return out
+
+
+def _placeholders(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm) -> list:
+    return list(list(gm.graph.nodes)[-1].args[0])
+
+
+def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
+    """The `Trace` of a compiled block's graphs (see the module docstring). A checkpointed block
+    (`cg.inference`) runs the inference forward, keeps only its input, and re-runs the training
+    forward ("recompute") before the backward."""
+    trace = Trace()
+    fw_in = _placeholders(cg.fw)
+    if len(fw_in) != len(cg.names):
+        raise RuntimeError("the compiled forward's inputs do not match dynamo's graph inputs")
+    xs = [n for n, dyn in zip(fw_in, cg.names) if isinstance(_val(n), torch.Tensor) and "_parameters_" not in dyn]
+    if len(xs) != 1:
+        raise RuntimeError(f"a compiled block takes one activation input, found {len(xs)}")
+    subs: dict = {}
+    for d, sym in ((_val(xs[0]).shape[1], S), (_val(xs[0]).shape[0], B)):
+        if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+            subs.setdefault(d.node.expr, sym)
+    ex = _Expr(subs)
+    st = _Graphs(trace)
+    graphs = [("fw", cg.fw, cg.names)] + ([("inf", cg.inference, cg.inference_names)] if cg.inference else [])
+    for g, gm, names in graphs:  # the block's inputs: one storage each, whichever graph reads them
+        for n, dyn in zip(_placeholders(gm), names):
+            if isinstance(_val(n), torch.Tensor):
+                st.base[(g, n.name)] = ("in", dyn)
+                sid = st.new_sid(("in", dyn))
+                trace.storage_bytes[sid] = ex.nbytes(_val(n))
+                (trace.param_sids if "_parameters_" in dyn else trace.input_sids).add(sid)
+    fw_out = _outputs(cg.fw)
+    bw_in = _placeholders(cg.bw)
+    n_saved = sum(not n.name.startswith("tangents") for n in bw_in)
+    saved_out, user_out = fw_out[len(fw_out) - n_saved :], fw_out[: len(fw_out) - n_saved]
+
+    def named(gm) -> set[str]:
+        return {o.name for o in _outputs(gm) if isinstance(o, torch.fx.Node)}
+
+    if cg.inference is not None:
+        # checkpointing keeps the block input; the training forward is the backward's re-run
+        _kernels(st, "inf", cg.inference, ex, named(cg.inference))
+        x_sid = st.sid[st.key("fw", xs[0])]
+        trace.saved[x_sid] = trace.storage_bytes[x_sid]
+        trace.saved_calls.append((ex.numel(_val(xs[0])), _val(xs[0]).element_size(), x_sid))
+        trace.output_sids |= {st.sid[st.key("inf", o)] for o in _outputs(cg.inference)[: len(user_out)]}
+        trace.phase = "recompute"
+        _kernels(st, "fw", cg.fw, ex, named(cg.fw))
+    else:
+        _kernels(st, "fw", cg.fw, ex, named(cg.fw))
+        # saved tensors: by storage, parameters excluded, in the order autograd's hooks see them
+        for o in saved_out:
+            if not isinstance(o, torch.fx.Node) or not isinstance(_val(o), torch.Tensor):
+                continue
+            sid = st.sid[st.key("fw", o)]
+            if sid in trace.param_sids:
+                continue
+            trace.saved.setdefault(sid, trace.storage_bytes[sid])
+            trace.saved_calls.append((ex.numel(_val(o)), _val(o).element_size(), sid))
+        trace.output_sids |= {st.sid[st.key("fw", o)] for o in user_out}
+
+    # backward: its saved inputs are the forward's storages, its tangents new ones
+    for n, o in zip(bw_in, saved_out):
+        if isinstance(o, torch.fx.Node):
+            st.base[("bw", n.name)] = st.key("fw", o)
+    for n in bw_in[n_saved:]:
+        sid = st.new_sid(("bw", n.name))
+        trace.storage_bytes[sid] = ex.nbytes(_val(n))
+    trace.phase = "bwd"
+    _kernels(st, "bw", cg.bw, ex, named(cg.bw))
+    for o, dyn in zip(_outputs(cg.bw), cg.names):
+        if isinstance(o, torch.fx.Node):
+            sid = st.sid[st.key("bw", o)]
+            (trace.grad_sids if "_parameters_" in dyn else trace.keep_bwd).add(sid)
+    return trace, ex
+
+
+def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set[str]) -> None:
+    """Append the kernels of one graph to the trace: extern kernels one by one, the runs of
+    pointwise and reduction operators between them as fused kernels. `keep`: the graph's
+    outputs (materialised whoever reads them)."""
+    nodes = list(gm.graph.nodes)
+    # views and getitems alias their source (a multi-output kernel's getitem is its own buffer)
+    value: list[torch.fx.Node] = []
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        name = _name(n)
+        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        if name in _VIEWS and src is not None:
+            st.base[(g, n.name)] = st.key(g, src)
+        elif n.target is operator.getitem and src is not None:
+            if _name(src) in _VIEWS:
+                st.base[(g, n.name)] = st.key(g, src)
+            elif isinstance(_val(n), torch.Tensor):
+                value.append(n)
+        elif isinstance(_val(n), torch.Tensor) or (
+            isinstance(_val(n), (tuple, list)) and any(isinstance(v, torch.Tensor) for v in _val(n))
+        ):
+            value.append(n)
+    # consumers of each buffer (through views), in graph order
+    order = {n.name: i for i, n in enumerate(nodes)}
+    users: dict[tuple[str, str], set[str]] = {}
+    for n in nodes:
+        if n.op != "call_function" or _name(n) in _VIEWS or n.target is operator.getitem:
+            continue
+        for a in _tensor_nodes(n.args) + _tensor_nodes(n.kwargs):
+            users.setdefault(st.key(g, a), set()).add(n.name)
+    kept = {st.key(g, n) for n in nodes if n.name in keep}
+
+    group: list[torch.fx.Node] = []
+
+    def flush():
+        if group:
+            _emit(st, g, list(group), ex, users, kept, order, kind=MEMORY)
+            group.clear()
+
+    for n in value:
+        name = _name(n)
+        if name in _GEMMS or name in ATTENTION_OPS:
+            flush()
+            _emit(st, g, [n], ex, users, kept, order, kind=GEMM if name in _GEMMS else ATTENTION)
+        elif n.target is operator.getitem:
+            src = n.args[0]
+            if _name(src) in _GEMMS or _name(src) in ATTENTION_OPS:
+                continue  # an extern kernel's output, emitted with it
+            group.append(n)
+        else:
+            group.append(n)
+    flush()
+
+
+def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str) -> None:
+    trace = st.trace
+    inside = {(g, n.name) for n in group}
+    last = max(order[n.name] for n in group)
+    # the buffers an extern kernel writes: its tensor outputs (getitems of a multi-output)
+    outs: list[tuple[tuple[str, str], object]] = []
+    if kind != MEMORY:
+        n = group[0]
+        getters = [u for u in n.users if u.target is operator.getitem]
+        for u in getters or [n]:
+            if isinstance(_val(u), torch.Tensor):
+                outs.append(((g, u.name), _val(u)))
+    else:
+        for n in group:
+            k = (g, n.name)
+            if not isinstance(_val(n), torch.Tensor):
+                continue
+            later = any(order[u] > last for u in users.get(k, ()))
+            if later or k in kept:
+                outs.append((k, _val(n)))
+    ins: list[torch.fx.Node] = []
+    for n in group:
+        for a in _tensor_nodes(n.args) + _tensor_nodes(n.kwargs):
+            if st.key(g, a) not in inside and a not in ins:
+                ins.append(a)
+    in_sids = [st.sid[st.key(g, a)] for a in ins if st.key(g, a) in st.sid]
+    idx = len(trace.records)
+    out_sids = []
+    for k, v in outs:
+        sid = st.new_sid(k)
+        trace.storage_bytes[sid] = ex.nbytes(v)
+        trace.producer[sid] = idx
+        out_sids.append(sid)
+    read = sympy.expand(sum((ex.nbytes(_val(a)) for a in ins), sympy.Integer(0)))
+    written = sympy.expand(sum((ex.nbytes(v) for _, v in outs), sympy.Integer(0)))
+    params = None
+    flops = sympy.Integer(0)
+    n0 = group[0]
+    op = FUSED if kind == MEMORY else _name(n0)
+    if kind == GEMM:
+        params = _gemm_params(op, [_val(a) for a in _tensor_nodes(n0.args)], ex)
+        flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
+    elif kind == ATTENTION:
+        args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
+        kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}
+        params = _attention_params(n0.target, op, args, kwargs, ex)
+        dense = 4 * params.b * params.heads * params.s * params.keys * params.d
+        flops = sympy.expand(dense * (2 if "backward" in op else 1))
+    trace.records.append(
+        OpRecord(
+            index=idx,
+            phase=trace.phase,
+            op=op,
+            kind=kind,
+            shapes_in=tuple(ex.shape(_val(a)) for a in ins),
+            shapes_out=tuple(ex.shape(v) for _, v in outs),
+            bytes_read=read,
+            bytes_written=written,
+            flops=flops,
+            params=params,
+        )
+    )
+    trace.uses.append((idx, in_sids, out_sids))

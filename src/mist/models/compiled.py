@@ -1,0 +1,62 @@
+"""Regional `torch.compile` of the decoder blocks: the one place that says how a block is compiled.
+
+`mist.runtime` runs the blocks of a plan with `TrainingSpec.compile_blocks` through
+`compile_block`, and `mist.analysis.compiled` traces the same call with a capturing
+`inner_compile`, so the forward and backward graphs it prices are the ones AOTAutograd hands to
+Inductor: the same decompositions, the same joint-graph passes, the same partitioner choosing
+what is saved for backward and what is recomputed (the code that is traced is the code that
+runs). Only Inductor's code generation (the kernels it writes for those graphs) is not traced.
+
+The block's batch and sequence dimensions are marked dynamic, so one compile serves every
+micro-batch size and sequence length and its graphs are symbolic in both, like the eager trace
+(a size of 1 is specialised by dynamo, and a micro-batch of 1 gets its own graph, as it gets its
+own trace). Inside the compiled region the blocks run plain tensor code where eager runs
+hand-fused operators (`torch.compiler.is_compiling()` in `mist.models`: RMSNorm, rotary,
+SwiGLU): Inductor fuses the plain code, and an opaque operator would stop it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mist.rules.compiled_blocks import compiled_block_problem
+
+
+class CompiledBlock:
+    """A decoder block compiled with Inductor: called on x [b, s, h] like the block, and run by
+    `mist.models.checkpointing.run_block` like it (its `attn`, `mlp` and `spec` are the block's).
+    The block's modules and parameters stay the block's: the compiled code reads them."""
+
+    def __init__(self, block: torch.nn.Module, backend):
+        self.block, self.attn, self.mlp, self.spec = block, block.attn, block.mlp, block.spec
+        self._compiled = torch.compile(block, backend=backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+        return self._compiled(x)
+
+
+def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> CompiledBlock:
+    """`block`, compiled with Inductor. `inner_compile` replaces Inductor's code generation of
+    each partitioned graph (`compile_fx`'s argument of that name), and `on_graph(gm,
+    example_inputs)` sees dynamo's graph first: the analysis's capture."""
+    if inner_compile is None and on_graph is None:
+        return CompiledBlock(block, "inductor")
+    from torch._inductor.compile_fx import compile_fx  # lazy: Inductor only where blocks are compiled
+
+    kwargs = {} if inner_compile is None else {"inner_compile": inner_compile}
+
+    def backend(gm, example_inputs):
+        if on_graph is not None:
+            on_graph(gm, example_inputs)
+        return compile_fx(gm, example_inputs, **kwargs)
+
+    return CompiledBlock(block, backend)
+
+
+def check_compiled_block(tp: int, flash: bool, recompute, cp: int, dropout: bool) -> None:
+    """Raise ValueError where `mist.rules.compiled_blocks` says the block cannot run compiled."""
+    problem = compiled_block_problem(tp, flash, recompute, cp, dropout)
+    if problem is not None:
+        raise ValueError(problem)

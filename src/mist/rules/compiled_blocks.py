@@ -1,0 +1,35 @@
+"""Which plans can run their decoder blocks compiled (`TrainingSpec.compile_blocks`,
+`mist.models.compiled`): one rule for the plan check, the analysis and the runtime.
+
+The compiled region is one tensor-parallel shard's arithmetic without collectives: the TP and
+context-parallel collectives are autograd functions around `torch.distributed` calls, which dynamo
+does not trace into one graph. Materialised (non-flash) attention would need its partition at the
+real sequence length: the s² scores weigh in the partitioner's choice of what to save, and the
+graphs are traced at a small example length. Selective recomputation hand-writes backward
+functions inside the block. Inductor draws its own dropout masks, which checkpointing could not
+replay. ZB-H1 splits each block's backward into input and weight gradients; a compiled block's
+backward is one function.
+"""
+
+from __future__ import annotations
+
+
+def compiled_block_problem(tp: int, flash: bool, recompute, cp: int, dropout: bool) -> str | None:
+    """Why a block with these settings cannot run compiled (None: it can). `recompute`: False,
+    True (checkpointed whole) or a selective part's name."""
+    if tp > 1 or cp > 1:
+        return "compiled blocks run without tensor or context parallelism (tp 1, cp 1)"
+    if not flash:
+        return "compiled blocks run flash attention only"
+    if recompute not in (False, True):
+        return "compiled blocks are recomputed whole or not at all (no selective recomputation)"
+    if dropout:
+        return "compiled blocks run without dropout"
+    return None
+
+
+def compiled_schedule_problem(schedule: str) -> str | None:
+    """Why a pipeline schedule cannot run compiled blocks (None: it can)."""
+    if schedule == "zb-h1":
+        return "the zb-h1 schedule splits each block's backward, and a compiled block's backward is one function"
+    return None

@@ -380,3 +380,32 @@ def test_interleaving_needs_a_pipeline():
     }
     with pytest.raises(MistInputError, match="needs at least 2 pipeline stages"):
         plan_from_dict(d)
+
+
+def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
+    one_stage = mutate(stages=[{**GOOD["stages"][0], "layers": 24, "gpus_per_node": 4, "dp": 4, "micro_batch": 1}])
+    p = plan_from_dict(mutate(one_stage, training__compile_blocks=True))
+    assert p.training.compile_blocks
+    p.save(tmp_path / "c.json")
+    assert load_plan(str(tmp_path / "c.json")).training.compile_blocks
+    plan_from_dict(GOOD).save(tmp_path / "e.json")
+    assert "compile_blocks" not in (tmp_path / "e.json").read_text()
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({}, "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks run without tensor"),
+        ({"training__flash_attention": False}, "flash attention only"),
+        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "stages__1__recompute_activation": True}, "no selective"),
+        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "stages__0__offload": {"activations": 0.5}}, "activation offload"),
+        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "schedule": "zb-h1", "stages__0__recompute_layers": 0}, "zb-h1"),
+        ({"training__compile_blocks": "yes"}, "compile_blocks must be true or false"),
+    ],
+)
+def test_compiled_blocks_are_refused_where_they_cannot_run(changes, needle):
+    with pytest.raises(MistInputError) as e:
+        plan_from_dict(mutate(**{"training__compile_blocks": True, **changes}))
+    msg = str(e.value)
+    assert needle in msg, msg
+    assert msg.endswith(".") and "\n" not in msg

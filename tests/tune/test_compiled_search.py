@@ -1,0 +1,40 @@
+"""`mist tune --compile-blocks`: the search stays inside what compiled blocks can run
+(`mist.rules.compiled_blocks`), its plan says so and re-simulates to its prediction through the
+compiled analysis, and the spaces that stand for other frameworks refuse it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mist.cli import main
+from mist.hardware import load_profile
+from mist.plan import load_plan
+from mist.simulate.plan_sim import simulate_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = str(ROOT / "benchmarks" / "models" / "loop-llama.yaml")
+PROFILE = str(ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
+ARGS = ["tune", "--model", MODEL, "--gpu", PROFILE, "--gpus-per-node", "2", "--seq", "256", "--global-batch", "8"]
+
+
+def test_compiled_tune_stays_inside_what_compiled_blocks_run(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    # a memory limit that makes the eager search recompute or offload (selective parts included)
+    main([*ARGS, "--compile-blocks", "--memory-limit", "0.3", "-o", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out)
+    plan = load_plan(str(out))
+    assert plan.training.compile_blocks
+    assert plan.schedule != "zb-h1"
+    for s in plan.stages:
+        assert s.tp == 1 and s.cp == 1 and not s.sequence_parallel
+        assert not (s.recompute_attention or s.recompute_activation) and s.offload.activations == 0
+    again = simulate_plan(plan, load_profile(PROFILE))
+    assert again["iteration_time_s"] == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
+
+
+def test_framework_spaces_refuse_compiled_blocks(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*ARGS, "--compile-blocks", "--target", "megatron"])
+    assert e.value.code == 2
+    assert "--compile-blocks searches the full and mist-paper spaces" in capsys.readouterr().err

@@ -47,6 +47,9 @@ CASES = [
     ("llama tp2", "loop-llama", ["--pp", "1", "--tp", "2"]),
     ("gpt dp2 memory limit", "loop-gpt", ["--pp", "1", "--tp", "1", "limit"]),
     ("llama pp2 memory limit", "loop-llama", ["--pp", "2", "limit"]),
+    # the blocks compiled with Inductor's CPU backend (`mist tune --compile-blocks`)
+    ("gpt dp2 compiled", "loop-gpt", ["--pp", "1", "--tp", "1", "--compile-blocks"]),
+    ("llama pp2 compiled", "loop-llama", ["--pp", "2", "--compile-blocks"]),
 ]
 QUICK = ("llama dp2", "gpt pp2", "llama tp2", "gpt dp2 memory limit")
 # fractions of the unconstrained plan's predicted peak, tried in turn until a plan fits: the
@@ -78,7 +81,8 @@ def plan_summary(plan: dict) -> str:
             f"rc{s['recompute_layers']}" + (f" off {o}" if any(off.values()) else "") + "]"
         )
     schedule = f" {plan['schedule']}" if plan.get("schedule", "1f1b") != "1f1b" else ""
-    return f"G {plan['micro_batches']}{schedule} " + " ".join(parts)
+    compiled = " compiled" if plan["training"].get("compile_blocks") else ""
+    return f"G {plan['micro_batches']}{schedule}{compiled} " + " ".join(parts)
 
 
 def tune(model: str, profile: str, extra: list[str], plan_path: Path) -> dict:
@@ -211,7 +215,13 @@ def markdown(rows: list[dict], profile: dict, steps: int) -> str:
         "",
         f"Step time: median |error| {s['median_abs_time_error']:.1%}, max {s['max_abs_time_error']:.1%} "
         f"over {len(rows)} plans (target: median ≤ {TIME_TARGET_MEDIAN:.0%}, max ≤ {TIME_TARGET_MAX:.0%}: "
-        f"{'met' if s['time_target_met'] else 'NOT met'}). "
+        f"{'met' if s['time_target_met'] else 'NOT met'})"
+        + "".join(
+            f"; {k} blocks: median |error| {s[f'median_abs_time_error_{k}']:.1%}"
+            for k in ("eager", "compiled")
+            if f"median_abs_time_error_{k}" in s
+        )
+        + ". "
         f"States exact to the byte on {s['states_exact']}/{s['stage_count']} stages, "
         f"saved activations on {s['activations_exact']}/{s['stage_count']}, host memory (each of its three "
         f"terms) on {s['host_exact']}/{s['stage_count']}. The peak column compares the "
@@ -228,7 +238,12 @@ def summary(rows: list[dict]) -> dict:
     errs = [abs(r["step_time_error"]) for r in rows]
     stages = [s for r in rows for s in r["stages"]]
     exact = lambda k: sum(s[k]["predicted"] == s[k]["measured"] for s in stages)  # noqa: E731
+    by_kind = {
+        kind: [abs(r["step_time_error"]) for r in rows if bool(r["plan"]["training"].get("compile_blocks")) == c]
+        for kind, c in (("eager", False), ("compiled", True))
+    }
     return {
+        **{f"median_abs_time_error_{k}": statistics.median(v) for k, v in by_kind.items() if v},
         "median_abs_time_error": statistics.median(errs),
         "max_abs_time_error": max(errs),
         "time_target_met": statistics.median(errs) <= TIME_TARGET_MEDIAN and max(errs) <= TIME_TARGET_MAX,

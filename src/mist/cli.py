@@ -15,6 +15,7 @@ from rich.table import Table
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan
+from mist.rules.compiled_blocks import compiled_block_problem
 from mist.simulate.precision import profile_dtype
 from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
@@ -88,6 +89,11 @@ def estimate(
         "only) or attention+activation.",
     ),
     no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
+    compile_blocks: bool = typer.Option(
+        False,
+        "--compile-blocks",
+        help="Decoder blocks compiled with torch.compile (Inductor), as `mist train` runs them.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Cost of one micro-batch of a model on one GPU: layer and model time, memory."""
@@ -101,7 +107,14 @@ def estimate(
     spec = load_model(model)
     spec.check_seq_len(seq)
     profile = load_profile(gpu)
-    res = run_estimate(spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash)
+    if compile_blocks:
+        rc = {"none": False, "full": True}.get(recompute, recompute)
+        why = compiled_block_problem(tp, not no_flash, rc, 1, spec.has_dropout)
+        if why is not None:
+            raise MistInputError(f"--compile-blocks: {why}.")
+    res = run_estimate(
+        spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash, compiled=compile_blocks
+    )
     if as_json:
         print(json.dumps(res, indent=1))
         return

@@ -48,6 +48,7 @@ def estimate(
     recompute: str = "none",
     flash: bool = True,
     dtype: str | None = None,
+    compiled: bool = False,
 ) -> dict:
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
@@ -57,7 +58,14 @@ def estimate(
 
     def trace(part: str, recompute: bool | str = False):
         return analyze_layer(
-            spec, part, tp=tp, flash=flash, recompute=recompute, dtype=pr.trace_dtype, target=pr.target
+            spec,
+            part,
+            tp=tp,
+            flash=flash,
+            recompute=recompute,
+            dtype=pr.trace_dtype,
+            target=pr.target,
+            compiled=compiled and part == "block",
         )
 
     blk, pre, post = trace("block", mode), trace("pre"), trace("post")
@@ -84,6 +92,7 @@ def estimate(
         "dtype": pr.trace_dtype,
         "recompute": recompute,
         "flash": flash,
+        "compiled_blocks": compiled,
         "layer": _layer_json(t["block"], blk, b, s, ckpt),
         "model": {
             "fwd_bwd_ms": fwd_bwd * MS,

@@ -397,9 +397,34 @@ def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
     [
         ({}, "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks run without tensor"),
         ({"training__flash_attention": False}, "flash attention only"),
-        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "stages__1__recompute_activation": True}, "no selective"),
-        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "stages__0__offload": {"activations": 0.5}}, "activation offload"),
-        ({"stages__1__tp": 1, "stages__1__dp": 2, "stages__1__micro_batch": 2, "schedule": "zb-h1", "stages__0__recompute_layers": 0}, "zb-h1"),
+        (
+            {
+                "stages__1__tp": 1,
+                "stages__1__dp": 2,
+                "stages__1__micro_batch": 2,
+                "stages__1__recompute_activation": True,
+            },
+            "no selective",
+        ),
+        (
+            {
+                "stages__1__tp": 1,
+                "stages__1__dp": 2,
+                "stages__1__micro_batch": 2,
+                "stages__0__offload": {"activations": 0.5},
+            },
+            "activation offload",
+        ),
+        (
+            {
+                "stages__1__tp": 1,
+                "stages__1__dp": 2,
+                "stages__1__micro_batch": 2,
+                "schedule": "zb-h1",
+                "stages__0__recompute_layers": 0,
+            },
+            "zb-h1",
+        ),
         ({"training__compile_blocks": "yes"}, "compile_blocks must be true or false"),
     ],
 )

@@ -11,7 +11,8 @@ error string and the loop goes on:
             -o $OUT/h200-profile.json` (log: $OUT/profile.log). With one process the collectives
             share (27 %) of the budget goes unused: about 175 s of measuring + ~15 s start.
 2. plans    llama-1.3b, seq 2048, global batch 8 = micro-batch 4 × G 2, bf16, flash attention,
-            through `mist.runtime.spawn_local` for 5 steps each; the runtime's metrics dict per
+            eager blocks and (the second plan) Inductor-compiled ones, through
+            `mist.runtime.spawn_local` for 5 steps each; the runtime's metrics dict per
             plan. About 30–40 s a plan (worker start, 1.3B-parameter init, 5 steps); optimizer
             offload takes about twice as long, so it runs last.
 3. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
@@ -58,6 +59,8 @@ PROFILE = "h200-profile.json"
 # (name, stage fields given the model's layer count); cheapest first, the slowest last
 PLANS = [
     ("plain", lambda n: {}),
+    # the plain plan with its blocks compiled by Inductor (`training.compile_blocks`; not a stage field)
+    ("compiled blocks", lambda n: {"compile_blocks": True}),
     ("full recompute", lambda n: {"recompute_layers": n}),
     ("activation offload 0.5", lambda n: {"offload": {"activations": 0.5}}),
     ("ZeRO-0 weights offload 0.5", lambda n: {"zero": 0, "offload": {"weights": 0.5}}),
@@ -238,7 +241,8 @@ def make_plan(
     flash: bool = True,
     **stage,
 ):
-    """A one-GPU, one-stage plan of `model` (a preset name or a model mapping)."""
+    """A one-GPU, one-stage plan of `model` (a preset name or a model mapping); `compile_blocks`
+    among the stage fields goes to the training section."""
     from mist.plan import plan_from_dict
     from mist.specs.loading import load_model, load_model_dict
 
@@ -253,6 +257,7 @@ def make_plan(
         "zero": 0,
         "recompute_layers": 0,
     }
+    compiled = bool(stage.pop("compile_blocks", False))
     st.update(stage)
     return plan_from_dict(
         {
@@ -264,6 +269,7 @@ def make_plan(
                 "param_dtype": dtype,
                 "compute_dtype": dtype,
                 "flash_attention": flash,
+                "compile_blocks": compiled,
             },
             "micro_batches": global_batch // micro_batch,
             "stages": [st],

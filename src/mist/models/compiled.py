@@ -34,7 +34,9 @@ class CompiledBlock:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(x, 1)
-        return self._compiled(x)
+        # past dynamo's recompile limit a block would silently run eager, unlike its prediction
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return self._compiled(x)
 
 
 def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> CompiledBlock:

@@ -396,7 +396,6 @@ def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
     "changes, needle",
     [
         ({}, "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks run without tensor"),
-        ({"training__flash_attention": False}, "flash attention only"),
         (
             {
                 "stages__1__tp": 1,

@@ -109,7 +109,7 @@ def estimate(
     profile = load_profile(gpu)
     if compile_blocks:
         rc = {"none": False, "full": True}.get(recompute, recompute)
-        why = compiled_block_problem(tp, not no_flash, rc, 1, spec.has_dropout)
+        why = compiled_block_problem(tp, rc, 1, spec.has_dropout)
         if why is not None:
             raise MistInputError(f"--compile-blocks: {why}.")
     res = run_estimate(
@@ -270,7 +270,7 @@ def tune(
         False,
         "--compile-blocks",
         help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
-        "them: tp 1, flash attention, no selective recomputation or activation offload, no zb-h1.",
+        "them: tp 1, no selective recomputation or activation offload, no zb-h1.",
     ),
     as_json: JsonOpt = False,
 ):

@@ -1,12 +1,16 @@
 """A compiled block (`mist.models.compiled`) keeps for backward exactly what the analysis of its
 captured graphs predicts (`mist.analysis.compiled`): measured on real Inductor-compiled CPU blocks
 with saved_tensors_hooks (unique storages, parameters excluded), tensor by tensor, with and without
-whole-block recomputation; and it computes what the eager block computes."""
+whole-block recomputation, with flash and materialised attention; it computes what the eager block
+computes; and what the partitioner keeps does not depend on the example sizes it is traced at."""
 
 import pytest
+import sympy
 import torch
 
 from mist.analysis import analyze_layer
+from mist.analysis.compiled import capture, trace_compiled
+from mist.analysis.records import S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block
 from mist.models.compiled import check_compiled_block, compile_block
@@ -67,21 +71,26 @@ def _saved(fn) -> tuple[int, list[int]]:
     return sum(seen.values()), numels
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+# (family, flash attention): materialised attention with GQA (llama) and with learned positions (gpt)
+BLOCKS = [("falcon", True), ("gpt", True), ("llama", True), ("gpt", False), ("llama", False)]
+
+
+@pytest.fixture(scope="module", params=BLOCKS, ids=[f"{f}-{'flash' if fl else 'bmm'}" for f, fl in BLOCKS])
 def compiled(request):
-    # one family's compiles at a time: dynamo's recompile limit counts every graph of
+    # one block's compiles at a time: dynamo's recompile limit counts every graph of
     # DecoderBlock.forward in the process, whichever model it belongs to
     torch._dynamo.reset()
-    spec = SPECS[request.param]
-    block = DecoderBlock(spec, TPGroup(), True, torch.float32)
+    family, flash = request.param
+    spec = SPECS[family]
+    block = DecoderBlock(spec, TPGroup(), flash, torch.float32)
     init_weights(block, 0)
-    return spec, block, compile_block(block)
+    return spec, block, compile_block(block), flash
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_saved_bytes_equal_the_compiled_runtime(compiled, recompute):
-    spec, block, run = compiled
-    la = analyze_layer(spec, "block", 1, True, "fp32", "cpu", recompute, compiled=True)
+    spec, block, run, flash = compiled
+    la = analyze_layer(spec, "block", 1, flash, "fp32", "cpu", recompute, compiled=True)
     for b, s in SHAPES:
         x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
         got, numels = _saved(lambda x=x: run_block(run, x, recompute))
@@ -92,7 +101,7 @@ def test_saved_bytes_equal_the_compiled_runtime(compiled, recompute):
 
 
 def test_compiled_block_computes_the_eager_block(compiled):
-    spec, block, run = compiled
+    spec, block, run, _ = compiled
     torch.manual_seed(1)
     x = torch.randn(2, 24, spec.hidden_size, requires_grad=True)
     g = torch.randn(2, 24, spec.hidden_size)
@@ -105,14 +114,29 @@ def test_compiled_block_computes_the_eager_block(compiled):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_what_is_saved_does_not_depend_on_the_example_sizes(family):
+    """The partitioner weighs tensors by the example sizes of the capture; with materialised
+    attention the scores per token (heads·s) grow from half to 32 times the width h of the other
+    activations between these example lengths, and the saved set (a polynomial in b and s) stays
+    the same."""
+    spec = SPECS[family]
+    saved = []
+    for s in (8, 512):
+        block = DecoderBlock(spec, TPGroup(), False, torch.float32)
+        trace, _ = trace_compiled(capture(block, torch.zeros(3, s, spec.hidden_size, requires_grad=True)))
+        saved.append(sympy.expand(sum(trace.saved.values())))
+    assert saved[0] == saved[1]
+    assert saved[0].coeff(S**2) != 0  # the kept probabilities (or scores): materialised attention
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
-        ((2, True, False, 1, False), "tensor or context parallelism"),
-        ((1, True, False, 2, False), "tensor or context parallelism"),
-        ((1, False, False, 1, False), "flash attention"),
-        ((1, True, "attention", 1, False), "selective"),
-        ((1, True, False, 1, True), "dropout"),
+        ((2, False, 1, False), "tensor or context parallelism"),
+        ((1, False, 2, False), "tensor or context parallelism"),
+        ((1, "attention", 1, False), "selective"),
+        ((1, False, 1, True), "dropout"),
     ],
 )
 def test_unsupported_compiled_blocks_are_refused(args, words):

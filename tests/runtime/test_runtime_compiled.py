@@ -1,14 +1,16 @@
 """Plans with compiled blocks (`training.compile_blocks`: Inductor, on the CPU backend here) equal
 single-process eager training — losses, gradient norms and every updated weight, the tolerance of
-the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation and
-optimizer offload, and in a 1F1B pipeline; and the simulator's states and saved activations,
-priced from the captured graphs, are the runtime's to the byte."""
+the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation,
+optimizer offload and materialised attention, in a 1F1B pipeline and in an interleaved one; and
+the simulator's states and saved activations, priced from the captured graphs, are the runtime's
+to the byte."""
 
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from rt_helpers import CFG, compare, make_plan, reference, run_plan
+from test_runtime_interleaved import interleaved_plan
 from test_runtime_pipeline import pp_plan
 
 from mist.hardware import load_profile
@@ -29,10 +31,11 @@ def _compiled(plan):
 CASES = [
     (
         "gpt",
-        "dp2-zero3-recompute1-opt0.5",
-        lambda: make_plan("gpt", dp=2, zero=3, recompute=1, offload={"optimizer": 0.5}),
+        "dp2-zero3-recompute1-opt0.5-bmm",
+        lambda: make_plan("gpt", dp=2, zero=3, recompute=1, offload={"optimizer": 0.5}, flash=False),
     ),
     ("llama", "pp2-G4", lambda: pp_plan("llama", [dict(layers=2), dict(layers=1)], G=4)),
+    ("falcon4", "interleaved-v2-G4", lambda: interleaved_plan("falcon4", G=4)),
 ]
 
 
@@ -40,7 +43,7 @@ CASES = [
 def test_compiled_plan_matches_single_process(family, name, build):
     plan = _compiled(build())
     res = run_plan(plan)
-    ref = reference(family, plan.training.global_batch)
+    ref = reference(family, plan.training.global_batch, flash=plan.training.flash_attention)
     assert all(n > CFG["max_grad_norm"] for n in ref["grad_norms"])
     print(f"{family}-{name}: {compare(family, res, ref)}")
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))

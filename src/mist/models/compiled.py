@@ -17,9 +17,24 @@ SwiGLU): Inductor fuses the plain code, and an opaque operator would stop it.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from mist.rules.compiled_blocks import compiled_block_problem
+
+
+def _fresh_compile_threads_after_fork() -> None:
+    """Inductor compiles generated code on a thread pool that a forked child inherits without its
+    threads (PyTorch resets only its process pool at fork): a child that compiles would wait
+    forever on the parent's pool. The runtime forks its CPU workers; this gives them a new one."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_fresh_compile_threads_after_fork)
 
 
 class CompiledBlock:

@@ -17,9 +17,7 @@ extent on the device.
 from __future__ import annotations
 
 
-def compiled_block_problem(
-    tp: int, recompute, cp: int, dropout: bool, offload_activations: float = 0.0
-) -> str | None:
+def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool, offload_activations: float = 0.0) -> str | None:
     """Why a block with these settings cannot run compiled (None: it can). `recompute`: False,
     True (checkpointed whole) or a selective part's name."""
     if tp > 1 or cp > 1:

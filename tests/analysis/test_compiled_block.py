@@ -114,6 +114,15 @@ def test_compiled_block_computes_the_eager_block(compiled):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_block_does_the_eager_block_s_matrix_work(compiled):
+    """The same GEMM and attention FLOPs, forward and backward: compiling fuses the elementwise
+    work between them and changes no library call's size."""
+    spec, _, _, flash = compiled
+    eager, comp = (analyze_layer(spec, "block", 1, flash, "fp32", "cpu", compiled=c) for c in (False, True))
+    for phase in ("fwd", "bwd"):
+        assert float(comp.flops_of(phase, 3, 40)) == float(eager.flops_of(phase, 3, 40)) > 0
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_what_is_saved_does_not_depend_on_the_example_sizes(family):
     """The partitioner weighs tensors by the example sizes of the capture; with materialised

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from mist.analysis.records import ATTENTION, GEMM, MEMORY, B, OpRecord, S
-from mist.analysis.tracer import ATTENTION_OPS, Trace, _attention_params, _Expr, _gemm_params
+from mist.analysis.tracer import ATTENTION_OPS, Trace, _Expr, library_call
 from mist.models.compiled import compile_block
 
 FUSED = "fused"
@@ -340,15 +340,11 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     flops = sympy.Integer(0)
     n0 = group[0]
     op = FUSED if kind == MEMORY else _name(n0)
-    if kind == GEMM:
-        params = _gemm_params(op, [_val(a) for a in _tensor_nodes(n0.args)], ex)
-        flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
-    elif kind == ATTENTION:
+    if kind != MEMORY:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}
-        params = _attention_params(n0.target, op, args, kwargs, ex)
-        dense = 4 * params.b * params.heads * params.s * params.keys * params.d
-        flops = sympy.expand(dense * (2 if "backward" in op else 1))
+        ins_vals = [_val(a) for a in _tensor_nodes(n0.args)]
+        params, flops = library_call(kind, n0.target, op, ins_vals, args, kwargs, ex)
     trace.records.append(
         OpRecord(
             index=idx,

@@ -195,13 +195,8 @@ class _Recorder(TorchDispatchMode):
             # the out= arguments of an out variant are written, not read
             out_args = [kwargs[a.name] for a in func._schema.arguments if a.is_out and _is_tensor(kwargs.get(a.name))]
             read, written = _traffic(name, args, [t for t in ins if not any(t is o for o in out_args)], outs, ex)
-        if kind == GEMM:
-            params = _gemm_params(name, ins, ex)
-            flops = sympy.expand(2 * params.m * params.n * params.k * params.batch)
-        elif kind == ATTENTION:
-            params = _attention_params(func, name, args, kwargs, ex)
-            dense = 4 * params.b * params.heads * params.s * params.keys * params.d
-            flops = sympy.expand(dense * (2 if "backward" in name else 1))
+        if kind in (GEMM, ATTENTION):
+            params, flops = library_call(kind, func, name, ins, args, kwargs, ex)
         tr.records.append(
             OpRecord(
                 index=idx,
@@ -236,6 +231,17 @@ def _traffic(name: str, args, ins: list, outs: list, ex: _Expr):
         small = [t for t in ins if t is not args[0]]
         return total(small), total(small[-1:])
     return total(ins), total(outs)
+
+
+def library_call(kind: str, func, name: str, ins: list, args, kwargs, ex: _Expr) -> tuple:
+    """(parameters, FLOPs) of a GEMM (`ins`: its tensor inputs) or an attention kernel (`args`,
+    `kwargs`: its call) — the eager trace's and the compiled analysis's one rule."""
+    if kind == GEMM:
+        p = _gemm_params(name, ins, ex)
+        return p, sympy.expand(2 * p.m * p.n * p.k * p.batch)
+    a = _attention_params(func, name, args, kwargs, ex)
+    dense = 4 * a.b * a.heads * a.s * a.keys * a.d
+    return a, sympy.expand(dense * (2 if "backward" in name else 1))
 
 
 def _gemm_params(name: str, ins: list, ex: _Expr) -> GemmParams:

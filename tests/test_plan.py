@@ -385,7 +385,8 @@ def test_interleaving_needs_a_pipeline():
 def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
     one_stage = mutate(stages=[{**GOOD["stages"][0], "layers": 24, "gpus_per_node": 4, "dp": 4, "micro_batch": 1}])
     p = plan_from_dict(mutate(one_stage, training__compile_blocks=True))
-    assert p.training.compile_blocks
+    assert p.training.compile_blocks and "compiled blocks" in p.summary()
+    assert "compiled" not in plan_from_dict(GOOD).summary()
     p.save(tmp_path / "c.json")
     assert load_plan(str(tmp_path / "c.json")).training.compile_blocks
     plan_from_dict(GOOD).save(tmp_path / "e.json")

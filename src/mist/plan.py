@@ -156,6 +156,7 @@ class Plan:
             + (f" with {t.grad_dtype} gradients" if t.grad_dtype not in (None, t.param_dtype) else "")
             + (f", interleaved 1F1B with {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else "")
             + (", zero-bubble ZB-H1 schedule" if self.schedule == ZB_H1 else "")
+            + (", compiled blocks" if t.compile_blocks else "")
         ]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)

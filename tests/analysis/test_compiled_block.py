@@ -71,8 +71,11 @@ def _saved(fn) -> tuple[int, list[int]]:
     return sum(seen.values()), numels
 
 
-# (family, flash attention): materialised attention with GQA (llama) and with learned positions (gpt)
-BLOCKS = [("falcon", True), ("gpt", True), ("llama", True), ("gpt", False), ("llama", False)]
+# (family, flash attention): Llama's RMSNorm, rotary, SwiGLU and GQA with flash attention; GPT's
+# LayerNorm, GELU, biases and learned positions with materialised attention. (Falcon's parallel
+# block and the other pairings run compiled in tests/runtime/test_runtime_compiled.py, whose saved
+# bytes the simulator matches through this analysis.)
+BLOCKS = [("llama", True), ("gpt", False)]
 
 
 @pytest.fixture(scope="module", params=BLOCKS, ids=[f"{f}-{'flash' if fl else 'bmm'}" for f, fl in BLOCKS])
@@ -91,7 +94,8 @@ def compiled(request):
 def test_saved_bytes_equal_the_compiled_runtime(compiled, recompute):
     spec, block, run, flash = compiled
     la = analyze_layer(spec, "block", 1, flash, "fp32", "cpu", recompute, compiled=True)
-    for b, s in SHAPES:
+    # (checkpointed, the block keeps its input alone: one shape checks that)
+    for b, s in SHAPES if not recompute else SHAPES[-1:]:
         x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
         got, numels = _saved(lambda x=x: run_block(run, x, recompute))
         assert got == pytest.approx(float(la.saved(b, s)), abs=0.5), (b, s)

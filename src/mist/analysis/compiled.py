@@ -26,6 +26,7 @@ bytes, liveness, FLOPs) is shared:
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -61,14 +62,17 @@ _VIEWS = {
 }
 
 
+@dataclass(frozen=True)
 class CompiledGraphs:
     """The partitioned graphs of one compiled block and the names dynamo gave their inputs
     (parameters are named after their module path): the training forward and its backward, and,
     for a checkpointed block, the inference forward its first run (without grad) executes."""
 
-    def __init__(self, fw, bw, names: list[str], inference=None, inference_names: list[str] | None = None):
-        self.fw, self.bw, self.names = fw, bw, names
-        self.inference, self.inference_names = inference, inference_names
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    names: list[str]
+    inference: torch.fx.GraphModule | None = None
+    inference_names: list[str] | None = None
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -115,7 +119,9 @@ def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False) ->
     def note_inputs(gm, example_inputs):
         names.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
 
-    # caches would answer with compiled code and skip `inner`
+    # caches would answer with compiled code and skip `inner`, and so would dynamo with a frame it
+    # compiled before (for the runtime, or for another capture): it starts afresh, and the
+    # process's compiled blocks compile again when they next run
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         torch._dynamo.reset()
         run = compile_block(block, inner_compile=inner, on_graph=note_inputs)

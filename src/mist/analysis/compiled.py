@@ -33,11 +33,10 @@ import torch
 import torch.fx
 
 from mist.analysis.records import ATTENTION, GEMM, MEMORY, B, OpRecord, S
-from mist.analysis.tracer import ATTENTION_OPS, Trace, _Expr, library_call
+from mist.analysis.tracer import ATTENTION_OPS, GEMM_OPS, Trace, _Expr, library_call
 from mist.models.compiled import compile_block
 
 FUSED = "fused"
-_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
 # Operators that return a view of their first argument (no kernel, no new storage).
 _VIEWS = {
     "view",
@@ -293,18 +292,19 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
             group.clear()
 
     for n in value:
-        name = _name(n)
-        if name in _GEMMS or name in ATTENTION_OPS:
+        kind = _library_kind(n)
+        if kind is not None:
             flush()
-            _emit(st, g, [n], ex, users, kept, order, kind=GEMM if name in _GEMMS else ATTENTION)
-        elif n.target is operator.getitem:
-            src = n.args[0]
-            if _name(src) in _GEMMS or _name(src) in ATTENTION_OPS:
-                continue  # an extern kernel's output, emitted with it
-            group.append(n)
-        else:
-            group.append(n)
+            _emit(st, g, [n], ex, users, kept, order, kind=kind)
+        elif n.target is not operator.getitem or _library_kind(n.args[0]) is None:
+            group.append(n)  # (a library call's getitems are its outputs, emitted with it)
     flush()
+
+
+def _library_kind(n: torch.fx.Node) -> str | None:
+    """GEMM or ATTENTION for a library call (an extern kernel under Inductor), else None."""
+    name = _name(n)
+    return GEMM if name in GEMM_OPS else ATTENTION if name in ATTENTION_OPS else None
 
 
 def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str) -> None:

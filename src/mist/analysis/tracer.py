@@ -45,6 +45,7 @@ from mist.torch_compat import (
 # Distinct example sizes: the ShapeEnv merges dimensions whose example sizes are equal.
 HINT_B, HINT_S = 3, 37
 
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 FLASH_CPU_BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 ATTENTION_OPS = {
@@ -181,7 +182,7 @@ class _Recorder(TorchDispatchMode):
             kind = VIEW
         elif name in ATTENTION_OPS:
             kind = ATTENTION
-        elif name in ("mm", "addmm", "bmm", "baddbmm"):
+        elif name in GEMM_OPS:
             kind = GEMM
         else:
             kind = MEMORY

@@ -31,7 +31,7 @@ CLUSTERS = (("l4", 1, 4), ("a100", 1, 8), ("h200", 2, 8))
 # seconds per search: what is checked is that the plan a target's space picks exports exactly and
 # that the framework accepts it, not how good the plan is (a search at its budget keeps the best
 # plan of the candidates it costed; a short budget still costs at least one batch of them)
-BUDGET_S = 2
+BUDGET_S = 1
 
 _tuned: dict = {}
 

@@ -411,15 +411,6 @@ def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
                 "stages__1__tp": 1,
                 "stages__1__dp": 2,
                 "stages__1__micro_batch": 2,
-                "stages__0__offload": {"activations": 0.5},
-            },
-            "activation offload",
-        ),
-        (
-            {
-                "stages__1__tp": 1,
-                "stages__1__dp": 2,
-                "stages__1__micro_batch": 2,
                 "schedule": "zb-h1",
                 "stages__0__recompute_layers": 0,
             },

@@ -2,7 +2,8 @@
 captured graphs predicts (`mist.analysis.compiled`): measured on real Inductor-compiled CPU blocks
 with saved_tensors_hooks (unique storages, parameters excluded), tensor by tensor, with and without
 whole-block recomputation, with flash and materialised attention; it computes what the eager block
-computes; and what the partitioner keeps does not depend on the example sizes it is traced at."""
+computes, also with half of each saved storage offloaded to the host; and what the partitioner
+keeps does not depend on the example sizes it is traced at."""
 
 import pytest
 import sympy
@@ -14,7 +15,9 @@ from mist.analysis.records import S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block
 from mist.models.compiled import check_compiled_block, compile_block
-from mist.rules.offload_split import MIN_SPLIT_NUMEL
+from mist.rules.offload_split import MIN_SPLIT_NUMEL, kept_saved_bytes, offloaded_saved_bytes
+from mist.runtime.activations import SavedTensorManager
+from mist.runtime.memory import MemoryAccount
 from mist.specs.model import ModelSpec
 
 SPECS = {
@@ -54,21 +57,20 @@ SHAPES = [(1, 16), (3, 40)]
 
 
 def _saved(fn) -> tuple[int, list[int]]:
-    """(bytes of the distinct non-parameter storages autograd keeps during fn(), the numel of every
-    tensor handed to the pack hook)."""
-    seen, numels, keep = {}, [], []
+    """(bytes of the distinct non-parameter storages autograd keeps during fn(), the elements of
+    each of those storages)."""
+    seen, keep = {}, []
 
     def pack(t):
         keep.append(t)
         if not isinstance(t, torch.nn.Parameter):
             st = t.untyped_storage()
-            seen.setdefault(st.data_ptr(), st.nbytes())
-            numels.append(t.numel())
+            seen.setdefault(st.data_ptr(), (st.nbytes(), t.element_size()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(seen.values()), numels
+    return sum(n for n, _ in seen.values()), [n // e for n, e in seen.values()]
 
 
 # (family, flash attention): Llama's RMSNorm, rotary, SwiGLU and GQA with flash attention; GPT's
@@ -99,9 +101,36 @@ def test_saved_bytes_equal_the_compiled_runtime(compiled, recompute):
         x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
         got, numels = _saved(lambda x=x: run_block(run, x, recompute))
         assert got == pytest.approx(float(la.saved(b, s)), abs=0.5), (b, s)
-        # tensor by tensor, as an activation offload splits them
+        # storage by storage, as an activation offload splits a compiled block's
         big, _, _ = la.saved_split(b, s)
         assert sorted(n for n in numels if n >= MIN_SPLIT_NUMEL) == sorted(round(float(n)) for n in big)
+
+
+def test_offloaded_storages_come_back_with_their_strides(compiled):
+    """Half of every saved storage offloaded, whole, as the runtime splits a compiled block's: the
+    compiled backward (which asserts the strides its forward saved) gets every view back and
+    computes the eager gradients, and the bytes kept on the device and moved to the host are the
+    analysis's split of the same storages."""
+    spec, block, run, flash = compiled
+    ratio, (b, s) = 0.5, SHAPES[-1]
+    la = analyze_layer(spec, "block", 1, flash, "fp32", "cpu", False, compiled=True)
+    numel, elt, whole = la.saved_split(b, s)
+    mem = MemoryAccount()
+    saved = SavedTensorManager("cpu", mem, is_weight=lambda t: isinstance(t, torch.nn.Parameter))
+    saved.ratio, saved.by_storage = ratio, True
+    torch.manual_seed(2)
+    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    g = torch.randn(b, s, spec.hidden_size)
+    with saved.hooks():
+        out = run(x)
+    saved.end_block()
+    assert mem.activations == float(kept_saved_bytes(numel, elt, whole, 0.0, ratio))
+    assert saved.host_bytes == float(offloaded_saved_bytes(numel, elt, ratio)) > 0
+    grads = torch.autograd.grad(out, [x, *block.parameters()], g)
+    assert saved.host_bytes == 0  # every offloaded storage came back
+    ref_grads = torch.autograd.grad(block(x), [x, *block.parameters()], g)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_block_computes_the_eager_block(compiled):

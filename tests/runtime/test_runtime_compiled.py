@@ -1,10 +1,10 @@
 """Plans with compiled blocks (`training.compile_blocks`: Inductor, on the CPU backend here) equal
 single-process eager training — losses, gradient norms and every updated weight, the tolerance of
 the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation,
-optimizer offload and materialised attention, and in an interleaved pipeline (Llama's compiled
+optimizer and activation offload and materialised attention, and in an interleaved pipeline (Llama's compiled
 block is checked in tests/analysis/test_compiled_block.py and the CPU loop); and
-the simulator's states and saved activations, priced from the captured graphs, are the runtime's
-to the byte."""
+the simulator's states and saved activations (on the device and offloaded to the host), priced
+from the captured graphs, are the runtime's to the byte."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +31,10 @@ def _compiled(plan):
 CASES = [
     (
         "gpt",
-        "dp2-zero3-recompute1-opt0.5-bmm",
-        lambda: make_plan("gpt", dp=2, zero=3, recompute=1, offload={"optimizer": 0.5}, flash=False),
+        "dp2-zero3-recompute1-opt0.5-act0.5-bmm",
+        lambda: make_plan(
+            "gpt", dp=2, zero=3, recompute=1, offload={"optimizer": 0.5, "activations": 0.5}, flash=False
+        ),
     ),
     ("falcon4", "interleaved-v2-G4", lambda: interleaved_plan("falcon4", G=4)),
 ]
@@ -47,5 +49,7 @@ def test_compiled_plan_matches_single_process(family, name, build):
     print(f"{family}-{name}: {compare(family, res, ref)}")
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
     for p, m in zip(pred["stages"], res["metrics"]["stages"]):
-        for k in ("state_bytes", "saved_activation_peak_bytes"):
+        for k in ("state_bytes", "saved_activation_peak_bytes", "host_activation_peak_bytes"):
             assert p[k] == m[k], k
+    if any(s.offload.activations > 0 for s in plan.stages):
+        assert any(m["host_activation_peak_bytes"] > 0 for m in res["metrics"]["stages"])

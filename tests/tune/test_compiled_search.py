@@ -28,7 +28,7 @@ def test_compiled_tune_stays_inside_what_compiled_blocks_run(tmp_path, capsys):
     assert plan.schedule != "zb-h1"
     for s in plan.stages:
         assert s.tp == 1 and s.cp == 1 and not s.sequence_parallel
-        assert not (s.recompute_attention or s.recompute_activation) and s.offload.activations == 0
+        assert not (s.recompute_attention or s.recompute_activation)
     again = simulate_plan(plan, load_profile(PROFILE))
     assert again["iteration_time_s"] == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
 

@@ -11,7 +11,8 @@ bytes, liveness, FLOPs) is shared:
 
 * **saved for backward**: the forward graph's outputs that the backward graph takes (the
   partitioner's choice), by storage (views of one buffer count once; parameters not at all), in
-  the order the compiled function hands them to autograd's saved-tensor hooks;
+  the order the compiled function hands them to autograd's saved-tensor hooks (activation
+  offload splits each of those storages whole, `_save_storage`);
 * **kernels**: GEMMs and attention run as library calls (extern kernels), priced like the eager
   ones. Inductor fuses the pointwise and reduction operators between them; each maximal run of
   them between two extern kernels is priced as one fused kernel ("fused", the profile's
@@ -217,8 +218,7 @@ def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
         # checkpointing keeps the block input; the training forward is the backward's re-run
         _kernels(st, "inf", cg.inference, ex, named(cg.inference))
         x_sid = st.sid[st.key("fw", xs[0])]
-        trace.saved[x_sid] = trace.storage_bytes[x_sid]
-        trace.saved_calls.append((ex.numel(_val(xs[0])), _val(xs[0]).element_size(), x_sid))
+        _save_storage(trace, x_sid, _val(xs[0]).element_size())
         trace.output_sids |= {st.sid[st.key("inf", o)] for o in _outputs(cg.inference)[: len(user_out)]}
         trace.phase = "recompute"
         _kernels(st, "fw", cg.fw, ex, named(cg.fw))
@@ -231,8 +231,8 @@ def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
             sid = st.sid[st.key("fw", o)]
             if sid in trace.param_sids:
                 continue
-            trace.saved.setdefault(sid, trace.storage_bytes[sid])
-            trace.saved_calls.append((ex.numel(_val(o)), _val(o).element_size(), sid))
+            if sid not in trace.saved:
+                _save_storage(trace, sid, _val(o).element_size())
         trace.output_sids |= {st.sid[st.key("fw", o)] for o in user_out}
 
     # backward: its saved inputs are the forward's storages, its tangents new ones
@@ -249,6 +249,14 @@ def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
             sid = st.sid[st.key("bw", o)]
             (trace.grad_sids if "_parameters_" in dyn else trace.keep_bwd).add(sid)
     return trace, ex
+
+
+def _save_storage(trace: Trace, sid: int, element_size: int) -> None:
+    """One saved storage, whole: a compiled block's views come back with their strides, so the
+    runtime's activation offload splits each saved storage once, as a whole
+    (`mist.runtime.activations`), and its elements are the storage's, not a view's."""
+    trace.saved[sid] = trace.storage_bytes[sid]
+    trace.saved_calls.append((sympy.expand(trace.storage_bytes[sid] / element_size), element_size, sid))
 
 
 def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set[str]) -> None:

@@ -8,16 +8,14 @@ scores by the example sizes the graphs are traced at, but its choice was found t
 example lengths from 8 to 2048, `tests/analysis/test_compiled_block.py`.) Selective recomputation hand-writes backward
 functions inside the block. Inductor draws its own dropout masks, which checkpointing could not
 replay. ZB-H1 splits each block's backward into input and weight gradients; a compiled block's
-backward is one function. Activation offload rebuilds each saved tensor contiguous on its way
-back, and the compiled backward requires the strides the forward saved (views of the fused QKV
-output, attention's log-sum-exp laid out per head) — restoring them would need the views' whole
-extent on the device.
+backward is one function. (Activation offload works: the runtime splits a compiled block's saved
+storages whole and gives each saved view back its strides, `mist.runtime.activations`.)
 """
 
 from __future__ import annotations
 
 
-def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool, offload_activations: float = 0.0) -> str | None:
+def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool) -> str | None:
     """Why a block with these settings cannot run compiled (None: it can). `recompute`: False,
     True (checkpointed whole) or a selective part's name."""
     if tp > 1 or cp > 1:
@@ -26,8 +24,6 @@ def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool, offload_a
         return "compiled blocks are recomputed whole or not at all (no selective recomputation)"
     if dropout:
         return "compiled blocks run without dropout"
-    if offload_activations > 0:
-        return "compiled blocks keep their saved activations on the device (no activation offload)"
     return None
 
 

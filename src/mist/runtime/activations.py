@@ -9,6 +9,12 @@ are the weight-offload's business. Tensors saved while no ratio is set pass thro
 are only counted. Which tensors are split and where is the rule of `mist.rules.offload_split`,
 whose byte sums the simulator predicts a block's saved activations with.
 
+A compiled block (`training.compile_blocks`) is split by storage instead (`by_storage`): its
+backward requires the exact strides its forward saved, among them views into one storage (q, k
+and v of the fused QKV output). So each saved storage is split once, as a whole, and `unpack`
+rebuilds it once and returns each view with its own sizes, strides and offset
+(`mist.analysis.compiled` counts the same storages).
+
 GPU path (run by `benchmarks/gpu/`, not by the CPU tests): the device→host copy runs on a side stream
 after waiting for the compute stream; the device tail is `record_stream`-ed on that stream so the
 caching allocator does not reuse it early, and `unpack` makes the compute stream wait for the copy's
@@ -25,11 +31,21 @@ from mist.runtime.memory import MemoryAccount
 
 
 class _Offloaded:
-    __slots__ = ("device", "dtype", "event", "head", "shape", "tail")
+    __slots__ = ("device", "dtype", "event", "head", "restored", "shape", "tail")
 
     def __init__(self, shape, dtype, device, head, tail, event):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.head, self.tail, self.event = head, tail, event
+        self.restored: torch.Tensor | None = None  # a whole storage's, once rebuilt
+
+
+class _StorageView:
+    """A saved view of a storage that was offloaded whole (a compiled block's)."""
+
+    __slots__ = ("offset", "shape", "storage", "stride")
+
+    def __init__(self, storage: _Offloaded, shape, stride, offset):
+        self.storage, self.shape, self.stride, self.offset = storage, shape, stride, offset
 
 
 class SavedTensorManager:
@@ -38,6 +54,10 @@ class SavedTensorManager:
         self.memory = memory
         self.is_weight = is_weight  # callable: tensor → True for a view of a weight buffer
         self.ratio = 0.0
+        self.by_storage = False  # the running block is compiled: split saved storages whole
+        # the storages split so far in the running block's forward, held until it ends (so that
+        # no freed address is mistaken for one of them)
+        self._block_storages: dict[int, tuple[_Offloaded, torch.UntypedStorage]] = {}
         self.cuda = self.device.type == "cuda"
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._seen: set[int] = set()
@@ -63,16 +83,37 @@ class SavedTensorManager:
         if self.is_weight(t):
             return t
         on_device = t.device == self.device
+        if on_device and self.by_storage and self.ratio > 0:
+            return self._pack_storage(t)
         if not (on_device and splits_saved(t.numel(), self.ratio)):
             if on_device:
                 st = t.untyped_storage()
                 self._count(st.nbytes(), st.data_ptr())
             return t
-        flat = t.detach().reshape(-1)
+        return self._offload(t.detach().reshape(-1), t.shape)
+
+    def _pack_storage(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self._block_storages:
+            n = st.nbytes() // t.element_size()
+            if not splits_saved(n, self.ratio):
+                self._count(st.nbytes(), key)
+                return t
+            whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(st, 0, (n,), (1,))
+            self._block_storages[key] = (self._offload(whole, (n,)), st)
+        return _StorageView(self._block_storages[key][0], t.shape, t.stride(), t.storage_offset())
+
+    def end_block(self) -> None:
+        """The running block's forward is over: its split storages are no longer looked up."""
+        self._block_storages.clear()
+
+    def _offload(self, flat: torch.Tensor, shape) -> _Offloaded:
+        """Keep the head of `flat` on the device (a fresh copy) and move its tail to the host."""
         keep = split_point(flat.numel(), self.ratio)
         head = flat[:keep].clone()
         tail_dev = flat[keep:]
-        tail = host_empty(tail_dev.numel(), t.dtype)
+        tail = host_empty(tail_dev.numel(), flat.dtype)
         event = None
         if self.cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -88,15 +129,24 @@ class SavedTensorManager:
         self.offloaded_bytes += nbytes
         self.host_bytes += nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
-        return _Offloaded(t.shape, t.dtype, t.device, head, tail, event)
+        return _Offloaded(shape, flat.dtype, flat.device, head, tail, event)
 
     def unpack(self, packed):
+        if isinstance(packed, _StorageView):
+            whole = packed.storage
+            if whole.restored is None:  # the first of its views to come back rebuilds it
+                whole.restored = self._restore(whole)
+            return whole.restored.as_strided(packed.shape, packed.stride, packed.offset)
         if not isinstance(packed, _Offloaded):
             return packed
+        return self._restore(packed).view(packed.shape)
+
+    def _restore(self, packed: _Offloaded) -> torch.Tensor:
+        """The flat tensor `packed` was split from, back on the device in one piece."""
         self.host_bytes -= packed.tail.numel() * packed.tail.element_size()
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
         out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype, device=packed.device)
         out[: packed.head.numel()].copy_(packed.head)
         out[packed.head.numel() :].copy_(packed.tail, non_blocking=packed.event is not None)
-        return out.view(packed.shape)
+        return out

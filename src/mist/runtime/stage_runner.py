@@ -96,6 +96,7 @@ class StageRunner:
         self.module, self.units = module, units
         # the blocks as they run: compiled with Inductor (`training.compile_blocks`) or eager
         self.blocks = [compile_block(b) for b in module.blocks] if compiled else list(module.blocks)
+        self.compiled = compiled
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
         self.selective = dict(attention=recompute_attention, activation=recompute_activation)
         self.saved = saved
@@ -163,10 +164,13 @@ class StageRunner:
         if i + 1 < len(self.units):
             self.units[i + 1].materialize(prefetch=True)
         self.saved.ratio = ratio
+        self.saved.by_storage = self.compiled
         try:
             out = fn()
         finally:
             self.saved.ratio = 0.0
+            self.saved.by_storage = False
+            self.saved.end_block()
         prev_released = i > 0 and not self.units[i - 1].persistent
         if out.requires_grad and (not u.persistent or prev_released):
             out.register_hook(self._pre_backward(i))

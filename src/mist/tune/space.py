@@ -146,8 +146,7 @@ def get_space(name: str) -> SearchSpace:
 
 def compiled_space(sp: SearchSpace) -> SearchSpace:
     """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): tp 1,
-    no context or sequence parallelism, no selective recomputation, no activation offload, no
-    ZB-H1."""
+    no context or sequence parallelism, no selective recomputation, no ZB-H1."""
     return replace(
         sp,
         tp_values=(1,),
@@ -155,6 +154,5 @@ def compiled_space(sp: SearchSpace) -> SearchSpace:
         sequence_parallel=(False,),
         recompute_attention=(False,),
         recompute_activation=(False,),
-        offload_activations=(0.0,),
         schedules=tuple(x for x in sp.schedules if x != "zb-h1") or ("1f1b",),
     )

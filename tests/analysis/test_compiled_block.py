@@ -117,13 +117,11 @@ def test_offloaded_storages_come_back_with_their_strides(compiled):
     numel, elt, whole = la.saved_split(b, s)
     mem = MemoryAccount()
     saved = SavedTensorManager("cpu", mem, is_weight=lambda t: isinstance(t, torch.nn.Parameter))
-    saved.ratio, saved.by_storage = ratio, True
     torch.manual_seed(2)
     x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
     g = torch.randn(b, s, spec.hidden_size)
-    with saved.hooks():
+    with saved.hooks(), saved.layer(ratio, by_storage=True):
         out = run(x)
-    saved.end_block()
     assert mem.activations == float(kept_saved_bytes(numel, elt, whole, 0.0, ratio))
     assert saved.host_bytes == float(offloaded_saved_bytes(numel, elt, ratio)) > 0
     grads = torch.autograd.grad(out, [x, *block.parameters()], g)

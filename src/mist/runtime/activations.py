@@ -23,6 +23,8 @@ event before the host→device copy back.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mist.rules.offload_split import splits_saved
@@ -104,9 +106,17 @@ class SavedTensorManager:
             self._block_storages[key] = (self._offload(whole, (n,)), st)
         return _StorageView(self._block_storages[key][0], t.shape, t.stride(), t.storage_offset())
 
-    def end_block(self) -> None:
-        """The running block's forward is over: its split storages are no longer looked up."""
-        self._block_storages.clear()
+    @contextlib.contextmanager
+    def layer(self, ratio: float, by_storage: bool):
+        """While one layer's forward runs: the fraction of its saved activations to offload, and
+        whether they split storage by storage (a compiled block). The storages split in it are
+        no longer looked up after it."""
+        self.ratio, self.by_storage = ratio, by_storage
+        try:
+            yield
+        finally:
+            self.ratio, self.by_storage = 0.0, False
+            self._block_storages.clear()
 
     def _offload(self, flat: torch.Tensor, shape) -> _Offloaded:
         """Keep the head of `flat` on the device (a fresh copy) and move its tail to the host."""

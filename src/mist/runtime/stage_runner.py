@@ -163,14 +163,8 @@ class StageRunner:
         u.wait()
         if i + 1 < len(self.units):
             self.units[i + 1].materialize(prefetch=True)
-        self.saved.ratio = ratio
-        self.saved.by_storage = self.compiled
-        try:
+        with self.saved.layer(ratio, by_storage=self.compiled):
             out = fn()
-        finally:
-            self.saved.ratio = 0.0
-            self.saved.by_storage = False
-            self.saved.end_block()
         prev_released = i > 0 and not self.units[i - 1].persistent
         if out.requires_grad and (not u.persistent or prev_released):
             out.register_hook(self._pre_backward(i))

@@ -270,7 +270,7 @@ def tune(
         False,
         "--compile-blocks",
         help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
-        "them: tp 1, no selective recomputation, no zb-h1.",
+        "them: no context parallelism, no selective recomputation, no zb-h1.",
     ),
     as_json: JsonOpt = False,
 ):

@@ -20,6 +20,10 @@ bytes, liveness, FLOPs) is shared:
   or kept. Inductor's scheduler may split a run into several kernels where iteration spaces differ
   (a row reduction next to a column reduction): the bytes are those of the run, the launch count a
   lower bound;
+* **collectives** (tensor and sequence parallelism): PyTorch's functional collectives, recorded
+  as the eager trace records them (name, bytes of the whole buffer, group size), each a new
+  buffer except an all-reduce that Inductor runs in place (`_reduces_in_place`); they end a fused
+  run, as Inductor runs them between kernels;
 * **liveness**: a run's intermediates are never materialised; its written tensors live from the
   run to their last use, like an eager operator's outputs.
 """
@@ -33,7 +37,7 @@ import sympy
 import torch
 import torch.fx
 
-from mist.analysis.records import ATTENTION, GEMM, MEMORY, B, OpRecord, S
+from mist.analysis.records import ATTENTION, COLLECTIVE, GEMM, MEMORY, B, CollectiveParams, OpRecord, S
 from mist.analysis.tracer import ATTENTION_OPS, GEMM_OPS, Trace, _Expr, library_call
 from mist.models.compiled import compile_block
 
@@ -59,6 +63,14 @@ _VIEWS = {
     "unbind",
     "detach",
     "diagonal",
+    "wait_tensor",  # a functional collective's result, once it has arrived
+}
+# PyTorch's functional collectives (`mist.models.collectives` inside a compiled block), named as the
+# eager block announces them.
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
 }
 
 
@@ -144,13 +156,16 @@ class _Graphs:
     """Storage identities while the `Trace` of the captured graphs is built: a node's storage is
     its base's (through views), keyed (graph, node name)."""
 
-    def __init__(self, trace: Trace):
-        self.trace = trace
+    def __init__(self, trace: Trace, tp: int):
+        self.trace, self.tp = trace, tp
         self.sid: dict[tuple[str, str], int] = {}  # (graph, node name) -> storage id
         self.base: dict[tuple[str, str], tuple[str, str]] = {}
 
     def key(self, g: str, n: torch.fx.Node) -> tuple[str, str]:
-        return self.base.get((g, n.name), (g, n.name))
+        k = (g, n.name)
+        while k in self.base:
+            k = self.base[k]
+        return k
 
     def new_sid(self, k: tuple[str, str]) -> int:
         if k not in self.sid:
@@ -181,10 +196,12 @@ def _outputs(gm) -> list:
     return list(list(gm.graph.nodes)[-1].args[0])
 
 
-def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
+def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tuple[Trace, _Expr]:
     """The `Trace` of a compiled block's graphs (see the module docstring). A checkpointed block
     (`cg.inference`) runs the inference forward, keeps only its input, and re-runs the training
-    forward ("recompute") before the backward."""
+    forward ("recompute") before the backward. `tp`: the size of the tensor-parallel group its
+    collectives span; `seq_shards`: the block's input holds 1/seq_shards of the sequence (sequence
+    parallelism)."""
     trace = Trace()
     fw_in = _placeholders(cg.fw)
     if len(fw_in) != len(cg.names):
@@ -193,11 +210,11 @@ def trace_compiled(cg: CompiledGraphs) -> tuple[Trace, _Expr]:
     if len(xs) != 1:
         raise RuntimeError(f"a compiled block takes one activation input, found {len(xs)}")
     subs: dict = {}
-    for d, sym in ((_val(xs[0]).shape[1], S), (_val(xs[0]).shape[0], B)):
+    for d, sym in ((_val(xs[0]).shape[1], S / seq_shards), (_val(xs[0]).shape[0], B)):
         if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
             subs.setdefault(d.node.expr, sym)
     ex = _Expr(subs)
-    st = _Graphs(trace)
+    st = _Graphs(trace, tp)
     graphs = [("fw", cg.fw, cg.names)] + ([("inf", cg.inference, cg.inference_names)] if cg.inference else [])
     for g, gm, names in graphs:  # the block's inputs: one storage each, whichever graph reads them
         for n, dyn in zip(_placeholders(gm), names):
@@ -310,9 +327,24 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
 
 
 def _library_kind(n: torch.fx.Node) -> str | None:
-    """GEMM or ATTENTION for a library call (an extern kernel under Inductor), else None."""
+    """GEMM, ATTENTION or COLLECTIVE for a library call (an extern kernel under Inductor), else
+    None."""
     name = _name(n)
+    if name in _COLLECTIVES:
+        return COLLECTIVE
     return GEMM if name in GEMM_OPS else ATTENTION if name in ATTENTION_OPS else None
+
+
+def _reduces_in_place(st: _Graphs, g: str, n: torch.fx.Node, users, kept) -> bool:
+    """Whether an all-reduce writes into its input's buffer: Inductor lowers it to the in-place
+    collective on a copy of the input, and the copy reuses the input's buffer (no kernel) where
+    the all-reduce is the input's last reader, as a row-parallel GEMM's output is."""
+    if _COLLECTIVES.get(_name(n)) != "all_reduce":
+        return False
+    k = st.key(g, n.args[0])
+    sid = st.sid.get(k)
+    own = sid is None or sid not in st.trace.input_sids | st.trace.param_sids
+    return own and k not in kept and users.get(k) == {n.name}
 
 
 def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str) -> None:
@@ -321,7 +353,9 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     last = max(order[n.name] for n in group)
     # the buffers an extern kernel writes: its tensor outputs (getitems of a multi-output)
     outs: list[tuple[tuple[str, str], object]] = []
-    if kind != MEMORY:
+    if kind == COLLECTIVE and _reduces_in_place(st, g, group[0], users, kept):
+        st.base[(g, group[0].name)] = st.key(g, group[0].args[0])
+    elif kind != MEMORY:
         n = group[0]
         getters = [u for u in n.users if u.target is operator.getitem]
         for u in getters or [n]:
@@ -354,7 +388,11 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     flops = sympy.Integer(0)
     n0 = group[0]
     op = FUSED if kind == MEMORY else _name(n0)
-    if kind != MEMORY:
+    if kind == COLLECTIVE:  # the whole buffer: all-gather's output, an all-reduce's or reduce-scatter's input
+        op = _COLLECTIVES[op]
+        read = written = written if op == "all_gather" else read
+        params = CollectiveParams(bytes=read, group=st.tp)
+    elif kind != MEMORY:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}
         ins_vals = [_val(a) for a in _tensor_nodes(n0.args)]

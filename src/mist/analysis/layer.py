@@ -311,7 +311,7 @@ def _trace_and_analyze(
         # captured graphs run nothing (`mist.analysis.compiled`)
         m = build()
         x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
-        trace, _ = trace_compiled(capture(m, x, recompute is True))
+        trace, _ = trace_compiled(capture(m, x, recompute is True), tp, shards)
     else:
         trace, _ = run_trace(
             build_and_hook,

@@ -88,10 +88,43 @@ def _announce(op: str, x: torch.Tensor, tp: TPGroup) -> None:
         fn(op, x, tp.size)
 
 
+# ------------------------------------------------------------------ inside a compiled block
+# Dynamo traces PyTorch's functional collectives (`_c10d_functional`: a new output tensor, then a
+# wait) into the graphs AOTAutograd hands to Inductor, so a compiled block's collectives are graph
+# operators that the analysis reads where they run (`mist.analysis.compiled`). A shard built without
+# a process group (the analysis's capture) names none: its graphs are traced, never run.
+UNGROUPED = "mist-no-process-group"
+
+
+def _group_name(tp: TPGroup) -> str:
+    return UNGROUPED if tp.group is None else tp.group.group_name
+
+
+def _compiled_sum(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    f = torch.ops._c10d_functional
+    return f.wait_tensor(f.all_reduce(x, "sum", _group_name(tp)))
+
+
+def _compiled_gather(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[t·b, ...]: the ranks' x concatenated along dim 0."""
+    f = torch.ops._c10d_functional
+    return f.wait_tensor(f.all_gather_into_tensor(x, tp.size, _group_name(tp)))
+
+
+def _compiled_scatter(chunks: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of the sum of [t·b, ...] along dim 0."""
+    f = torch.ops._c10d_functional
+    return f.wait_tensor(f.reduce_scatter_tensor(chunks, "sum", tp.size, _group_name(tp)))
+
+
 def all_reduce_(x: torch.Tensor, tp: TPGroup, op: str = "sum") -> torch.Tensor:
     """Reduce `x` over the TP group in place (`op`: "sum" or "max")."""
     if tp.size == 1:
         return x
+    if torch.compiler.is_compiling():  # a new tensor: callers inside blocks take the result
+        if op != "sum":
+            raise ValueError("compiled blocks reduce by sum only")
+        return _compiled_sum(x, tp)
     _announce("all_reduce", x, tp)
     if tp.group is not None:
         dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp.group)
@@ -138,10 +171,13 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[b, s/t, ...] shards → [b, s, ...] on every rank: the shards gathered into one [t, b, s/t,
     ...] buffer, then laid out sequence-major (a copy, unless b = 1, where it is a view)."""
-    buf = x.new_empty((tp.size, *x.shape))
-    _announce("all_gather", buf, tp)
-    if tp.group is not None:
-        dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=tp.group)
+    if torch.compiler.is_compiling():
+        buf = _compiled_gather(x.contiguous(), tp).view(tp.size, *x.shape)
+    else:
+        buf = x.new_empty((tp.size, *x.shape))
+        _announce("all_gather", buf, tp)
+        if tp.group is not None:
+            dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=tp.group)
     b, sl = x.shape[0], x.shape[1]
     return buf.transpose(0, 1).reshape(b, tp.size * sl, *x.shape[2:])
 
@@ -153,6 +189,8 @@ def scatter_seq(y: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if s % tp.size:
         raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {tp.size}")
     chunks = y.reshape(b, tp.size, s // tp.size, *y.shape[2:]).transpose(0, 1).contiguous()
+    if torch.compiler.is_compiling():
+        return _compiled_scatter(chunks.flatten(0, 1), tp)
     _announce("reduce_scatter", chunks, tp)
     out = chunks.new_empty(chunks.shape[1:])
     if tp.group is not None:

@@ -1,15 +1,18 @@
 """Which plans can run their decoder blocks compiled (`TrainingSpec.compile_blocks`,
 `mist.models.compiled`): one rule for the plan check, the analysis and the runtime.
 
-The compiled region is one tensor-parallel shard's arithmetic without collectives: the TP and
-context-parallel collectives are autograd functions around `torch.distributed` calls, which dynamo
-does not trace into one graph. (Materialised attention compiles: the partitioner weighs the s²
-scores by the example sizes the graphs are traced at, but its choice was found the same at
-example lengths from 8 to 2048, `tests/analysis/test_compiled_block.py`.) Selective recomputation hand-writes backward
-functions inside the block. Inductor draws its own dropout masks, which checkpointing could not
-replay. ZB-H1 splits each block's backward into input and weight gradients; a compiled block's
-backward is one function. (Activation offload works: the runtime splits a compiled block's saved
-storages whole and gives each saved view back its strides, `mist.runtime.activations`.)
+The compiled region is one tensor-parallel shard's block with its TP collectives: inside it the
+model issues PyTorch's functional collectives, which dynamo traces into the graphs
+(`mist.models.collectives`). Context parallelism is not: its attention is one hand-written autograd
+function (two flash calls per query chunk, merged by their log-sum-exps and written in place into
+its output, `mist.models.context_parallel`) that has not been made traceable. (Materialised
+attention compiles: the partitioner weighs the s² scores by the example sizes the graphs are traced
+at, but its choice was found the same at example lengths from 8 to 2048,
+`tests/analysis/test_compiled_block.py`.) Selective recomputation hand-writes backward functions
+inside the block. Inductor draws its own dropout masks, which checkpointing could not replay. ZB-H1
+splits each block's backward into input and weight gradients; a compiled block's backward is one
+function. (Activation offload works: the runtime splits a compiled block's saved storages whole and
+gives each saved view back its strides, `mist.runtime.activations`.)
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool) -> str | None:
     """Why a block with these settings cannot run compiled (None: it can). `recompute`: False,
     True (checkpointed whole) or a selective part's name."""
-    if tp > 1 or cp > 1:
-        return "compiled blocks run without tensor or context parallelism (tp 1, cp 1)"
+    if cp > 1:
+        return "compiled blocks run without context parallelism (cp 1)"
     if recompute not in (False, True):
         return "compiled blocks are recomputed whole or not at all (no selective recomputation)"
     if dropout:

@@ -50,6 +50,8 @@ CASES = [
     # the blocks compiled with Inductor's CPU backend (`mist tune --compile-blocks`)
     ("gpt dp2 compiled", "loop-gpt", ["--pp", "1", "--tp", "1", "--compile-blocks"]),
     ("llama pp2 compiled", "loop-llama", ["--pp", "2", "--compile-blocks"]),
+    # compiled under tensor parallelism: the collectives inside the compiled graphs
+    ("gpt tp2 compiled", "loop-gpt", ["--pp", "1", "--tp", "2", "--compile-blocks"]),
     # compiled under a memory limit: activation offload splits the saved storages whole
     ("llama dp2 compiled memory limit", "loop-llama", ["--pp", "1", "--tp", "1", "--compile-blocks", "limit"]),
 ]

@@ -393,10 +393,24 @@ def test_compiled_blocks_roundtrip_and_eager_plans_write_no_field(tmp_path):
     assert "compile_blocks" not in (tmp_path / "e.json").read_text()
 
 
+def test_compiled_blocks_run_tensor_parallel_stages():
+    p = plan_from_dict(mutate(training__compile_blocks=True, stages__1__sequence_parallel=True))
+    assert p.training.compile_blocks and p.stages[1].tp == 2 and p.stages[1].sequence_parallel
+
+
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({}, "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks run without tensor"),
+        (
+            {
+                "stages__0__dp": 1,
+                "stages__0__cp": 2,
+                "stages__0__micro_batch": 4,
+                "stages__1__tp": 1,
+                "stages__1__cp": 2,
+            },
+            "Stage 0 cannot run compiled blocks (training.compile_blocks): compiled blocks run without context",
+        ),
         (
             {
                 "stages__1__tp": 1,

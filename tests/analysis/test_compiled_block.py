@@ -201,11 +201,10 @@ TP_BLOCKS = [("llama", False, False), ("gpt", True, False), ("falcon", True, Tru
 def test_tensor_parallel_collectives_are_the_eager_blocks(family, sp, recompute):
     """A tp 2 compiled block's graphs hold its collectives, recorded as the eager trace announces
     them (name, bytes of the whole buffer, group size). Without sequence parallelism they are the
-    eager block's, one for one. With it, the joint graph's common-subexpression pass merges
-    gathers of one shard (Falcon's two gathers of its one norm output; a backward gather of a
-    kept shard with the forward's), and the partitioner keeps the gathered tensor: the compiled
-    block issues a subset of the eager block's all-gathers and every reduce-scatter and
-    all-reduce."""
+    eager block's, one for one. With it, the joint graph's common-subexpression pass merges the
+    backward's gather of a kept shard with the forward's gather of it, and the partitioner keeps
+    the gathered tensor: the compiled block issues a subset of the eager block's all-gathers and
+    every reduce-scatter and all-reduce."""
     kw = dict(tp=2, flash=True, dtype="fp32", sequence_parallel=sp, recompute=recompute)
     eager = _collectives(analyze_layer(SPECS[family], "block", **kw))
     compiled = _collectives(analyze_layer(SPECS[family], "block", compiled=True, **kw))

@@ -1,15 +1,21 @@
 """The blocks' lean operators (fused RMSNorm op, in-place rotary on the packed QKV output, SwiGLU
-and cross-entropy backwards without extra passes) compute what the plain PyTorch formulas do."""
+and cross-entropy backwards without extra passes) compute what the plain PyTorch formulas do, and
+Falcon's shared norm output enters the tensor-parallel region once."""
+
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mist.analysis import analyze_layer
+from mist.analysis.records import COLLECTIVE, B
 from mist.models.attention import rotary_qk_, rotary_tables
 from mist.models.collectives import TPGroup
 from mist.models.head import vocab_parallel_cross_entropy
 from mist.models.mlp import Activation
 from mist.models.norms import RMSNorm
+from mist.specs.model import ModelSpec
 
 
 def rms_reference(x, w, eps):
@@ -110,3 +116,38 @@ def test_cross_entropy_matches_pytorch(dtype):
     assert g.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(g.float(), g_ref.float(), rtol=tol, atol=tol * 1e-2)
+
+
+# activation-sized collectives of a Falcon block at tp 2 (the norm weights' small gradient
+# all-reduces under sequence parallelism left out), by (phase, name)
+FALCON_TP2 = {
+    False: {("fwd", "all_reduce"): 1, ("bwd", "all_reduce"): 1},
+    True: {
+        ("fwd", "all_gather"): 1,
+        ("fwd", "reduce_scatter"): 1,
+        ("bwd", "all_gather"): 2,
+        ("bwd", "reduce_scatter"): 1,
+    },
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_falcon_norm_output_enters_the_tensor_parallel_region_once(sp):
+    """Falcon's attention and MLP read one norm output: one all-reduce of the summed input
+    gradient in backward; under sequence parallelism one gather forward, and in backward one
+    re-gather of the kept shard (beside the gather of the output's gradient) and one
+    reduce-scatter. Counted from the announcements the real collectives make where they are
+    issued (`mist.models.collectives`); the block used to issue both per linear."""
+    spec = ModelSpec(
+        family="falcon",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=256,
+        vocab_size=256,
+        rotary_fraction=1.0,
+    )
+    la = analyze_layer(spec, "block", tp=2, flash=True, dtype="fp32", sequence_parallel=sp)
+    found = Counter((r.phase, r.op) for r in la.records if r.kind == COLLECTIVE and r.params.bytes.has(B))
+    assert found == FALCON_TP2[sp]

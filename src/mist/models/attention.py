@@ -168,8 +168,12 @@ class Attention(nn.Module):
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after_qkv(self.qkv(x))
+
+    def after_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention from its QKV projection's output [b, s, ·] (the whole sequence, also
+        under sequence parallelism)."""
         d, hq, hk = self.spec.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv(x)  # [b, s, ·]: the whole sequence also under sequence parallelism
         b, s = qkv.shape[0], qkv.shape[1]
         if self.spec.rotary_dim:
             qkv = rotary_qk_(qkv, s, self.spec.rotary_dim, hq + hk, d, self.spec.rope_theta, self.tp.cp)

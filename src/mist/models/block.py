@@ -3,6 +3,8 @@
 gpt, llama: x + attn(norm1(x)), then + mlp(norm2(·))      (sequential residuals)
 falcon:     x + attn(norm(x)) + mlp(norm(x))               (parallel; one all-reduce for both)
 
+Falcon's norm output enters the tensor-parallel region once for both (`linear.column_parallel`).
+
 With `ModelSpec.hidden_dropout` (training only) the attention and MLP outputs are dropped before
 their residual add (falcon: their sum, once): from the shared stream when every TP rank holds the
 output whole, from the tensor-parallel stream under sequence parallelism (`mist.models.dropout`'s
@@ -17,7 +19,7 @@ from torch import nn
 from mist.models.attention import Attention
 from mist.models.collectives import TPGroup, sp_shared
 from mist.models.dropout import hidden_dropout
-from mist.models.linear import reduce_scatter_or_all_reduce
+from mist.models.linear import column_parallel, reduce_scatter_or_all_reduce
 from mist.models.mlp import MLP
 from mist.models.norms import make_norm
 from mist.specs.model import ModelSpec
@@ -44,9 +46,9 @@ class DecoderBlock(nn.Module):
             self.norm2 = make_norm(spec.family, h, eps, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel:
-            y = self.norm1(x)
-            out = reduce_scatter_or_all_reduce(self.attn(y) + self.mlp(y), self.tp)
+        if self.parallel:  # one norm output enters the tensor-parallel region once for both
+            qkv, h = column_parallel(self.norm1(x), [self.attn.qkv, self.mlp.fc1], self.tp)
+            out = reduce_scatter_or_all_reduce(self.attn.after_qkv(qkv) + self.mlp.after_fc1(h), self.tp)
             for lin in (self.attn.dense, self.mlp.fc2):
                 if lin.bias is not None:
                     out = out + sp_shared(lin.bias, self.tp)

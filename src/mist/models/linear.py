@@ -29,40 +29,71 @@ def _shard(n: int, tp: TPGroup, what: str) -> int:
     return n // tp.size
 
 
-class _GatherLinear(torch.autograd.Function):
-    """Under sequence parallelism: y = gather(x) Wᵀ + bias from this rank's sequence shard x. Only
-    the shard is kept for backward; the backward gathers it again for the weight gradient and
-    reduce-scatters the input gradient (Megatron-LM's sequence-parallel linear; Korthikanti et al.
-    2022 count the norm outputs at s/t for this reason)."""
+class _GatherLinears(torch.autograd.Function):
+    """Under sequence parallelism: y_i = gather(x) W_iᵀ + b_i from this rank's sequence shard x,
+    for column-parallel linears that share x (one; or a Falcon block's QKV and first MLP
+    projection; at most two). The shard is gathered once and only the shard is kept for backward; the backward
+    gathers it again once for the weight gradients and reduce-scatters the summed input gradient
+    once (Megatron-LM's sequence-parallel linear; Korthikanti et al. 2022 count the norm outputs
+    at s/t for this reason). Arguments: x, tp, then each linear's weight and bias (or None)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp):
-        ctx.tp, ctx.has_bias = tp, bias is not None
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, tp, w1, b1, w2=None, b2=None):
+        # (named arguments, not *args: dynamo traces this function's forward without grad, under
+        # a checkpointed compiled block, and mis-binds ctx with a variable argument list)
+        weights, biases = (w1,) if w2 is None else (w1, w2), (b1,) if w2 is None else (b1, b2)
+        ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
         full = gather_seq(x, tp)
         flat = full.reshape(-1, full.shape[-1])
-        y = torch.mm(flat, weight.t()) if bias is None else torch.addmm(bias, flat, weight.t())
-        # not a view of y (as F.linear's result is with a bias): the rotary rotates it in place
-        return torch.ops.aten._unsafe_view(y, (*full.shape[:-1], y.shape[-1]))
+        outs = []
+        for w, b in zip(weights, biases):
+            y = torch.mm(flat, w.t()) if b is None else torch.addmm(b, flat, w.t())
+            # not a view of y (as F.linear's result is with a bias): the rotary rotates it in place
+            outs.append(torch.ops.aten._unsafe_view(y, (*full.shape[:-1], y.shape[-1])))
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        gx = gw = gb = None
-        if ctx.needs_input_grad[1]:
+    def backward(ctx, *gs):
+        x, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads: list = [None] * 4
+        flat_g = [g.reshape(-1, g.shape[-1]) for g in gs]
+        if any(need[2::2]):
             full = gather_seq(x, ctx.tp)
-            gw = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
+            full = full.reshape(-1, full.shape[-1])
+            for i, g in enumerate(flat_g):
+                if need[2 + 2 * i]:
+                    grads[2 * i] = g.t().matmul(full.to(g.dtype))
             del full
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g.reshape(-1, g.shape[-1]).sum(0)
-        if ctx.needs_input_grad[0]:
-            gx = scatter_seq(g.matmul(weight.to(g.dtype)), ctx.tp).to(x.dtype)
-        return gx, gw, gb, None
+        for i, g in enumerate(flat_g):
+            if ctx.has_bias[i] and need[3 + 2 * i]:
+                grads[2 * i + 1] = g.sum(0)
+        gx = None
+        if need[0]:
+            gx = flat_g[0].matmul(weights[0].to(gs[0].dtype))
+            for g, w in zip(flat_g[1:], weights[1:]):
+                gx = torch.addmm(gx, g, w.to(g.dtype))
+            gx = scatter_seq(gx.view(*gs[0].shape[:-1], gx.shape[-1]), ctx.tp).to(x.dtype)
+        return (gx, None, *grads)
 
 
 def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias, tp: TPGroup) -> torch.Tensor:
-    """F.linear of the gathered sequence shards x (see `_GatherLinear`)."""
-    return _GatherLinear.apply(x, weight, bias, tp)
+    """F.linear of the gathered sequence shards x (see `_GatherLinears`)."""
+    return _GatherLinears.apply(x, tp, weight, bias)[0]
+
+
+def column_parallel(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: TPGroup) -> list[torch.Tensor]:
+    """The outputs of column-parallel linears that share their input x, which enters the
+    tensor-parallel region once: one all-reduce of the summed input gradient in backward, or under
+    sequence parallelism one gather forward and one gather and reduce-scatter backward
+    (`_GatherLinears`)."""
+    if tp.sp:
+        if len(linears) > 2:
+            raise ValueError("column_parallel shares one input between at most two linears")
+        return list(_GatherLinears.apply(x, tp, *(t for lin in linears for t in (lin.weight, lin.bias))))
+    x = copy_to_tp(x, tp)
+    return [F.linear(x, lin.weight, lin.bias) for lin in linears]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,9 +109,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_local, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sp:
-            return gather_linear(x, self.weight, self.bias, self.tp)
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return column_parallel(x, [self], self.tp)[0]
 
 
 class RowParallelLinear(nn.Module):

@@ -92,7 +92,10 @@ class MLP(nn.Module):
         self.recompute_activation = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
+        return self.after_fc1(self.fc1(x))
+
+    def after_fc1(self, y: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its first projection's output y."""
         if self.recompute_activation and torch.is_grad_enabled():
             return self.fc2(y, act=self.act)
         return self.fc2(self.act(y))

@@ -208,9 +208,13 @@ def test_drift_check_near_one(written):
     rep = check(load_profile(path), "cpu", quick=True, processes=2)
     kinds = [c["what"].split()[0] for c in rep["checks"]]
     assert kinds.count("gemm") >= 3 and "gelu" in kinds and "all_reduce" in kinds
-    # a busy machine with few cores is noisy: the fresh profile must agree within a factor of 3
+    # a busy machine with few cores is noisy: the fresh profile must agree within a factor of 3;
+    # the collective within 6: its two processes need both cores, and under `pytest -n 2` the
+    # other test worker takes one of them for part of the profile or of the check (measured:
+    # 0.31 once, the profile's all-reduce timed while the other worker computed)
     for c in rep["checks"]:
-        assert 1 / 3 < c["ratio"] < 3, c
+        bound = 6 if c["what"].startswith("all_reduce") else 3
+        assert 1 / bound < c["ratio"] < bound, c
     assert isinstance(rep["drifted"], bool) and rep["threshold"] == 0.10
 
 

@@ -398,19 +398,21 @@ def test_compiled_blocks_run_tensor_parallel_stages():
     assert p.training.compile_blocks and p.stages[1].tp == 2 and p.stages[1].sequence_parallel
 
 
+def test_compiled_blocks_run_context_parallel_stages():
+    changes = {
+        "stages__0__dp": 1,
+        "stages__0__cp": 2,
+        "stages__0__micro_batch": 4,
+        "stages__1__tp": 1,
+        "stages__1__cp": 2,
+    }
+    p = plan_from_dict(mutate(training__compile_blocks=True, **changes))
+    assert p.training.compile_blocks and [s.cp for s in p.stages] == [2, 2]
+
+
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        (
-            {
-                "stages__0__dp": 1,
-                "stages__0__cp": 2,
-                "stages__0__micro_batch": 4,
-                "stages__1__tp": 1,
-                "stages__1__cp": 2,
-            },
-            "Stage 0 cannot run compiled blocks (training.compile_blocks): compiled blocks run without context",
-        ),
         (
             {
                 "stages__1__tp": 1,
@@ -418,7 +420,7 @@ def test_compiled_blocks_run_tensor_parallel_stages():
                 "stages__1__micro_batch": 2,
                 "stages__1__recompute_activation": True,
             },
-            "no selective",
+            "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks are recomputed whole",
         ),
         (
             {

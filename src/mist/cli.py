@@ -109,7 +109,7 @@ def estimate(
     profile = load_profile(gpu)
     if compile_blocks:
         rc = {"none": False, "full": True}.get(recompute, recompute)
-        why = compiled_block_problem(tp, rc, 1, spec.has_dropout)
+        why = compiled_block_problem(rc, spec.has_dropout)
         if why is not None:
             raise MistInputError(f"--compile-blocks: {why}.")
     res = run_estimate(

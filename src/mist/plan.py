@@ -266,7 +266,7 @@ def _check_compiled(p: Plan) -> None:
         raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
     for i, s in enumerate(p.stages):
         recompute = "attention" if s.recompute_attention else "activation" if s.recompute_activation else False
-        why = compiled_block_problem(s.tp, recompute, s.cp, p.model.has_dropout)
+        why = compiled_block_problem(recompute, p.model.has_dropout)
         if why is not None:
             raise MistInputError(f"Stage {i} cannot run compiled blocks (training.compile_blocks): {why}.")
 

@@ -175,10 +175,10 @@ def test_what_is_saved_does_not_depend_on_the_example_sizes(family):
 @pytest.mark.parametrize(
     "args, words",
     [
-        ((1, False, 2, False), "context parallelism"),
-        ((2, False, 2, False), "context parallelism"),
-        ((1, "attention", 1, False), "selective"),
-        ((1, False, 1, True), "dropout"),
+        (("attention", False), "selective"),
+        (("activation+attention", False), "selective"),
+        ((False, True), "dropout"),
+        ((True, True), "dropout"),
     ],
 )
 def test_unsupported_compiled_blocks_are_refused(args, words):
@@ -193,25 +193,39 @@ def _collectives(la) -> Counter:
     )
 
 
-# (family, sequence parallelism, whole-block recomputation)
-TP_BLOCKS = [("llama", False, False), ("gpt", True, False), ("falcon", True, True)]
+# (family, tp, sequence parallelism, whole-block recomputation, cp)
+TP_BLOCKS = [
+    ("llama", 2, False, False, 1),
+    ("gpt", 2, True, False, 1),
+    ("falcon", 2, True, True, 1),
+    ("llama", 1, False, False, 4),
+    ("gpt", 2, True, False, 4),
+]
 
 
-@pytest.mark.parametrize("family,sp,recompute", TP_BLOCKS, ids=[f"{f}-sp{int(p)}-rc{int(r)}" for f, p, r in TP_BLOCKS])
-def test_tensor_parallel_collectives_are_the_eager_blocks(family, sp, recompute):
-    """A tp 2 compiled block's graphs hold its collectives, recorded as the eager trace announces
-    them (name, bytes of the whole buffer, group size). Without sequence parallelism they are the
-    eager block's, one for one. With it, the joint graph's common-subexpression pass merges the
-    backward's gather of a kept shard with the forward's gather of it, and the partitioner keeps
-    the gathered tensor: the compiled block issues a subset of the eager block's all-gathers and
-    every reduce-scatter and all-reduce."""
-    kw = dict(tp=2, flash=True, dtype="fp32", sequence_parallel=sp, recompute=recompute)
+@pytest.mark.parametrize(
+    "family,tp,sp,recompute,cp",
+    TP_BLOCKS,
+    ids=[f"{f}-tp{t}-sp{int(p)}-rc{int(r)}-cp{c}" for f, t, p, r, c in TP_BLOCKS],
+)
+def test_parallel_collectives_are_the_eager_blocks(family, tp, sp, recompute, cp):
+    """A tensor- or context-parallel compiled block's graphs hold its collectives, recorded as the
+    eager trace announces them (name, bytes of the whole buffer, group size: tp for the tensor-,
+    cp for the context-parallel ones). Without sequence or context parallelism they are the eager
+    block's, one for one. With either, the joint graph's common-subexpression pass merges the
+    backward's gather of a kept shard (sequence-parallel activations, context-parallel K/V) with
+    the forward's gather of it, and the partitioner keeps the gathered tensor: the compiled block
+    issues a subset of the eager block's all-gathers and every reduce-scatter and all-reduce."""
+    kw = dict(tp=tp, flash=True, dtype="fp32", sequence_parallel=sp, recompute=recompute, cp=cp)
     eager = _collectives(analyze_layer(SPECS[family], "block", **kw))
     compiled = _collectives(analyze_layer(SPECS[family], "block", compiled=True, **kw))
-    assert compiled and all(g == 2 for _, _, _, g in compiled)
+    groups = {(op, g) for _, op, _, g in compiled}
+    assert compiled and groups == {(op, g) for _, op, _, g in eager}
+    assert (cp > 1) == (("all_gather", cp) in groups and ("reduce_scatter", cp) in groups)
+    assert (tp > 1) == any(g == tp for _, g in groups)
     if recompute:
         assert any(phase == "recompute" for phase, *_ in compiled)
-    if not sp:
+    if not sp and cp == 1:
         assert compiled == eager
         return
     assert {k for k in eager if k[1] != "all_gather"} == {k for k in compiled if k[1] != "all_gather"}

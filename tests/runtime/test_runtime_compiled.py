@@ -1,11 +1,13 @@
 """Plans with compiled blocks (`training.compile_blocks`: Inductor, on the CPU backend here) equal
 single-process eager training — losses, gradient norms and every updated weight, the tolerance of
 the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation,
-optimizer and activation offload and materialised attention, in an interleaved pipeline, and under
-tensor parallelism with and without sequence parallelism (the collectives inside the compiled
-graphs, on gloo). (Llama's compiled block is checked in tests/analysis/test_compiled_block.py and
-the CPU loop.) And the simulator's states and saved activations (on the device and offloaded to the
-host), priced from the captured graphs, are the runtime's to the byte."""
+optimizer and activation offload and materialised attention, in an interleaved pipeline, under
+tensor parallelism with sequence parallelism, and under context parallelism with tensor
+parallelism (the collectives inside the compiled graphs, on gloo; the rotary positions of the
+rank's two chunks). (Tensor parallelism without the others is checked against the eager block's
+collectives in tests/analysis/test_compiled_block.py, and runs in the CPU loop.) And the
+simulator's states and saved activations (on the device and offloaded to the host), priced from
+the captured graphs, are the runtime's to the byte."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -38,11 +40,15 @@ CASES = [
         ),
     ),
     ("falcon4", "interleaved-v2-G4", lambda: interleaved_plan("falcon4", G=4)),
-    ("llama", "tp2", lambda: make_plan("llama", tp=2)),
     (
         "gpt",
         "tp2-sp-recompute1-act0.5-bmm",
         lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute=1, offload={"activations": 0.5}, flash=False),
+    ),
+    (
+        "llama",
+        "cp2-tp2",
+        lambda: make_plan("llama", cp=2, tp=2),
     ),
 ]
 

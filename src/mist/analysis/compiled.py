@@ -391,7 +391,11 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     if kind == COLLECTIVE:  # the whole buffer: all-gather's output, an all-reduce's or reduce-scatter's input
         op = _COLLECTIVES[op]
         read = written = written if op == "all_gather" else read
-        params = CollectiveParams(bytes=read, group=st.tp)
+        # an all-gather's and a reduce-scatter's group size is an argument (tensor- or
+        # context-parallel); only the tensor-parallel group all-reduces
+        params = CollectiveParams(
+            bytes=read, group=st.tp if op == "all_reduce" else n0.args[1 if op == "all_gather" else 2]
+        )
     elif kind != MEMORY:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}

@@ -223,7 +223,7 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
         raise ValueError("context parallelism runs flash attention only")
     compiled = bool(compiled) and part == "block"
     if compiled:
-        check_compiled_block(tp, rc, cp, spec.has_dropout)
+        check_compiled_block(rc, spec.has_dropout)
     return spec, part, tp, flash, dtype, target, rc, bool(sequence_parallel) and tp > 1, cp, compiled
 
 

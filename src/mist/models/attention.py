@@ -51,9 +51,22 @@ def _context_tables(
         return cos[idx], sin[idx]
 
 
-def _build_tables(seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device):
+def _build_tables(
+    seq_len: int, rot_dim: int, base: float, dtype: torch.dtype, device: torch.device, cp: CPGroup | None = None
+):
+    """The rotary tables of positions 0..seq_len−1, or under context parallelism (`cp`) of the
+    rank's seq_len positions (its two chunks, `mist.models.context_parallel.chunk_ranges`)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
-    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    if cp is not None and cp.size > 1:
+        n, late = seq_len // 2, 2 * cp.size - 1 - cp.rank
+        pos = torch.cat(
+            (
+                torch.arange(cp.rank * n, (cp.rank + 1) * n, device=device, dtype=torch.float32),
+                torch.arange(late * n, (late + 1) * n, device=device, dtype=torch.float32),
+            )
+        )
+    else:
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     return torch.cat((cos, cos), -1).view(seq_len, 1, rot_dim), torch.cat((-sin, sin), -1).view(seq_len, 1, rot_dim)
@@ -136,11 +149,9 @@ def rotary_qk_(
     work on their incoming gradients). Under context parallelism (`cp`) qkv holds the rank's
     seq_len positions of a sequence cp times as long, rotated by their global positions."""
     if torch.compiler.is_compiling():
-        if cp is not None and cp.size > 1:
-            raise NotImplementedError("compiled blocks run without context parallelism")
         # a compiled block (`mist.models.compiled`): the tables and the rotation as plain tensor
         # code in the graph (the tables are s·rot_dim elements), which Inductor fuses
-        return _rotated(qkv, *_build_tables(seq_len, rot_dim, float(base), qkv.dtype, qkv.device), heads, d)
+        return _rotated(qkv, *_build_tables(seq_len, rot_dim, float(base), qkv.dtype, qkv.device, cp), heads, d)
     if isinstance(seq_len, int) and cp is not None and cp.size > 1:
         cos, sin = _context_tables(seq_len * cp.size, rot_dim, float(base), qkv.dtype, qkv.device, cp.size, cp.rank)
     elif isinstance(seq_len, int):  # a run: the cache itself, without the custom op's dispatch

@@ -72,8 +72,8 @@ def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> 
     return CompiledBlock(block, backend)
 
 
-def check_compiled_block(tp: int, recompute, cp: int, dropout: bool) -> None:
+def check_compiled_block(recompute, dropout: bool) -> None:
     """Raise ValueError where `mist.rules.compiled_blocks` says the block cannot run compiled."""
-    problem = compiled_block_problem(tp, recompute, cp, dropout)
+    problem = compiled_block_problem(recompute, dropout)
     if problem is not None:
         raise ValueError(problem)

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from mist.models.collectives import CPGroup, _announce
+from mist.models.collectives import CPGroup, _announce, _compiled_gather, _compiled_scatter
 
 
 def chunk_ranges(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -102,10 +102,13 @@ def _merge(o1, l1, o2, l2):
 # ------------------------------------------------------------------ K/V exchange
 def _gather(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """[b, h, 2n, d] of every rank → [b, h, 2·cp·n, d] in global order."""
-    buf = x.new_empty((cp.size, *x.shape))
-    _announce("all_gather", buf, cp)
-    if cp.group is not None:
-        dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=cp.group)
+    if torch.compiler.is_compiling():
+        buf = _compiled_gather(x.contiguous(), cp).view(cp.size, *x.shape)
+    else:
+        buf = x.new_empty((cp.size, *x.shape))
+        _announce("all_gather", buf, cp)
+        if cp.group is not None:
+            dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=cp.group)
     n = x.shape[2] // 2
     # (`narrow` rather than indexing: one view op each, which keeps the symbolic trace short)
     parts = [buf[j].narrow(2, 0, n) for j in range(cp.size)]
@@ -118,6 +121,8 @@ def _scatter(full: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     n = full.shape[2] // (2 * cp.size)
     chunk = lambda j: full.narrow(2, j * n, n)  # noqa: E731
     buf = torch.stack([torch.cat((chunk(r), chunk(2 * cp.size - 1 - r)), dim=2) for r in range(cp.size)])
+    if torch.compiler.is_compiling():
+        return _compiled_scatter(buf.flatten(0, 1), cp)
     _announce("reduce_scatter", buf, cp)
     out = buf.new_empty(buf.shape[1:])
     if cp.group is not None:

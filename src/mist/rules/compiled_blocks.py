@@ -1,11 +1,10 @@
 """Which plans can run their decoder blocks compiled (`TrainingSpec.compile_blocks`,
 `mist.models.compiled`): one rule for the plan check, the analysis and the runtime.
 
-The compiled region is one tensor-parallel shard's block with its TP collectives: inside it the
-model issues PyTorch's functional collectives, which dynamo traces into the graphs
-(`mist.models.collectives`). Context parallelism is not: its attention is one hand-written autograd
-function (two flash calls per query chunk, merged by their log-sum-exps and written in place into
-its output, `mist.models.context_parallel`) that has not been made traceable. (Materialised
+The compiled region is one tensor- and context-parallel shard's block with its collectives: inside
+it the model issues PyTorch's functional collectives, which dynamo traces into the graphs
+(`mist.models.collectives`; context parallelism's K/V all-gather and its gradients' reduce-scatter,
+`mist.models.context_parallel`, and the rotary tables of the rank's two chunks). (Materialised
 attention compiles: the partitioner weighs the s² scores by the example sizes the graphs are traced
 at, but its choice was found the same at example lengths from 8 to 2048,
 `tests/analysis/test_compiled_block.py`.) Selective recomputation hand-writes backward functions
@@ -18,11 +17,9 @@ gives each saved view back its strides, `mist.runtime.activations`.)
 from __future__ import annotations
 
 
-def compiled_block_problem(tp: int, recompute, cp: int, dropout: bool) -> str | None:
+def compiled_block_problem(recompute, dropout: bool) -> str | None:
     """Why a block with these settings cannot run compiled (None: it can). `recompute`: False,
     True (checkpointed whole) or a selective part's name."""
-    if cp > 1:
-        return "compiled blocks run without context parallelism (cp 1)"
     if recompute not in (False, True):
         return "compiled blocks are recomputed whole or not at all (no selective recomputation)"
     if dropout:

@@ -105,7 +105,7 @@ def tune(
 def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
     if training.compile_blocks:
-        why = compiled_block_problem(1, False, 1, model.has_dropout)
+        why = compiled_block_problem(False, model.has_dropout)
         if why is not None:
             raise MistInputError(f"--compile-blocks: {why}.")
         sp = compiled_space(sp)

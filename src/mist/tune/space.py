@@ -146,10 +146,9 @@ def get_space(name: str) -> SearchSpace:
 
 def compiled_space(sp: SearchSpace) -> SearchSpace:
     """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): no
-    context parallelism, no selective recomputation, no ZB-H1."""
+    selective recomputation, no ZB-H1."""
     return replace(
         sp,
-        cp_values=(1,),
         recompute_attention=(False,),
         recompute_activation=(False,),
         schedules=tuple(x for x in sp.schedules if x != "zb-h1") or ("1f1b",),

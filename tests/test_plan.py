@@ -410,18 +410,15 @@ def test_compiled_blocks_run_context_parallel_stages():
     assert p.training.compile_blocks and [s.cp for s in p.stages] == [2, 2]
 
 
+def test_compiled_blocks_run_selective_recomputation():
+    changes = {"stages__1__recompute_activation": True, "stages__1__recompute_attention": True}
+    p = plan_from_dict(mutate(training__compile_blocks=True, **changes))
+    assert p.training.compile_blocks and p.stages[1].recompute_attention and p.stages[1].recompute_activation
+
+
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        (
-            {
-                "stages__1__tp": 1,
-                "stages__1__dp": 2,
-                "stages__1__micro_batch": 2,
-                "stages__1__recompute_activation": True,
-            },
-            "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks are recomputed whole",
-        ),
         (
             {
                 "stages__1__tp": 1,

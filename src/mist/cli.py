@@ -270,7 +270,7 @@ def tune(
         False,
         "--compile-blocks",
         help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
-        "them: no context parallelism, no selective recomputation, no zb-h1.",
+        "them: every knob but the zb-h1 schedule (and no dropout in the model).",
     ),
     as_json: JsonOpt = False,
 ):

@@ -1,13 +1,14 @@
 """Plans with compiled blocks (`training.compile_blocks`: Inductor, on the CPU backend here) equal
 single-process eager training — losses, gradient norms and every updated weight, the tolerance of
 the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation,
-optimizer and activation offload and materialised attention, in an interleaved pipeline, under
-tensor parallelism with sequence parallelism, and under context parallelism with tensor
-parallelism (the collectives inside the compiled graphs, on gloo; the rotary positions of the
-rank's two chunks). (Tensor parallelism without the others is checked against the eager block's
-collectives in tests/analysis/test_compiled_block.py, and runs in the CPU loop.) And the
-simulator's states and saved activations (on the device and offloaded to the host), priced from
-the captured graphs, are the runtime's to the byte."""
+optimizer and activation offload and materialised attention; in an interleaved pipeline; under
+tensor and sequence parallelism with one layer recomputed whole and the other's attention and
+activation recomputed (selective); and under context with tensor parallelism (the collectives
+inside the compiled graphs, on gloo; the rotary positions of the rank's two chunks). (Tensor
+parallelism without the others is checked against the eager block's collectives in
+tests/analysis/test_compiled_block.py, and runs in the CPU loop.) And the simulator's states and
+saved activations (on the device and offloaded to the host), priced from the captured graphs, are
+the runtime's to the byte."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -42,8 +43,17 @@ CASES = [
     ("falcon4", "interleaved-v2-G4", lambda: interleaved_plan("falcon4", G=4)),
     (
         "gpt",
-        "tp2-sp-recompute1-act0.5-bmm",
-        lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute=1, offload={"activations": 0.5}, flash=False),
+        "tp2-sp-recompute1+attn+act-act0.5-bmm",
+        lambda: make_plan(
+            "gpt",
+            tp=2,
+            sequence_parallel=True,
+            recompute=1,
+            recompute_attention=True,
+            recompute_activation=True,
+            offload={"activations": 0.5},
+            flash=False,
+        ),
     ),
     (
         "llama",

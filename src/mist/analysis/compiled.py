@@ -25,7 +25,14 @@ bytes, liveness, FLOPs) is shared:
   buffer except an all-reduce that Inductor runs in place (`_reduces_in_place`); they end a fused
   run, as Inductor runs them between kernels;
 * **liveness**: a run's intermediates are never materialised; its written tensors live from the
-  run to their last use, like an eager operator's outputs.
+  run to their last use, like an eager operator's outputs;
+* **recomputed random operators** (selective recomputation: a checkpointed region inside the
+  block): the partitioner wraps each operator tagged as random (the attention kernels, which take
+  a dropout probability) so that its re-run in the backward draws what the forward drew; the
+  forward saves the generator's state for it, a tensor of the generator's fixed size (on the CPU
+  where the graphs are captured, 5056 bytes; CUDA's graph-safe generators keep theirs
+  themselves). `_unwrap_rng_ops` gives the wrapped operator back (priced as itself) and the state
+  a buffer of its own, saved like any other.
 """
 
 from __future__ import annotations
@@ -213,6 +220,8 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
     for d, sym in ((_val(xs[0]).shape[1], S / seq_shards), (_val(xs[0]).shape[0], B)):
         if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
             subs.setdefault(d.node.expr, sym)
+    for gm in (cg.fw, cg.bw):
+        _unwrap_rng_ops(gm, subs)
     ex = _Expr(subs)
     st = _Graphs(trace, tp)
     graphs = [("fw", cg.fw, cg.names)] + ([("inf", cg.inference, cg.inference_names)] if cg.inference else [])
@@ -266,6 +275,37 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
             sid = st.sid[st.key("bw", o)]
             (trace.grad_sids if "_parameters_" in dyn else trace.keep_bwd).add(sid)
     return trace, ex
+
+
+def _generator_state():
+    """The target of a node that copies the random generator's state into a new buffer."""
+
+
+def _unwrap_rng_ops(gm: torch.fx.GraphModule, subs: dict) -> None:
+    """Give `gm`'s operators wrapped by the partitioner's random-state functionalization back
+    (`run_and_save_rng_state(op, …)` in the forward, `run_with_rng_state(state, op, …)` in the
+    backward), the saved state a node of its own (`_generator_state`), and its size (a symbol of
+    the capture, not of b or s) its value, in `subs`. Idempotent."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        name = _name(n)
+        if name == "run_and_save_rng_state":
+            op, *args = n.args
+            for u in list(n.users):
+                if u.args[1] == 1:  # the operator's result
+                    u.target, u.args, u.kwargs = op, tuple(args), dict(n.kwargs)
+                else:  # the state
+                    u.target, u.args, u.kwargs = _generator_state, (), {}
+            graph.erase_node(n)
+        elif name == "run_with_rng_state":
+            _, op, *args = n.args
+            n.target, n.args = op, tuple(args)
+    hint = torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw
+    for n in graph.nodes:
+        if n.target is _generator_state or (n.op == "placeholder" and n.name.startswith("rng_state_output")):
+            for d in _val(n).shape:
+                if isinstance(d, torch.SymInt):
+                    subs.setdefault(d.node.expr, sympy.Integer(hint(d)))
 
 
 def _save_storage(trace: Trace, sid: int, element_size: int) -> None:

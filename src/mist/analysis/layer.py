@@ -21,7 +21,7 @@ from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
-from mist.models.checkpointing import run_block_as, selective_modes
+from mist.models.checkpointing import run_block_as, select_parts, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
 from mist.models.compiled import check_compiled_block
 from mist.models.dtypes import torch_dtype
@@ -310,6 +310,8 @@ def _trace_and_analyze(
         # real (empty) weights and a small real input: dynamo compiles what it is given, and the
         # captured graphs run nothing (`mist.analysis.compiled`)
         m = build()
+        sel = selective_modes(recompute)
+        select_parts(m, "attention" in sel, "activation" in sel)
         x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
         trace, _ = trace_compiled(capture(m, x, recompute is True), tp, shards)
     else:

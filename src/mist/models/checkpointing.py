@@ -79,11 +79,15 @@ def run_block_as(block: torch.nn.Module, x: torch.Tensor, recompute) -> torch.Te
     return run_block(block, x, recompute is True, attention="attention" in sel, activation="activation" in sel)
 
 
+def select_parts(block: torch.nn.Module, attention: bool, activation: bool) -> None:
+    """Set which SELECTIVE parts of `block` recompute themselves in its backward."""
+    block.attn.recompute_core, block.mlp.recompute_activation = attention, activation
+
+
 def run_block(
     block: torch.nn.Module, x: torch.Tensor, recompute: bool, attention: bool = False, activation: bool = False
 ) -> torch.Tensor:
-    block.attn.recompute_core = attention and not recompute
-    block.mlp.recompute_activation = activation and not recompute
+    select_parts(block, attention and not recompute, activation and not recompute)
     if not recompute:
         return block(x)
     return checkpoint(block, x, dropout=block.spec.has_dropout)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist.models.collectives import TPGroup
+from mist.models.dropout import checkpoint
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
@@ -97,5 +98,7 @@ class MLP(nn.Module):
     def after_fc1(self, y: torch.Tensor) -> torch.Tensor:
         """The MLP's output from its first projection's output y."""
         if self.recompute_activation and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():  # the partitioner keeps y and re-runs the activation
+                return self.fc2(checkpoint(self.act, y, dropout=False))
             return self.fc2(y, act=self.act)
         return self.fc2(self.act(y))

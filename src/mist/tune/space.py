@@ -146,10 +146,8 @@ def get_space(name: str) -> SearchSpace:
 
 def compiled_space(sp: SearchSpace) -> SearchSpace:
     """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): no
-    selective recomputation, no ZB-H1."""
+    ZB-H1."""
     return replace(
         sp,
-        recompute_attention=(False,),
-        recompute_activation=(False,),
         schedules=tuple(x for x in sp.schedules if x != "zb-h1") or ("1f1b",),
     )

@@ -96,8 +96,8 @@ def _announce(op: str, x: torch.Tensor, tp: TPGroup) -> None:
 UNGROUPED = "mist-no-process-group"
 
 
-def _group_name(tp: TPGroup) -> str:
-    return UNGROUPED if tp.group is None else tp.group.group_name
+def _group_name(g: TPGroup | CPGroup) -> str:
+    return UNGROUPED if g.group is None else g.group.group_name
 
 
 def _compiled_sum(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -105,16 +105,16 @@ def _compiled_sum(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return f.wait_tensor(f.all_reduce(x, "sum", _group_name(tp)))
 
 
-def _compiled_gather(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """[t·b, ...]: the ranks' x concatenated along dim 0."""
+def _compiled_gather(x: torch.Tensor, g: TPGroup | CPGroup) -> torch.Tensor:
+    """[t·b, ...]: the ranks' x concatenated along dim 0 (t = g.size)."""
     f = torch.ops._c10d_functional
-    return f.wait_tensor(f.all_gather_into_tensor(x, tp.size, _group_name(tp)))
+    return f.wait_tensor(f.all_gather_into_tensor(x, g.size, _group_name(g)))
 
 
-def _compiled_scatter(chunks: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's slice of the sum of [t·b, ...] along dim 0."""
+def _compiled_scatter(chunks: torch.Tensor, g: TPGroup | CPGroup) -> torch.Tensor:
+    """This rank's slice of the sum of [t·b, ...] along dim 0 (t = g.size)."""
     f = torch.ops._c10d_functional
-    return f.wait_tensor(f.reduce_scatter_tensor(chunks, "sum", tp.size, _group_name(tp)))
+    return f.wait_tensor(f.reduce_scatter_tensor(chunks, "sum", g.size, _group_name(g)))
 
 
 def all_reduce_(x: torch.Tensor, tp: TPGroup, op: str = "sum") -> torch.Tensor:
@@ -168,16 +168,22 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 # bytes the ring model `hardware.collectives` is written in.
 
 
+def gather_stacked(x: torch.Tensor, g: TPGroup | CPGroup) -> torch.Tensor:
+    """Every rank's x in one [g.size, *x.shape] buffer (an all-gather over g; inside a compiled
+    block the functional one)."""
+    if torch.compiler.is_compiling():
+        return _compiled_gather(x.contiguous(), g).view(g.size, *x.shape)
+    buf = x.new_empty((g.size, *x.shape))
+    _announce("all_gather", buf, g)
+    if g.group is not None:
+        dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=g.group)
+    return buf
+
+
 def gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[b, s/t, ...] shards → [b, s, ...] on every rank: the shards gathered into one [t, b, s/t,
     ...] buffer, then laid out sequence-major (a copy, unless b = 1, where it is a view)."""
-    if torch.compiler.is_compiling():
-        buf = _compiled_gather(x.contiguous(), tp).view(tp.size, *x.shape)
-    else:
-        buf = x.new_empty((tp.size, *x.shape))
-        _announce("all_gather", buf, tp)
-        if tp.group is not None:
-            dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=tp.group)
+    buf = gather_stacked(x, tp)
     b, sl = x.shape[0], x.shape[1]
     return buf.transpose(0, 1).reshape(b, tp.size * sl, *x.shape[2:])
 

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from mist.models.collectives import CPGroup, _announce, _compiled_gather, _compiled_scatter
+from mist.models.collectives import CPGroup, _announce, _compiled_scatter, gather_stacked
 
 
 def chunk_ranges(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -102,13 +102,7 @@ def _merge(o1, l1, o2, l2):
 # ------------------------------------------------------------------ K/V exchange
 def _gather(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """[b, h, 2n, d] of every rank → [b, h, 2·cp·n, d] in global order."""
-    if torch.compiler.is_compiling():
-        buf = _compiled_gather(x.contiguous(), cp).view(cp.size, *x.shape)
-    else:
-        buf = x.new_empty((cp.size, *x.shape))
-        _announce("all_gather", buf, cp)
-        if cp.group is not None:
-            dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=cp.group)
+    buf = gather_stacked(x, cp)
     n = x.shape[2] // 2
     # (`narrow` rather than indexing: one view op each, which keeps the symbolic trace short)
     parts = [buf[j].narrow(2, 0, n) for j in range(cp.size)]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist.models.collectives import CPGroup, TPGroup
-from mist.models.context_parallel import context_attention, positions
+from mist.models.context_parallel import chunk_ranges, context_attention, positions
 from mist.models.dropout import checkpoint, dropout, tp_stream
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
@@ -58,13 +58,9 @@ def _build_tables(
     rank's seq_len positions (its two chunks, `mist.models.context_parallel.chunk_ranges`)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
     if cp is not None and cp.size > 1:
-        n, late = seq_len // 2, 2 * cp.size - 1 - cp.rank
-        pos = torch.cat(
-            (
-                torch.arange(cp.rank * n, (cp.rank + 1) * n, device=device, dtype=torch.float32),
-                torch.arange(late * n, (late + 1) * n, device=device, dtype=torch.float32),
-            )
-        )
+        (a, b), (c, e) = chunk_ranges(seq_len * cp.size, cp.size, cp.rank)
+        f32 = dict(device=device, dtype=torch.float32)
+        pos = torch.cat((torch.arange(a, b, **f32), torch.arange(c, e, **f32)))
     else:
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)

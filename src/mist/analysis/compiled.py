@@ -29,10 +29,11 @@ bytes, liveness, FLOPs) is shared:
 * **recomputed random operators** (selective recomputation: a checkpointed region inside the
   block): the partitioner wraps each operator tagged as random (the attention kernels, which take
   a dropout probability) so that its re-run in the backward draws what the forward drew; the
-  forward saves the generator's state for it, a tensor of the generator's fixed size (on the CPU
-  where the graphs are captured, 5056 bytes; CUDA's graph-safe generators keep theirs
-  themselves). `_unwrap_rng_ops` gives the wrapped operator back (priced as itself) and the state
-  a buffer of its own, saved like any other.
+  forward saves the generator's state for it, a tensor of the generator's fixed size (5056 bytes
+  on the CPU, where the graphs are captured; on CUDA the partitioner takes the device's graph-safe
+  generator instead, whose state is not counted by this and was not checked without a GPU).
+  `_unwrap_rng_ops` gives the wrapped operator back (priced as itself) and the state a buffer of
+  its own, saved like any other.
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mist.analysis.records import FusedParams
 from mist.errors import MistInputError
 from mist.hardware import available_profiles, load_profile, op_class
 from mist.hardware.host import stream_time
+from mist.hardware.memory_ops import POINTWISE_KINDS
+from mist.hardware.profile import GpuProfile
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # raw data, if present
 TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline profile builders (not installed)
@@ -205,6 +209,12 @@ BAD_PROFILES = [
         _set("memory_ops", "bandwidth", "elementwise", "fwd", value=0),
         "section 'memory_ops': bandwidth elementwise.fwd must be a positive finite number",
     ),
+    (_set("memory_ops", "pointwise_s", value=[1e-9]), "section 'memory_ops': pointwise_s must be a JSON object"),
+    (
+        _set("memory_ops", "pointwise_s", value={"tanh": -1e-9}),
+        "section 'memory_ops': pointwise_s tanh must be a finite number >= 0",
+    ),
+    (_set("memory_ops", "pointwise_s", value={"gelu": 1e-9}), "section 'memory_ops': pointwise_s has kind 'gelu'"),
     (_set("links", value=3), "section 'links' must be a JSON object"),
     (
         _set("dp_links", value={"internode": {"alpha_s": float("nan"), "nic_Bps_per_node": 1e9}}),
@@ -374,6 +384,31 @@ def test_measured_classes_have_own_bandwidths(h200):
 
 
 # ---------------------------------------------------------------------------- host-bound regime
+def test_fused_kernel_is_the_longer_of_streaming_and_computing(h200):
+    """A fused pointwise kernel (`MemoryOpModel.fused_time`): with measured seconds per
+    element-operation, floor + max(bytes at the copy rate, Σ kind's operations × its seconds);
+    without them (every shipped profile), its bytes at the generic class, as before."""
+    mo = h200.memory_ops
+    assert mo.pointwise_s is None
+    work = {k: 0 for k in POINTWISE_KINDS}
+    assert h200.fused_time(1e8, work) == pytest.approx(h200.memory_op_time("elementwise", 1e8))
+    d = h200.to_dict()
+    d["memory_ops"]["pointwise_s"] = {"arith": 1e-12, "tanh": 3e-9}
+    p = GpuProfile.from_dict(d)
+    copy_s = 1e8 / p.memory_ops.effective_bandwidth("copy")
+    assert p.fused_time(1e8, work) == pytest.approx(p.memory_ops.floor_s + copy_s)  # nothing computed
+    light = {**work, "arith": 1e6}  # 1 µs of arithmetic under the bytes' streaming
+    assert p.fused_time(1e8, light) == pytest.approx(p.memory_ops.floor_s + copy_s)
+    heavy = {**work, "arith": 1e6, "tanh": 1e7, "welford": 1e9}  # a kind it did not measure costs 0
+    assert p.fused_time(1e8, heavy) == pytest.approx(p.memory_ops.floor_s + 1e-6 + 3e-2)
+    assert p.fused_time(0, heavy) == 0.0
+    assert GpuProfile.from_dict(json.loads(json.dumps(p.to_dict()))).memory_ops.pointwise_s == {
+        "arith": 1e-12,
+        "tanh": 3e-9,
+    }
+    assert [f.name for f in fields(FusedParams)] == list(POINTWISE_KINDS)
+
+
 def test_stream_time_long_kernels_is_their_sum(h200):
     k = np.full(10, 1e-3)
     assert h200.stream_time(k) == pytest.approx(k.sum())

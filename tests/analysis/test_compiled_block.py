@@ -13,7 +13,7 @@ import torch
 
 from mist.analysis import analyze_layer
 from mist.analysis.compiled import capture, trace_compiled
-from mist.analysis.records import COLLECTIVE, S
+from mist.analysis.records import COLLECTIVE, B, S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block, run_block_as, select_parts
 from mist.models.compiled import check_compiled_block, compile_block
@@ -154,6 +154,34 @@ def test_compiled_block_does_the_eager_block_s_matrix_work(compiled):
     eager, comp = (analyze_layer(spec, "block", 1, flash, "fp32", "cpu", compiled=c) for c in (False, True))
     for phase in ("fwd", "bwd"):
         assert float(comp.flops_of(phase, 3, 40)) == float(eager.flops_of(phase, 3, 40)) > 0
+
+
+def _fused_work(la, phase: str, kind: str):
+    return sympy.expand(sum((getattr(r.params, kind) for r in la.ops(phase) if r.op == "fused"), sympy.Integer(0)))
+
+
+def test_fused_kernels_count_the_elements_they_compute(compiled):
+    """What a fused kernel computes (`FusedParams`, priced by a profile's measured seconds per
+    element-operation): GPT's GELU evaluates one tanh per element of the MLP's hidden activation
+    in the forward and again in the backward (the partitioner recomputes it rather than save it),
+    its materialised softmax one exp per score; Llama's SiLU one exp per hidden element, and its
+    rotary tables, inlined by Inductor into the loops over q and k, a cos per element of those
+    loops (b·s-proportional), not one per table entry."""
+    spec, _, _, flash = compiled
+    la = analyze_layer(spec, "block", 1, flash, "fp32", "cpu", compiled=True)
+    bs = B * S
+    if spec.family == "gpt":
+        assert _fused_work(la, "fwd", "tanh") == _fused_work(la, "bwd", "tanh") == spec.ffn_hidden_size * bs
+        assert _fused_work(la, "fwd", "exp") == spec.num_heads * B * S**2
+        assert _fused_work(la, "fwd", "welford") == 2 * spec.hidden_size * bs  # two LayerNorms
+    else:
+        assert _fused_work(la, "fwd", "exp").coeff(bs) >= spec.ffn_hidden_size
+        rotated = (spec.num_heads + spec.num_kv_heads) * spec.head_dim * spec.rotary_fraction  # per token
+        cos = _fused_work(la, "fwd", "cos")
+        assert sympy.degree(cos, B) == 1 and cos.coeff(bs) >= rotated
+        assert _fused_work(la, "fwd", "reduction") == 2 * spec.hidden_size * bs  # two RMSNorms
+    for phase in ("fwd", "bwd"):
+        assert _fused_work(la, phase, "arith").coeff(bs) > 0
 
 
 def test_selective_recomputation_saves_what_the_analysis_says(compiled):

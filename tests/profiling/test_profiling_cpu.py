@@ -13,6 +13,7 @@ from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.hardware.dp_links import collective_time as shipped_collective_time
 from mist.hardware.interference import load_interference
+from mist.hardware.memory_ops import POINTWISE_KINDS
 from mist.plan import Offload, Plan, StageStrategy
 from mist.simulate.estimate import estimate
 from mist.simulate.plan_sim import simulate_plan
@@ -94,6 +95,10 @@ def test_profile_written_and_loads(written):
     assert prof.attention_time(1, 4, 4, 128, 64) > 0
     assert prof.attention_time(1, 4, 4, 128, 64, backward=True) > 0
     assert prof.memory_op_time("native_layer_norm", 1 << 20) > 0
+    # Inductor's kernels, each kind measured: a transcendental costs more than an add
+    pw = prof.memory_ops.pointwise_s
+    assert set(pw) == set(POINTWISE_KINDS) and all(v > 0 for v in pw.values()), pw
+    assert pw["tanh"] > pw["arith"] and pw["exp"] > pw["arith"]
     # own sections, all labelled
     assert set(prof.links["fits"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert "gloo" in prof.links["provenance"]

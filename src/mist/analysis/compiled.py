@@ -17,9 +17,11 @@ bytes, liveness, FLOPs) is shared:
   ones. Inductor fuses the pointwise and reduction operators between them; each maximal run of
   them between two extern kernels is priced as one fused kernel ("fused", the profile's
   `elementwise` class) that reads the tensors entering the run and writes the ones used after it
-  or kept. Inductor's scheduler may split a run into several kernels where iteration spaces differ
-  (a row reduction next to a column reduction): the bytes are those of the run, the launch count a
-  lower bound;
+  or kept, and computes each operator's elements (`FusedParams`: element-operations by kind,
+  `_pointwise_work`), so that a device on which the arithmetic outlasts the traffic (a CPU core's
+  tanh) is priced by it. Inductor's scheduler may split a run into several kernels where iteration
+  spaces differ (a row reduction next to a column reduction): the bytes are those of the run, the
+  launch count a lower bound;
 * **collectives** (tensor and sequence parallelism): PyTorch's functional collectives, recorded
   as the eager trace records them (name, bytes of the whole buffer, group size), each a new
   buffer except an all-reduce that Inductor runs in place (`_reduces_in_place`); they end a fused
@@ -45,8 +47,19 @@ import sympy
 import torch
 import torch.fx
 
-from mist.analysis.records import ATTENTION, COLLECTIVE, GEMM, MEMORY, B, CollectiveParams, OpRecord, S
+from mist.analysis.records import (
+    ATTENTION,
+    COLLECTIVE,
+    GEMM,
+    MEMORY,
+    B,
+    CollectiveParams,
+    FusedParams,
+    OpRecord,
+    S,
+)
 from mist.analysis.tracer import ATTENTION_OPS, GEMM_OPS, Trace, _Expr, library_call
+from mist.hardware.memory_ops import POINTWISE_KINDS
 from mist.models.compiled import compile_block
 
 FUSED = "fused"
@@ -367,6 +380,79 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
     flush()
 
 
+# transcendental operators (after Inductor's decompositions), by the kind a profile times them as
+_TRANSCENDENTAL = {
+    "tanh": "tanh",
+    "exp": "exp",
+    "exp2": "exp",
+    "expm1": "exp",
+    "sigmoid": "sigmoid",
+    "erf": "erf",
+    "erfc": "erf",
+    "sin": "sin",
+    "cos": "cos",
+    "log": "log",
+    "log1p": "log",
+    "log2": "log",
+}
+# row reductions: one step per element of their input (mean and variance together: Welford's)
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "argmax", "argmin", "any"}
+_WELFORD = {"var_mean", "var", "std", "std_mean"}
+
+
+def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) -> FusedParams:
+    """Element-operations of each kind (`POINTWISE_KINDS`) a fused run computes. An operator runs
+    once per element it computes: a reduction once per element of its input, an operator whose
+    result the run writes (`written`: node names) once per element of that result, and one whose
+    result stays inside the run once per element of each loop that reads it (Inductor inlines it
+    into its readers: a rotary table computed from positions is recomputed for every element of
+    q and of k it multiplies; readers of one size are taken to share a loop). A power with a small integer exponent is that many multiplies
+    (Inductor writes it so), any other an exp and a log."""
+    inside = {n.name for n in group}
+
+    def readers(n: torch.fx.Node) -> list[torch.fx.Node]:  # through views and getitems
+        out = []
+        for u in n.users:
+            if u.name in inside and u.target is not operator.getitem:
+                out.append(u)
+            elif _name(u) in _VIEWS or u.target is operator.getitem:
+                out.extend(readers(u))
+        return out
+
+    runs: dict[str, sympy.Expr] = {}  # elements each operator computes, readers first
+    for n in reversed(group):
+        if n.target is operator.getitem:
+            continue
+        first = _tensor_nodes(n.args)
+        out = _val(n)
+        if (_name(n) in _REDUCTIONS or _name(n) in _WELFORD) and first:
+            runs[n.name] = ex.numel(_val(first[0]))
+        elif isinstance(out, torch.Tensor):
+            own = ex.numel(out)
+            loops = [runs[u.name] for u in readers(n) if u.name in runs]
+            # readers of one size share a loop, in whose body Inductor computes it once
+            runs[n.name] = own if n.name in written or not loops else sympy.Add(*set(loops))
+    work = {k: sympy.Integer(0) for k in POINTWISE_KINDS}
+    for n in group:
+        if n.name not in runs:
+            continue
+        name, count = _name(n), runs[n.name]
+        if name in _REDUCTIONS or name in _WELFORD:
+            work["welford" if name in _WELFORD else "reduction"] += count
+        elif name in _TRANSCENDENTAL:
+            work[_TRANSCENDENTAL[name]] += count
+        elif name == "pow":
+            e = n.args[1] if len(n.args) > 1 else None
+            if isinstance(e, (int, float)) and float(e).is_integer() and 0 < abs(e) <= 4:
+                work["arith"] += int(abs(e)) * count
+            else:
+                work["exp"] += count
+                work["log"] += count
+        else:
+            work["arith"] += count
+    return FusedParams(**{k: sympy.expand(v) for k, v in work.items()})
+
+
 def _library_kind(n: torch.fx.Node) -> str | None:
     """GEMM, ATTENTION or COLLECTIVE for a library call (an extern kernel under Inductor), else
     None."""
@@ -437,7 +523,9 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
         params = CollectiveParams(
             bytes=read, group=st.tp if op == "all_reduce" else n0.args[1 if op == "all_gather" else 2]
         )
-    elif kind != MEMORY:
+    elif kind == MEMORY:
+        params = _pointwise_work(group, ex, {k[1] for k, _ in outs})
+    else:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}
         ins_vals = [_val(a) for a in _tensor_nodes(n0.args)]

@@ -51,8 +51,27 @@ class CollectiveParams:
     group: int
 
 
-# the cost parameters of a gemm, attention or collective op (memory ops have none beyond bytes)
-OpParams = GemmParams | AttentionParams | CollectiveParams | None
+@dataclass(frozen=True)
+class FusedParams:
+    """A fused pointwise kernel's work (a compiled block's run of pointwise and reduction
+    operators): element-operations of each kind of `mist.hardware.memory_ops.POINTWISE_KINDS`
+    (the fields, in that order), sympy expressions in b and s."""
+
+    arith: Any
+    reduction: Any
+    welford: Any
+    tanh: Any
+    exp: Any
+    sigmoid: Any
+    erf: Any
+    sin: Any
+    cos: Any
+    log: Any
+
+
+# the cost parameters of a gemm, attention, collective or fused kernel (other memory ops have
+# none beyond bytes)
+OpParams = GemmParams | AttentionParams | CollectiveParams | FusedParams | None
 
 
 @dataclass(frozen=True)
@@ -66,8 +85,9 @@ class OpRecord:
     shapes_in / shapes_out: tensor shapes; bytes_read / bytes_written: their sizes in bytes.
     flops: floating-point operations (dense count; causal attention counted in full).
     saved_bytes: bytes of new storages this op produced that are kept for backward.
-    params: the kind's cost parameters (`GemmParams`, `AttentionParams`, `CollectiveParams`),
-           sympy expressions in b and s; None for memory ops and views.
+    params: the kind's cost parameters (`GemmParams`, `AttentionParams`, `CollectiveParams`,
+           `FusedParams` for a compiled block's fused kernel), sympy expressions in b and s; None
+           for the other memory ops and views.
     """
 
     index: int

@@ -71,6 +71,11 @@ class GpuProfile:
         """Memory-bound kernel of aten op `op` (a str) moving `bytes_moved` (read + written)."""
         return _out(self.memory_ops.time(op, bytes_moved, backward))
 
+    def fused_time(self, bytes_moved, work: dict, backward=False):
+        """A compiled block's fused pointwise kernel moving `bytes_moved` and computing `work`
+        ({kind: element-operations}, `MemoryOpModel.fused_time`)."""
+        return _out(self.memory_ops.fused_time(bytes_moved, work, backward))
+
     def stream_time(self, kernel_times, backward=False, host_overhead=None):
         """End of the last kernel when the host issues them every h seconds (see `host`).
 

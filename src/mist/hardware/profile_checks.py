@@ -16,7 +16,7 @@ from mist.hardware.dp_links import _PARTS, dp_links_from_parts
 from mist.hardware.gemm import GemmTable
 from mist.hardware.host import HostOverhead
 from mist.hardware.interference import CHANNELS, InterferenceModel
-from mist.hardware.memory_ops import MemoryOpModel
+from mist.hardware.memory_ops import POINTWISE_KINDS, MemoryOpModel
 
 FORMAT = "mist-gpu-profile"
 VERSION = 1
@@ -211,6 +211,16 @@ def _memory_ops(sec: dict, where: str) -> MemoryOpModel:
             raise MistInputError(f"{where}: bandwidth of class {c!r} must be an object with fwd and bwd.")
         for k in ("fwd", "bwd"):
             _check_number(where, f"bandwidth {c}.{k}", v[k], positive=True)
+    pw = sec.get("pointwise_s")
+    if pw is not None:
+        if not isinstance(pw, dict):
+            raise MistInputError(f"{where}: pointwise_s must be a JSON object of kinds, got {_kind(pw)}.")
+        for k, v in pw.items():
+            if k not in POINTWISE_KINDS:
+                raise MistInputError(
+                    f"{where}: pointwise_s has kind {k!r}; the kinds are {', '.join(POINTWISE_KINDS)}."
+                )
+            _check_number(where, f"pointwise_s {k}", v)
     return MemoryOpModel.from_dict(sec)
 
 

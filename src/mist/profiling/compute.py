@@ -472,6 +472,63 @@ def _fit_memory_ops(dev: Device, rows: dict, io: dict, floor_s: float, cap_Bps: 
     return bandwidth, fits
 
 
+# ---------------------------------------------------------------------------- fused pointwise work
+# Each kind's kernel: a chain of `steps` applications to every element (a step's extra arithmetic,
+# counted with the arithmetic's measured cost). Bounded maps, so that no value overflows.
+_POINTWISE_CHAINS = {
+    # kind: (one step, element-operations of the kind per step, arithmetic operations per step)
+    "arith": (lambda y: y * 0.999 + 0.001, 2, 0),
+    "reduction": (lambda y: y - y.mean(dim=-1, keepdim=True) + 0.5, 1, 2),  # rows of 1024
+    "welford": (lambda y: _welford_step(y), 1, 3),
+    "tanh": (lambda y: y.tanh(), 1, 0),
+    "exp": (lambda y: (-y).exp(), 1, 1),
+    "sigmoid": (lambda y: y.sigmoid(), 1, 0),
+    "erf": (lambda y: y.erf(), 1, 0),
+    "sin": (lambda y: y.sin(), 1, 0),
+    "cos": (lambda y: y.cos(), 1, 0),
+    "log": (lambda y: (y * y + 1.0).log(), 1, 2),
+}
+
+
+def _welford_step(y):
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    v, m = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
+    return (y - m) * 0.5 + v
+
+
+def measure_pointwise(dev: Device) -> dict:
+    """Seconds per element-operation of each `POINTWISE_KINDS` kind in the kernels Inductor
+    generates on this device (`mist.hardware.memory_ops.MemoryOpModel.fused_time`): a compiled
+    chain of steps over one large tensor (16 steps of arithmetic, 4 of a function), its time over
+    the element-operations it computes. The kernel also streams its input and output once: where
+    that outlasts the computing (a GPU's transcendentals) the figure is an upper bound, under which
+    a block's fused kernels, which move more bytes per operation, stay priced by their bytes."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    from mist.hardware.memory_ops import POINTWISE_KINDS  # lazy: as the module's other imports
+
+    n = (1 << 24) if dev.kind == "cuda" else (1 << 20)
+    x = (torch.rand(n // 1024, 1024, device=dev.torch_device) * 0.5 + 0.25).to(dev.dtype)
+    out: dict = {}
+    for kind in POINTWISE_KINDS:
+        step, ops, arith = _POINTWISE_CHAINS[kind]
+        steps = 16 if kind == "arith" else 4
+
+        def chain(y, step=step, steps=steps):
+            for _ in range(steps):
+                y = step(y)
+            return y
+
+        fn = torch.compile(chain, dynamic=False, fullgraph=True)
+        # (one code object, a graph per kind and dtype: more than dynamo's default limit of 8)
+        with torch._dynamo.config.patch(recompile_limit=64):
+            t = time_op(lambda fn=fn: fn(x), dev, target_s=0.02, warmup=2, stat="min")
+        per_step = t / (steps * n) - arith * out.get("arith", 0.0)
+        out[kind] = max(per_step, 0.0) / ops
+    return out
+
+
 # ---------------------------------------------------------------------------- copies, AdamW
 def measure_copies(dev: Device, nbytes: int) -> dict:
     """Host↔device copy rates (B/s, bytes moved one way) and the device copy rate (read + write),

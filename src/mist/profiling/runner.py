@@ -199,6 +199,7 @@ class ComputeMeasurements:
     attention: dict  # measure_attention: the attention grid
     copies: dict  # measure_copies: device, host-link and bidirectional copy rates
     memory_ops: dict  # measure_memory_ops: bandwidth per class and the fits
+    pointwise: dict  # measure_pointwise: seconds per element-operation of each kind, Inductor's kernels
     adam: dict  # measure_adam: AdamW seconds per parameter on the device and the host
 
 
@@ -281,6 +282,8 @@ def _measure_compute(kind, dev, st, budget, ticker) -> ComputeMeasurements:
         budget.phase_deadline("memory_ops"),
         lambda f: tick_m(f, "memory-bound ops"),
     )
+    tick_m(1.0, "fused pointwise kernels (Inductor)")
+    pointwise = compute.measure_pointwise(dev)
     ticker("adam")(0.0, "AdamW")
     budget.phase_deadline("adam")
     # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
@@ -293,6 +296,7 @@ def _measure_compute(kind, dev, st, budget, ticker) -> ComputeMeasurements:
         attention=attention,
         copies=copies,
         memory_ops=memory_ops,
+        pointwise=pointwise,
         adam=adam,
     )
 
@@ -465,7 +469,13 @@ def _memory_op_model(meas: Measurements) -> MemoryOpModel:
     src["binary"] = "measured by mist profile: elementwise multiply fwd (3T) and its backward (two multiplies, 6T)"
     src["copy"] = "measured by mist profile: clone (read + write); backward = forward (no backward kernel)"
     src["elementwise"] = "generic fallback: median of the measured layernorm/rmsnorm/gelu/swiglu/dropout/binary classes"
-    return MemoryOpModel(bandwidth=bw, floor_s=meas.compute.op_floor_s, sources=src)
+    src["pointwise_s"] = (
+        "measured by mist profile: Inductor-compiled chains of each kind over one tensor, seconds per "
+        "element-operation (compiled blocks' fused kernels)"
+    )
+    return MemoryOpModel(
+        bandwidth=bw, floor_s=meas.compute.op_floor_s, sources=src, pointwise_s=dict(meas.compute.pointwise)
+    )
 
 
 def _host_model(meas: Measurements) -> HostOverhead:

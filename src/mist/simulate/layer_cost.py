@@ -16,12 +16,12 @@ candidate shapes at once; there is no Python loop per candidate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from mist.analysis.layer import LayerAnalysis
-from mist.analysis.records import COLLECTIVE, AttentionParams, CollectiveParams, GemmParams, OpValues
+from mist.analysis.records import COLLECTIVE, AttentionParams, CollectiveParams, FusedParams, GemmParams, OpValues
 from mist.hardware.collectives import LinkModel
 
 
@@ -37,11 +37,14 @@ class PhaseTime:
 
 
 def kernel_time(profile, op: OpValues, backward: bool) -> np.ndarray:
-    p = op.params  # a GEMM's are `GemmParams`, an attention's `AttentionParams`, a memory op's None
+    p = op.params  # a GEMM's are `GemmParams`, an attention's `AttentionParams`, a fused kernel's
+    # `FusedParams`, another memory op's None
     if isinstance(p, GemmParams):
         return profile.gemm_time(p.m, p.n, p.k, p.batch)
     if isinstance(p, AttentionParams):
         return profile.attention_time(p.b, p.heads, p.kv_heads, p.s, p.d, p.causal, backward, p.s_kv)
+    if isinstance(p, FusedParams):
+        return profile.fused_time(op.bytes_moved, {f.name: getattr(p, f.name) for f in fields(p)}, backward)
     return profile.memory_op_time(op.op, op.bytes_moved, backward)
 
 

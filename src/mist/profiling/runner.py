@@ -199,7 +199,9 @@ class ComputeMeasurements:
     attention: dict  # measure_attention: the attention grid
     copies: dict  # measure_copies: device, host-link and bidirectional copy rates
     memory_ops: dict  # measure_memory_ops: bandwidth per class and the fits
-    pointwise: dict  # measure_pointwise: seconds per element-operation of each kind, Inductor's kernels
+    # measure_pointwise: seconds per element-operation of each kind in Inductor's kernels, or why
+    # Inductor could not compile them here (a str; fused kernels are then priced by their bytes)
+    pointwise: dict | str
     adam: dict  # measure_adam: AdamW seconds per parameter on the device and the host
 
 
@@ -283,7 +285,10 @@ def _measure_compute(kind, dev, st, budget, ticker) -> ComputeMeasurements:
         lambda f: tick_m(f, "memory-bound ops"),
     )
     tick_m(1.0, "fused pointwise kernels (Inductor)")
-    pointwise = compute.measure_pointwise(dev)
+    try:
+        pointwise: dict | str = compute.measure_pointwise(dev)
+    except Exception as exc:  # noqa: BLE001 - no working Inductor here: noted in the profile
+        pointwise = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     ticker("adam")(0.0, "AdamW")
     budget.phase_deadline("adam")
     # on a GPU machine: as one of its GPUs' ranks, all stepping on the host at once
@@ -354,6 +359,11 @@ def assemble(meas: Measurements, name: str) -> GpuProfile:
     links, dp_links, link_notes = _link_sections(meas, name, known, where)
     interference = _interference_section(meas, name, known, where)
     notes = list(meas.notes) + link_notes
+    if isinstance(meas.compute.pointwise, str):
+        notes.append(
+            "fused pointwise kernels not measured (Inductor could not compile them: "
+            f"{meas.compute.pointwise}); compiled blocks' fused kernels are priced by their bytes"
+        )
     if kind == "cpu":
         notes.append(
             f"CPU profile: times measured in {dev.dtype_name} on the host; 'GPU' memory is available RAM; "
@@ -473,8 +483,14 @@ def _memory_op_model(meas: Measurements) -> MemoryOpModel:
         "measured by mist profile: Inductor-compiled chains of each kind over one tensor, seconds per "
         "element-operation (compiled blocks' fused kernels)"
     )
+    pw = meas.compute.pointwise
+    if isinstance(pw, str):
+        src.pop("pointwise_s")
     return MemoryOpModel(
-        bandwidth=bw, floor_s=meas.compute.op_floor_s, sources=src, pointwise_s=dict(meas.compute.pointwise)
+        bandwidth=bw,
+        floor_s=meas.compute.op_floor_s,
+        sources=src,
+        pointwise_s=None if isinstance(pw, str) else dict(pw),
     )
 
 

@@ -21,8 +21,10 @@ ARGS = ["tune", "--model", MODEL, "--gpu", PROFILE, "--gpus-per-node", "2", "--s
 
 def test_compiled_tune_stays_inside_what_compiled_blocks_run(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    # a memory limit that makes the eager search recompute or offload (selective parts included)
-    main([*ARGS, "--compile-blocks", "--memory-limit", "0.3", "-o", str(out), "--json"])
+    # a memory limit that makes the eager search recompute or offload (selective parts included);
+    # tp 1: each tensor-, sequence- and context-parallel block is a capture of its own (half this
+    # test's time), and those analyses are checked in tests/analysis/test_compiled_block.py
+    main([*ARGS, "--compile-blocks", "--tp", "1", "--memory-limit", "0.3", "-o", str(out), "--json"])
     res = json.loads(capsys.readouterr().out)
     plan = load_plan(str(out))
     assert plan.training.compile_blocks

@@ -128,6 +128,7 @@ class Budget:
     total_s: float
     shares: dict  # phase -> weight
     start: float = field(default_factory=time.perf_counter)
+    excluded_s: float = 0.0  # time left out of the budget (`exclude`)
     _done: set = field(default_factory=set)
 
     def elapsed(self) -> float:
@@ -135,6 +136,11 @@ class Budget:
 
     def remaining(self) -> float:
         return max(0.0, self.total_s - self.elapsed())
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` just spent out of the budget (a fixed cost no budget could shorten)."""
+        self.start += seconds
+        self.excluded_s += seconds
 
     def phase_deadline(self, phase: str) -> float:
         """perf_counter time by which `phase` should end: its share of what is left."""

@@ -15,11 +15,11 @@ bytes, liveness, FLOPs) is shared:
   offload splits each of those storages whole, `_save_storage`);
 * **kernels**: GEMMs and attention run as library calls (extern kernels), priced like the eager
   ones. Inductor fuses the pointwise and reduction operators between them; each maximal run of
-  them between two extern kernels is priced as one fused kernel ("fused", the profile's
-  `elementwise` class) that reads the tensors entering the run and writes the ones used after it
-  or kept, and computes each operator's elements (`FusedParams`: element-operations by kind,
-  `_pointwise_work`), so that a device on which the arithmetic outlasts the traffic (a CPU core's
-  tanh) is priced by it. Inductor's scheduler may split a run into several kernels where iteration
+  them between two extern kernels is one fused kernel ("fused") that reads the tensors entering
+  the run, writes the ones used after it or kept, and computes each operator's elements
+  (`FusedParams`: element-operations by kind, `_pointwise_work`), so that a device on which the
+  arithmetic outlasts the traffic (a CPU core's tanh) is priced by it
+  (`mist.hardware.memory_ops.MemoryOpModel.fused_time`). Inductor's scheduler may split a run into several kernels where iteration
   spaces differ (a row reduction next to a column reduction): the bytes are those of the run, the
   launch count a lower bound;
 * **collectives** (tensor and sequence parallelism): PyTorch's functional collectives, recorded
@@ -406,8 +406,9 @@ def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) ->
     result the run writes (`written`: node names) once per element of that result, and one whose
     result stays inside the run once per element of each loop that reads it (Inductor inlines it
     into its readers: a rotary table computed from positions is recomputed for every element of
-    q and of k it multiplies; readers of one size are taken to share a loop). A power with a small integer exponent is that many multiplies
-    (Inductor writes it so), any other an exp and a log."""
+    q and of k it multiplies; readers of one size are taken to share a loop). A power with a
+    small integer exponent is that many multiplies (Inductor writes it so), any other an exp and
+    a log."""
     inside = {n.name for n in group}
 
     def readers(n: torch.fx.Node) -> list[torch.fx.Node]:  # through views and getitems

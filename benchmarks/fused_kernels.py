@@ -75,30 +75,22 @@ def measured(spec: ModelSpec) -> dict:
     return out
 
 
-def predicted(spec: ModelSpec, profile) -> dict:
-    """{phase: (bytes-only seconds, roofline seconds, number of fused kernels)}."""
+def predicted(spec: ModelSpec, profile) -> tuple[dict, dict]:
+    """({phase: (bytes-only seconds, roofline seconds, number of fused kernels)}, {phase: the
+    fused kernels' element-operations of each kind, in millions})."""
     la = analyze_layer(spec, "block", 1, True, "fp32", "cpu", False, compiled=True)
     bytes_only = replace(profile, memory_ops=replace(profile.memory_ops, pointwise_s=None))
-    out = {}
+    times, work = {}, {}
     for phase in ("fwd", "bwd"):
         ops = [op for op in la.op_values(phase, np.array([B]), np.array([S])) if op.op == "fused"]
         t = [sum(float(np.ravel(kernel_time(p, op, phase == "bwd"))[0]) for op in ops) for p in (bytes_only, profile)]
-        out[phase] = (t[0], t[1], len(ops))
-    return out
-
-
-def work(spec: ModelSpec) -> dict:
-    """Element-operations of each kind in the fused kernels, per pass, in millions."""
-    la = analyze_layer(spec, "block", 1, True, "fp32", "cpu", False, compiled=True)
-    out = {}
-    for phase in ("fwd", "bwd"):
+        times[phase] = (t[0], t[1], len(ops))
         tot: dict = {}
-        for op in la.op_values(phase, np.array([B]), np.array([S])):
-            if op.op == "fused":
-                for f in fields(op.params):
-                    tot[f.name] = tot.get(f.name, 0.0) + float(np.ravel(getattr(op.params, f.name))[0]) / 1e6
-        out[phase] = {k: round(v, 2) for k, v in tot.items() if v}
-    return out
+        for op in ops:
+            for f in fields(op.params):
+                tot[f.name] = tot.get(f.name, 0.0) + float(np.ravel(getattr(op.params, f.name))[0]) / 1e6
+        work[phase] = {k: round(v, 2) for k, v in tot.items() if v}
+    return times, work
 
 
 def main(argv=None) -> int:
@@ -114,7 +106,7 @@ def main(argv=None) -> int:
     rows, data = [], {"profile": profile.provenance, "b": B, "s": S, "models": {}}
     for family in ("gpt", "llama"):
         spec = _spec(family)
-        meas, pred, w = measured(spec), predicted(spec, profile), work(spec)
+        meas, (pred, w) = measured(spec), predicted(spec, profile)
         data["models"][family] = {"measured_s": meas, "predicted_s": pred, "work_millions": w}
         for phase in ("fwd", "bwd"):
             m = sum(meas[phase].values())

@@ -398,6 +398,7 @@ _TRANSCENDENTAL = {
 # row reductions: one step per element of their input (mean and variance together: Welford's)
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "argmax", "argmin", "any"}
 _WELFORD = {"var_mean", "var", "std", "std_mean"}
+_ROW_OPS = _REDUCTIONS | _WELFORD
 
 
 def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) -> FusedParams:
@@ -426,7 +427,7 @@ def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) ->
             continue
         first = _tensor_nodes(n.args)
         out = _val(n)
-        if (_name(n) in _REDUCTIONS or _name(n) in _WELFORD) and first:
+        if _name(n) in _ROW_OPS and first:
             runs[n.name] = ex.numel(_val(first[0]))
         elif isinstance(out, torch.Tensor):
             own = ex.numel(out)
@@ -438,7 +439,7 @@ def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) ->
         if n.name not in runs:
             continue
         name, count = _name(n), runs[n.name]
-        if name in _REDUCTIONS or name in _WELFORD:
+        if name in _ROW_OPS:
             work["welford" if name in _WELFORD else "reduction"] += count
         elif name in _TRANSCENDENTAL:
             work[_TRANSCENDENTAL[name]] += count

@@ -473,13 +473,21 @@ def _fit_memory_ops(dev: Device, rows: dict, io: dict, floor_s: float, cap_Bps: 
 
 
 # ---------------------------------------------------------------------------- fused pointwise work
+def _welford_step(y):
+    """A LayerNorm-like step: mean and variance of each row in one pass, then a use of both."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    v, m = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
+    return (y - m) * 0.5 + v
+
+
 # Each kind's kernel: a chain of `steps` applications to every element (a step's extra arithmetic,
 # counted with the arithmetic's measured cost). Bounded maps, so that no value overflows.
 _POINTWISE_CHAINS = {
     # kind: (one step, element-operations of the kind per step, arithmetic operations per step)
     "arith": (lambda y: y * 0.999 + 0.001, 2, 0),
     "reduction": (lambda y: y - y.mean(dim=-1, keepdim=True) + 0.5, 1, 2),  # rows of 1024
-    "welford": (lambda y: _welford_step(y), 1, 3),
+    "welford": (_welford_step, 1, 3),
     "tanh": (lambda y: y.tanh(), 1, 0),
     "exp": (lambda y: (-y).exp(), 1, 1),
     "sigmoid": (lambda y: y.sigmoid(), 1, 0),
@@ -488,13 +496,6 @@ _POINTWISE_CHAINS = {
     "cos": (lambda y: y.cos(), 1, 0),
     "log": (lambda y: (y * y + 1.0).log(), 1, 2),
 }
-
-
-def _welford_step(y):
-    import torch  # lazy: keeps torch out of `import mist.profiling`
-
-    v, m = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
-    return (y - m) * 0.5 + v
 
 
 def measure_pointwise(dev: Device) -> dict:

@@ -424,7 +424,9 @@ def train(plan, tmp_path, steps=2) -> list[dict]:
     export_plan(plan, "deepspeed", out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(HERE / "deepspeed_train.py"), str(out), str(steps), str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ds_env(), timeout=240, cwd=tmp_path)
+    # (its own Inductor cache: nothing shared with compiles the other test worker runs meanwhile)
+    env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     found = sorted(tmp_path.glob("rank-*.json"))
     assert r.returncode == 0 and len(found) == 2, r.stdout[-2000:] + r.stderr[-4000:]
     results = [json.loads(p.read_text()) for p in found]

@@ -523,7 +523,8 @@ def measure_pointwise(dev: Device) -> dict:
 
         fn = torch.compile(chain, dynamic=False, fullgraph=True)
         # (one code object, a graph per kind and dtype: more than dynamo's default limit of 8)
-        with torch._dynamo.config.patch(recompile_limit=64):
+        # (compiled in this process: no pool of compile workers started for ten small kernels)
+        with torch._dynamo.config.patch(recompile_limit=64), torch._inductor.config.patch(compile_threads=1):
             t = time_op(lambda fn=fn: fn(x), dev, target_s=0.02, warmup=2, stat="min")
         per_step = t / (steps * n) - arith * out.get("arith", 0.0)
         out[kind] = max(per_step, 0.0) / ops

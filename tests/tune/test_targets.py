@@ -131,7 +131,8 @@ def test_megatron_and_torchtitan_search_virtual_stages():
             assert problems(plan) == [], problems(plan)
     assert not any(st[0].chunk_layers for _, st in deepspeed_candidates(spec, cluster, training))
     # interleaved candidates are costed (memoized per rank and chunk) as `mist simulate` prices the plan
-    from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
+    from mist.simulate.gpu_fit import ALLOCATOR_MARGIN
+    from mist.simulate.plan_sim import simulate_plan
     from mist.tune.baselines import _Evaluator
 
     ev = _Evaluator(spec, cluster, training, profile)

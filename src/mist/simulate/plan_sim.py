@@ -27,16 +27,12 @@ from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.zero_bubble_order import ZB_H1
+from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageInput, StageModel, ZeroBubbleHeld
 from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
-
-# The caching allocator rounds and fragments: feasibility keeps this fraction of the capacity
-# free on top of the predicted peak allocated bytes (a named, calibratable assumption; Mist's
-# original used a fixed 0.88 of capacity plus hand-tuned per-knob factors).
-ALLOCATOR_MARGIN = 0.05
 
 
 def stage_inputs(plan: Plan) -> list[StageInput]:
@@ -256,7 +252,7 @@ def _pipeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None =
 def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | None]:
     """Stage i's entry of the prediction, and the sentence saying why it does not fit (or None)."""
     peak = float(r.peak[0])
-    need = peak * (1 + ALLOCATOR_MARGIN)
+    need = float(need_bytes(peak))
     ok = need <= capacity
     problem = None
     if not ok:

@@ -59,9 +59,10 @@ import numpy as np
 
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
+from mist.simulate.gpu_fit import NEED_WORDS, need_bytes
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import iteration_time
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN, chunk_inputs, simulate_plan, stage_inputs
+from mist.simulate.plan_sim import chunk_inputs, simulate_plan, stage_inputs
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
@@ -202,7 +203,7 @@ class _Evaluator:
                 sim["iteration_time_s"],
                 bool(sim["fits"]),
                 tuple(s["stable_time_s"] for s in sim["stages"]),
-                tuple(s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]),
+                tuple(float(need_bytes(s["peak_memory_bytes"])) for s in sim["stages"]),
                 self.capacity,
             )
         else:
@@ -222,7 +223,7 @@ class _Evaluator:
                 it = float(interleaved_recurrence(cf, cb, cx, cy, G))
             else:
                 it = float(iteration_time(T, G, first=X, last=Y, fwd=F))
-            needs = tuple(float(p) * (1 + ALLOCATOR_MARGIN) for p in P)
+            needs = tuple(float(need_bytes(p)) for p in P)
             host_ok = (
                 self.host_cap is None
                 or max(node_usage([s.gpus for s in stages], list(H), self.cluster.gpus_per_node)) <= self.host_cap
@@ -402,8 +403,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     else:
         reason = (
             f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
-            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU (peak + {ALLOCATOR_MARGIN:.0%} "
-            f"allocator margin), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}."
+            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU ({NEED_WORDS}), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}."
         )
     return TuneResult(
         space=space,

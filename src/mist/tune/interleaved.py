@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mist.plan import StageStrategy
+from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence, rank_summary
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN
 from mist.simulate.stage import compose
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier
@@ -73,7 +73,6 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
     """Frontier of rank r holding v chunks of lc blocks each."""
     pp, G = tables.pp, tables.G
     ks = _recompute_per_chunk(tables.space, lc)
-    cap = tables.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
     kinds = [(r == 0 and c == 0, r == pp - 1 and c == v - 1) for c in range(v)]
     parts: list = []
     for (tp, dp, b), sel in tables.stage_choices(tp_fixed):
@@ -84,7 +83,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
         mem = compose(comp, lc * v, v * ks[None, :], interleaved_in_flight(r, pp, G, saved), G)
         tables.evaluated += mem.T.size
-        ok = np.broadcast_to(mem.peak <= cap, shape).copy()
+        ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()
         if tables.host_cap is not None and ok.any():
             ok &= np.broadcast_to(mem.host["peak_bytes"], shape) <= tables.host_cap
         if not ok.any():

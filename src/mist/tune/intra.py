@@ -20,7 +20,7 @@ import numpy as np
 
 from mist.plan import Offload, StageStrategy
 from mist.rules.pipeline_order import earlier_in_flight
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN
+from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.stage import StageComponents, StageInput, StageModel, compose
 from mist.tune.space import MAX_TP, SearchSpace, tp_degrees
 
@@ -251,14 +251,13 @@ class StageTables:
         cs = self._recompute_grid(layers)
         Ts, Fs, Xs, Ys, metas = [], [], [], [], []
         min_peak = min_host = np.inf
-        cap = self.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
         for (tp, dp, b), sel in self.stage_choices(tp_fixed):
             grid, comp = self.components(tp, dp, b, first, last, sel)
             r = compose(comp, layers, cs[None, :], in_flight, self.G)
             self.evaluated += r.T.size
             peak = r.peak
             min_peak = min(min_peak, float(peak.min()))
-            ok = peak <= cap
+            ok = fits_gpu(peak, self.profile)
             if self.host_cap is not None and ok.any():
                 host = np.broadcast_to(r.host["peak_bytes"], ok.shape)
                 min_host = min(min_host, float(host[ok].min()))

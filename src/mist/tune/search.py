@@ -26,7 +26,8 @@ from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
 from mist.rules.compiled_blocks import compiled_block_problem
 from mist.rules.zero_bubble_order import ZB_H1
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN, simulate_plan
+from mist.simulate.gpu_fit import NEED_WORDS, need_bytes
+from mist.simulate.plan_sim import simulate_plan
 from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
@@ -364,13 +365,13 @@ def _gib(n: float) -> str:
 def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
     """Why nothing fits. min_peak / min_host: the least GPU memory, and the least host memory where
     it fits the GPU, of any stage holding the most blocks of its split (a bound on every split)."""
-    need = min_peak * (1 + ALLOCATOR_MARGIN)
+    need = float(need_bytes(min_peak))
     if not np.isfinite(min_peak):
         return "No configuration of this space applies to this model and cluster."
     if need > profile.memory_bytes:
         return (
             f"No configuration fits: in every split the stage with the most blocks needs at least "
-            f"{_gib(need)} per GPU (peak + {ALLOCATOR_MARGIN:.0%} allocator margin), against the "
+            f"{_gib(need)} per GPU ({NEED_WORDS}), against the "
             f"{_gib(profile.memory_bytes)} of a {profile.name}."
         )
     if np.isfinite(min_host) and min_host > host_cap:

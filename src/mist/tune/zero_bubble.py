@@ -25,7 +25,7 @@ import numpy as np
 
 from mist.plan import Plan
 from mist.rules.zero_bubble_order import ZB_H1
-from mist.simulate.plan_sim import ALLOCATOR_MARGIN
+from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.stage import ZeroBubbleHeld, compose
 from mist.simulate.zero_bubble import stage_weight_grad, zb_held, zb_recurrence
 from mist.tune.inter import best_split
@@ -60,7 +60,6 @@ def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptio
     """Frontier of stage i holding `layers` blocks under ZB-H1 (no recomputation)."""
     pp, G = tables.pp, tables.G
     first, last = i == 0, i == pp - 1
-    cap = tables.profile.memory_bytes / (1 + ALLOCATOR_MARGIN)
     cols: list = []
     metas: list = []
     sel = (False, False)  # no selective recomputation either (`zb_h1_problem`), if the space has none
@@ -72,7 +71,7 @@ def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptio
         earlier, waiting = zb_held(i, pp, G, saved, wg.waiting_bytes[0])
         r = compose(comp, layers, np.zeros((1, 1)), earlier, G, ZeroBubbleHeld(waiting, wg.grad_bytes[0]))
         tables.evaluated += r.T.size
-        ok = (r.peak <= cap) & _runnable(grid)[:, None]
+        ok = fits_gpu(r.peak, tables.profile) & _runnable(grid)[:, None]
         if tables.host_cap is not None and ok.any():
             ok &= np.broadcast_to(r.host["peak_bytes"], ok.shape) <= tables.host_cap
         if not ok.any():

@@ -35,7 +35,15 @@ TINY = {
     "tie_embeddings": False,
 }
 TINY_SETUP = gpu_loop.Setup(
-    model=TINY, seq=16, global_batch=4, micro_batch=2, steps=3, dtype="fp32", gpu="cpu", device="cpu"
+    model=TINY,
+    seq=16,
+    global_batch=4,
+    micro_batch=2,
+    steps=3,
+    dtype="fp32",
+    gpu="cpu",
+    device="cpu",
+    kernel_blocks=((TINY, 2), ({**TINY, "family": "gpt", "bias": True}, 1)),
 )
 
 
@@ -71,6 +79,28 @@ def test_the_loop_records_runs_timeouts_and_the_bare_loop(report):
     assert slow["status"] == "timeout" and "stopped after" in slow["error"]
     bare = res["bare_loop"]
     assert bare["status"] == "ok" and len(bare["losses"]) == 3 and bare["step_time_s"] > 0
+
+
+def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
+    res, md, _, _ = report
+    rows = res["kernels"]
+    assert [(r["model"], r["b"], r["status"]) for r in rows] == [("tiny-llama", 2, "ok"), ("tiny-llama", 1, "ok")]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0
+        # on a CPU the profiler's rows are operators: the block's GEMMs among them, in both passes
+        assert any("mm" in name for name in r["fwd"]) and any("mm" in name for name in r["bwd"])
+        assert all(c > 0 and us > 0 for c, us in r["fwd"].values())
+    llama, gpt = rows[0]["linears"], rows[1]["linears"]
+    # Llama's four projections (fused QKV, output, gate+up, down) have no bias; GPT's column-parallel
+    # ones (QKV, fc1) pass theirs to the GEMM
+    assert len(llama) == len(gpt) == 4 and not any(lin["bias_in_gemm"] for lin in llama)
+    assert [lin["bias_in_gemm"] for lin in gpt] == [True, False, True, False]
+    for lin in llama + gpt:
+        assert lin["m"] == 16 * (2 if lin in llama else 1) and lin["k"] in (64, 128, 256)
+        assert min(lin["as_called_ms"], lin["random_weights_ms"]) > 0
+        assert (lin["no_bias_ms"] is not None) == lin["bias_in_gemm"] and (lin["no_bias_ms"] or 1) > 0
+    section = md.split("## Kernels of single blocks")[1]
+    assert section.count("| linear |") == 2 and section.count("(bias in the GEMM)") == 2
 
 
 def test_report_rows_and_predictions(report):

@@ -1,7 +1,7 @@
 """The one-shot GPU loop: one run on a machine with one CUDA GPU (an H200), everything under $OUT.
 
-    OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 460] [--profile-budget 240]
-        [--skip profile,plans,bare]
+    OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 490] [--profile-budget 240]
+        [--skip profile,plans,bare,kernels]
 
 Phases, in this order; each saves $OUT/gpu_loop.json as it goes (a plan in flight is marked
 "running"), so a run cut short still leaves what it measured; a failing part is recorded with its
@@ -17,9 +17,15 @@ error string and the loop goes on:
             offload takes about twice as long, so it runs last.
 3. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
             mean/median step time and peak memory, for the runtime-overhead comparison. ~15 s.
+4. kernels  single decoder blocks where `mist estimate` misses most on the H200 (GPT-3 7B at
+            micro-batch 4: forward +15 %; GPT-3 1.3B at 1: −21 %; Llama 3 8B at 4), each pass under
+            torch.profiler: every kernel's count and device time. And each of the block's linear
+            layers timed alone at its own shape: as the block calls it, without its bias, and
+            with random weights — the GEMM table (`F.linear`, no bias, random data) prices the
+            first. ~20 s.
 
-The whole run is held to --budget seconds (460, under 8 minutes): a plan gets what is left after
-a reserve for the bare loop and is stopped (its worker terminated) when that runs out; plans that
+The whole run is held to --budget seconds (490, about 8 minutes): a plan gets what is left after
+the reserves for the bare loop and the kernel phase and is stopped (its worker terminated) when that runs out; plans that
 cannot get MIN_PLAN_S are skipped. No simulator runs here: `report_gpu_loop.py` predicts the plans
 afterwards on the fetched files (the tracer's symbolic shapes are not reliable under torch 2.11).
 """
@@ -47,10 +53,11 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 MODEL, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = "llama-1.3b", 2048, 8, 4, 5
-TOTAL_BUDGET_S = 460.0  # the whole run
+TOTAL_BUDGET_S = 490.0  # the whole run
 PROFILE_BUDGET_S = 240.0  # `mist profile --time-budget`
 PROFILE_GRACE_S = 90.0  # the profile subprocess is stopped at its budget + this
 BARE_RESERVE_S = 40.0  # kept for the bare loop while plans run
+KERNELS_RESERVE_S = 30.0  # kept for the kernel phase while plans and the bare loop run
 MIN_PLAN_S = 25.0  # a plan is skipped when less than this is left for it
 PLAN_CAP_S = 150.0  # no plan runs longer than this
 RESULT = "gpu_loop.json"
@@ -67,6 +74,8 @@ PLANS = [
     ("optimizer offload 1.0", lambda n: {"offload": {"optimizer": 1.0}}),
 ]
 PLAIN = PLANS[0][0]
+# (preset, micro-batch) of the kernel phase: the H200 blocks `mist estimate` misses most
+KERNEL_BLOCKS = (("gpt3-7b", 4), ("gpt3-1.3b", 1), ("llama3-8b", 4))
 
 
 # ---------------------------------------------------------------------------- bookkeeping
@@ -373,6 +382,133 @@ def bare_loop(
     }
 
 
+# ---------------------------------------------------------------------------- phase 4: kernels
+def _timed(fn, cuda: bool, reps: int = 10, warm: int = 3) -> float:
+    """Median seconds of fn() run alone (synchronised before and after each call)."""
+    import torch
+
+    ts = []
+    for i in range(warm + reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warm:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _kernel_table(prof, cuda: bool, reps: int) -> dict:
+    """{kernel (CUDA) or operator (CPU) name: [calls, µs] per pass}, self times, largest first."""
+    rows = {}
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows[e.key] = [e.count / reps, us / reps]
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
+
+
+def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 5) -> dict:
+    """One decoder block of `model`: each pass's kernels under torch.profiler, and each linear
+    layer alone at its own shape: as the block calls it (its weights N(0, 0.02), the input
+    standard normal, like a normalised activation), without its bias where the GEMM takes one,
+    and with standard-normal weights (as the GEMM table was measured)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from mist.models import DecoderBlock
+    from mist.models.dtypes import torch_dtype
+    from mist.models.linear import ColumnParallelLinear, RowParallelLinear
+    from mist.specs.loading import load_model, load_model_dict
+
+    spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
+    dev, dt = torch.device(device), torch_dtype(dtype)
+    cuda = dev.type == "cuda"
+    torch.manual_seed(0)
+    blk = DecoderBlock(spec, None, True, dt, dev)
+    with torch.no_grad():
+        for n, q in blk.named_parameters():
+            if q.dim() >= 2:
+                q.normal_(0, 0.02)
+            elif "norm" in n:
+                q.fill_(1.0)
+            else:
+                q.zero_()
+    x = torch.randn(b, seq, spec.hidden_size, device=dev, dtype=dt, requires_grad=True)
+    g = torch.randn_like(x)
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    row: dict = {"model": spec.name, "b": b, "seq": seq}
+    row["fwd_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            blk(x)
+        if cuda:
+            torch.cuda.synchronize()
+    row["fwd"] = _kernel_table(prof, cuda, reps)
+    timed = [blk(x) for _ in range(reps + 3)]  # one forward graph per timed backward
+    row["bwd_ms"] = 1e3 * _timed(lambda: timed.pop().backward(g), cuda, reps=reps, warm=3)
+    profiled = [blk(x) for _ in range(reps)]
+    with profile(activities=acts) as prof:
+        while profiled:
+            profiled.pop().backward(g)
+        if cuda:
+            torch.cuda.synchronize()
+    row["bwd"] = _kernel_table(prof, cuda, reps)
+    row["linears"] = []
+    for name, lin in blk.named_modules():
+        if not isinstance(lin, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        n_out, k = lin.weight.shape
+        a = torch.randn(b * seq, k, device=dev, dtype=dt)
+        w, bias, rand = lin.weight.detach(), lin.bias, torch.randn_like(lin.weight)
+        fused_bias = isinstance(lin, ColumnParallelLinear) and bias is not None
+        with torch.no_grad():
+            row["linears"].append(
+                {
+                    "name": name,
+                    "m": b * seq,
+                    "n": n_out,
+                    "k": k,
+                    "bias_in_gemm": fused_bias,
+                    "as_called_ms": 1e3 * _timed(lambda: F.linear(a, w, bias if fused_bias else None), cuda),
+                    "no_bias_ms": 1e3 * _timed(lambda: F.linear(a, w), cuda) if fused_bias else None,
+                    "random_weights_ms": 1e3 * _timed(lambda: F.linear(a, rand), cuda),
+                }
+            )
+    return row
+
+
+def kernels_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
+    res["kernels"] = []
+    for model, b in su.kernel_blocks:
+        if clock.left() < 5:
+            res["kernels"].append({"model": str(model), "b": b, "status": "skipped", "error": "no time left"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = with_time_limit(clock.left(), lambda: block_kernels(model, b, su.seq, su.device, su.dtype))
+            row["status"] = "ok"
+        except TimeLimit as e:
+            row = {"model": str(model), "b": b, "status": "timeout", "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+            row = {"model": str(model), "b": b, "status": "error", "error": error_text(e)}
+        row["wall_s"] = time.perf_counter() - t0
+        res["kernels"].append(row)
+        save(out, res)
+        log(
+            out,
+            f"kernels {row['model']} b {b}: {row['status']}"
+            + (f", fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms" if row["status"] == "ok" else ""),
+        )
+        if su.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
 class Setup:
@@ -386,6 +522,7 @@ class Setup:
     dtype: str = "bf16"
     gpu: str = "h200"  # the plan's cluster.gpu
     device: str = "cuda"
+    kernel_blocks: tuple = KERNEL_BLOCKS  # (model, micro-batch) of the kernel phase
 
 
 class Clock:
@@ -440,8 +577,8 @@ def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float)
         )
 
 
-def bare_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
-    limit = clock.left()
+def bare_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float = 0.0) -> None:
+    limit = clock.left() - reserve_s
     t0 = time.perf_counter()
     if limit < 10:
         res["bare_loop"] = {"status": "skipped", "error": f"only {max(0.0, limit):.0f} s left"}
@@ -476,7 +613,7 @@ def run_loop(
     profile_budget_s: float = PROFILE_BUDGET_S,
     skip: frozenset = frozenset(),
 ) -> dict:
-    """The three phases into out/gpu_loop.json (saved after every step); returns the results."""
+    """The four phases into out/gpu_loop.json (saved after every step); returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(budget_s)
     res = {
@@ -489,10 +626,12 @@ def run_loop(
         "profile": None,
         "plans": [],
         "bare_loop": None,
+        "kernels": None,
     }
     save(out, res)
     log(out, f"{res['env'].get('device', su.device)} torch {res['env']['torch']}; budget {budget_s:.0f} s")
-    reserve = 0.0 if "bare" in skip else BARE_RESERVE_S
+    later = 0.0 if "kernels" in skip else KERNELS_RESERVE_S
+    reserve = later + (0.0 if "bare" in skip else BARE_RESERVE_S)
     if "profile" not in skip:
         limit = min(profile_budget_s + PROFILE_GRACE_S, clock.left() - reserve - 2 * MIN_PLAN_S)
         res["profile"] = {"status": "running", "started": now()}
@@ -504,7 +643,9 @@ def run_loop(
     if "plans" not in skip:
         plans_phase(out, res, su, clock, reserve)
     if "bare" not in skip:
-        bare_phase(out, res, su, clock)
+        bare_phase(out, res, su, clock, later)
+    if "kernels" not in skip:
+        kernels_phase(out, res, su, clock)
     res["finished"] = now()
     res["total_wall_s"] = budget_s - clock.left()
     save(out, res)
@@ -516,7 +657,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="Seconds for the whole run.")
     ap.add_argument("--profile-budget", type=float, default=PROFILE_BUDGET_S)
-    ap.add_argument("--skip", default="", help="Comma-separated phases to skip: profile, plans, bare.")
+    ap.add_argument("--skip", default="", help="Comma-separated phases to skip: profile, plans, bare, kernels.")
     a = ap.parse_args(argv)
 
     import torch

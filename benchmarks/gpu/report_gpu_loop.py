@@ -8,8 +8,10 @@ Reads FETCHED_OUT/gpu_loop.json and FETCHED_OUT/h200-profile.json (when the prof
 it). Every measured plan is simulated with `simulate_plan` twice: with the shipped profile and
 with the fetched (measured) one. Writes the markdown report (step time, peak memory, the
 runtime's accounted state / saved-activation bytes against the simulator's to the byte, bare
-PyTorch loop vs the plain plan), the raw run with the predictions added (--json), and the GEMM
-grid of the fetched profile against the shipped one (benchmarks/compare_profiles.py).
+PyTorch loop vs the plain plan, and the kernel phase's single blocks: their largest kernels and
+their linear layers alone next to the shipped profile's GEMM table), the raw run with the
+predictions added (--json), and the GEMM grid of the fetched profile against the shipped one
+(benchmarks/compare_profiles.py).
 Errors are (predicted − measured) / measured.
 """
 
@@ -136,7 +138,7 @@ def bytes_table(ok: list[dict], labels: list[str]) -> list[str]:
     return out
 
 
-def markdown(data: dict, labels: list[str], profile_summary: str | None) -> str:
+def markdown(data: dict, labels: list[str], profile_summary: str | None, gemm_profile=None) -> str:
     env, setup = data.get("env", {}), data.get("setup", {})
     ok = [r for r in data.get("plans", []) if r.get("status") == "ok"]
     model = setup.get("model", "?")
@@ -194,7 +196,43 @@ def markdown(data: dict, labels: list[str], profile_summary: str | None) -> str:
     ]
     if profile_summary:
         out += ["", profile_summary]
+    if data.get("kernels") and gemm_profile is not None:
+        out += ["", *kernels_section(data["kernels"], gemm_profile)]
     return "\n".join(out) + "\n"
+
+
+def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:
+    """Phase 4: each block's passes (time, the kernels' device time, the largest kernels) and its
+    linear layers alone: as the block calls them, without bias, with random weights, and what
+    `profile`'s GEMM table prices that shape at."""
+    out = ["## Kernels of single blocks", ""]
+    for r in rows:
+        head = f"### {r.get('model')} b {r.get('b')}"
+        if r.get("status") != "ok":
+            out += [head, "", f"{r.get('status')}: {last_line(r.get('error'))}", ""]
+            continue
+        out += [head, ""]
+        for ph in ("fwd", "bwd"):
+            ks = r[ph]
+            total = sum(us for _, us in ks.values()) / 1e3
+            out.append(
+                f"- {ph}: {r[ph + '_ms']:.3f} ms; kernels {total:.3f} ms in {sum(c for c, _ in ks.values()):.0f} calls"
+            )
+            out += [f"  - {us / 1e3:.3f} ms ×{c:g} `{name[:90]}`" for name, (c, us) in list(ks.items())[:top]]
+        out += [
+            "",
+            f"| linear | m × n × k | as called (ms) | without bias | random weights | `{profile.name}` table |",
+            "|---|---|---|---|---|---|",
+        ]
+        for lin in r["linears"]:
+            table = float(profile.gemm_time(lin["m"], lin["n"], lin["k"], 1)) * 1e3
+            bias = " (bias in the GEMM)" if lin["bias_in_gemm"] else ""
+            out.append(
+                f"| {lin['name']}{bias} | {lin['m']} × {lin['n']} × {lin['k']} | {lin['as_called_ms']:.4f} | "
+                f"{_num(lin['no_bias_ms'], '.4f')} | {lin['random_weights_ms']:.4f} | {table:.4f} |"
+            )
+        out.append("")
+    return out
 
 
 def overhead_line(data: dict) -> str:
@@ -249,7 +287,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - the report still covers the shipped profile
             summary = f"The fetched profile could not be used: {error_text(e, 500)}"
     add_predictions(data, profiles)
-    text = markdown(data, list(profiles), summary)
+    text = markdown(data, list(profiles), summary, profiles[f"shipped {a.shipped}"])
     Path(a.md).write_text(text)
     Path(a.json).write_text(json.dumps(data, indent=1))
     print(text)

@@ -121,6 +121,9 @@ def test_report_rows_and_predictions(report):
     assert "(+0)" in md.split("## Accounted bytes")[1]
     assert "runtime overhead" in md and "too slow: timeout" in md
     assert "GEMM grid of the fetched profile" in md and profile_md.startswith("GEMM grid:")
+    # allocator statistics exist on a GPU only: a CPU run says so, for the runtime and the profiles
+    assert "- plain: reserved peak not measured, outside the allocator not measured after the last step" in md
+    assert "outside the allocator in the profiles: `shipped h200` not measured" in md
 
 
 def test_the_loop_refuses_without_cuda(capsys):

@@ -186,6 +186,10 @@ BAD_PROFILES = [
     (_set("adam_gpu_s_per_param", value=-1e-9), "adam_gpu_s_per_param must be a finite number >= 0"),
     (_set("host_memory_per_gpu", value=0), "host_memory_per_gpu must be a positive finite number"),
     (_set("host_memory_per_gpu", value=-5.0), "host_memory_per_gpu must be a positive finite number"),
+    (_set("outside_allocator_bytes", value=-1), "outside_allocator_bytes must be a whole number of bytes from 0"),
+    (_set("outside_allocator_bytes", value=0.5), "outside_allocator_bytes must be a whole number of bytes from 0"),
+    (_set("outside_allocator_bytes", value=1e300), "to below memory_bytes"),
+    (_set("outside_allocator_bytes", value="1"), "outside_allocator_bytes must be a whole number"),
     (_set("peak_flops", value=float("nan")), "peak_flops must be a positive finite number, got nan"),
     (_set("hbm_bandwidth", value=float("inf")), "hbm_bandwidth must be a positive finite number, got inf"),
     (_set("peak_flops", value="1e15"), "peak_flops must be a positive finite number"),
@@ -258,10 +262,13 @@ def test_valid_optional_fields_still_load(tmp_path):
     d = load_profile("l4").to_dict()
     d["host_memory_per_gpu"] = 64.0 * 2**30
     d["adam_gpu_s_per_param"] = 0.0
+    d["outside_allocator_bytes"] = 600 * 2**20
     path = tmp_path / "ok.json"
     path.write_text(json.dumps(d))
     p = load_profile(str(path))
     assert p.host_memory_per_gpu == 64.0 * 2**30 and p.adam_time(10) == 0.0
+    assert p.outside_allocator_bytes == 600 * 2**20 and p.to_dict()["outside_allocator_bytes"] == 600 * 2**20
+    assert "outside_allocator_bytes" not in load_profile("l4").to_dict()  # not measured: not written
 
 
 # ---------------------------------------------------------------------------- GEMM

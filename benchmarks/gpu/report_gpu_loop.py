@@ -121,6 +121,24 @@ def peak_table(ok: list[dict], labels: list[str]) -> list[str]:
     return out
 
 
+def outside_lines(ok: list[dict], profiles_outside: dict) -> list[str]:
+    """The allocator's peak reserved bytes and the device bytes outside it (CUDA context, libraries)
+    per plan, next to what the profiles say is outside it (the fit rule takes it off the capacity)."""
+    rows = [
+        f"- {name}: reserved peak {_gib(s.get('peak_reserved_bytes'))}, outside the allocator "
+        f"{_gib(s.get('outside_allocator_bytes'))} after the last step"
+        for _, _, s, name in _stage_rows(ok)
+    ]
+    if not rows:
+        return []
+    prof = "; ".join(f"`{lb}` {_gib(v)}" for lb, v in profiles_outside.items())
+    return ["", *rows, f"- outside the allocator in the profiles: {prof}", ""]
+
+
+def _gib(v) -> str:
+    return f"{v / 2**30:.2f} GiB" if isinstance(v, (int, float)) else "not measured"
+
+
 def bytes_table(ok: list[dict], labels: list[str]) -> list[str]:
     head = " | ".join(f"predicted, {lb}" for lb in labels)
     out = [
@@ -138,7 +156,10 @@ def bytes_table(ok: list[dict], labels: list[str]) -> list[str]:
     return out
 
 
-def markdown(data: dict, labels: list[str], profile_summary: str | None, gemm_profile=None) -> str:
+def markdown(
+    data: dict, labels: list[str], profile_summary: str | None, gemm_profile=None, profiles_outside=None
+) -> str:
+    profiles_outside = profiles_outside or {}
     env, setup = data.get("env", {}), data.get("setup", {})
     ok = [r for r in data.get("plans", []) if r.get("status") == "ok"]
     model = setup.get("model", "?")
@@ -162,6 +183,7 @@ def markdown(data: dict, labels: list[str], profile_summary: str | None, gemm_pr
         "",
         *peak_table(ok, labels),
         "",
+        *outside_lines(ok, profiles_outside),
         "## Accounted bytes (the runtime's tensor accounting vs the simulator, to the byte)",
         "",
         "Predicted (predicted − measured) in bytes; `+0` is an exact match.",
@@ -287,7 +309,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - the report still covers the shipped profile
             summary = f"The fetched profile could not be used: {error_text(e, 500)}"
     add_predictions(data, profiles)
-    text = markdown(data, list(profiles), summary, profiles[f"shipped {a.shipped}"])
+    outside = {lb: p.outside_allocator_bytes for lb, p in profiles.items()}
+    text = markdown(data, list(profiles), summary, profiles[f"shipped {a.shipped}"], outside)
     Path(a.md).write_text(text)
     Path(a.json).write_text(json.dumps(data, indent=1))
     print(text)

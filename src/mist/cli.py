@@ -288,10 +288,13 @@ def tune(
         model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype, compile_blocks
     )
     if memory_limit is not None:
-        if not 0 < memory_limit * GiB <= profile.memory_bytes:
+        outside = profile.outside_allocator_bytes or 0  # the limit caps the device: this is in it
+        if not outside < memory_limit * GiB <= profile.memory_bytes:
             raise MistInputError(
-                f"--memory-limit must lie in (0, {profile.memory_bytes / GiB:.2f}] GiB "
-                f"(the capacity of {profile.name}), got {memory_limit}."
+                f"--memory-limit must lie in ({outside / GiB:.2f}, {profile.memory_bytes / GiB:.2f}] GiB "
+                f"(the capacity of {profile.name}"
+                + (", above what is in use outside PyTorch's allocator" if outside else "")
+                + f"), got {memory_limit}."
             )
         profile = replace(profile, memory_bytes=int(memory_limit * GiB))
     prog, update = _progress_printer(not as_json)

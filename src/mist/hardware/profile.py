@@ -55,6 +55,9 @@ class GpuProfile:
     dp_links: dict | None = None  # DP / cross-node / p2p parts of DpLinks (the dp_links.json entry form)
     interference: dict | None = None  # InterferenceModel JSON {"provenance", "channels", "factors"}
     host_memory_per_gpu: float | None = None  # bytes of host RAM per GPU of the profiled machine
+    # device bytes in use outside PyTorch's caching allocator (the CUDA context, libraries'
+    # buffers), measured by `mist profile` on a GPU; None: not measured (taken as 0)
+    outside_allocator_bytes: int | None = None
 
     # ------------------------------------------------------------------ predictors
     # Scalars in give a numpy float64 out (a Python float subclass); arrays give arrays.
@@ -175,6 +178,8 @@ class GpuProfile:
                 d[key] = getattr(self, key)
         if self.host_memory_per_gpu is not None:
             d["host_memory_per_gpu"] = float(self.host_memory_per_gpu)
+        if self.outside_allocator_bytes is not None:
+            d["outside_allocator_bytes"] = int(self.outside_allocator_bytes)
         return d
 
     @classmethod

@@ -66,6 +66,14 @@ def profile_fields(d: dict, source: str = "GPU profile") -> dict:
                 f"{source}: host_memory_per_gpu must be at most 2**50 bytes (1 PiB), got {_show(host_memory)}."
             )
         host_memory = float(host_memory)
+    outside = d.get("outside_allocator_bytes")
+    if outside is not None:
+        if not _is_whole(outside) or not 0 <= outside < d["memory_bytes"]:
+            raise MistInputError(
+                f"{source}: outside_allocator_bytes must be a whole number of bytes from 0 to below "
+                f"memory_bytes ({_show(d['memory_bytes'])}), got {_show(outside)}."
+            )
+        outside = int(outside)
     for k, kind in (("sources", dict), ("fingerprint", dict), ("notes", list)):
         if not isinstance(d.get(k, kind()), kind):
             raise MistInputError(
@@ -85,6 +93,7 @@ def profile_fields(d: dict, source: str = "GPU profile") -> dict:
         fingerprint=dict(d.get("fingerprint", {})),
         notes=list(d.get("notes", [])),
         host_memory_per_gpu=host_memory,
+        outside_allocator_bytes=outside,
         **_sections(d, source),
         **scalars,
     )

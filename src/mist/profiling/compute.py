@@ -673,6 +673,25 @@ def memory_capacity(dev: Device) -> tuple[int, str]:
     return int(pages), "measured: available host RAM (sysconf), CPU run"
 
 
+def memory_outside_allocator(dev: Device) -> tuple[int, str] | None:
+    """(bytes, source) of device memory in use that PyTorch's caching allocator does not hold —
+    the CUDA context with the kernels loaded so far (the GEMM, attention and memory-bound ones of
+    the phases before) and the libraries' own buffers — as total − free − reserved; None on a CPU,
+    where the allocator's capacity is the available RAM already."""
+    if dev.kind != "cuda":
+        return None
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    torch.cuda.synchronize(dev.index)
+    free, total = torch.cuda.mem_get_info(dev.index)
+    outside = max(0, int(total) - int(free) - int(torch.cuda.memory_reserved(dev.index)))
+    return outside, (
+        "measured: device memory in use outside PyTorch's allocator after the compute phases "
+        "(total - free - reserved): one process's CUDA context and libraries; no NCCL communicator, "
+        "and anything else running on the GPU counted in"
+    )
+
+
 def device_name(dev: Device) -> str:
     if dev.kind == "cuda":
         import torch  # lazy: keeps torch out of `import mist.profiling`

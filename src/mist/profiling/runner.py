@@ -215,6 +215,7 @@ class Measurements:
     compute: ComputeMeasurements
     overlap_local: dict  # overlap.measure_local_pairs: the in-process interference pairs
     capacity: tuple[int, str]  # memory bytes, and where that number comes from
+    outside_allocator: tuple[int, str] | None  # device bytes outside PyTorch's allocator (GPU only)
     comm: dict | None  # comm.run_workers (None: collectives not measured)
     comm_error: str | None  # why the collective workers failed, if they did
     fingerprint: dict  # compute.fingerprint plus busy_neighbours and profile_seconds
@@ -231,6 +232,7 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
     budget.phase_deadline("overlap")
     overlap_local = overlap.measure_local_pairs(dev, st.overlap_gemm, st.overlap_copy_bytes, st.overlap_target_s)
     capacity = compute.memory_capacity(dev)
+    outside_allocator = compute.memory_outside_allocator(dev)
     comm, comm_error, notes = _measure_collectives(kind, dev, st, budget, processes, ticker("collectives"))
     fp = compute.fingerprint(dev, processes)
     fp["busy_neighbours"] = busy.count
@@ -244,6 +246,7 @@ def _measure(kind, dev, st, budget, processes, report, ticker, name):
         compute=tables,
         overlap_local=overlap_local,
         capacity=capacity,
+        outside_allocator=outside_allocator,
         comm=comm,
         comm_error=comm_error,
         fingerprint=fp,
@@ -416,6 +419,7 @@ def assemble(meas: Measurements, name: str) -> GpuProfile:
                 f"{k}: {v.get('provenance', '')}" for k, v in dp_links.items() if isinstance(v, dict)
             ),
             "interference": interference["provenance"],
+            **({"outside_allocator_bytes": meas.outside_allocator[1]} if meas.outside_allocator else {}),
         },
         fingerprint=_profile_fingerprint(meas),
         notes=notes,
@@ -423,6 +427,7 @@ def assemble(meas: Measurements, name: str) -> GpuProfile:
         dp_links=dp_links,
         interference=interference,
         host_memory_per_gpu=_host_ram_per_gpu() if kind == "cuda" else None,
+        outside_allocator_bytes=meas.outside_allocator[0] if meas.outside_allocator else None,
     )
 
 

@@ -437,8 +437,19 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [([int(v) for v in row[:k]], [float(v) for v in row[k:]]) for row in t.tolist()]
 
+    def _allocator_bytes(self) -> tuple[int, int]:
+        """(peak bytes reserved by PyTorch's caching allocator, device bytes in use outside it now:
+        total − free − reserved) on a GPU; (0, 0) on a CPU."""
+        if self.device.type != "cuda":
+            return 0, 0
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return torch.cuda.max_memory_reserved(self.device), max(0, total - free - reserved)
+
     def metrics(self) -> dict:
         t = self.plan.training
+        cuda = self.device.type == "cuda"
         tokens = t.global_batch * t.seq_len
         times = [r["time_s"] for r in self.history]
         steady = self.history[1:] if len(self.history) > 1 else self.history  # the first step warms up
@@ -462,9 +473,12 @@ class Trainer:
             "weights and kept saved activations (CPU run, no allocator statistics)"
         )
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.memory.peak
+        reserved, outside = self._allocator_bytes()
         per_stage = self.stage_maxima(
             [
                 peak,
+                reserved,
+                outside,
                 self.host_bytes(),
                 self.saved.offloaded_bytes,
                 self.memory.persistent,
@@ -499,6 +513,10 @@ class Trainer:
                 {
                     "peak_memory_bytes": p,
                     "peak_memory_source": source,
+                    # GPU runs: the allocator's peak reserved bytes, and the device bytes in use
+                    # outside it (CUDA context, NCCL, libraries) after the last step (None on a CPU)
+                    "peak_reserved_bytes": r if cuda else None,
+                    "outside_allocator_bytes": o if cuda else None,
                     "host_state_bytes": h,
                     "activation_bytes_offloaded": a,
                     "state_bytes": st,
@@ -509,7 +527,7 @@ class Trainer:
                     "delta_time_s": d,
                     "weight_grad_time_s": w if w >= 0 else None,
                 }
-                for (p, h, a, st, sa, hp, hg), (t, d, w) in per_stage
+                for (p, r, o, h, a, st, sa, hp, hg), (t, d, w) in per_stage
             ],
         }
 

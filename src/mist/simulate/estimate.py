@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mist.analysis import analyze_layer
+from mist.simulate.gpu_fit import fits_gpu, usable_bytes
 from mist.simulate.layer_cost import phase_time, stream_of
 from mist.simulate.precision import default_precision
 from mist.specs.model import ModelSpec
@@ -103,8 +104,8 @@ def estimate(
             "activation_peak_at": where,
             "model_flops": flops,
             "achieved_tflops": flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
-            "capacity_bytes": int(profile.memory_bytes),
-            "fits": sum(mem.values()) <= profile.memory_bytes,
+            "capacity_bytes": usable_bytes(profile),
+            "fits": bool(fits_gpu(sum(mem.values()), profile)),
         },
     }
 

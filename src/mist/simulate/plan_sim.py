@@ -27,7 +27,7 @@ from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.zero_bubble_order import ZB_H1
-from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes
+from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
@@ -259,7 +259,7 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
         problem = (
             f"stage {i} needs {need / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB + "
             f"{ALLOCATOR_MARGIN:.0%} allocator margin), {(need - capacity) / 2**30:.2f} GiB "
-            f"over the {capacity / 2**30:.1f} GiB of a {profile.name}"
+            f"over the {capacity / 2**30:.1f} GiB of a {profile.name}{outside_words(profile)}"
         )
     entry = {
         "stable_time_s": float(r.T[0]),
@@ -292,7 +292,7 @@ def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGra
     # model FLOPs of one iteration: every stage's per-micro-batch FLOPs × its dp × G (no recompute)
     flops = sum(float(r.flops_per_microbatch[0]) * s.tp * s.dp * s.cp * G for r, s in zip(results, plan.stages))
     gpus = plan.cluster.world_size
-    capacity = profile.memory_bytes
+    capacity = usable_bytes(profile)
     entries = [_stage_prediction(i, r, capacity, profile) for i, r in enumerate(results)]
     stages = [e for e, _ in entries]
     problems = [p for _, p in entries if p is not None]

@@ -59,7 +59,7 @@ import numpy as np
 
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
-from mist.simulate.gpu_fit import NEED_WORDS, need_bytes
+from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import chunk_inputs, simulate_plan, stage_inputs
@@ -152,7 +152,7 @@ class _Evaluator:
     def __init__(self, model, cluster, training, profile, exact: bool = False, model_ref=None):
         self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
         self.exact, self.model_ref = exact, model_ref
-        self.capacity = float(profile.memory_bytes)
+        self.capacity = float(usable_bytes(profile))
         self.host_cap = node_host_memory(cluster, profile)[0]  # per node (None: not checked)
         self.count = 0
         self.min_need = math.inf
@@ -403,7 +403,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     else:
         reason = (
             f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
-            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU ({NEED_WORDS}), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}."
+            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU ({NEED_WORDS}), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}{outside_words(profile)}."
         )
     return TuneResult(
         space=space,

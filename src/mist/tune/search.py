@@ -26,7 +26,7 @@ from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
 from mist.rules.compiled_blocks import compiled_block_problem
 from mist.rules.zero_bubble_order import ZB_H1
-from mist.simulate.gpu_fit import NEED_WORDS, need_bytes
+from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
 from mist.simulate.plan_sim import simulate_plan
 from mist.simulate.precision import precision_for
 from mist.specs.model import ModelSpec
@@ -368,11 +368,11 @@ def _infeasible(min_peak, min_host, profile, host_cap, host_source, L) -> str:
     need = float(need_bytes(min_peak))
     if not np.isfinite(min_peak):
         return "No configuration of this space applies to this model and cluster."
-    if need > profile.memory_bytes:
+    if need > usable_bytes(profile):
         return (
             f"No configuration fits: in every split the stage with the most blocks needs at least "
             f"{_gib(need)} per GPU ({NEED_WORDS}), against the "
-            f"{_gib(profile.memory_bytes)} of a {profile.name}."
+            f"{_gib(usable_bytes(profile))} of a {profile.name}{outside_words(profile)}."
         )
     if np.isfinite(min_host) and min_host > host_cap:
         return (

@@ -306,6 +306,21 @@ def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cu
 
 
 # ---------------------------------------------------------------------------- phase 3: bare loop
+def init_weights(module) -> None:
+    """Matrices N(0, 0.02), norm weights 1, biases 0 (the bare loop's model, the kernel phase's
+    blocks)."""
+    import torch
+
+    with torch.no_grad():
+        for n, q in module.named_parameters():
+            if q.dim() >= 2:
+                q.normal_(0, 0.02)
+            elif "norm" in n:
+                q.fill_(1.0)
+            else:
+                q.zero_()
+
+
 def bare_loop(
     model=MODEL,
     seq: int = SEQ,
@@ -334,14 +349,7 @@ def bare_loop(
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(0)
     m = CausalLM(spec, None, flash, wdt, dev)
-    with torch.no_grad():
-        for n, q in m.named_parameters():
-            if q.dim() >= 2:
-                q.normal_(0, 0.02)
-            elif "norm" in n:
-                q.fill_(1.0)
-            else:
-                q.zero_()
+    init_weights(m)
     params = list(m.parameters())
     master = [q.detach().float().clone() for q in params]
     opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=True)
@@ -429,14 +437,7 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
     cuda = dev.type == "cuda"
     torch.manual_seed(0)
     blk = DecoderBlock(spec, None, True, dt, dev)
-    with torch.no_grad():
-        for n, q in blk.named_parameters():
-            if q.dim() >= 2:
-                q.normal_(0, 0.02)
-            elif "norm" in n:
-                q.fill_(1.0)
-            else:
-                q.zero_()
+    init_weights(blk)
     x = torch.randn(b, seq, spec.hidden_size, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn_like(x)
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]

@@ -403,7 +403,8 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     else:
         reason = (
             f"No {space} plan fits: the least memory any of its {ev.count} candidates needs is "
-            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU ({NEED_WORDS}), over the {ev.capacity / GiB:.1f} GiB of a {profile.name}{outside_words(profile)}."
+            f"{ev.min_need / GiB:.2f} GiB on its fullest GPU ({NEED_WORDS}), over the "
+            f"{ev.capacity / GiB:.1f} GiB of a {profile.name}{outside_words(profile)}."
         )
     return TuneResult(
         space=space,

@@ -86,7 +86,8 @@ def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
     rows = res["kernels"]
     assert [(r["model"], r["b"], r["status"]) for r in rows] == [("tiny-llama", 2, "ok"), ("tiny-llama", 1, "ok")]
     for r in rows:
-        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_unit_weights_ms"] > 0
+        assert any("mm" in name for name in r["fwd_unit_weights"])
         # on a CPU the profiler's rows are operators: the block's GEMMs among them, in both passes
         assert any("mm" in name for name in r["fwd"]) and any("mm" in name for name in r["bwd"])
         assert all(c > 0 and us > 0 for c, us in r["fwd"].values())
@@ -101,6 +102,7 @@ def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
         assert (lin["no_bias_ms"] is not None) == lin["bias_in_gemm"] and (lin["no_bias_ms"] or 1) > 0
     section = md.split("## Kernels of single blocks")[1]
     assert section.count("| linear |") == 2 and section.count("(bias in the GEMM)") == 2
+    assert section.count("- fwd with N(0, 1) weight matrices: ") == 2
 
 
 def test_report_rows_and_predictions(report):

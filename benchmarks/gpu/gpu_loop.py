@@ -19,10 +19,11 @@ error string and the loop goes on:
             mean/median step time and peak memory, for the runtime-overhead comparison. ~15 s.
 4. kernels  single decoder blocks where `mist estimate` misses most on the H200 (GPT-3 7B at
             micro-batch 4: forward +15 %; GPT-3 1.3B at 1: −21 %; Llama 3 8B at 4), each pass under
-            torch.profiler: every kernel's count and device time. And each of the block's linear
-            layers timed alone at its own shape: as the block calls it, without its bias, and
-            with random weights — the GEMM table (`F.linear`, no bias, random data) prices the
-            first. ~20 s.
+            torch.profiler: every kernel's count and device time; the forward once more with
+            standard-normal weight matrices (the GEMM table's data) instead of N(0, 0.02). And
+            each of the block's linear layers timed alone at its own shape: as the block calls
+            it, without its bias, and with standard-normal weights — the GEMM table (`F.linear`,
+            no bias, random data) prices the first. ~25 s.
 
 The whole run is held to --budget seconds (490, about 8 minutes): a plan gets what is left after
 the reserves for the bare loop and the kernel phase and is stopped (its worker terminated) when that runs out; plans that
@@ -458,6 +459,20 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
         if cuda:
             torch.cuda.synchronize()
     row["bwd"] = _kernel_table(prof, cuda, reps)
+    # the same forward with standard-normal weight matrices (the GEMM table's data): whether the
+    # weights' values change how fast the block's GEMMs run
+    with torch.no_grad():
+        for q in blk.parameters():
+            if q.dim() >= 2:
+                q.normal_(0, 1.0)
+    row["fwd_unit_weights_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            blk(x)
+        if cuda:
+            torch.cuda.synchronize()
+    row["fwd_unit_weights"] = _kernel_table(prof, cuda, reps)
+    init_weights(blk)
     row["linears"] = []
     for name, lin in blk.named_modules():
         if not isinstance(lin, (ColumnParallelLinear, RowParallelLinear)):

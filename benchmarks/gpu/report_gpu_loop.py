@@ -234,12 +234,12 @@ def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:
             out += [head, "", f"{r.get('status')}: {last_line(r.get('error'))}", ""]
             continue
         out += [head, ""]
-        for ph in ("fwd", "bwd"):
+        passes = (("fwd", "fwd"), ("bwd", "bwd"), ("fwd_unit_weights", "fwd with N(0, 1) weight matrices"))
+        for ph, label in passes:
             ks = r[ph]
             total = sum(us for _, us in ks.values()) / 1e3
-            out.append(
-                f"- {ph}: {r[ph + '_ms']:.3f} ms; kernels {total:.3f} ms in {sum(c for c, _ in ks.values()):.0f} calls"
-            )
+            calls = sum(c for c, _ in ks.values())
+            out.append(f"- {label}: {r[ph + '_ms']:.3f} ms; kernels {total:.3f} ms in {calls:.0f} calls")
             out += [f"  - {us / 1e3:.3f} ms ×{c:g} `{name[:90]}`" for name, (c, us) in list(ks.items())[:top]]
         out += [
             "",

@@ -442,23 +442,23 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
     x = torch.randn(b, seq, spec.hidden_size, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn_like(x)
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+    def kernels(step) -> dict:
+        """_kernel_table of `reps` calls of step() under the profiler."""
+        with profile(activities=acts) as prof:
+            for _ in range(reps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+        return _kernel_table(prof, cuda, reps)
+
     row: dict = {"model": spec.name, "b": b, "seq": seq}
     row["fwd_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
-    with profile(activities=acts) as prof:
-        for _ in range(reps):
-            blk(x)
-        if cuda:
-            torch.cuda.synchronize()
-    row["fwd"] = _kernel_table(prof, cuda, reps)
+    row["fwd"] = kernels(lambda: blk(x))
     timed = [blk(x) for _ in range(reps + 3)]  # one forward graph per timed backward
     row["bwd_ms"] = 1e3 * _timed(lambda: timed.pop().backward(g), cuda, reps=reps, warm=3)
     profiled = [blk(x) for _ in range(reps)]
-    with profile(activities=acts) as prof:
-        while profiled:
-            profiled.pop().backward(g)
-        if cuda:
-            torch.cuda.synchronize()
-    row["bwd"] = _kernel_table(prof, cuda, reps)
+    row["bwd"] = kernels(lambda: profiled.pop().backward(g))
     # the same forward with standard-normal weight matrices (the GEMM table's data): whether the
     # weights' values change how fast the block's GEMMs run
     with torch.no_grad():
@@ -466,12 +466,7 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
             if q.dim() >= 2:
                 q.normal_(0, 1.0)
     row["fwd_unit_weights_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
-    with profile(activities=acts) as prof:
-        for _ in range(reps):
-            blk(x)
-        if cuda:
-            torch.cuda.synchronize()
-    row["fwd_unit_weights"] = _kernel_table(prof, cuda, reps)
+    row["fwd_unit_weights"] = kernels(lambda: blk(x))
     init_weights(blk)
     row["linears"] = []
     for name, lin in blk.named_modules():

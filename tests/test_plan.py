@@ -9,6 +9,7 @@ import pytest
 
 from mist.errors import MistInputError
 from mist.plan import load_plan, plan_from_dict
+from mist.specs.loading import load_model
 
 GOOD = {
     "model": "gpt3-1.3b",
@@ -416,9 +417,29 @@ def test_compiled_blocks_run_selective_recomputation():
     assert p.training.compile_blocks and p.stages[1].recompute_attention and p.stages[1].recompute_activation
 
 
+def _dropout_model(**probs) -> dict:
+    return {**load_model("gpt3-1.3b").to_dict(), **probs}
+
+
+def test_compiled_blocks_run_hidden_dropout_on_tensor_parallel_stages():
+    """The masks every tensor-parallel rank draws alike (`mist.rules.compiled_blocks`)."""
+    p = plan_from_dict(mutate(model=_dropout_model(hidden_dropout=0.1), training__compile_blocks=True))
+    assert p.training.compile_blocks and p.stages[1].tp == 2 and p.model.hidden_dropout == 0.1
+
+
 @pytest.mark.parametrize(
     "changes, needle",
     [
+        (
+            {"model": _dropout_model(attention_dropout=0.1), "training__flash_attention": False},
+            "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks drop attention "
+            "probabilities only with tp = 1, not 2",
+        ),
+        (
+            {"model": _dropout_model(hidden_dropout=0.1), "stages__1__sequence_parallel": True},
+            "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks cannot drop hidden "
+            "activations under sequence parallelism",
+        ),
         (
             {
                 "stages__1__tp": 1,

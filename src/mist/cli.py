@@ -108,8 +108,7 @@ def estimate(
     spec.check_seq_len(seq)
     profile = load_profile(gpu)
     if compile_blocks:
-        rc = {"none": False, "full": True}.get(recompute, recompute)
-        why = compiled_block_problem(rc, spec.has_dropout)
+        why = compiled_block_problem(spec.attention_dropout, spec.hidden_dropout, tp, False)
         if why is not None:
             raise MistInputError(f"--compile-blocks: {why}.")
     res = run_estimate(

@@ -264,9 +264,9 @@ def _check_compiled(p: Plan) -> None:
     why = compiled_schedule_problem(p.schedule)
     if why is not None:
         raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
+    m = p.model
     for i, s in enumerate(p.stages):
-        recompute = "attention" if s.recompute_attention else "activation" if s.recompute_activation else False
-        why = compiled_block_problem(recompute, p.model.has_dropout)
+        why = compiled_block_problem(m.attention_dropout, m.hidden_dropout, s.tp, s.sequence_parallel)
         if why is not None:
             raise MistInputError(f"Stage {i} cannot run compiled blocks (training.compile_blocks): {why}.")
 

@@ -6,6 +6,7 @@ computes, also with half of each saved storage offloaded to the host; and what t
 keeps does not depend on the example sizes it is traced at."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import sympy
@@ -226,17 +227,83 @@ def test_what_is_saved_does_not_depend_on_the_example_sizes(family):
     assert saved[0].coeff(S**2) != 0  # the kept probabilities (or scores): materialised attention
 
 
+# Dropout inside the compiled block: GPT's attention probabilities and hidden outputs with
+# materialised attention, Llama's hidden outputs with flash attention.
+DROPOUT = {
+    "gpt": replace(SPECS["gpt"], attention_dropout=0.2, hidden_dropout=0.2),
+    "llama": replace(SPECS["llama"], hidden_dropout=0.2),
+}
+DROPOUT_CASES = [("gpt", False), ("gpt", True), ("gpt", "attention+activation"), ("llama", "activation")]
+
+
+def _train_step(run, block, x, g, recompute, seed: int):
+    """(bytes and elements of the storages autograd keeps, [output, input gradient, parameter
+    gradients]) of one forward and backward of the compiled block with the masks of `seed`."""
+    out: list[torch.Tensor] = []
+    torch.manual_seed(seed)
+    try:
+        got, numels = _saved(lambda: out.append(run_block_as(run, x, recompute)))
+    finally:
+        select_parts(block, False, False)
+    out[0].backward(g)  # (not autograd.grad: whole-block recomputation is reentrant)
+    values = [out[0].detach(), x.grad, *(p.grad for p in block.parameters())]
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    return got, numels, values
+
+
+@pytest.mark.parametrize("family,recompute", DROPOUT_CASES, ids=[f"{f}-{r}" for f, r in DROPOUT_CASES])
+def test_dropout_in_a_compiled_block(family, recompute):
+    """Inductor draws the masks (seeds from the default generator when the forward starts, one
+    uniform draw per dropped element): the block keeps for backward what the analysis of its graphs
+    says, storage by storage, the masks and a recomputed region's seeds included; a re-run forward
+    (whole-block or selective recomputation) draws the masks of the first run, so the output and
+    every gradient are those of the block without recomputation under the same seed, and another
+    seed draws other masks; the fused kernels count one random draw per element dropped, in the
+    backward again for a recomputed attention core."""
+    spec, flash = DROPOUT[family], family == "llama"
+    torch._dynamo.reset()
+    block = DecoderBlock(spec, TPGroup(), flash, torch.float32)
+    init_weights(block, 0)
+    run = compile_block(block)
+    la = analyze_layer(spec, "block", 1, flash, "fp32", "cpu", recompute, compiled=True)
+    b, s = SHAPES[-1]
+    torch.manual_seed(4)
+    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    g = torch.randn(b, s, spec.hidden_size)
+    got, numels, values = _train_step(run, block, x, g, recompute, seed=7)
+    assert got == pytest.approx(float(la.saved(b, s)), abs=0.5)
+    big, _, _ = la.saved_split(b, s)
+    assert sorted(n for n in numels if n >= MIN_SPLIT_NUMEL) == sorted(round(float(n)) for n in big)
+    if recompute:
+        _, _, plain = _train_step(run, block, x, g, False, seed=7)
+        for a, r in zip(values, plain):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    other = _train_step(run, block, x, g, recompute, seed=8)[2]
+    assert not torch.allclose(other[0], values[0])
+    dropped = 2 * spec.hidden_size * B * S + (spec.num_heads * B * S**2 if spec.attention_dropout > 0 else 0)
+    assert _fused_work(la, "fwd", "random") == dropped
+    again = spec.num_heads * B * S**2 if recompute == "attention+activation" else 0
+    assert _fused_work(la, "bwd", "random") == again
+
+
 @pytest.mark.parametrize(
-    "args, words",
+    "spec, tp, sp, words",
     [
-        ((False, True), "dropout"),
-        (("attention", True), "dropout"),
-        ((True, True), "dropout"),
+        (DROPOUT["gpt"], 2, False, "attention probabilities only with tp = 1"),
+        (DROPOUT["llama"], 2, True, "sequence parallelism"),
     ],
 )
-def test_unsupported_compiled_blocks_are_refused(args, words):
+def test_dropout_from_a_rank_s_own_stream_is_refused(spec, tp, sp, words):
     with pytest.raises(ValueError, match=words):
-        check_compiled_block(*args)
+        check_compiled_block(spec, tp, sp)
+
+
+def test_dropout_from_the_shared_stream_compiles():
+    """Hidden dropout without sequence parallelism (the masks every tensor-parallel rank draws
+    alike) and any dropout on one rank."""
+    check_compiled_block(DROPOUT["llama"], 2, False)
+    check_compiled_block(DROPOUT["gpt"], 1, False)
 
 
 def _collectives(la) -> Counter:

@@ -102,3 +102,24 @@ def test_resumed_run_draws_the_uninterrupted_masks(tmp_path):
     np.testing.assert_allclose(got, full["metrics"]["losses"], rtol=1e-6, atol=1e-7)
     for k, v in full["state"].items():
         np.testing.assert_allclose(resumed["state"][k], v, rtol=0, atol=1e-6, err_msg=k)
+
+
+def _compiled(plan):
+    return replace(
+        plan,
+        cluster=replace(plan.cluster, gpu=CPU_PROFILE),
+        training=replace(plan.training, compile_blocks=True),
+    )
+
+
+def test_compiled_blocks_draw_the_shared_stream_s_masks():
+    """Compiled blocks draw their masks with Inductor, from seeds of the default generator (the
+    shared stream, `mist.rules.compiled_blocks`): hidden dropout on two tensor-parallel ranks, one
+    layer recomputed whole (its re-run draws the first run's masks), equals one rank without
+    recomputation; and the simulator's states and saved activations, priced from the compiled
+    graphs, are the runtime's to the byte."""
+    one = run_plan(_compiled(make_plan("gpt-hdrop", G=2, flash=False)))
+    plan = _compiled(make_plan("gpt-hdrop", tp=2, G=2, recompute=1, flash=False))
+    two = run_plan(plan)
+    _same(one, two)
+    _memory_matches(plan, two)

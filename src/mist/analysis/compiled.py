@@ -28,6 +28,11 @@ bytes, liveness, FLOPs) is shared:
   run, as Inductor runs them between kernels;
 * **liveness**: a run's intermediates are never materialised; its written tensors live from the
   run to their last use, like an eager operator's outputs;
+* **dropout**: Inductor's own (`mist.rules.compiled_blocks`): the forward graph's draw of seeds
+  from the default generator (`inductor_seeds`) is a kernel of its own; each uniform draw
+  (`inductor_random`, from a seed and the element's index) is pointwise work of the `random`
+  kind in the fused kernel that drops; the masks the partitioner keeps, and the seeds a
+  recomputed region's re-run reads, are saved tensors like any other;
 * **recomputed random operators** (selective recomputation: a checkpointed region inside the
   block): the partitioner wraps each operator tagged as random (the attention kernels, which take
   a dropout probability) so that its re-run in the backward draws what the forward drew; the
@@ -372,7 +377,10 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
 
     for n in value:
         kind = _library_kind(n)
-        if kind is not None:
+        if _name(n) == "inductor_seeds":  # the seeds of the graph's random draws: a kernel of its own
+            flush()
+            _emit(st, g, [n], ex, users, kept, order, kind=MEMORY)
+        elif kind is not None:
             flush()
             _emit(st, g, [n], ex, users, kept, order, kind=kind)
         elif n.target is not operator.getitem or _library_kind(n.args[0]) is None:
@@ -443,6 +451,10 @@ def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) ->
             work["welford" if name in _WELFORD else "reduction"] += count
         elif name in _TRANSCENDENTAL:
             work[_TRANSCENDENTAL[name]] += count
+        elif name == "inductor_random":
+            work["random"] += count
+        elif name == "inductor_lookup_seed":
+            continue  # a seed read once per kernel
         elif name == "pow":
             e = n.args[1] if len(n.args) > 1 else None
             if isinstance(e, (int, float)) and float(e).is_integer() and 0 < abs(e) <= 4:

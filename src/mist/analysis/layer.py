@@ -222,9 +222,10 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
     if cp > 1 and not flash:
         raise ValueError("context parallelism runs flash attention only")
     compiled = bool(compiled) and part == "block"
+    sp = bool(sequence_parallel) and tp > 1
     if compiled:
-        check_compiled_block(rc, spec.has_dropout)
-    return spec, part, tp, flash, dtype, target, rc, bool(sequence_parallel) and tp > 1, cp, compiled
+        check_compiled_block(spec, tp, sp)
+    return spec, part, tp, flash, dtype, target, rc, sp, cp, compiled
 
 
 def _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1, compiled=False) -> tuple:

@@ -67,6 +67,7 @@ class FusedParams:
     sin: Any
     cos: Any
     log: Any
+    random: Any
 
 
 # the cost parameters of a gemm, attention, collective or fused kernel (other memory ops have

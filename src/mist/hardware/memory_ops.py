@@ -47,9 +47,10 @@ CLASSES = (
 # steps depend on each other), "welford" (a LayerNorm's mean and variance in one pass, Welford's
 # update: a division per element) and the transcendental functions, each its own kind (their
 # costs differ several-fold: on one CPU core Inductor's tanh took 3× its exp, its Welford step 7×
-# a sum's). `mist profile` measures the seconds per element of each;
+# a sum's), and "random" (one element of a dropout mask's uniform draw: a counter-based generator's
+# rounds of integer multiplies). `mist profile` measures the seconds per element of each;
 # `mist.analysis.records.FusedParams` counts them.
-POINTWISE_KINDS = ("arith", "reduction", "welford", "tanh", "exp", "sigmoid", "erf", "sin", "cos", "log")
+POINTWISE_KINDS = ("arith", "reduction", "welford", "tanh", "exp", "sigmoid", "erf", "sin", "cos", "log", "random")
 
 _OP_CLASS = {
     # normalization

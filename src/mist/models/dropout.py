@@ -163,9 +163,9 @@ class _Replaying:
 def checkpoint(fn, *args, dropout: bool):
     """Reentrant `torch.utils.checkpoint` of fn(*args), replaying fn's dropout masks in the re-run
     when `dropout` (the model has dropout), without the generator-state copies otherwise. Inside a
-    compiled block (no dropout there, `mist.rules.compiled_blocks`) the non-reentrant form, which
-    dynamo traces as a region that the partitioner recomputes in the backward graph instead of
-    saving its insides."""
+    compiled block the non-reentrant form, which dynamo traces as a region that the partitioner
+    recomputes in the backward graph instead of saving its insides (Inductor's masks there come
+    from seeds the forward graph drew and the partitioner keeps: `mist.rules.compiled_blocks`)."""
     if torch.compiler.is_compiling():
         return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     if not dropout:

@@ -481,6 +481,13 @@ def _welford_step(y):
     return (y - m) * 0.5 + v
 
 
+def _random_step(y):
+    """A dropout-like step: a uniform draw per element (Inductor's generated random numbers)."""
+    import torch  # lazy: keeps torch out of `import mist.profiling`
+
+    return y * 0.5 + torch.rand_like(y) * 0.5
+
+
 # Each kind's kernel: a chain of `steps` applications to every element (a step's extra arithmetic,
 # counted with the arithmetic's measured cost). Bounded maps, so that no value overflows.
 _POINTWISE_CHAINS = {
@@ -495,6 +502,7 @@ _POINTWISE_CHAINS = {
     "sin": (lambda y: y.sin(), 1, 0),
     "cos": (lambda y: y.cos(), 1, 0),
     "log": (lambda y: (y * y + 1.0).log(), 1, 2),
+    "random": (_random_step, 1, 3),
 }
 
 

@@ -21,10 +21,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mist.analysis.prefetch import TracePool
-from mist.errors import MistInputError
 from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
-from mist.rules.compiled_blocks import compiled_block_problem
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
 from mist.simulate.plan_sim import simulate_plan
@@ -106,10 +104,7 @@ def tune(
 def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
     if training.compile_blocks:
-        why = compiled_block_problem(False, model.has_dropout)
-        if why is not None:
-            raise MistInputError(f"--compile-blocks: {why}.")
-        sp = compiled_space(sp)
+        sp = compiled_space(sp, model)
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
     state = _Search(t0=t0, time_budget=time_budget, pool=pool)

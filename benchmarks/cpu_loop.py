@@ -4,11 +4,11 @@ would (`mist profile`, `mist tune`, `mist validate`).
 
 A CPU "cluster" here is 2 worker processes (gloo), each a device of ⌊cores / 2⌋ threads. Cases: a
 small GPT and a small Llama (benchmarks/models/) under data parallelism, a 2-stage pipeline, tensor
-parallelism, and a memory limit that makes the tuner recompute or offload. Memory is compared
+parallelism, a memory limit that makes the tuner recompute or offload, and the GPT with dropout. Memory is compared
 byte for byte where the runtime accounts tensors (device-resident states; saved activations).
 
     PYTHONPATH=src python benchmarks/cpu_loop.py [--profile PATH | --profile-budget 60]
-        [--steps 5] [--cases all|quick] [--out benchmarks/results]
+        [--steps 5] [--cases all|quick|dropout] [--out benchmarks/results]
 
 Writes OUT/cpu_loop.md (table) and OUT/cpu_loop.json; the profile goes to OUT/profiles/.
 """
@@ -54,8 +54,15 @@ CASES = [
     ("gpt tp2 compiled", "loop-gpt", ["--pp", "1", "--tp", "2", "--compile-blocks"]),
     # compiled under a memory limit: activation offload splits the saved storages whole
     ("llama dp2 compiled memory limit", "loop-llama", ["--pp", "1", "--tp", "1", "--compile-blocks", "limit"]),
+    # dropout (attention probabilities and hidden outputs; materialised attention), eager and with
+    # Inductor's generated masks
+    ("gpt dp2 dropout", "loop-gpt-drop", ["--pp", "1", "--tp", "1", "--no-flash"]),
+    ("gpt dp2 dropout compiled", "loop-gpt-drop", ["--pp", "1", "--tp", "1", "--no-flash", "--compile-blocks"]),
 ]
-QUICK = ("llama dp2", "gpt pp2", "llama tp2", "gpt dp2 memory limit")
+SETS = {
+    "quick": ("llama dp2", "gpt pp2", "llama tp2", "gpt dp2 memory limit"),
+    "dropout": ("gpt dp2 dropout", "gpt dp2 dropout compiled"),
+}
 # fractions of the unconstrained plan's predicted peak, tried in turn until a plan fits: the
 # first that fits forces recompute / offload
 LIMIT_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
@@ -263,7 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="Use this CPU profile instead of measuring one.")
     ap.add_argument("--profile-budget", type=float, default=60.0, help="Seconds for `mist profile`.")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--cases", choices=("all", "quick"), default="all")
+    ap.add_argument("--cases", choices=("all", *SETS), default="all")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -282,7 +289,7 @@ def main(argv=None) -> int:
             "-o",
             profile,
         )
-    cases = [c for c in CASES if a.cases == "all" or c[0] in QUICK]
+    cases = [c for c in CASES if a.cases == "all" or c[0] in SETS[a.cases]]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name, model, extra in cases:

@@ -55,13 +55,14 @@ CASES = [
     # compiled under a memory limit: activation offload splits the saved storages whole
     ("llama dp2 compiled memory limit", "loop-llama", ["--pp", "1", "--tp", "1", "--compile-blocks", "limit"]),
     # dropout (attention probabilities and hidden outputs; materialised attention), eager and with
-    # Inductor's generated masks
+    # Inductor's generated masks, next to the same model without dropout
+    ("gpt dp2 bmm", "loop-gpt", ["--pp", "1", "--tp", "1", "--no-flash"]),
     ("gpt dp2 dropout", "loop-gpt-drop", ["--pp", "1", "--tp", "1", "--no-flash"]),
     ("gpt dp2 dropout compiled", "loop-gpt-drop", ["--pp", "1", "--tp", "1", "--no-flash", "--compile-blocks"]),
 ]
 SETS = {
     "quick": ("llama dp2", "gpt pp2", "llama tp2", "gpt dp2 memory limit"),
-    "dropout": ("gpt dp2 dropout", "gpt dp2 dropout compiled"),
+    "dropout": ("gpt dp2 bmm", "gpt dp2 dropout", "gpt dp2 dropout compiled"),
 }
 # fractions of the unconstrained plan's predicted peak, tried in turn until a plan fits: the
 # first that fits forces recompute / offload

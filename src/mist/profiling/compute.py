@@ -382,6 +382,7 @@ def _memory_op(cls: str, m: int, h: int, rnd):
     import torch  # lazy: keeps torch out of `import mist.profiling`
     import torch.nn.functional as F
 
+    from mist.models.dropout import dropout
     from mist.models.mlp import gelu
     from mist.models.norms import rms_norm
 
@@ -401,8 +402,8 @@ def _memory_op(cls: str, m: int, h: int, rnd):
             return F.silu(a) * b
 
         return f, (x,)
-    if cls == "dropout":
-        return (lambda: F.dropout(x, 0.1, training=True)), (x,)
+    if cls == "dropout":  # the model's own operator: `native_dropout`, whose mask is bool on every device
+        return (lambda: dropout(x, 0.1, True)), (x,)
     if cls == "binary":
         y = rnd(m, h)
         return (lambda: x * y), (x, y)

@@ -108,7 +108,7 @@ def estimate(
     spec.check_seq_len(seq)
     profile = load_profile(gpu)
     if compile_blocks:
-        why = compiled_block_problem(spec.attention_dropout, spec.hidden_dropout, tp, False)
+        why = compiled_block_problem(spec.attention_dropout, tp, "attention" in recompute)
         if why is not None:
             raise MistInputError(f"--compile-blocks: {why}.")
     res = run_estimate(

@@ -266,7 +266,7 @@ def _check_compiled(p: Plan) -> None:
         raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
     m = p.model
     for i, s in enumerate(p.stages):
-        why = compiled_block_problem(m.attention_dropout, m.hidden_dropout, s.tp, s.sequence_parallel)
+        why = compiled_block_problem(m.attention_dropout, s.tp, s.recompute_attention)
         if why is not None:
             raise MistInputError(f"Stage {i} cannot run compiled blocks (training.compile_blocks): {why}.")
 

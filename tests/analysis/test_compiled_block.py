@@ -287,23 +287,18 @@ def test_dropout_in_a_compiled_block(family, recompute):
     assert _fused_work(la, "bwd", "random") == again
 
 
-@pytest.mark.parametrize(
-    "spec, tp, sp, words",
-    [
-        (DROPOUT["gpt"], 2, False, "attention probabilities only with tp = 1"),
-        (DROPOUT["llama"], 2, True, "sequence parallelism"),
-    ],
-)
-def test_dropout_from_a_rank_s_own_stream_is_refused(spec, tp, sp, words):
-    with pytest.raises(ValueError, match=words):
-        check_compiled_block(spec, tp, sp)
+def test_a_recomputed_attention_core_with_a_rank_s_own_masks_is_refused():
+    with pytest.raises(ValueError, match="cannot recompute the attention core with attention dropout on tp = 2"):
+        check_compiled_block(DROPOUT["gpt"], 2, True)
 
 
-def test_dropout_from_the_shared_stream_compiles():
-    """Hidden dropout without sequence parallelism (the masks every tensor-parallel rank draws
-    alike) and any dropout on one rank."""
-    check_compiled_block(DROPOUT["llama"], 2, False)
-    check_compiled_block(DROPOUT["gpt"], 1, False)
+def test_dropout_compiles_from_either_stream():
+    """Hidden dropout (shared stream, or a rank's own under sequence parallelism) and attention
+    dropout on one rank or on several (a rank's own stream) compile; so does the attention core
+    recomputed on one rank."""
+    check_compiled_block(DROPOUT["llama"], 2, True)
+    check_compiled_block(DROPOUT["gpt"], 2, False)
+    check_compiled_block(DROPOUT["gpt"], 1, True)
 
 
 def _collectives(la) -> Counter:

@@ -27,6 +27,7 @@ from mist.simulate.plan_sim import simulate_plan
 CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 for _f in ("gpt", "llama", "falcon"):
     SPECS.setdefault(f"{_f}-hdrop", replace(SPECS[_f], hidden_dropout=0.2, name=f"tiny-{_f}-hdrop"))
+    SPECS.setdefault(f"{_f}-adrop", replace(SPECS[_f], attention_dropout=0.2, name=f"tiny-{_f}-adrop"))
     SPECS.setdefault(
         f"{_f}-drop", replace(SPECS[_f], attention_dropout=0.2, hidden_dropout=0.2, name=f"tiny-{_f}-drop")
     )
@@ -123,3 +124,24 @@ def test_compiled_blocks_draw_the_shared_stream_s_masks():
     two = run_plan(plan)
     _same(one, two)
     _memory_matches(plan, two)
+
+
+# (model, plan) pairs whose masks come from each rank's own stream
+RANK_STREAM = [
+    ("gpt-adrop", dict(tp=2, G=2, recompute=1, flash=False)),
+    ("llama-hdrop", dict(tp=2, G=2, sequence_parallel=True, recompute_activation=True)),
+]
+
+
+@pytest.mark.parametrize("family,kw", RANK_STREAM, ids=["tp2-attention-recompute1", "tp2-sp-hidden-selective"])
+def test_compiled_blocks_draw_each_rank_s_own_masks_as_eager_blocks_do(family, kw):
+    """Inside compiled blocks the dropouts of what a rank holds alone (its heads' attention
+    probabilities; under sequence parallelism its sequence shard) run `mist::rank_dropout`, which
+    draws from the rank's own stream what eager blocks draw: the compiled run equals the eager run
+    of the same plan, also where a recomputed block re-runs its forward; the simulator's memory
+    is the runtime's to the byte."""
+    eager = run_plan(make_plan(family, **kw))
+    plan = _compiled(make_plan(family, **kw))
+    compiled = run_plan(plan)
+    _same(eager, compiled)
+    _memory_matches(plan, compiled)

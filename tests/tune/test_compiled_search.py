@@ -13,6 +13,7 @@ from mist.hardware import load_profile
 from mist.plan import load_plan
 from mist.simulate.plan_sim import simulate_plan
 from mist.specs.loading import load_model
+from mist.tune.intra import StageTables
 from mist.tune.space import compiled_space, get_space
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,31 +42,25 @@ def test_compiled_tune_stays_inside_what_compiled_blocks_run(tmp_path, capsys):
 
 
 def test_compiled_space_keeps_every_knob_compiled_blocks_run():
-    full, compiled = get_space("full"), compiled_space(get_space("full"), load_model(MODEL))
+    full, compiled = get_space("full"), compiled_space(get_space("full"))
     assert "zb-h1" in full.schedules and "zb-h1" not in compiled.schedules
     for knob in ("cp_values", "recompute_attention", "recompute_activation", "tp_values", "sequence_parallel"):
         assert getattr(compiled, knob) == getattr(full, knob), knob
 
 
-def test_compiled_space_keeps_dropout_on_the_shared_stream():
-    """Attention dropout: one tensor-parallel rank a stage; hidden dropout: no sequence
-    parallelism (`mist.rules.compiled_blocks`); the rest of the space stays."""
-    full, model = get_space("full"), load_model(MODEL)
-    attn = compiled_space(full, replace(model, attention_dropout=0.1))
-    assert attn.tp_values == (1,) and attn.cp_values == full.cp_values
-    hidden = compiled_space(full, replace(model, hidden_dropout=0.1))
-    assert hidden.tp_values is None and hidden.sequence_parallel == (False,)
+def test_compiled_stages_recompute_no_attention_core_with_a_rank_s_own_masks():
+    """With attention dropout, a compiled stage on tp > 1 does not recompute its attention core
+    (`mist.rules.compiled_blocks`); on one rank it may, and so may an eager stage on any tp."""
+    model = replace(load_model(MODEL), attention_dropout=0.1)
 
+    def choices(compiled: bool) -> set:
+        tables = StageTables(
+            model, load_profile(PROFILE), 256, False, get_space("full"), 1, 1, 1, 2, 2, 8, False, compiled=compiled
+        )
+        return {(tdb[0], sel[0]) for tdb, sel in tables.stage_choices()}
 
-def test_compiled_tune_refuses_tensor_parallel_attention_dropout(tmp_path, capsys):
-    model = tmp_path / "m.yaml"
-    model.write_text(Path(MODEL).read_text() + "attention_dropout: 0.1\n")
-    args = [a if a != MODEL else str(model) for a in ARGS]
-    with pytest.raises(SystemExit) as e:
-        main([*args, "--compile-blocks", "--no-flash", "--tp", "2"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "compiled blocks drop attention probabilities only with tp = 1, not 2" in err
+    assert choices(True) == {(1, False), (1, True), (2, False)}
+    assert choices(False) == {(1, False), (1, True), (2, False), (2, True)}
 
 
 def test_framework_spaces_refuse_compiled_blocks(capsys):

@@ -91,6 +91,9 @@ _VIEWS = {
     "diagonal",
     "wait_tensor",  # a functional collective's result, once it has arrived
 }
+# Mist's own operators that Inductor runs as they are (fallback kernels, not fused), priced as the
+# eager operator they run (`mist.hardware.memory_ops` classes): `mist.models.dropout.rank_dropout`.
+_OPAQUE = {"rank_dropout"}
 # PyTorch's functional collectives (`mist.models.collectives` inside a compiled block), named as the
 # eager block announces them.
 _COLLECTIVES = {
@@ -380,6 +383,11 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
         if _name(n) == "inductor_seeds":  # the seeds of the graph's random draws: a kernel of its own
             flush()
             _emit(st, g, [n], ex, users, kept, order, kind=MEMORY)
+        elif _name(n) in _OPAQUE:
+            flush()
+            _emit(st, g, [n], ex, users, kept, order, kind=MEMORY, opaque=True)
+        elif n.target is operator.getitem and _name(n.args[0]) in _OPAQUE:
+            continue  # (its outputs, emitted with it)
         elif kind is not None:
             flush()
             _emit(st, g, [n], ex, users, kept, order, kind=kind)
@@ -488,7 +496,11 @@ def _reduces_in_place(st: _Graphs, g: str, n: torch.fx.Node, users, kept) -> boo
     return own and k not in kept and users.get(k) == {n.name}
 
 
-def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str) -> None:
+def _emit(
+    st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str, opaque: bool = False
+) -> None:
+    """Append one kernel: an extern kernel (`kind` GEMM, ATTENTION or COLLECTIVE), a fused run
+    (MEMORY) or, `opaque`, one of Mist's own operators (MEMORY, priced as the eager operator)."""
     trace = st.trace
     inside = {(g, n.name) for n in group}
     last = max(order[n.name] for n in group)
@@ -496,7 +508,7 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     outs: list[tuple[tuple[str, str], object]] = []
     if kind == COLLECTIVE and _reduces_in_place(st, g, group[0], users, kept):
         st.base[(g, group[0].name)] = st.key(g, group[0].args[0])
-    elif kind != MEMORY:
+    elif kind != MEMORY or opaque:
         n = group[0]
         getters = [u for u in n.users if u.target is operator.getitem]
         for u in getters or [n]:
@@ -528,7 +540,7 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
     params = None
     flops = sympy.Integer(0)
     n0 = group[0]
-    op = FUSED if kind == MEMORY else _name(n0)
+    op = FUSED if kind == MEMORY and not opaque else _name(n0)
     if kind == COLLECTIVE:  # the whole buffer: all-gather's output, an all-reduce's or reduce-scatter's input
         op = _COLLECTIVES[op]
         read = written = written if op == "all_gather" else read
@@ -537,8 +549,10 @@ def _emit(st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kep
         params = CollectiveParams(
             bytes=read, group=st.tp if op == "all_reduce" else n0.args[1 if op == "all_gather" else 2]
         )
-    elif kind == MEMORY:
+    elif kind == MEMORY and not opaque:
         params = _pointwise_work(group, ex, {k[1] for k, _ in outs})
+    elif opaque:
+        params = None
     else:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}

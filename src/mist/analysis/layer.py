@@ -224,7 +224,7 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
     compiled = bool(compiled) and part == "block"
     sp = bool(sequence_parallel) and tp > 1
     if compiled:
-        check_compiled_block(spec, tp, sp)
+        check_compiled_block(spec, tp, "attention" in parts)
     return spec, part, tp, flash, dtype, target, rc, sp, cp, compiled
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from mist.models.collectives import CPGroup, TPGroup
 from mist.models.context_parallel import chunk_ranges, context_attention, positions
-from mist.models.dropout import checkpoint, dropout, tp_stream
+from mist.models.dropout import checkpoint, rank_dropout
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
@@ -223,7 +223,6 @@ class AttentionCore(nn.Module):
         scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
-        if self.training and self.p > 0:
-            with tp_stream(self.tp, probs):
-                probs = dropout(probs, self.p, True)
+        if self.training and self.p > 0:  # this rank's heads: its own stream
+            probs = rank_dropout(probs, self.p, self.tp)
         return torch.matmul(probs, v)

@@ -72,9 +72,10 @@ def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> 
     return CompiledBlock(block, backend)
 
 
-def check_compiled_block(spec, tp: int = 1, sp: bool = False) -> None:
+def check_compiled_block(spec, tp: int = 1, recompute_attention: bool = False) -> None:
     """Raise ValueError where `mist.rules.compiled_blocks` says a block of model `spec` on `tp`
-    tensor-parallel ranks (`sp`: with sequence parallelism) cannot run compiled."""
-    problem = compiled_block_problem(spec.attention_dropout, spec.hidden_dropout, tp, sp)
+    tensor-parallel ranks (`recompute_attention`: its attention core recomputed) cannot run
+    compiled."""
+    problem = compiled_block_problem(spec.attention_dropout, tp, recompute_attention)
     if problem is not None:
         raise ValueError(problem)

@@ -69,8 +69,44 @@ def hidden_dropout(x: torch.Tensor, p: float, tp: TPGroup, training: bool) -> to
         return x
     if not tp.sp:
         return dropout(x, p, True)
+    return rank_dropout(x, p, tp)
+
+
+def rank_dropout(x: torch.Tensor, p: float, tp: TPGroup) -> torch.Tensor:
+    """x's dropout (training, p > 0) from this rank's tensor-parallel stream: the part of a tensor
+    the rank holds alone (its heads' attention probabilities; its sequence shard). Inside a compiled
+    block one opaque operator, `mist::rank_dropout`, that draws the same masks: Inductor's own
+    dropout draws from the default generator alone (`mist.rules.compiled_blocks`)."""
+    if tp.size > 1 and torch.compiler.is_compiling():
+        return _rank_dropout_op(x, p)[0]
     with tp_stream(tp, x):
         return dropout(x, p, True)
+
+
+@torch.library.custom_op("mist::rank_dropout", mutates_args=())
+def _rank_dropout_op(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`native_dropout` of x from this rank's tensor-parallel stream: (output, bool mask)."""
+    with _rank_stream(x):
+        out, mask = torch.native_dropout(x, p, True)
+    return out, mask
+
+
+@_rank_dropout_op.register_fake
+def _(x, p):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+
+def _rank_dropout_setup(ctx, inputs, output) -> None:
+    ctx.p = inputs[1]
+    ctx.save_for_backward(output[1])
+
+
+def _rank_dropout_backward(ctx, grad, _grad_mask):
+    (mask,) = ctx.saved_tensors
+    return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - ctx.p)), None
+
+
+_rank_dropout_op.register_autograd(_rank_dropout_backward, setup_context=_rank_dropout_setup)
 
 
 # ------------------------------------------------------------------ the tensor-parallel stream
@@ -113,6 +149,12 @@ def tp_stream(tp: TPGroup, like: torch.Tensor):
     if tp.size == 1:
         yield
         return
+    with _rank_stream(like):
+        yield
+
+
+@contextmanager
+def _rank_stream(like: torch.Tensor):
     device = _device(like)
     shared = _get_state(device)
     _set_state(_TP.state(device), device)

@@ -14,14 +14,18 @@ recomputes in the backward graph.
 
 Dropout. Inductor generates its own dropout: one draw of seeds from the device's default
 generator when the compiled forward starts, and each mask from a seed and the element's index. So
-the masks follow `mist.models.dropout`'s shared stream (the default generator, seeded alike on
-the ranks of a tensor-parallel group) and are replayed wherever a forward is re-run: whole-block
-recomputation restores the default generator before the re-run (the inference graph and the
-training graph draw the same seeds), and the partitioner saves the seeds of a recomputed region.
-What Inductor cannot draw is `mist.models.dropout`'s tensor-parallel stream, a per-rank generator
-state swapped in around a dropout: the attention probabilities of a rank's own heads (tp > 1),
-and the hidden dropouts of a rank's own sequence shard (sequence parallelism). Those plans run
-eager.
+the masks of `mist.models.dropout`'s shared stream (the default generator, seeded alike on the
+ranks of a tensor-parallel group: the hidden dropouts of what every rank holds whole) are
+Inductor's, and are replayed wherever a forward is re-run: whole-block recomputation restores the
+default generator before the re-run (the inference graph and the training graph draw the same
+seeds), and the partitioner keeps the seeds of a recomputed region. A rank's own stream (the
+attention probabilities of its heads, tp > 1; the hidden dropouts of its sequence shard under
+sequence parallelism) is a generator state swapped in around the draw, which Inductor's dropout
+cannot do: there the block calls `mist::rank_dropout`, an opaque operator that swaps the state and
+runs `native_dropout` (the masks eager blocks draw), with the fused kernels around it. What does
+not compile: that operator inside a checkpointed region, the attention core recomputed by
+selective recomputation, whose re-run in the backward graph would draw from where the rank's
+stream has moved on.
 
 ZB-H1 splits each block's backward into input and weight gradients; a compiled block's backward is
 one function. (Activation offload works: the runtime splits a compiled block's saved storages whole
@@ -31,19 +35,14 @@ and gives each saved view back its strides, `mist.runtime.activations`.)
 from __future__ import annotations
 
 
-def compiled_block_problem(attention_dropout: float, hidden_dropout: float, tp: int, sp: bool) -> str | None:
-    """Why a block of a model with these dropout probabilities cannot run compiled on a stage of
-    `tp` tensor-parallel ranks (`sp`: with sequence parallelism), None if it can. Every
-    recomputation (none, whole, selective) compiles."""
-    if attention_dropout > 0 and tp > 1:
+def compiled_block_problem(attention_dropout: float, tp: int, recompute_attention: bool) -> str | None:
+    """Why a block of a model with this attention dropout cannot run compiled on a stage of `tp`
+    tensor-parallel ranks that recomputes its attention core or not, None if it can (every other
+    recomputation, and hidden dropout, compile)."""
+    if attention_dropout > 0 and tp > 1 and recompute_attention:
         return (
-            f"compiled blocks drop attention probabilities only with tp = 1, not {tp}: each rank draws "
-            "its own heads' masks from a random stream of its own, which Inductor's dropout cannot draw from"
-        )
-    if hidden_dropout > 0 and sp and tp > 1:
-        return (
-            "compiled blocks cannot drop hidden activations under sequence parallelism: each rank draws "
-            "its sequence shard's masks from a random stream of its own, which Inductor's dropout cannot draw from"
+            f"compiled blocks cannot recompute the attention core with attention dropout on tp = {tp}: its "
+            "re-run would draw the rank's own masks again from where that random stream has moved on"
         )
     return None
 

@@ -104,7 +104,7 @@ def tune(
 def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
     if training.compile_blocks:
-        sp = compiled_space(sp, model)
+        sp = compiled_space(sp)
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
     state = _Search(t0=t0, time_budget=time_budget, pool=pool)

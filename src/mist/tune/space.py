@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mist.errors import MistInputError
-from mist.rules.compiled_blocks import compiled_block_problem, compiled_schedule_problem
+from mist.rules.compiled_blocks import compiled_schedule_problem
 from mist.specs.model import ModelSpec
 
 EIGHTHS = tuple(i / 8 for i in range(9))
@@ -145,17 +145,8 @@ def get_space(name: str) -> SearchSpace:
     )
 
 
-def compiled_space(sp: SearchSpace, model: ModelSpec) -> SearchSpace:
-    """`sp` limited to the plans that can run `model`'s blocks compiled (`mist.rules.compiled_blocks`):
-    no ZB-H1; with attention dropout one tensor-parallel rank a stage; with hidden dropout no
-    sequence parallelism."""
-    a, h = model.attention_dropout, model.hidden_dropout
-    out = replace(sp, schedules=tuple(x for x in sp.schedules if compiled_schedule_problem(x) is None) or ("1f1b",))
-    why = compiled_block_problem(a, h, 2, False)  # (the rule refuses every tp > 1 alike)
-    if why is not None:
-        if sp.tp_values is not None and 1 not in sp.tp_values:
-            raise MistInputError(f"--compile-blocks: {why}.")
-        out = replace(out, tp_values=(1,))
-    if compiled_block_problem(a, h, 2, True) is not None:
-        out = replace(out, sequence_parallel=(False,))
-    return out
+def compiled_space(sp: SearchSpace) -> SearchSpace:
+    """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): no
+    ZB-H1. (A stage's own limit, no attention-core recomputation with attention dropout on
+    tp > 1, is applied where its choices are made: `mist.tune.intra`.)"""
+    return replace(sp, schedules=tuple(x for x in sp.schedules if compiled_schedule_problem(x) is None) or ("1f1b",))

@@ -35,6 +35,11 @@ the step alone, so that a run resumed from a checkpoint draws the masks an unint
 with no generator state in the checkpoint. Different pipeline stages and data-parallel ranks draw
 independent masks (different layers; different samples).
 
+Compiled blocks (`mist.rules.compiled_blocks`): Inductor generates the shared stream's dropouts,
+from seeds it draws off the default generator (other masks than eager's, alike on the ranks of a
+tensor-parallel group); the tensor-parallel stream's go through `rank_dropout`'s operator
+`mist::rank_dropout`, which Inductor runs as it is, and are eager's.
+
 Recomputation re-runs a forward and must draw the same masks: `checkpoint` below preserves the
 default generator's state (torch's `preserve_rng_state`) and the tensor-parallel stream's
 (a snapshot taken at the forward, restored around the re-run), only when the model has dropout:

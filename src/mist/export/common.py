@@ -55,6 +55,23 @@ def schedule_problems(plan: Plan, target_name: str) -> list[str]:
     return [f"its {plan.schedule} schedule (split backward) has no {target_name} equivalent, which runs 1F1B"]
 
 
+def compile_problems(plan: Plan, target_name: str) -> list[str]:
+    """Compiled blocks (`training.compile_blocks`), for a target that runs its own blocks."""
+    if not plan.training.compile_blocks:
+        return []
+    return [
+        f"its decoder blocks run compiled by Inductor (training.compile_blocks), and {target_name} runs its own "
+        "eager and hand-fused blocks"
+    ]
+
+
+def eager_blocks(plan: Plan) -> Plan:
+    """`plan` with eager blocks (the nearest plans of the targets that do not compile them)."""
+    if not plan.training.compile_blocks:
+        return plan
+    return replace(plan, training=replace(plan.training, compile_blocks=False))
+
+
 def one_f_one_b(plan: Plan) -> Plan:
     """`plan` on the 1F1B schedule (the nearest plans start from it)."""
     return plan if plan.schedule == SCHEDULES[0] else replace(plan, schedule=SCHEDULES[0])

@@ -30,7 +30,15 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from mist.export.common import PLACEHOLDER, plain_pipeline, refuse, schedule_problems, uniform_mesh_problems
+from mist.export.common import (
+    PLACEHOLDER,
+    compile_problems,
+    eager_blocks,
+    plain_pipeline,
+    refuse,
+    schedule_problems,
+    uniform_mesh_problems,
+)
 from mist.export.deepspeed_files import helper_module, launch_script
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan, StageStrategy
@@ -45,6 +53,7 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob DeepSpeed cannot express, naming the stage; [] if exportable."""
     out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME) + schedule_problems(plan, NAME)
+    out += compile_problems(plan, NAME)
     for i, s in enumerate(plan.stages):
         out += _pipeline_problems(plan, i, s) + _recompute_problems(i, s) + _offload_problems(i, s)
         out += _sequence_parallel_problems(i, s)
@@ -170,8 +179,9 @@ def _on_grid(x: float) -> bool:
 def nearest(plan: Plan) -> Plan:
     """The closest plan DeepSpeed runs: one mesh and micro-batch (same GPUs and global batch),
     then the most memory-saving of the stages' ZeRO and offload settings, rounded up to what
-    DeepSpeed can express; selective recomputation and activation offload are dropped."""
-    plan = plain_pipeline(plan)
+    DeepSpeed can express; selective recomputation, activation offload and compiled blocks are
+    dropped."""
+    plan = eager_blocks(plain_pipeline(plan))
     pp = plan.num_stages
     tp, dp, mb, G = _uniform_mesh(plan)
     zero = min(max(s.zero for s in plan.stages), 1 if pp > 1 else 3)

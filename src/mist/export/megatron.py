@@ -50,6 +50,8 @@ from pathlib import Path
 from mist.errors import MistInputError
 from mist.export.common import (
     PLACEHOLDER,
+    compile_problems,
+    eager_blocks,
     one_f_one_b,
     plain_pipeline,
     schedule_problems,
@@ -73,7 +75,9 @@ DEFAULT_ROTARY_BASE = 10000.0  # Megatron's --rotary-base default (an integer fl
 # ---------------------------------------------------------------------------------- problems
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob Megatron-LM cannot express; [] if the plan exports exactly."""
-    out = _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan)
+    out = (
+        _model_problems(plan) + uniform_mesh_problems(plan, NAME) + _zero_problems(plan) + compile_problems(plan, NAME)
+    )
     out += sequence_parallel_problems(plan, NAME) + schedule_problems(plan, NAME)
     return out + _recompute_problems(plan) + _offload_problems(plan) + _precision_problems(plan)
 
@@ -221,7 +225,7 @@ def nearest(plan: Plan) -> Plan:
     1F1B: one mesh may change the number of micro-batches)."""
     if _model_problems(plan):
         raise NotExpressible(f"{NAME} cannot run this plan: {_model_problems(plan)[0]}.")
-    plan = one_f_one_b(plan)
+    plan = eager_blocks(one_f_one_b(plan))
     if uniform_mesh_problems(plan, NAME):
         plan = _uniform_mesh(plain_pipeline(plan))
     zero = max(s.zero for s in plan.stages)

@@ -436,6 +436,8 @@ def _training_args(plan: Plan) -> list[str]:
     ]
     if plan.num_stages > 1:
         out.append("--training.disable_cuda_graphs")  # torchtitan refuses CUDA graphs under a pipeline
+    if t.compile_blocks:  # torchtitan compiles each decoder block on its own, as Mist does (not its loss)
+        out += ["--compile.enable", "--compile.components", "model"]
     if _offload_on(s0):
         out.append("--training.enable_cpu_offload")
     return out

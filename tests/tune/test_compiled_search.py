@@ -67,4 +67,24 @@ def test_framework_spaces_refuse_compiled_blocks(capsys):
     with pytest.raises(SystemExit) as e:
         main([*ARGS, "--compile-blocks", "--target", "megatron"])
     assert e.value.code == 2
-    assert "--compile-blocks searches the full and mist-paper spaces" in capsys.readouterr().err
+    assert "--compile-blocks searches the full, mist-paper, torchtitan-0.3 spaces, not megatron-0.19" in (
+        capsys.readouterr().err
+    )
+
+
+def test_torchtitan_plans_for_its_compiled_blocks(tmp_path, capsys):
+    """torchtitan compiles each decoder block as Mist does: its space is searched with compiled
+    blocks, and the plan exports with torchtitan's compile flags."""
+    out = tmp_path / "plan.json"
+    main([*ARGS, "--compile-blocks", "--target", "torchtitan", "-o", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out)
+    plan = load_plan(str(out))
+    assert plan.training.compile_blocks
+    again = simulate_plan(plan, load_profile(PROFILE))
+    assert again["iteration_time_s"] == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
+    main(["export", str(out), "--to", "torchtitan", "-o", str(tmp_path / "tt"), "--json"])
+    args = json.loads(capsys.readouterr().out)["args"]
+    assert args[args.index("--compile.enable") + 1 : args.index("--compile.enable") + 3] == [
+        "--compile.components",
+        "model",
+    ]

@@ -9,16 +9,18 @@ from mist.tune.result import TuneResult
 from mist.tune.space import BASELINE_SPACES, TARGET_SPACES, get_space
 
 ALL_SPACES = ("full", "mist-paper") + BASELINE_SPACES + tuple(TARGET_SPACES.values())
+COMPILED_SPACES = ("full", "mist-paper", TARGET_SPACES["torchtitan"])
 
 
 def run_space(
     space: str, model, cluster, training, profile, time_budget=None, progress=None, limits: dict | None = None
 ) -> TuneResult:
     """Tune in `space`; `limits` (pp_values, tp_values) restrict the full / mist-paper spaces.
-    Compiled blocks (`training.compile_blocks`) are searched in the full and mist-paper spaces:
-    the framework and baseline spaces stand for their frameworks' eager runs."""
-    if training.compile_blocks and space not in ("full", "mist-paper"):
-        raise MistInputError(f"--compile-blocks searches the full and mist-paper spaces, not {space}.")
+    Compiled blocks (`training.compile_blocks`) are searched in the full and mist-paper spaces and
+    in torchtitan's, which compiles each block as Mist does (`mist.export.torchtitan`): the other
+    framework and baseline spaces stand for their frameworks' own eager blocks."""
+    if training.compile_blocks and space not in COMPILED_SPACES:
+        raise MistInputError(f"--compile-blocks searches the {', '.join(COMPILED_SPACES)} spaces, not {space}.")
     if space in TARGET_SPACES.values():
         from mist.tune.targets import tune_target  # lazy: keeps torch out of the CLI start-up
 

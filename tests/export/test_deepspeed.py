@@ -428,7 +428,8 @@ def train(plan, tmp_path, steps=2) -> list[dict]:
     env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     found = sorted(tmp_path.glob("rank-*.json"))
-    assert r.returncode == 0 and len(found) == 2, r.stdout[-2000:] + r.stderr[-4000:]
+    written = f"exit code {r.returncode}, results written by {[f.name for f in found]}\n"
+    assert r.returncode == 0 and len(found) == 2, written + r.stdout[-2000:] + r.stderr[-4000:]
     results = [json.loads(p.read_text()) for p in found]
     return sorted(results, key=lambda x: x["rank"])
 

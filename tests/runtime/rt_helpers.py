@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed  # (imported before forking the workers: fast start)
@@ -14,6 +16,9 @@ from mist.runtime.data import SyntheticData
 from mist.runtime.optimizer import lr_at
 from mist.specs.model import ModelSpec
 from mist.specs.training import ClusterSpec, TrainingSpec
+
+# the CPU profile, so that the simulator can price a plan run here (memory is device-independent)
+CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
 SEQ = 16
 
@@ -186,3 +191,10 @@ def compare(family: str, res: dict, ref: dict, rtol=RTOL, atol=ATOL) -> dict:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda s, n=name: f"{n}: {s}")
         w_err = max(w_err, (got - want).abs().max().item())
     return {"loss": loss_err, "grad_norm_rel": norm_err, "weight": w_err}
+
+
+def compiled_plan(plan: Plan) -> Plan:
+    """`plan` with its blocks compiled (`training.compile_blocks`), priced on the CPU profile."""
+    return replace(
+        plan, cluster=replace(plan.cluster, gpu=CPU_PROFILE), training=replace(plan.training, compile_blocks=True)
+    )

@@ -10,27 +10,12 @@ tests/analysis/test_compiled_block.py, and runs in the CPU loop.) And the simula
 saved activations (on the device and offloaded to the host), priced from the captured graphs, are
 the runtime's to the byte."""
 
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
-from rt_helpers import CFG, compare, make_plan, reference, run_plan
+from rt_helpers import CFG, CPU_PROFILE, compare, compiled_plan, make_plan, reference, run_plan
 from test_runtime_interleaved import interleaved_plan
 
 from mist.hardware import load_profile
 from mist.simulate.plan_sim import simulate_plan
-
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
-
-
-def _compiled(plan):
-    # the CPU profile, so that the simulator can price the plan (memory is device-independent)
-    return replace(
-        plan,
-        cluster=replace(plan.cluster, gpu=CPU_PROFILE),
-        training=replace(plan.training, compile_blocks=True),
-    )
-
 
 CASES = [
     (
@@ -65,7 +50,7 @@ CASES = [
 
 @pytest.mark.parametrize("family,name,build", CASES, ids=[f"{f}-{n}" for f, n, _ in CASES])
 def test_compiled_plan_matches_single_process(family, name, build):
-    plan = _compiled(build())
+    plan = compiled_plan(build())
     res = run_plan(plan)
     ref = reference(family, plan.training.global_batch, flash=plan.training.flash_attention)
     assert all(n > CFG["max_grad_norm"] for n in ref["grad_norms"])

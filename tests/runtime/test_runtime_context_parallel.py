@@ -11,15 +11,13 @@ peaks equal the runtime's to the byte (a CPU profile: the traces are the CPU's).
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from rt_helpers import CFG, SPECS, compare, make_plan, reference, run_plan
+from rt_helpers import CFG, CPU_PROFILE, SPECS, compare, make_plan, reference, run_plan
 from test_runtime_sequence_parallel import _memory_matches, pp_plan
 
 SPECS.setdefault("llama4", replace(SPECS["llama"], num_layers=4, name="tiny-llama4"))
 
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
 SINGLE = [
     ("gpt", "cp2", dict(cp=2)),

@@ -13,18 +13,16 @@
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
-from rt_helpers import SPECS, make_plan, run_plan
+from rt_helpers import CPU_PROFILE, SPECS, compiled_plan, make_plan, run_plan
 
 import mist.models.embedding as embedding
 from mist.hardware import load_profile
 from mist.models.dropout import dropout, tp_stream
 from mist.simulate.plan_sim import simulate_plan
 
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 for _f in ("gpt", "llama", "falcon"):
     SPECS.setdefault(f"{_f}-hdrop", replace(SPECS[_f], hidden_dropout=0.2, name=f"tiny-{_f}-hdrop"))
     SPECS.setdefault(f"{_f}-adrop", replace(SPECS[_f], attention_dropout=0.2, name=f"tiny-{_f}-adrop"))
@@ -105,22 +103,14 @@ def test_resumed_run_draws_the_uninterrupted_masks(tmp_path):
         np.testing.assert_allclose(resumed["state"][k], v, rtol=0, atol=1e-6, err_msg=k)
 
 
-def _compiled(plan):
-    return replace(
-        plan,
-        cluster=replace(plan.cluster, gpu=CPU_PROFILE),
-        training=replace(plan.training, compile_blocks=True),
-    )
-
-
 def test_compiled_blocks_draw_the_shared_stream_s_masks():
     """Compiled blocks draw their masks with Inductor, from seeds of the default generator (the
     shared stream, `mist.rules.compiled_blocks`): hidden dropout on two tensor-parallel ranks, one
     layer recomputed whole (its re-run draws the first run's masks), equals one rank without
     recomputation; and the simulator's states and saved activations, priced from the compiled
     graphs, are the runtime's to the byte."""
-    one = run_plan(_compiled(make_plan("gpt-hdrop", G=2, flash=False)))
-    plan = _compiled(make_plan("gpt-hdrop", tp=2, G=2, recompute=1, flash=False))
+    one = run_plan(compiled_plan(make_plan("gpt-hdrop", G=2, flash=False)))
+    plan = compiled_plan(make_plan("gpt-hdrop", tp=2, G=2, recompute=1, flash=False))
     two = run_plan(plan)
     _same(one, two)
     _memory_matches(plan, two)
@@ -141,7 +131,7 @@ def test_compiled_blocks_draw_each_rank_s_own_masks_as_eager_blocks_do(family, k
     of the same plan, also where a recomputed block re-runs its forward; the simulator's memory
     is the runtime's to the byte."""
     eager = run_plan(make_plan(family, **kw))
-    plan = _compiled(make_plan(family, **kw))
+    plan = compiled_plan(make_plan(family, **kw))
     compiled = run_plan(plan)
     _same(eager, compiled)
     _memory_matches(plan, compiled)

@@ -7,10 +7,9 @@ as `test_runtime_pipeline.py`; the simulator's device states and saved-activatio
 (its chunks in flight under the interleaved order) equal the runtime's to the byte."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from rt_helpers import CFG, SEQ, SPECS, compare, reference, run_plan
+from rt_helpers import CFG, CPU_PROFILE, SEQ, SPECS, compare, reference, run_plan
 
 from mist.hardware import load_profile
 from mist.plan import Offload, Plan, StageStrategy
@@ -20,7 +19,6 @@ from mist.specs.training import ClusterSpec, TrainingSpec
 SPECS.setdefault("gpt4", replace(SPECS["gpt"], num_layers=4, name="tiny-gpt4"))
 SPECS.setdefault("falcon4", replace(SPECS["falcon"], num_layers=4, name="tiny-falcon4"))
 # a CPU profile, so that the simulator traces for the device the workers run on
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
 
 def interleaved_plan(family: str, G: int, dp: int = 1, mixed: bool = False, b: int = 2) -> Plan:

@@ -11,10 +11,9 @@ saved-activation peaks equal the runtime's to the byte (a CPU profile: the trace
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from rt_helpers import CFG, SEQ, SPECS, compare, make_plan, reference, run_plan
+from rt_helpers import CFG, CPU_PROFILE, SEQ, SPECS, compare, make_plan, reference, run_plan
 
 from mist.hardware import load_profile
 from mist.plan import Offload, Plan, StageStrategy
@@ -23,7 +22,6 @@ from mist.specs.training import ClusterSpec, TrainingSpec
 
 SPECS.setdefault("gpt4", replace(SPECS["gpt"], num_layers=4, name="tiny-gpt4"))
 SPECS.setdefault("falcon4", replace(SPECS["falcon"], num_layers=4, name="tiny-falcon4"))
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
 MIXED = dict(dp=2, zero=3, G=2, recompute=1, offload=dict(weights=0.5, grads=0.5, optimizer=0.5, activations=0.5))
 

@@ -6,17 +6,15 @@ Falcon's parallel blocks, and G both above and below the number of stages. The s
 memory — every micro-batch held until its W — is the runtime's to the byte."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from rt_helpers import CFG, SPECS, compare, reference, run_plan
+from rt_helpers import CFG, CPU_PROFILE, SPECS, compare, reference, run_plan
 from test_runtime_pipeline import pp_plan
 
 from mist.hardware import load_profile
 from mist.simulate.plan_sim import simulate_plan
 
 SPECS.setdefault("gpt4", replace(SPECS["gpt"], num_layers=4, name="tiny-gpt4"))
-CPU_PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
 
 L = lambda *n: [dict(layers=k) for k in n]  # noqa: E731
 

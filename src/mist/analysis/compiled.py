@@ -502,13 +502,14 @@ def _emit(
     """Append one kernel: an extern kernel (`kind` GEMM, ATTENTION or COLLECTIVE), a fused run
     (MEMORY) or, `opaque`, one of Mist's own operators (MEMORY, priced as the eager operator)."""
     trace = st.trace
+    fused = kind == MEMORY and not opaque  # a run of pointwise operators (else one operator's outputs)
     inside = {(g, n.name) for n in group}
     last = max(order[n.name] for n in group)
     # the buffers an extern kernel writes: its tensor outputs (getitems of a multi-output)
     outs: list[tuple[tuple[str, str], object]] = []
     if kind == COLLECTIVE and _reduces_in_place(st, g, group[0], users, kept):
         st.base[(g, group[0].name)] = st.key(g, group[0].args[0])
-    elif kind != MEMORY or opaque:
+    elif not fused:
         n = group[0]
         getters = [u for u in n.users if u.target is operator.getitem]
         for u in getters or [n]:
@@ -540,7 +541,7 @@ def _emit(
     params = None
     flops = sympy.Integer(0)
     n0 = group[0]
-    op = FUSED if kind == MEMORY and not opaque else _name(n0)
+    op = FUSED if fused else _name(n0)
     if kind == COLLECTIVE:  # the whole buffer: all-gather's output, an all-reduce's or reduce-scatter's input
         op = _COLLECTIVES[op]
         read = written = written if op == "all_gather" else read
@@ -549,11 +550,9 @@ def _emit(
         params = CollectiveParams(
             bytes=read, group=st.tp if op == "all_reduce" else n0.args[1 if op == "all_gather" else 2]
         )
-    elif kind == MEMORY and not opaque:
+    elif fused:
         params = _pointwise_work(group, ex, {k[1] for k, _ in outs})
-    elif opaque:
-        params = None
-    else:
+    elif kind != MEMORY:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}
         ins_vals = [_val(a) for a in _tensor_nodes(n0.args)]

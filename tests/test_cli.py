@@ -84,18 +84,6 @@ def test_bad_input_is_one_sentence_exit_2(args, needle, capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_estimate_refuses_what_compiled_blocks_cannot_run(capsys):
-    """A recomputed attention core with attention dropout on tp > 1 (`mist.rules.compiled_blocks`),
-    refused before anything is traced."""
-    model = ROOT / "benchmarks" / "models" / "loop-gpt-drop.yaml"
-    args = ["estimate", "--model", str(model), "--gpu", "l4", "--seq", "256", "--tp", "2", "--no-flash"]
-    code, _, err = run([*args, "--compile-blocks", "--recompute", "attention"], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "--compile-blocks: compiled blocks cannot recompute the attention core with attention dropout on tp = 2" in (
-        " ".join(err.split())
-    )
-
-
 def test_bad_model_files_exit_2(tmp_path, capsys):
     bad_heads = tmp_path / "m.json"
     bad_heads.write_text(

@@ -423,10 +423,15 @@ def _dropout_model(**probs) -> dict:
 
 def test_compiled_blocks_run_dropout_on_tensor_parallel_stages():
     """The masks every tensor-parallel rank draws alike, and each rank's own (attention dropout on
-    tp > 1; hidden dropout under sequence parallelism): `mist.rules.compiled_blocks`."""
+    tp > 1, also with the attention core recomputed; hidden dropout under sequence parallelism):
+    `mist.rules.compiled_blocks`."""
     for model, changes in (
         (_dropout_model(hidden_dropout=0.1), {"stages__1__sequence_parallel": True}),
         (_dropout_model(attention_dropout=0.1, hidden_dropout=0.1), {"training__flash_attention": False}),
+        (
+            _dropout_model(attention_dropout=0.1),
+            {"training__flash_attention": False, "stages__1__recompute_attention": True},
+        ),
     ):
         p = plan_from_dict(mutate(model=model, training__compile_blocks=True, **changes))
         assert p.training.compile_blocks and p.stages[1].tp == 2 and p.model.has_dropout
@@ -435,15 +440,6 @@ def test_compiled_blocks_run_dropout_on_tensor_parallel_stages():
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        (
-            {
-                "model": _dropout_model(attention_dropout=0.1),
-                "training__flash_attention": False,
-                "stages__1__recompute_attention": True,
-            },
-            "Stage 1 cannot run compiled blocks (training.compile_blocks): compiled blocks cannot recompute "
-            "the attention core with attention dropout on tp = 2",
-        ),
         (
             {
                 "stages__1__tp": 1,

@@ -15,7 +15,6 @@ from rich.table import Table
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan
-from mist.rules.compiled_blocks import compiled_block_problem
 from mist.simulate.precision import profile_dtype
 from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
@@ -107,10 +106,6 @@ def estimate(
     spec = load_model(model)
     spec.check_seq_len(seq)
     profile = load_profile(gpu)
-    if compile_blocks:
-        why = compiled_block_problem(spec.attention_dropout, tp, "attention" in recompute)
-        if why is not None:
-            raise MistInputError(f"--compile-blocks: {why}.")
     res = run_estimate(
         spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash, compiled=compile_blocks
     )

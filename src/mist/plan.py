@@ -31,7 +31,7 @@ import yaml
 
 from mist.checks import is_int, is_number
 from mist.errors import MistInputError
-from mist.rules.compiled_blocks import compiled_block_problem, compiled_schedule_problem
+from mist.rules.compiled_blocks import compiled_schedule_problem
 from mist.rules.zero_bubble_order import SCHEDULES, ZB_H1, zb_h1_problem
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
@@ -264,11 +264,6 @@ def _check_compiled(p: Plan) -> None:
     why = compiled_schedule_problem(p.schedule)
     if why is not None:
         raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
-    m = p.model
-    for i, s in enumerate(p.stages):
-        why = compiled_block_problem(m.attention_dropout, s.tp, s.recompute_attention)
-        if why is not None:
-            raise MistInputError(f"Stage {i} cannot run compiled blocks (training.compile_blocks): {why}.")
 
 
 def _check_schedule(p: Plan) -> None:

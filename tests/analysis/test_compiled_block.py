@@ -17,7 +17,7 @@ from mist.analysis.compiled import capture, trace_compiled
 from mist.analysis.records import COLLECTIVE, B, S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block, run_block_as, select_parts
-from mist.models.compiled import check_compiled_block, compile_block
+from mist.models.compiled import compile_block
 from mist.rules.offload_split import MIN_SPLIT_NUMEL, kept_saved_bytes, offloaded_saved_bytes
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.memory import MemoryAccount
@@ -287,18 +287,29 @@ def test_dropout_in_a_compiled_block(family, recompute):
     assert _fused_work(la, "bwd", "random") == again
 
 
-def test_a_recomputed_attention_core_with_a_rank_s_own_masks_is_refused():
-    with pytest.raises(ValueError, match="cannot recompute the attention core with attention dropout on tp = 2"):
-        check_compiled_block(DROPOUT["gpt"], 2, True)
-
-
-def test_dropout_compiles_from_either_stream():
-    """Hidden dropout (shared stream, or a rank's own under sequence parallelism) and attention
-    dropout on one rank or on several (a rank's own stream) compile; so does the attention core
-    recomputed on one rank."""
-    check_compiled_block(DROPOUT["llama"], 2, True)
-    check_compiled_block(DROPOUT["gpt"], 2, False)
-    check_compiled_block(DROPOUT["gpt"], 1, True)
+def test_a_recomputed_attention_core_redraws_a_rank_s_own_masks_from_the_kept_seed():
+    """Attention dropout on tp > 1 draws from the rank's own stream: `mist::rank_seed` takes the
+    seed before the checkpointed core, and the partitioner re-runs the core's
+    `mist::seeded_dropout` in the backward graph with it. So the compiled block keeps no b·heads·s²
+    tensor (neither the probabilities nor their mask: the core is recomputed), the seed is kept
+    (a host scalar: no kernel, no device traffic), and the draw runs once in the forward and once
+    in the backward graph; without recomputation it runs once and its mask is kept."""
+    spec = DROPOUT["gpt"]
+    heads = spec.num_heads // 2
+    rc = analyze_layer(spec, "block", 2, False, "fp32", "cpu", "attention", compiled=True)
+    plain = analyze_layer(spec, "block", 2, False, "fp32", "cpu", compiled=True)
+    saved, kept = sympy.expand(rc.saved_bytes), sympy.expand(plain.saved_bytes)
+    assert saved.coeff(S**2) == 0
+    assert kept.coeff(S**2) != 0
+    for la, bwd in ((rc, 1), (plain, 0)):
+        assert [r.op for r in la.ops("fwd")].count("rank_seed") == 1
+        draws = {ph: [r for r in la.ops(ph) if r.op == "seeded_dropout"] for ph in ("fwd", "bwd")}
+        assert (len(draws["fwd"]), len(draws["bwd"])) == (1, bwd)
+        # (the probabilities read, the dropped ones and their bool mask written)
+        assert sympy.expand(draws["fwd"][0].bytes_read) == 4 * heads * B * S**2
+        assert sympy.expand(draws["fwd"][0].bytes_written) == 5 * heads * B * S**2
+    seed = next(r for r in rc.ops("fwd") if r.op == "rank_seed")
+    assert seed.bytes_read == seed.bytes_written == 0
 
 
 def _collectives(la) -> Counter:

@@ -119,16 +119,22 @@ def test_compiled_blocks_draw_the_shared_stream_s_masks():
 # (model, plan) pairs whose masks come from each rank's own stream
 RANK_STREAM = [
     ("gpt-adrop", dict(tp=2, G=2, recompute=1, flash=False)),
+    ("gpt-adrop", dict(tp=2, G=2, recompute_attention=True, flash=False)),
     ("llama-hdrop", dict(tp=2, G=2, sequence_parallel=True, recompute_activation=True)),
 ]
 
 
-@pytest.mark.parametrize("family,kw", RANK_STREAM, ids=["tp2-attention-recompute1", "tp2-sp-hidden-selective"])
+@pytest.mark.parametrize(
+    "family,kw",
+    RANK_STREAM,
+    ids=["tp2-attention-recompute1", "tp2-attention-core-recomputed", "tp2-sp-hidden-selective"],
+)
 def test_compiled_blocks_draw_each_rank_s_own_masks_as_eager_blocks_do(family, kw):
     """Inside compiled blocks the dropouts of what a rank holds alone (its heads' attention
-    probabilities; under sequence parallelism its sequence shard) run `mist::rank_dropout`, which
-    draws from the rank's own stream what eager blocks draw: the compiled run equals the eager run
-    of the same plan, also where a recomputed block re-runs its forward; the simulator's memory
+    probabilities; under sequence parallelism its sequence shard) run `mist::seeded_dropout` with a
+    seed of the rank's own stream, and draw what eager blocks draw: the compiled run equals the
+    eager run of the same plan, also where a recomputed block re-runs its forward and where the
+    partitioner re-runs a recomputed attention core in the backward graph; the simulator's memory
     is the runtime's to the byte."""
     eager = run_plan(make_plan(family, **kw))
     plan = compiled_plan(make_plan(family, **kw))

@@ -92,8 +92,10 @@ _VIEWS = {
     "wait_tensor",  # a functional collective's result, once it has arrived
 }
 # Mist's own operators that Inductor runs as they are (fallback kernels, not fused), priced as the
-# eager operator they run (`mist.hardware.memory_ops` classes): `mist.models.dropout.rank_dropout`.
-_OPAQUE = {"rank_dropout"}
+# eager operator they run (`mist.hardware.memory_ops` classes): `mist.models.dropout.rank_dropout`'s
+# draw. `rank_seed` (its seed) runs on the host: no device traffic, no kernel time.
+_OPAQUE = {"seeded_dropout"}
+_HOST = {"rank_seed"}
 # PyTorch's functional collectives (`mist.models.collectives` inside a compiled block), named as the
 # eager block announces them.
 _COLLECTIVES = {
@@ -189,6 +191,7 @@ class _Graphs:
         self.trace, self.tp = trace, tp
         self.sid: dict[tuple[str, str], int] = {}  # (graph, node name) -> storage id
         self.base: dict[tuple[str, str], tuple[str, str]] = {}
+        self.host: set[tuple[str, str]] = set()  # host scalars (a `_HOST` operator's outputs)
 
     def key(self, g: str, n: torch.fx.Node) -> tuple[str, str]:
         k = (g, n.name)
@@ -383,7 +386,7 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
         if _name(n) == "inductor_seeds":  # the seeds of the graph's random draws: a kernel of its own
             flush()
             _emit(st, g, [n], ex, users, kept, order, kind=MEMORY)
-        elif _name(n) in _OPAQUE:
+        elif _name(n) in _OPAQUE or _name(n) in _HOST:
             flush()
             _emit(st, g, [n], ex, users, kept, order, kind=MEMORY, opaque=True)
         elif n.target is operator.getitem and _name(n.args[0]) in _OPAQUE:
@@ -536,8 +539,15 @@ def _emit(
         trace.storage_bytes[sid] = ex.nbytes(v)
         trace.producer[sid] = idx
         out_sids.append(sid)
+    if _name(group[0]) in _HOST:  # (its tensor input only orders it; its scalar is the host's)
+        ins = []
+        st.host.update(k for k, _ in outs)
+    ins = [a for a in ins if st.key(g, a) not in st.host]  # (a host scalar is read by the host)
     read = sympy.expand(sum((ex.nbytes(_val(a)) for a in ins), sympy.Integer(0)))
-    written = sympy.expand(sum((ex.nbytes(v) for _, v in outs), sympy.Integer(0)))
+    written = sympy.expand(sum((ex.nbytes(v) for k, v in outs if k not in st.host), sympy.Integer(0)))
+    if opaque and _name(group[0]) in _OPAQUE:  # it writes every output, also one nobody reads
+        vals = _val(group[0])
+        written = sympy.expand(sum((ex.nbytes(v) for v in vals if isinstance(v, torch.Tensor)), sympy.Integer(0)))
     params = None
     flops = sympy.Integer(0)
     n0 = group[0]

@@ -23,7 +23,6 @@ from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, select_parts, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
-from mist.models.compiled import check_compiled_block
 from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
@@ -223,8 +222,6 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
         raise ValueError("context parallelism runs flash attention only")
     compiled = bool(compiled) and part == "block"
     sp = bool(sequence_parallel) and tp > 1
-    if compiled:
-        check_compiled_block(spec, tp, "attention" in parts)
     return spec, part, tp, flash, dtype, target, rc, sp, cp, compiled
 
 

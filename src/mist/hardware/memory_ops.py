@@ -67,7 +67,7 @@ _OP_CLASS = {
     "silu_backward": "swiglu",
     # dropout
     "native_dropout": "dropout",
-    "rank_dropout": "dropout",  # `mist::rank_dropout`: native_dropout from a rank's own stream
+    "seeded_dropout": "dropout",  # `mist::seeded_dropout`: native_dropout from a rank's own stream
     "native_dropout_backward": "dropout",
     "dropout": "dropout",
     "bernoulli": "dropout",

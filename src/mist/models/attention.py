@@ -25,7 +25,7 @@ from torch import nn
 
 from mist.models.collectives import CPGroup, TPGroup
 from mist.models.context_parallel import chunk_ranges, context_attention, positions
-from mist.models.dropout import checkpoint, rank_dropout
+from mist.models.dropout import checkpoint, rank_dropout, rank_seed
 from mist.models.linear import ColumnParallelLinear, RowParallelLinear
 from mist.specs.model import ModelSpec
 
@@ -190,10 +190,14 @@ class Attention(nn.Module):
         v = v.view(b, s, hk, d).transpose(1, 2)
         if self.tp.cp.size > 1:  # flash only (`plan.check_plan`)
             o = context_attention(q, k, v, self.tp.cp)
-        elif self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(self.core, q, k, v, dropout=self.core.p > 0)
         else:
-            o = self.core(q, k, v)
+            # the dropout's seed from the rank's own stream, taken outside a recomputed region
+            # (`mist.models.dropout`): its re-run draws the forward's mask
+            seed = rank_seed(self.tp, q) if self.core.drops() else None
+            if self.recompute_core and torch.is_grad_enabled():
+                o = checkpoint(self.core, q, k, v, seed, dropout=self.core.p > 0)
+            else:
+                o = self.core(q, k, v, seed)
         o = o.transpose(1, 2).reshape(b, s, hq * d)
         return self.dense(o)
 
@@ -206,14 +210,19 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.flash, self.p, self.tp = flash, p, tp or TPGroup()
 
-    def forward(self, q, k, v):
+    def drops(self) -> bool:
+        """Whether the forward drops probabilities (training, p > 0, materialised attention)."""
+        return self.training and self.p > 0 and not self.flash
+
+    def forward(self, q, k, v, seed=None):
+        """`seed`: of the probabilities' dropout on tp > 1 (`mist.models.dropout.rank_seed`)."""
         if self.flash:
             if self.training and self.p > 0:  # refused at every entry (`ModelSpec.check_attention`)
                 raise RuntimeError("flash attention runs without attention dropout in Mist")
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return self._materialised(q, k, v)
+        return self._materialised(q, k, v, seed)
 
-    def _materialised(self, q, k, v):
+    def _materialised(self, q, k, v, seed):
         hq, hk = q.shape[1], k.shape[1]
         if hk != hq:
             k = k.repeat_interleave(hq // hk, dim=1)
@@ -224,5 +233,5 @@ class AttentionCore(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         if self.training and self.p > 0:  # this rank's heads: its own stream
-            probs = rank_dropout(probs, self.p, self.tp)
+            probs = rank_dropout(probs, self.p, self.tp, seed)
         return torch.matmul(probs, v)

@@ -22,8 +22,6 @@ import sys
 
 import torch
 
-from mist.rules.compiled_blocks import compiled_block_problem
-
 
 def _fresh_compile_threads_after_fork() -> None:
     """Inductor compiles generated code on a thread pool that a forked child inherits without its
@@ -70,12 +68,3 @@ def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> 
         return compile_fx(gm, example_inputs, **kwargs)
 
     return CompiledBlock(block, backend)
-
-
-def check_compiled_block(spec, tp: int = 1, recompute_attention: bool = False) -> None:
-    """Raise ValueError where `mist.rules.compiled_blocks` says a block of model `spec` on `tp`
-    tensor-parallel ranks (`recompute_attention`: its attention core recomputed) cannot run
-    compiled."""
-    problem = compiled_block_problem(spec.attention_dropout, tp, recompute_attention)
-    if problem is not None:
-        raise ValueError(problem)

@@ -20,12 +20,12 @@ Inductor's, and are replayed wherever a forward is re-run: whole-block recomputa
 default generator before the re-run (the inference graph and the training graph draw the same
 seeds), and the partitioner keeps the seeds of a recomputed region. A rank's own stream (the
 attention probabilities of its heads, tp > 1; the hidden dropouts of its sequence shard under
-sequence parallelism) is a generator state swapped in around the draw, which Inductor's dropout
-cannot do: there the block calls `mist::rank_dropout`, an opaque operator that swaps the state and
-runs `native_dropout` (the masks eager blocks draw), with the fused kernels around it. What does
-not compile: that operator inside a checkpointed region, the attention core recomputed by
-selective recomputation, whose re-run in the backward graph would draw from where the rank's
-stream has moved on.
+sequence parallelism) gives each draw a seed of its own, which Inductor's dropout cannot take:
+there the block calls two opaque operators, `mist::rank_seed` (the stream's next seed, a host
+scalar) and `mist::seeded_dropout` (`native_dropout` with the generator seeded by it: the masks
+eager blocks draw), with the fused kernels around them. The attention core takes its seed before
+its checkpointed region, so that the partitioner's re-run of the region in the backward graph
+draws with the forward's seed (kept for backward) the forward's mask.
 
 ZB-H1 splits each block's backward into input and weight gradients; a compiled block's backward is
 one function. (Activation offload works: the runtime splits a compiled block's saved storages whole
@@ -33,18 +33,6 @@ and gives each saved view back its strides, `mist.runtime.activations`.)
 """
 
 from __future__ import annotations
-
-
-def compiled_block_problem(attention_dropout: float, tp: int, recompute_attention: bool) -> str | None:
-    """Why a block of a model with this attention dropout cannot run compiled on a stage of `tp`
-    tensor-parallel ranks that recomputes its attention core or not, None if it can (every other
-    recomputation, and hidden dropout, compile)."""
-    if attention_dropout > 0 and tp > 1 and recompute_attention:
-        return (
-            f"compiled blocks cannot recompute the attention core with attention dropout on tp = {tp}: its "
-            "re-run would draw the rank's own masks again from where that random stream has moved on"
-        )
-    return None
 
 
 def compiled_schedule_problem(schedule: str) -> str | None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mist.plan import Offload, StageStrategy
-from mist.rules.compiled_blocks import compiled_block_problem
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.stage import StageComponents, StageInput, StageModel, compose
@@ -145,8 +144,6 @@ class StageTables:
         for tdb, (attn, act) in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
             # (sequence parallelism splits the sequence, or each of the 2·cp chunks, over tp)
             split = tdb[0] * (2 * self.cp if self.cp > 1 else 1)
-            if self.compiled and compiled_block_problem(self.spec.attention_dropout, tdb[0], attn) is not None:
-                continue
             for sp in self.space.sequence_parallel if tdb[0] > 1 and self.seq % split == 0 else (False,):
                 out.append((tdb, (attn, act, bool(sp))))
         return out

@@ -53,7 +53,7 @@ def report(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
     try:
-        res = gpu_loop.run_loop(out, TINY_SETUP, budget_s=120, skip=frozenset({"profile"}))
+        res = gpu_loop.run_loop(out, TINY_SETUP, budget_s=160, skip=frozenset({"profile"}))
         slow = gpu_loop.make_plan(TINY, seq=16, global_batch=4, micro_batch=2, gpu="cpu", dtype="fp32")
         res["plans"].append(gpu_loop.run_plan("too slow", slow, 500, 0.3, "cpu", start_method="fork", threads=1))
     finally:
@@ -103,6 +103,20 @@ def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
     section = md.split("## Kernels of single blocks")[1]
     assert section.count("| linear |") == 2 and section.count("(bias in the GEMM)") == 2
     assert section.count("- fwd with N(0, 1) weight matrices: ") == 2
+
+
+def test_the_dropout_phase_compares_compiled_and_eager_masks(report):
+    """A rank's own attention dropout compiled equals eager (rounding apart), with its core kept and
+    recomputed, and another step seed draws other masks; the report prints both cases."""
+    res, md, _, _ = report
+    row = res["dropout"]
+    assert row["status"] == "ok", row.get("error")
+    assert list(row["cases"]) == ["core kept", "core recomputed"]
+    for case in row["cases"].values():
+        assert case.pop("another seed differs") is True
+        assert len(case) >= 3 and max(case.values()) < 1e-4
+    section = md.split("## A rank's own attention dropout: compiled vs eager")[1]
+    assert "| core kept |" in section and "| core recomputed |" in section
 
 
 def test_report_rows_and_predictions(report):

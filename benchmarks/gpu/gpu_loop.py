@@ -1,7 +1,7 @@
 """The one-shot GPU loop: one run on a machine with one CUDA GPU (an H200), everything under $OUT.
 
     OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 490] [--profile-budget 240]
-        [--skip profile,plans,bare,kernels]
+        [--skip profile,plans,bare,kernels,dropout]
 
 Phases, in this order; each saves $OUT/gpu_loop.json as it goes (a plan in flight is marked
 "running"), so a run cut short still leaves what it measured; a failing part is recorded with its
@@ -24,6 +24,14 @@ error string and the loop goes on:
             each of the block's linear layers timed alone at its own shape: as the block calls
             it, without its bias, and with standard-normal weights — the GEMM table (`F.linear`,
             no bias, random data) prices the first. ~25 s.
+
+5. dropout  a rank's own attention dropout (tensor-parallel rank 0 of 2, materialised attention, a
+            tiny GPT) run eager and compiled by Inductor on the device, its attention core as
+            computed and recomputed in a checkpointed region (which the compiled backward re-runs
+            with the seed its forward took): the largest difference of the output and of every
+            gradient, compiled vs eager under one step seed (0 where the masks agree: the
+            custom operators `mist::rank_seed`, a host scalar, and `mist::seeded_dropout` under
+            Inductor's device backend). ~30 s, most of it compiling.
 
 The whole run is held to --budget seconds (490, about 8 minutes): a plan gets what is left after
 the reserves for the bare loop and the kernel phase and is stopped (its worker terminated) when that runs out; plans that
@@ -59,6 +67,7 @@ PROFILE_BUDGET_S = 240.0  # `mist profile --time-budget`
 PROFILE_GRACE_S = 90.0  # the profile subprocess is stopped at its budget + this
 BARE_RESERVE_S = 40.0  # kept for the bare loop while plans run
 KERNELS_RESERVE_S = 30.0  # kept for the kernel phase while plans and the bare loop run
+DROPOUT_RESERVE_S = 40.0  # kept for the dropout phase while the phases before it run
 MIN_PLAN_S = 25.0  # a plan is skipped when less than this is left for it
 PLAN_CAP_S = 150.0  # no plan runs longer than this
 RESULT = "gpu_loop.json"
@@ -520,6 +529,78 @@ def kernels_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
             torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------------------- phase 5: rank dropout
+DROPOUT_MODEL = {
+    "name": "tiny-gpt-dropout",
+    "family": "gpt",
+    "num_layers": 1,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "ffn_hidden_size": 256,
+    "vocab_size": 128,
+    "tie_embeddings": True,
+    "attention_dropout": 0.1,
+}
+
+
+def rank_dropout_check(device: str, dtype: str, b: int = 2, seq: int = 64) -> dict:
+    """{case: {tensor: largest |compiled − eager|}} for the attention of a rank's own heads with
+    attention dropout (tp rank 0 of 2, no process group: `Attention.after_qkv` runs no collective
+    with an unreduced output), from its QKV output, eager and compiled, the core as computed
+    ("core kept") and recomputed ("core recomputed"); plus whether another step seed draws other
+    masks (it must: the masks are drawn)."""
+    import torch
+
+    from mist.models.attention import Attention
+    from mist.models.collectives import TPGroup
+    from mist.models.dropout import seed_dropout
+    from mist.models.dtypes import torch_dtype
+    from mist.specs.loading import load_model_dict
+
+    spec = load_model_dict(DROPOUT_MODEL, source="model")
+    dt = torch_dtype(dtype)
+    attn = Attention(spec, TPGroup(2, 0), False, dt, device=device, reduce=False)
+    init_weights(attn)
+    compiled = torch.compile(attn.after_qkv)
+    width = attn.qkv.weight.shape[0]
+    gen = torch.Generator(device).manual_seed(0)
+    qkv = torch.randn(b, seq, width, device=device, dtype=dt, generator=gen)
+    g = torch.randn(b, seq, spec.hidden_size, device=device, dtype=dt, generator=gen)
+
+    def step(fn, step_seed: int) -> list:
+        x = qkv.clone().requires_grad_(True)
+        seed_dropout(step_seed, 0, 0, 0, 0)
+        out = fn(x)
+        out.backward(g)
+        grads = [x.grad] + [p.grad for p in attn.dense.parameters()]
+        attn.zero_grad(set_to_none=True)
+        return [out.detach()] + [t.detach().clone() for t in grads]
+
+    names = ["output", "qkv grad"] + [f"dense {n} grad" for n, _ in attn.dense.named_parameters()]
+    res: dict = {}
+    for case, recompute in (("core kept", False), ("core recomputed", True)):
+        attn.recompute_core = recompute
+        eager, comp = step(attn.after_qkv, 1), step(compiled, 1)
+        res[case] = {n: float((a.float() - c.float()).abs().max()) for n, a, c in zip(names, eager, comp)}
+        res[case]["another seed differs"] = bool(not torch.equal(step(compiled, 2)[0], comp[0]))
+    return res
+
+
+def dropout_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
+    t0 = time.perf_counter()
+    try:
+        row = {"cases": with_time_limit(clock.left(), lambda: rank_dropout_check(su.device, su.dtype)), "status": "ok"}
+    except TimeLimit as e:
+        row = {"status": "timeout", "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+        row = {"status": "error", "error": error_text(e)}
+    row["wall_s"] = time.perf_counter() - t0
+    res["dropout"] = row
+    save(out, res)
+    log(out, f"dropout: {row['status']} in {row['wall_s']:.0f} s")
+
+
 # ---------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
 class Setup:
@@ -624,7 +705,7 @@ def run_loop(
     profile_budget_s: float = PROFILE_BUDGET_S,
     skip: frozenset = frozenset(),
 ) -> dict:
-    """The four phases into out/gpu_loop.json (saved after every step); returns the results."""
+    """The five phases into out/gpu_loop.json (saved after every step); returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(budget_s)
     res = {
@@ -638,10 +719,12 @@ def run_loop(
         "plans": [],
         "bare_loop": None,
         "kernels": None,
+        "dropout": None,
     }
     save(out, res)
     log(out, f"{res['env'].get('device', su.device)} torch {res['env']['torch']}; budget {budget_s:.0f} s")
-    later = 0.0 if "kernels" in skip else KERNELS_RESERVE_S
+    last = 0.0 if "dropout" in skip else DROPOUT_RESERVE_S
+    later = last + (0.0 if "kernels" in skip else KERNELS_RESERVE_S)
     reserve = later + (0.0 if "bare" in skip else BARE_RESERVE_S)
     if "profile" not in skip:
         limit = min(profile_budget_s + PROFILE_GRACE_S, clock.left() - reserve - 2 * MIN_PLAN_S)
@@ -656,7 +739,9 @@ def run_loop(
     if "bare" not in skip:
         bare_phase(out, res, su, clock, later)
     if "kernels" not in skip:
-        kernels_phase(out, res, su, clock)
+        kernels_phase(out, res, su, Clock(clock.left() - last))
+    if "dropout" not in skip:
+        dropout_phase(out, res, su, clock)
     res["finished"] = now()
     res["total_wall_s"] = budget_s - clock.left()
     save(out, res)
@@ -668,7 +753,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="Seconds for the whole run.")
     ap.add_argument("--profile-budget", type=float, default=PROFILE_BUDGET_S)
-    ap.add_argument("--skip", default="", help="Comma-separated phases to skip: profile, plans, bare, kernels.")
+    ap.add_argument(
+        "--skip", default="", help="Comma-separated phases to skip: profile, plans, bare, kernels, dropout."
+    )
     a = ap.parse_args(argv)
 
     import torch

@@ -9,7 +9,8 @@ it). Every measured plan is simulated with `simulate_plan` twice: with the shipp
 with the fetched (measured) one. Writes the markdown report (step time, peak memory, the
 runtime's accounted state / saved-activation bytes against the simulator's to the byte, bare
 PyTorch loop vs the plain plan, and the kernel phase's single blocks: their largest kernels and
-their linear layers alone next to the shipped profile's GEMM table), the raw run with the
+their linear layers alone next to the shipped profile's GEMM table; a rank's own attention
+dropout compiled against eager), the raw run with the
 predictions added (--json), and the GEMM grid of the fetched profile against the shipped one
 (benchmarks/compare_profiles.py).
 Errors are (predicted − measured) / measured.
@@ -220,7 +221,24 @@ def markdown(
         out += ["", profile_summary]
     if data.get("kernels") and gemm_profile is not None:
         out += ["", *kernels_section(data["kernels"], gemm_profile)]
+    if data.get("dropout"):
+        out += ["", *dropout_section(data["dropout"])]
     return "\n".join(out) + "\n"
+
+
+def dropout_section(row: dict) -> list[str]:
+    """Phase 5: a rank's own attention dropout, compiled vs eager on the device (the largest
+    difference of each tensor; masks that disagree would differ by the values themselves)."""
+    out = ["## A rank's own attention dropout: compiled vs eager", ""]
+    if row.get("status") != "ok":
+        return out + [f"{row.get('status')}: {last_line(row.get('error'))}"]
+    cases = row["cases"]
+    names = [k for k in next(iter(cases.values())) if k != "another seed differs"]
+    out += ["| case | " + " | ".join(f"max abs diff: {n}" for n in names) + " | another seed differs |"]
+    out += ["|---" * (len(names) + 2) + "|"]
+    for case, d in cases.items():
+        out += [f"| {case} | " + " | ".join(f"{d[n]:.2e}" for n in names) + f" | {d['another seed differs']} |"]
+    return out
 
 
 def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:

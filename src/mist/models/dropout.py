@@ -99,8 +99,14 @@ def rank_dropout(x: torch.Tensor, p: float, tp: TPGroup, seed=None) -> torch.Ten
         seed = rank_seed(tp, x)
     if torch.compiler.is_compiling():
         return _seeded_dropout_op(x, p, seed)[0]
+    return _seeded_native_dropout(x, p, seed)[0]
+
+
+def _seeded_native_dropout(x: torch.Tensor, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`native_dropout` of x with the device's generator seeded by `seed`: (output, bool mask). The
+    one draw of a rank's own mask, eager or inside `mist::seeded_dropout`."""
     with _seeded(seed, x):
-        return dropout(x, p, True)
+        return torch.native_dropout(x, p, True)
 
 
 def rank_seed(tp: TPGroup, like: torch.Tensor):
@@ -130,9 +136,7 @@ def _(like):
 def _seeded_dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`native_dropout` of x with the device's generator seeded by `seed` (a host scalar):
     (output, bool mask). A function of its inputs, so a recomputed region may run it again."""
-    with _seeded(int(seed), x):
-        out, mask = torch.native_dropout(x, p, True)
-    return out, mask
+    return _seeded_native_dropout(x, p, int(seed))
 
 
 @_seeded_dropout_op.register_fake

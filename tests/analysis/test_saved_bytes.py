@@ -187,14 +187,14 @@ def test_gpu_flash_block_matches_korthikanti_without_dropout():
     sbh = s * b * h
     lse = 4 * b * 16 * s
     assert float(la.saved(b, s)) == pytest.approx(32 * sbh + lse, rel=0.002)
-    # non-flash keeps the b·heads·s² softmax output (2 B) and the s² causal mask (1 B, shared by
-    # the batch), and no log-sum-exp. For b > 1 the batched matmuls keep contiguous copies of the
+    # non-flash keeps the b·heads·s² softmax output (2 B), no log-sum-exp, and not the causal mask
+    # (`_CausalMask`'s backward needs none). For b > 1 the batched matmuls keep contiguous copies of the
     # scaled q, k and v (6sbh) instead of the fused qkv output (6sbh); for b = 1 k and v stay
     # views of the qkv output and only the scaled q (2sbh) is extra.
     la_nf = analyze_layer(spec, "block", tp=1, flash=False, dtype="bf16", target="cuda")
     for b in (1, 2):
         extra = float(la_nf.saved(b, s)) - float(la.saved(b, s))
-        expect = 2 * b * 16 * s * s + s * s - 4 * b * 16 * s + (2 * s * b * h if b == 1 else 0)
+        expect = 2 * b * 16 * s * s - 4 * b * 16 * s + (2 * s * b * h if b == 1 else 0)
         assert extra == pytest.approx(expect, rel=0.001), b
 
 

@@ -202,6 +202,25 @@ class Attention(nn.Module):
         return self.dense(o)
 
 
+class _CausalMask(torch.autograd.Function):
+    """The scores above the diagonal set to −inf, in place, for the softmax that follows. Its
+    backward passes the gradient through as it is: the softmax gives probability 0 at every masked
+    position, so its input gradient y·(dy − Σ y·dy) is already exactly 0 there, and autograd's own
+    backward of `masked_fill_` (`grad.masked_fill(mask, 0)`) would be one more read and write of
+    the b·heads·s² gradient that changes no value (the fused scaled-masked softmax of Megatron-LM
+    has no such pass either). Nothing is saved for backward, where `masked_fill_` keeps the mask.
+    Eager blocks only: a compiled block runs the plain `masked_fill_`, which Inductor fuses."""
+
+    @staticmethod
+    def forward(ctx, scores, mask):
+        ctx.mark_dirty(scores)
+        return scores.masked_fill_(mask, float("-inf"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class AttentionCore(nn.Module):
     """softmax(q·kᵀ/√d, causal)·v over [b, heads, s, d] (k, v may have fewer heads: GQA), the
     probabilities dropped with probability p in training (materialised attention only)."""
@@ -231,7 +250,11 @@ class AttentionCore(nn.Module):
         # scale q (b·heads·s·d) rather than the b·heads·s² scores; mask the scores in place
         scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
+        if torch.compiler.is_compiling():  # a compiled block: Inductor fuses the mask into the softmax
+            scores = scores.masked_fill_(mask, float("-inf"))
+        else:
+            scores = _CausalMask.apply(scores, mask)
+        probs = torch.softmax(scores, dim=-1)
         if self.training and self.p > 0:  # this rank's heads: its own stream
             probs = rank_dropout(probs, self.p, self.tp, seed)
         return torch.matmul(probs, v)

@@ -1,6 +1,7 @@
 """The blocks' lean operators (fused RMSNorm op, in-place rotary on the packed QKV output, SwiGLU
-and cross-entropy backwards without extra passes) compute what the plain PyTorch formulas do, and
-Falcon's shared norm output enters the tensor-parallel region once."""
+and cross-entropy backwards without extra passes, the causal mask's gradient passed through)
+compute what the plain PyTorch formulas do, and Falcon's shared norm output enters the
+tensor-parallel region once."""
 
 from collections import Counter
 
@@ -151,3 +152,40 @@ def test_falcon_norm_output_enters_the_tensor_parallel_region_once(sp):
     la = analyze_layer(spec, "block", tp=2, flash=True, dtype="fp32", sequence_parallel=sp)
     found = Counter((r.phase, r.op) for r in la.records if r.kind == COLLECTIVE and r.params.bytes.has(B))
     assert found == FALCON_TP2[sp]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_causal_mask_passes_its_gradient_through_bit_for_bit(dtype, p):
+    """The materialised core's gradients equal those of autograd's own `masked_fill_` backward
+    (with attention dropout too, the same masks drawn), and the traced backward has no pass over
+    the b·heads·s² gradient for the mask and keeps no mask."""
+    from mist.models.attention import AttentionCore
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 19, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 4, 19, 8, dtype=dtype)
+    core = AttentionCore(False, p).train()
+    torch.manual_seed(4)
+    out = core(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+
+    def reference():
+        mask = torch.ones(19, 19, dtype=torch.bool).triu(1)
+        scores = torch.matmul(q * (1.0 / 8**0.5), k.transpose(-1, -2)).masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if p > 0:
+            probs = torch.native_dropout(probs, p, True)[0]
+        return torch.matmul(probs, v)
+
+    torch.manual_seed(4)
+    ref = reference()
+    assert torch.equal(out, ref)
+    for a, r in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+        assert torch.equal(a, r)
+    spec = ModelSpec(
+        family="gpt", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=4, ffn_hidden_size=64, vocab_size=64
+    )
+    la = analyze_layer(spec, "block", 1, False, "fp32", "cpu", False)
+    assert "masked_fill_" in [r.op for r in la.ops("fwd")]
+    assert not [r.op for r in la.ops("bwd") if r.op.startswith("masked_fill")]

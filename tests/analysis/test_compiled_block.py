@@ -359,3 +359,31 @@ def test_parallel_collectives_are_the_eager_blocks(family, tp, sp, recompute, cp
     assert all(compiled[k] == eager[k] for k in compiled if k[1] != "all_gather")
     assert all(0 < compiled[k] <= eager[k] for k in compiled)
     assert sum(compiled.values()) < sum(eager.values())
+
+
+def test_a_compile_does_not_depend_on_what_the_process_compiled_before():
+    """A Falcon block (rotary fraction 1.0), then a Llama block (0.5), compiled in one process
+    without a reset: each is one dynamo graph, symbolic in the batch and the sequence and nothing
+    else. (With dynamo's automatic dynamic shapes the Llama block recompiled with the rotary
+    fraction a symbolic float: a graph other than the one `capture` prices, and under context
+    parallelism one that dynamo then failed to lift.)"""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    symbols: list[set[str]] = []
+
+    def note(gm, example_inputs):
+        vals = (n.meta.get("example_value") for n in gm.graph.nodes)
+        symbols.append({str(s) for v in vals if v is not None for s in free_symbols(v)})
+
+    torch._dynamo.reset()
+    try:
+        for family in ("falcon", "llama"):
+            block = DecoderBlock(SPECS[family], TPGroup(), True, torch.float32)
+            # the graphs run as they are (no code generated): only dynamo's graphs are looked at
+            run = compile_block(block, inner_compile=lambda gm, ex, **kw: make_boxed_func(gm.forward), on_graph=note)
+            run(torch.randn(2, 16, 64, requires_grad=True)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert len(symbols) == 2
+    assert all(len(s) == 2 for s in symbols) and symbols[0] == symbols[1]

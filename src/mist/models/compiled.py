@@ -10,9 +10,16 @@ runs). Only Inductor's code generation (the kernels it writes for those graphs) 
 The block's batch and sequence dimensions are marked dynamic, so one compile serves every
 micro-batch size and sequence length and its graphs are symbolic in both, like the eager trace
 (a size of 1 is specialised by dynamo, and a micro-batch of 1 gets its own graph, as it gets its
-own trace). Inside the compiled region the blocks run plain tensor code where eager runs
-hand-fused operators (`torch.compiler.is_compiling()` in `mist.models`: RMSNorm, rotary,
-SwiGLU): Inductor fuses the plain code, and an opaque operator would stop it.
+own trace). Nothing else is dynamic: dynamo's automatic dynamic shapes is off for the blocks,
+so what a block compiles to does not depend on what the process compiled before. With it on, a
+size or float of the spec that differed between two earlier compiles of the same code (a Falcon
+block's rotary fraction, then a Llama block's, in one process or in the parent of a forked
+worker) became a symbol in every later compile: a graph other than the captured one, and under
+context parallelism one dynamo then failed to lift.
+
+Inside the compiled region the blocks run plain tensor code where eager runs hand-fused
+operators (`torch.compiler.is_compiling()` in `mist.models`: RMSNorm, rotary, SwiGLU): Inductor
+fuses the plain code, and an opaque operator would stop it.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class CompiledBlock:
         torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         # past dynamo's recompile limit a block would silently run eager, unlike its prediction
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False):
             return self._compiled(x)
 
 

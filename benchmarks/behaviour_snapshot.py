@@ -38,16 +38,20 @@ def plain(x):
     return json.loads(json.dumps(x, default=float))
 
 
-def simulated_plans() -> dict:
-    out = {}
-    for name in SUITES:
+def stored_plans(suites=SUITES):
+    """(result file, case, space entry, Plan) of every plan stored in the suite's result files."""
+    for name in suites:
         for case in json.loads((RESULTS / name).read_text()):
             for sp in case["spaces"]:
-                if sp.get("plan") is None:
-                    continue
-                plan = plan_from_dict(sp["plan"])
-                key = f"{name}|{case['model']}|{case['gpu']}|{case['flash_attention']}|{sp['space']}"
-                out[key] = plain(simulate_plan(plan, load_profile(plan.cluster.gpu)))
+                if sp.get("plan") is not None:
+                    yield name, case, sp, plan_from_dict(sp["plan"])
+
+
+def simulated_plans() -> dict:
+    out = {}
+    for name, case, sp, plan in stored_plans():
+        key = f"{name}|{case['model']}|{case['gpu']}|{case['flash_attention']}|{sp['space']}"
+        out[key] = plain(simulate_plan(plan, load_profile(plan.cluster.gpu)))
     return out
 
 

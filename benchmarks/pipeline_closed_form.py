@@ -10,17 +10,13 @@ Prints a markdown table (written to benchmarks/results/pipeline_closed_form.md):
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
+from behaviour_snapshot import stored_plans
 from mist.hardware import load_profile
-from mist.plan import plan_from_dict
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.plan_sim import plan_timeline
 
-RESULTS = Path(__file__).parent / "results"
 SUITES = ("suite.json", "suite-targets.json")
 
 
@@ -43,29 +39,15 @@ def random_gaps(n: int = 3000, seed: int = 1) -> np.ndarray:
 
 def stored_gaps() -> list[tuple]:
     rows = []
-    for name in SUITES:
-        for case in json.loads((RESULTS / name).read_text()):
-            for sp in case["spaces"]:
-                if sp.get("plan") is None:
-                    continue
-                plan = plan_from_dict(sp["plan"])
-                if plan.schedule != "1f1b" or plan.num_stages < 2:
-                    continue
-                tl = plan_timeline(plan, load_profile(plan.cluster.gpu))
-                T = [f + b for f, b in tl.stable]
-                gap = tl.iteration_time_s / tl.event_iteration_time_s - 1
-                rows.append(
-                    (
-                        name,
-                        case["model"],
-                        case["gpu"],
-                        sp["space"],
-                        plan.num_stages,
-                        plan.micro_batches,
-                        max(T) / min(T),
-                        gap,
-                    )
-                )
+    for name, case, sp, plan in stored_plans(SUITES):
+        if plan.schedule != "1f1b" or plan.num_stages < 2:
+            continue
+        tl = plan_timeline(plan, load_profile(plan.cluster.gpu))
+        T = [f + b for f, b in tl.stable]
+        gap = tl.iteration_time_s / tl.event_iteration_time_s - 1
+        rows.append(
+            (name, case["model"], case["gpu"], sp["space"], plan.num_stages, plan.micro_batches, max(T) / min(T), gap)
+        )
     return rows
 
 

@@ -32,6 +32,15 @@ def earlier_in_flight(stage, stages, micro_batches):
     return maximum(0, minimum(stages - 1 - stage, micro_batches - 1))
 
 
+def depends_on(kind: str, stage: int, m: int, stages: int) -> tuple[str, int, int] | None:
+    """The operation (kind, stage, micro-batch) that (kind, m) on `stage` waits for beyond its own
+    stage's order: F its F upstream, B its B downstream (the last stage's its own F); None for the
+    first stage's F."""
+    if kind == FORWARD:
+        return (FORWARD, stage - 1, m) if stage > 0 else None
+    return (BACKWARD, stage + 1, m) if stage < stages - 1 else (FORWARD, stage, m)
+
+
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
     """(kind, micro-batch) of every operation of stage `stage` of `stages`, in order; kind is
     `FORWARD` or `BACKWARD`."""

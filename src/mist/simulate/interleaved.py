@@ -32,6 +32,7 @@ import numpy as np
 
 from mist.rules.interleaved_order import chunks_in_flight, depends_on, held_after_forwards, interleaved_one_f_one_b
 from mist.rules.pipeline_order import FORWARD
+from mist.simulate.op_program import dependency_order
 from mist.simulate.pipeline import iteration_time
 
 
@@ -58,6 +59,15 @@ def interleaved_iteration_time(f, b, X, Y, G: int):
     return iteration_time(t, G * v, first=x, last=y, fwd=fm)
 
 
+def _key(rank: int, op: tuple) -> tuple:
+    kind, m, c = op
+    return (kind, rank, c, m)
+
+
+def _depends(ranks: int, chunks: int):
+    return lambda r, op: depends_on(op[0], op[1], r, op[2], ranks, chunks)
+
+
 def interleaved_event_schedule(f, b, X, Y, G: int):
     """Start/end of every chunk-op of every rank: (iteration time, events), events as
     (rank, kind, micro-batch, start, end, chunk), kind "F", "B", "X" or "Y". Arguments are
@@ -75,34 +85,21 @@ def interleaved_event_schedule(f, b, X, Y, G: int):
             start += X[r][c]
     done: dict = {}
     clock = [0.0] * p
-    pos = [0] * p
     last_b = [[0.0] * v for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, m, c = orders[r][pos[r]]
-                src = depends_on(kind, m, r, c, p, v)
-                dep = done.get(src) if src is not None else 0.0
-                if kind == FORWARD:
-                    if dep is not None and m == 0:
-                        dep = max(dep, x_ready[r][c])
-                    dur = f[r][c]
-                else:
-                    dur = b[r][c]
-                if dep is None:
-                    break
-                s = max(clock[r], dep)
-                done[(kind, r, c, m)] = s + dur
-                clock[r] = s + dur
-                events.append((r, kind, m, s, s + dur, c))
-                if kind != FORWARD:
-                    last_b[r][c] = s + dur
-                pos[r] += 1
-                progress = True
-    if any(q < len(o) for q, o in zip(pos, orders)):
-        raise RuntimeError("interleaved 1F1B schedule deadlocked")
+    for r, (kind, m, c), src in dependency_order(orders, _depends(p, v), _key, "interleaved 1F1B"):
+        dep = 0.0 if src is None else done[src]
+        if kind == FORWARD:
+            if m == 0:
+                dep = max(dep, x_ready[r][c])
+            dur = f[r][c]
+        else:
+            dur = b[r][c]
+        s = max(clock[r], dep)
+        done[(kind, r, c, m)] = s + dur
+        clock[r] = s + dur
+        events.append((r, kind, m, s, s + dur, c))
+        if kind != FORWARD:
+            last_b[r][c] = s + dur
     ends = []
     for r in range(p):
         side = 0.0
@@ -124,23 +121,10 @@ def _program(p: int, v: int, G: int) -> tuple:
     orders = [interleaved_one_f_one_b(r, p, v, G) for r in range(p)]
     index: dict = {}
     prog: list[tuple[int, int, bool, int, bool]] = []
-    pos = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, m, c = orders[r][pos[r]]
-                fwd = kind == FORWARD
-                key = depends_on(kind, m, r, c, p, v)
-                if key is not None and key not in index:
-                    break
-                index[(kind, r, c, m)] = len(prog)
-                prog.append((r, c, fwd, index[key] if key else -1, fwd and m == 0))
-                pos[r] += 1
-                progress = True
-    if any(q < len(o) for q, o in zip(pos, orders)):
-        raise RuntimeError("interleaved 1F1B schedule deadlocked")
+    for r, (kind, m, c), src in dependency_order(orders, _depends(p, v), _key, "interleaved 1F1B"):
+        fwd = kind == FORWARD
+        index[(kind, r, c, m)] = len(prog)
+        prog.append((r, c, fwd, -1 if src is None else index[src], fwd and m == 0))
     return tuple(prog)
 
 

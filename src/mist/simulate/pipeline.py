@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mist.rules.pipeline_order import one_f_one_b
+from mist.rules.pipeline_order import FORWARD, depends_on, one_f_one_b
+from mist.simulate.op_program import play_stages
 
 
 def iteration_time(T, G: int, first=None, last=None, fwd=None):
@@ -53,39 +54,13 @@ def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
     "F", "B", "X" (first extra) or "Y" (last extra).
     """
     S = len(fwd)
-    done: dict = {}
-    clock = [0.0] * S
     orders = [one_f_one_b(i, S, G) for i in range(S)]
-    pos = [0] * S
-    events = [(i, "X", 0, 0.0, first_extra[i]) for i in range(S) if first_extra[i] > 0]
-    progress = True
-    while progress:
-        progress = False
-        for i in range(S):
-            while pos[i] < len(orders[i]):
-                kind, m = orders[i][pos[i]]
-                if kind == "F":
-                    dep = done.get(("F", i - 1, m)) if i > 0 else 0.0
-                    if dep is not None and m == 0:
-                        dep = max(dep, first_extra[i])
-                    dur = fwd[i]
-                else:
-                    dep = done.get(("B", i + 1, m)) if i < S - 1 else done.get(("F", i, m))
-                    dur = bwd[i]
-                if dep is None:
-                    break
-                start = max(clock[i], dep)
-                end = start + dur
-                done[(kind, i, m)] = end
-                clock[i] = end
-                events.append((i, kind, m, start, end))
-                pos[i] += 1
-                progress = True
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise RuntimeError("1F1B schedule deadlocked")
-    ends = []
-    for i in range(S):
-        ends.append(clock[i] + last_extra[i])
-        if last_extra[i] > 0:
-            events.append((i, "Y", G - 1, clock[i], clock[i] + last_extra[i]))
-    return max(ends), events
+    return play_stages(
+        orders,
+        lambda i, op: depends_on(op[0], i, op[1], S),
+        lambda kind, i: fwd[i] if kind == FORWARD else bwd[i],
+        first_extra,
+        last_extra,
+        G,
+        "1F1B",
+    )

@@ -32,6 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, depends_on, held_after_forwards, zb_h1
+from mist.simulate.op_program import dependency_order, play_stages, stage_key
 from mist.simulate.pipeline import iteration_time
 
 
@@ -42,37 +43,15 @@ def zb_event_schedule(f, b, w, X, Y, G: int):
     S = len(f)
     orders = [zb_h1(i, S, G) for i in range(S)]
     dur = {FORWARD: f, INPUT_GRAD: b}
-    events: list = [(i, "X", 0, 0.0, float(X[i])) for i in range(S) if X[i] > 0]
-    done: dict = {}
-    clock = [0.0] * S
-    pos = [0] * S
-    progress = True
-    while progress:
-        progress = False
-        for i in range(S):
-            while pos[i] < len(orders[i]):
-                kind, m = orders[i][pos[i]]
-                src = depends_on(kind, i, m, S)
-                dep = done.get(src, None) if src is not None else 0.0
-                if dep is None:
-                    break
-                if kind == FORWARD and m == 0:
-                    dep = max(dep, float(X[i]))
-                start = max(clock[i], dep)
-                end = start + float(dur.get(kind, w)[i])
-                done[(kind, i, m)] = end
-                clock[i] = end
-                events.append((i, kind, m, start, end))
-                pos[i] += 1
-                progress = True
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise RuntimeError("ZB-H1 schedule deadlocked")
-    ends = []
-    for i in range(S):
-        ends.append(clock[i] + float(Y[i]))
-        if Y[i] > 0:
-            events.append((i, "Y", G - 1, clock[i], clock[i] + float(Y[i])))
-    return max(ends), events
+    return play_stages(
+        orders,
+        lambda i, op: depends_on(op[0], i, op[1], S),
+        lambda kind, i: dur.get(kind, w)[i],
+        X,
+        Y,
+        G,
+        "ZB-H1",
+    )
 
 
 @lru_cache(maxsize=64)
@@ -83,22 +62,9 @@ def _program(S: int, G: int) -> tuple[tuple[int, int, int, bool], ...]:
     orders = [zb_h1(i, S, G) for i in range(S)]
     index: dict = {}
     prog: list[tuple[int, int, int, bool]] = []
-    pos = [0] * S
-    progress = True
-    while progress:
-        progress = False
-        for i in range(S):
-            while pos[i] < len(orders[i]):
-                kind, m = orders[i][pos[i]]
-                key = depends_on(kind, i, m, S)
-                if key is not None and key not in index:
-                    break
-                index[(kind, i, m)] = len(prog)
-                prog.append((i, "FBW".index(kind), index[key] if key else -1, kind == FORWARD and m == 0))
-                pos[i] += 1
-                progress = True
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise RuntimeError("ZB-H1 schedule deadlocked")
+    for i, (kind, m), src in dependency_order(orders, lambda i, op: depends_on(op[0], i, op[1], S), stage_key, "ZB-H1"):
+        index[(kind, i, m)] = len(prog)
+        prog.append((i, "FBW".index(kind), -1 if src is None else index[src], kind == FORWARD and m == 0))
     return tuple(prog)
 
 

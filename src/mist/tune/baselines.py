@@ -416,6 +416,23 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     )
 
 
+def _run_enumerated(
+    space: str, candidates, model, cluster, training, profile, time_budget, none_reason: str
+) -> TuneResult:
+    """`_run` of a space that is a list: the fastest plan that fits among `candidates()` (a fresh
+    iterator for each of `_run`'s passes) costed before the time budget runs out."""
+    return _run(
+        space,
+        lambda ev, t0, budget: _best_of(ev, candidates(), t0 + budget),
+        model,
+        cluster,
+        training,
+        profile,
+        time_budget,
+        none_reason,
+    )
+
+
 # ------------------------------------------------------------------ Megatron-LM
 def _megatron_candidates(model, cluster, training, micro_batches=None, recompute=("full", "none")):
     L, B = model.num_layers, training.global_batch
@@ -449,13 +466,9 @@ def tune_megatron(
 ) -> TuneResult:
     """Megatron-LM's space: power-of-two (dp, tp, pp), uniform split, all-or-nothing recompute."""
     training = megatron_training(training)
-
-    def search(ev, t0, budget):
-        return _best_of(ev, _megatron_candidates(model, cluster, training), t0 + budget)
-
-    return _run(
+    return _run_enumerated(
         "megatron",
-        search,
+        lambda: _megatron_candidates(model, cluster, training),
         model,
         cluster,
         training,
@@ -472,13 +485,9 @@ def tune_megatron_paper(
     """Megatron-LM as the Mist paper's evaluation tuned it: full
     recomputation always on, micro-batch 1/2/4, distributed optimizer; otherwise as above."""
     training = megatron_training(training)
-
-    def search(ev, t0, budget):
-        return _best_of(ev, _megatron_candidates(model, cluster, training, (1, 2, 4), ("full",)), t0 + budget)
-
-    return _run(
+    return _run_enumerated(
         "megatron-paper",
-        search,
+        lambda: _megatron_candidates(model, cluster, training, (1, 2, 4), ("full",)),
         model,
         cluster,
         training,
@@ -534,13 +543,9 @@ def tune_deepspeed(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile, time_budget: float | None = None
 ) -> TuneResult:
     """DeepSpeed's space: ZeRO 0–3, ZeRO-Offload/-Infinity (pp = 1), PP, Megatron-DeepSpeed TP."""
-
-    def search(ev, t0, budget):
-        return _best_of(ev, _deepspeed_candidates(model, cluster, training), t0 + budget)
-
-    return _run(
+    return _run_enumerated(
         "deepspeed",
-        search,
+        lambda: _deepspeed_candidates(model, cluster, training),
         model,
         cluster,
         training,

@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def markdown(rows) -> str:
         if full["iteration_time_s"]:
             lines.append(
                 case + f"{full['iteration_time_s'] * 1e3:.0f} | {sx('megatron')} | {sx('deepspeed')} | "
-                f"{sx('aceso')} | {sx('mist-paper')} | {sx('megatron-paper')} | {full['tuning_time_s']:.1f} | "
+                f"{sx('aceso')} | {sx('mist-paper')} | {sx('megatron-paper')} | {full['tuning_time_s']:.1f}{_cut(full)} | "
                 f"{full.get('plan_summary', '')} |"
             )
         else:
@@ -185,7 +186,20 @@ def markdown(rows) -> str:
     txt += "\n".join(summary) + "\n"
     if tt:
         txt += f"\nFull-space tuning time: median {statistics.median(tt):.1f} s, max {max(tt):.1f} s over {len(tt)} cases.\n"
+    cut = Counter(s["space"] for r in rows for s in r["spaces"] if s.get("budget_ran_out"))
+    if cut:
+        txt += (
+            "\n\\* the time budget (`--budget`) ran out before the space was searched through, so its plan is the "
+            "best of the part searched; searches cut short: "
+            + ", ".join(f"{name} {n} of {len(rows)}" for name, n in sorted(cut.items()))
+            + ".\n"
+        )
     return txt
+
+
+def _cut(space_row: dict) -> str:
+    """The mark of a search its time budget cut short (rows of older runs do not record it)."""
+    return "\\*" if space_row.get("budget_ran_out") else ""
 
 
 def _full(r) -> dict:

@@ -19,6 +19,7 @@ from mist.simulate.precision import profile_dtype
 from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces
+from mist.tune.result import budget_words
 from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
 from mist.tune.space import SPACE_LABELS
 from mist.units import GiB, MiB
@@ -310,6 +311,8 @@ def tune(
         f"searched the {res.space} space in {res.tuning_time_s:.1f} s "
         f"({res.candidates_evaluated:,} candidates evaluated)" + (f"; plan written to {output}" if output else "")
     )
+    if res.budget_ran_out:
+        out.print(budget_words(time_budget))
     _print_simulation(res.plan, res.predicted)
 
 
@@ -347,10 +350,12 @@ def compare(
             f"{it * 1e3:.1f}" if it else "no fit",
             f"{r['throughput_samples_per_s']:.2f}" if it else "-",
             f"{r['speedup_of_full']:.3f}×" if r.get("speedup_of_full") else "-",
-            f"{r['tuning_time_s']:.1f}",
+            f"{r['tuning_time_s']:.1f}" + ("*" if r["budget_ran_out"] else ""),
             r.get("plan_summary", r.get("infeasible_reason") or ""),
         )
     out.print(t)
+    if any(r["budget_ran_out"] for r in rows["spaces"]):
+        out.print("* " + budget_words(time_budget))
     out.print("Spaces: " + "; ".join(f"{r['space']}: {SPACE_LABELS[r['space']]}" for r in rows["spaces"]) + ".")
     needs = [(r["space"], r["full_plan_needs"]) for r in rows["spaces"] if r.get("full_plan_needs")]
     if needs:

@@ -68,7 +68,16 @@ def test_baseline_returns_a_valid_plan_that_resimulates(name, results, prof):
     assert again["iteration_time_s"] == pytest.approx(r.predicted["iteration_time_s"], rel=1e-12)
     assert not any(k.startswith("_") for k in r.predicted)
     d = json.loads(json.dumps(r.to_json()))
-    assert set(d) == {"space", "plan", "predicted", "tuning_time_s", "candidates_evaluated", "infeasible_reason"}
+    assert set(d) == {
+        "space",
+        "plan",
+        "predicted",
+        "tuning_time_s",
+        "candidates_evaluated",
+        "infeasible_reason",
+        "budget_ran_out",
+    }
+    assert d["budget_ran_out"] is False  # no budget: the whole space was searched
     assert plan_from_dict(d["plan"]) == r.plan
 
 
@@ -250,6 +259,7 @@ def test_aceso_respects_a_spent_time_budget(small, prof):
     r = tune_aceso(*small, prof, time_budget=0.0)
     assert r.candidates_evaluated == len(starts) > 0
     assert r.plan is not None  # every configuration's balanced start is still costed
+    assert r.budget_ran_out  # and the result says the walk was stopped
     assert tune_aceso(*small, prof).candidates_evaluated > len(starts)  # unbounded, it does walk
 
 

@@ -156,6 +156,7 @@ class _Evaluator:
         self.host_cap = node_host_memory(cluster, profile)[0]  # per node (None: not checked)
         self.count = 0
         self.min_need = math.inf
+        self.cut_short = False  # the deadline stopped a search with candidates left to cost
         self._stage: dict = {}
         self._plans: dict = {}
         self._models: dict = {}
@@ -363,6 +364,7 @@ def _best_of(ev: _Evaluator, candidates, deadline: float):
             if c.fits and (best_c is None or c.time < best_c.time):
                 best, best_c = (G, stages), c
         if time.monotonic() > deadline:
+            ev.cut_short = ev.cut_short or next(it, None) is not None
             break
     return best
 
@@ -389,8 +391,12 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
                 tuning_time_s=time.monotonic() - t0,
                 candidates_evaluated=ev.count,
                 infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]),
+                budget_ran_out=ev.cut_short,
             )
-    if ev.count == 0:
+    if ev.cut_short:
+        of = "" if math.isinf(budget) else f" of {budget:g} s"
+        reason = f"The time budget{of} ran out before any fitting {space} plan was found."
+    elif ev.count == 0:
         reason = (
             f"No {space} candidate exists for {model.name or 'the model'} on "
             f"{cluster.world_size} GPUs with global batch {training.global_batch}: {none_reason}."
@@ -413,6 +419,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
         tuning_time_s=time.monotonic() - t0,
         candidates_evaluated=ev.count,
         infeasible_reason=reason,
+        budget_ran_out=ev.cut_short,
     )
 
 
@@ -613,7 +620,10 @@ def _aceso_walk(ev: _Evaluator, G: int, start: tuple, deadline: float, tp_opts: 
     best, best_c = cur, cur_c
     visited = {cur}
     hops = 0
-    while time.monotonic() < deadline:
+    while True:
+        if time.monotonic() >= deadline:
+            ev.cut_short = True  # the walk had not settled: Aceso's search is bounded by its budget
+            break
         if cur_c.fits:
             i = max(range(len(cur)), key=lambda k: cur_c.stage_times[k])
         else:

@@ -88,6 +88,7 @@ def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=A
             "speedup_of_full": (it / ours_t) if (it and ours_t) else None,
             "plan": r.plan.to_dict() if r.plan else None,
             "infeasible_reason": r.infeasible_reason,
+            "budget_ran_out": r.budget_ran_out,
         }
         if r.plan is not None:
             row["plan_summary"] = short_summary(r.plan)

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from mist.plan import Plan
 
 
+def budget_words(time_budget: float | None) -> str:
+    """The sentence that tells a user a plan comes from a search its time budget cut short."""
+    of = f" of {time_budget:g} s" if time_budget is not None else ""
+    return (
+        f"The time budget{of} ran out before the search was complete: this is the best plan of the "
+        "part it searched; a larger --time-budget may find a faster one."
+    )
+
+
 @dataclass
 class TuneResult:
     space: str  # "megatron", "deepspeed", "aceso", "full", "mist-paper", ...
@@ -15,6 +24,9 @@ class TuneResult:
     tuning_time_s: float
     candidates_evaluated: int  # plans (or strategies) whose cost was evaluated
     infeasible_reason: str | None  # one sentence when plan is None
+    # the time budget ran out before the space was searched through: `plan` is the best of what
+    # was searched, which a longer budget may beat (`BUDGET_WORDS` says so to the user)
+    budget_ran_out: bool = False
 
     @property
     def iteration_time_s(self) -> float | None:
@@ -28,4 +40,5 @@ class TuneResult:
             "tuning_time_s": self.tuning_time_s,
             "candidates_evaluated": self.candidates_evaluated,
             "infeasible_reason": self.infeasible_reason,
+            "budget_ran_out": self.budget_ran_out,
         }

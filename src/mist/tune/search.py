@@ -120,13 +120,15 @@ def _tune(model, cluster, training, profile, space, time_budget, progress, pool:
     for cp in _cp_values(sp, training, cluster.gpus_per_node):
         if cp > 1 and state.best.plan is not None and not _activation_bound(state.best.plan):
             break
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            budget_hit = True  # a context-parallel degree left unsearched
+            break
         near, cp_sp = combos, sp
         if cp > 1 and state.best.plan is not None:
             near, cp_sp = _around(combos, state.best.plan, cp), _no_more_tp(sp, state.best.plan)
         budget_hit = _search_phases(
             state, cp_sp, phases, near, cp, model, cluster, training, profile, host_cap, progress
         )
-        budget_hit = budget_hit or (time_budget is not None and time.perf_counter() - t0 > time_budget)
         if budget_hit:
             break
     elapsed = time.perf_counter() - t0
@@ -134,10 +136,10 @@ def _tune(model, cluster, training, profile, space, time_budget, progress, pool:
         reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
         if budget_hit:
             reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
-        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason)
+        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason, budget_ran_out=budget_hit)
     plan = state.best.plan
     predicted = simulate_plan(plan, profile)
-    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None)
+    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None, budget_ran_out=budget_hit)
 
 
 def _search_phases(state, sp, phases, combos, cp, model, cluster, training, profile, host_cap, progress) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
+from mist.rules.pipeline_order import FORWARD
+
 # depends(stage, op) -> the key of the operation it waits for, or None
 Depends = Callable[[int, tuple], Hashable | None]
 # key(stage, op) -> the hashable name `depends` uses for that operation
@@ -51,6 +53,12 @@ def stage_key(stage: int, op: tuple) -> tuple:
     return (kind, stage, m)
 
 
+def stage_waits(rule: Callable[[str, int, int, int], Hashable | None], stages: int) -> Depends:
+    """`depends` of a non-interleaved schedule from its rule `rule(kind, stage, micro-batch,
+    stages)` (`mist.rules.pipeline_order.depends_on`, `mist.rules.zero_bubble_order.depends_on`)."""
+    return lambda i, op: rule(op[0], i, op[1], stages)
+
+
 def play_stages(
     orders, depends: Depends, duration: Callable[[str, int], float], first_extra, last_extra, G: int, what: str
 ):
@@ -64,11 +72,11 @@ def play_stages(
     clock = [0.0] * S
     for i, (kind, m), src in dependency_order(orders, depends, stage_key, what):
         dep = 0.0 if src is None else done[src]
-        if kind == "F" and m == 0:
+        if kind == FORWARD and m == 0:
             dep = max(dep, float(first_extra[i]))
         start = max(clock[i], dep)
         end = start + float(duration(kind, i))
-        done[(kind, i, m)] = end
+        done[stage_key(i, (kind, m))] = end
         clock[i] = end
         events.append((i, kind, m, start, end))
     ends = []

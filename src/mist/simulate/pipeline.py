@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from mist.rules.pipeline_order import FORWARD, depends_on, one_f_one_b
-from mist.simulate.op_program import play_stages
+from mist.simulate.op_program import play_stages, stage_waits
 
 
 def iteration_time(T, G: int, first=None, last=None, fwd=None):
@@ -57,7 +57,7 @@ def event_schedule(fwd, bwd, first_extra, last_extra, G: int):
     orders = [one_f_one_b(i, S, G) for i in range(S)]
     return play_stages(
         orders,
-        lambda i, op: depends_on(op[0], i, op[1], S),
+        stage_waits(depends_on, S),
         lambda kind, i: fwd[i] if kind == FORWARD else bwd[i],
         first_extra,
         last_extra,

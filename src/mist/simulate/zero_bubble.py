@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, depends_on, held_after_forwards, zb_h1
-from mist.simulate.op_program import dependency_order, play_stages, stage_key
+from mist.simulate.op_program import dependency_order, play_stages, stage_key, stage_waits
 from mist.simulate.pipeline import iteration_time
 
 
@@ -45,7 +45,7 @@ def zb_event_schedule(f, b, w, X, Y, G: int):
     dur = {FORWARD: f, INPUT_GRAD: b}
     return play_stages(
         orders,
-        lambda i, op: depends_on(op[0], i, op[1], S),
+        stage_waits(depends_on, S),
         lambda kind, i: dur.get(kind, w)[i],
         X,
         Y,
@@ -62,8 +62,8 @@ def _program(S: int, G: int) -> tuple[tuple[int, int, int, bool], ...]:
     orders = [zb_h1(i, S, G) for i in range(S)]
     index: dict = {}
     prog: list[tuple[int, int, int, bool]] = []
-    for i, (kind, m), src in dependency_order(orders, lambda i, op: depends_on(op[0], i, op[1], S), stage_key, "ZB-H1"):
-        index[(kind, i, m)] = len(prog)
+    for i, (kind, m), src in dependency_order(orders, stage_waits(depends_on, S), stage_key, "ZB-H1"):
+        index[stage_key(i, (kind, m))] = len(prog)
         prog.append((i, "FBW".index(kind), -1 if src is None else index[src], kind == FORWARD and m == 0))
     return tuple(prog)
 

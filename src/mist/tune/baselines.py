@@ -68,7 +68,7 @@ from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
-from mist.tune.result import TuneResult
+from mist.tune.result import TuneResult, no_plan_in_budget_words
 from mist.tune.space import tp_degrees
 from mist.units import GiB
 
@@ -394,8 +394,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
                 budget_ran_out=ev.cut_short,
             )
     if ev.cut_short:
-        of = "" if math.isinf(budget) else f" of {budget:g} s"
-        reason = f"The time budget{of} ran out before any fitting {space} plan was found."
+        reason = no_plan_in_budget_words(budget, space)
     elif ev.count == 0:
         reason = (
             f"No {space} candidate exists for {model.name or 'the model'} on "

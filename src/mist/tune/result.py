@@ -7,13 +7,23 @@ from dataclasses import dataclass
 from mist.plan import Plan
 
 
+def _the_budget(time_budget: float | None) -> str:
+    return "The time budget" + (
+        f" of {time_budget:g} s" if time_budget is not None and time_budget < float("inf") else ""
+    )
+
+
 def budget_words(time_budget: float | None) -> str:
     """The sentence that tells a user a plan comes from a search its time budget cut short."""
-    of = f" of {time_budget:g} s" if time_budget is not None else ""
     return (
-        f"The time budget{of} ran out before the search was complete: this is the best plan of the "
+        f"{_the_budget(time_budget)} ran out before the search was complete: this is the best plan of the "
         "part it searched; a larger --time-budget may find a faster one."
     )
+
+
+def no_plan_in_budget_words(time_budget: float | None, space: str = "") -> str:
+    """The reason a search its time budget cut short gives when it found no fitting plan."""
+    return f"{_the_budget(time_budget)} ran out before any fitting {space + ' ' if space else ''}plan was found."
 
 
 @dataclass

@@ -33,7 +33,7 @@ from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.inter import best_split
 from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
-from mist.tune.result import TuneResult
+from mist.tune.result import TuneResult, no_plan_in_budget_words
 from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, compiled_space, get_space, tp_degrees
 from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble
 
@@ -135,7 +135,7 @@ def _tune(model, cluster, training, profile, space, time_budget, progress, pool:
     if state.best.plan is None:
         reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
         if budget_hit:
-            reason = f"The time budget of {time_budget:g} s ran out before any fitting plan was found."
+            reason = no_plan_in_budget_words(time_budget)
         return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason, budget_ran_out=budget_hit)
     plan = state.best.plan
     predicted = simulate_plan(plan, profile)

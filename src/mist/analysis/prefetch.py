@@ -29,6 +29,7 @@ import torch
 
 from mist.analysis import disk_cache
 from mist.analysis.layer import AnalysisRequest
+from mist.torch_compat import symbolic_fake_mode
 
 # below this many missing traces, starting the workers does not pay: their first traces (about
 # a second each to warm up the fake-tensor machinery, against a few tenths of a second a trace
@@ -85,6 +86,10 @@ class TracePool:
         if len(todo) < (2 if self._executor is not None else MIN_PARALLEL):
             return 0
         if self._executor is None:
+            # the tracing machinery's imports (a ShapeEnv pulls in sympy and torch._dynamo: about
+            # 1.4 s of one core) happen here once, and every forked worker inherits them, rather
+            # than each worker importing them for its first trace
+            symbolic_fake_mode()
             self._executor = ProcessPoolExecutor(
                 max_workers=min(self.workers, len(todo)),
                 mp_context=multiprocessing.get_context("fork"),

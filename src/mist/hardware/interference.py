@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from itertools import combinations
 
@@ -301,7 +302,8 @@ def h200_fallback() -> InterferenceModel:
 
 
 def load_interference(gpu: str) -> InterferenceModel:
-    """Interference factors for a GPU.
+    """Interference factors for a GPU (read once per process and GPU: a search builds a stage
+    model per candidate layout, each asking for them; the model is not modified after loading).
 
     1. `overlap/<gpu>.json` written by `tools/profile_build/fit_overlap.py` (l4, a100-sxm4-40gb,
        v100-sxm2-16gb): least-squares fit to the Mist artifact's overlap benchmark (provenance
@@ -310,7 +312,11 @@ def load_interference(gpu: str) -> InterferenceModel:
        + labelled borrowed values).
     3. any other GPU: `InterferenceModel.serial()` (serial sum), labelled as a fallback.
     """
-    key = normalize_gpu(gpu)
+    return _load_interference(normalize_gpu(gpu))
+
+
+@cache
+def _load_interference(key: str) -> InterferenceModel:
     doc = load_overlap_doc(key)
     if doc is not None:
         return InterferenceModel.from_json(doc["interference"])

@@ -31,7 +31,7 @@ from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, u
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
-from mist.simulate.stage import StageInput, StageModel, ZeroBubbleHeld
+from mist.simulate.stage import StageDetail, StageInput, StageModel, ZeroBubbleHeld
 from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
 
 
@@ -224,10 +224,13 @@ def _rank_result(rank, chunks: list):
         fwd=total("fwd"),
         first_extra=total("first_extra"),
         last_extra=total("last_extra"),
-        flops_per_microbatch=total("flops_per_microbatch"),
-        time_breakdown=total_dict("time_breakdown"),
         delta_breakdown=total_dict("delta_breakdown"),
-        channels=total_dict("channels"),
+        detail_of=lambda: StageDetail(
+            time_breakdown=total_dict("time_breakdown"),
+            memory_breakdown=rank.memory_breakdown,
+            flops_per_microbatch=total("flops_per_microbatch"),
+            channels=total_dict("channels"),
+        ),
     )
 
 

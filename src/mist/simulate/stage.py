@@ -37,7 +37,9 @@ and the head (last stage, "post").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import numpy as np
 
@@ -88,23 +90,29 @@ class ZeroBubbleHeld:
     grad_bytes: float | np.ndarray
 
 
+@dataclass(frozen=True)
+class StageDetail:
+    """What a stage's time and memory are made of (arrays over candidates, like `StageResult`)."""
+
+    time_breakdown: dict  # sums to T
+    memory_breakdown: dict  # sums to peak
+    flops_per_microbatch: np.ndarray
+    channels: dict  # standalone channel volumes of a stable micro-batch (seconds)
+
+
 @dataclass
 class StageResult:
     """Time and memory of one stage (or of a batch of candidate stages: arrays over them)."""
 
     T: np.ndarray  # steady time of one micro-batch (forward + backward)
     D: np.ndarray  # one-off extra per iteration = first_extra + last_extra
-    time_breakdown: dict  # sums to T
     delta_breakdown: dict  # sums to D
     fwd_peak: np.ndarray
     bwd_peak: np.ndarray
     peak: np.ndarray
-    memory_breakdown: dict  # sums to peak
-    flops_per_microbatch: np.ndarray
     fwd: np.ndarray  # stable forward part of T (the rest is backward)
     first_extra: np.ndarray  # the first micro-batch's extra forward time
     last_extra: np.ndarray  # the last micro-batch's extra backward time
-    channels: dict  # standalone channel volumes of a stable micro-batch (seconds)
     saved_per_microbatch: np.ndarray  # activations one in-flight micro-batch keeps
     saved_peak: np.ndarray  # saved activations on the device at most: every in-flight
     #                                 micro-batch's and the current one's, with the head's (last stage)
@@ -112,6 +120,29 @@ class StageResult:
     #                                 optimizer_grad_bytes (the CPU AdamW's fp32 gradient copies),
     #                                 activation_peak_bytes (offloaded saved activations of every
     #                                 micro-batch in flight), peak_bytes (their sum: an upper bound)
+    # the breakdowns, computed when first read: a search reads only the totals above, and
+    # building the breakdowns of every candidate took an eighth of its time
+    detail_of: Callable[[], StageDetail] = field(repr=False, compare=False)
+
+    @cached_property
+    def detail(self) -> StageDetail:
+        return self.detail_of()
+
+    @property
+    def time_breakdown(self) -> dict:
+        return self.detail.time_breakdown
+
+    @property
+    def memory_breakdown(self) -> dict:
+        return self.detail.memory_breakdown
+
+    @property
+    def flops_per_microbatch(self) -> np.ndarray:
+        return self.detail.flops_per_microbatch
+
+    @property
+    def channels(self) -> dict:
+        return self.detail.channels
 
 
 @dataclass(frozen=True)
@@ -794,44 +825,46 @@ def compose(
     layers, n_ck = _arr(layers), _arr(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    D = X + Y
-    lay, ends = comp.layer, comp.ends
-    compute = layers * lay.compute + ends.compute + comp.edges.lead
-    recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
-    tp = layers * lay.tp + ends.tp
-    p2pb = np.broadcast_to(comp.p2p, T.shape)
-    breakdown = {
-        "compute_s": compute + 0 * T,
-        "recompute_s": recompute_s + 0 * T,
-        "tp_comm_s": tp + 0 * T,
-        "exposed_transfers_s": T - compute - recompute_s - tp - p2pb,
-        "p2p_s": p2pb + 0 * T,
-    }
-    ch = lay.channels
-    channels = {
-        "G2G": layers * ch.g2g,
-        "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
-        "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
-    }
     mem = _memory(comp, layers, n_ck, in_flight, waiting)
-    flops = layers * lay.flops + ends.flops
+
+    def detail() -> StageDetail:
+        lay, ends = comp.layer, comp.ends
+        compute = layers * lay.compute + ends.compute + comp.edges.lead
+        recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
+        tp = layers * lay.tp + ends.tp
+        p2pb = np.broadcast_to(comp.p2p, T.shape)
+        ch = lay.channels
+        return StageDetail(
+            time_breakdown={
+                "compute_s": compute + 0 * T,
+                "recompute_s": recompute_s + 0 * T,
+                "tp_comm_s": tp + 0 * T,
+                "exposed_transfers_s": T - compute - recompute_s - tp - p2pb,
+                "p2p_s": p2pb + 0 * T,
+            },
+            memory_breakdown=mem.breakdown(),
+            flops_per_microbatch=layers * lay.flops + ends.flops + 0 * T,
+            channels={
+                "G2G": layers * ch.g2g,
+                "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
+                "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
+            },
+        )
+
     return StageResult(
         T=T,
-        D=D,
-        time_breakdown=breakdown,
+        D=X + Y,
         delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
         fwd_peak=mem.fwd_peak,
         bwd_peak=mem.bwd_peak,
         peak=mem.peak,
-        memory_breakdown=mem.breakdown,
-        flops_per_microbatch=flops + 0 * T,
         fwd=np.minimum(fwd_part, T),
         first_extra=X,
         last_extra=Y,
-        channels=channels,
         saved_per_microbatch=mem.saved_per_microbatch,
         saved_peak=mem.saved_peak,
         host=mem.host,
+        detail_of=detail,
     )
 
 
@@ -860,7 +893,7 @@ class _Memory:
     fwd_peak: np.ndarray
     bwd_peak: np.ndarray
     peak: np.ndarray
-    breakdown: dict
+    breakdown: Callable[[], dict]  # sums to peak (built when read)
     host: dict
     saved_per_microbatch: np.ndarray
     saved_peak: np.ndarray
@@ -886,15 +919,18 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
-    act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
-    breakdown = {
-        "weights_bytes": weights + 0 * peak,
-        "grads_bytes": grads + 0 * peak,
-        "optimizer_bytes": opt + 0 * peak,
-        "buffers_bytes": buffers + 0 * peak,
-        "activations_bytes": act_held,
-        "transient_bytes": peak - states - act_held,
-    }
+
+    def breakdown() -> dict:
+        act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
+        return {
+            "weights_bytes": weights + 0 * peak,
+            "grads_bytes": grads + 0 * peak,
+            "optimizer_bytes": opt + 0 * peak,
+            "buffers_bytes": buffers + 0 * peak,
+            "activations_bytes": act_held,
+            "transient_bytes": peak - states - act_held,
+        }
+
     return _Memory(
         fwd_peak=fwd_peak,
         bwd_peak=bwd_peak,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, reduce
 
 import numpy as np
 
@@ -953,9 +953,8 @@ def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
     if a.pre_peaks is not None:
         fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
         bwd_cands.append(a.pre_peaks[1] + 0 * saved_mb)
-    fwd_act = np.max(np.stack(np.broadcast_arrays(*fwd_cands)), axis=0)
-    bwd_act = np.max(np.stack(np.broadcast_arrays(*bwd_cands)), axis=0)
-    return fwd_act, bwd_act
+    # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
+    return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
 
 
 def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:

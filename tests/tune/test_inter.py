@@ -77,3 +77,32 @@ def test_pareto_2d():
     T = np.array([1, 2, 3, 1.5, 2.5])
     D = np.array([5, 3, 1, 6, 4])
     assert sorted(pareto_2d(T, D).tolist()) == [0, 1, 2]
+
+
+def test_pareto_2d_equals_the_definition_on_large_clouds_with_ties():
+    """Past 64 points pivots drop dominated points before the sort: the frontier, its order and
+    which of equal points it keeps are those of the plain definition (a point is kept when its D
+    is below every D of the points before it in (T, D) order, index breaking ties)."""
+
+    def by_definition(T, D):
+        order = np.lexsort((D, T))
+        d = D[order]
+        before = np.concatenate(([np.inf], np.minimum.accumulate(d)[:-1]))
+        return order[d < before - 1e-12]
+
+    rng = np.random.default_rng(3)
+    kept = 0
+    for trial in range(400):
+        n = int(rng.integers(65, 2000))
+        if trial % 2:  # few distinct values: many exact ties, equal T with different D and back
+            k = int(rng.integers(2, 40))
+            T = rng.integers(0, k, n) * 0.25
+            D = rng.integers(0, k, n) * 0.5
+        else:
+            T, D = rng.random(n), rng.random(n)
+        if trial % 5 == 0:
+            T[rng.integers(0, n)] = np.inf
+        got = pareto_2d(T, D)
+        np.testing.assert_array_equal(got, by_definition(T, D))
+        kept += len(got)
+    assert kept > 400  # frontiers of more than one point were compared

@@ -66,8 +66,22 @@ def _expand(x):
 
 
 def pareto_2d(T: np.ndarray, D: np.ndarray) -> np.ndarray:
-    """Indices of the points not dominated in (T, D), ordered by T."""
-    order = np.lexsort((D, T))
+    """Indices of the points not dominated in (T, D), ordered by T (of equal points, the first)."""
+    # Most candidates are far from the frontier: those that a few pivots (the fastest point, the
+    # one with the least extra, the best of both scaled) dominate are dropped before the sort.
+    # Each comes after its pivot in the (T, D) order with no smaller D, so it is not on the
+    # frontier and lowers no later point's running minimum; points equal to a pivot stay, so the
+    # first of equal points is still the one kept.
+    idx = np.arange(len(T))
+    if len(T) > 64:
+        span_t, span_d = np.ptp(T), np.ptp(D)
+        if np.isfinite(span_t) and np.isfinite(span_d):
+            score = (T - T.min()) / (span_t or 1.0) + (D - D.min()) / (span_d or 1.0)
+            drop = np.zeros(len(T), dtype=bool)
+            for p in (int(np.argmin(T)), int(np.argmin(D)), int(np.argmin(score))):
+                drop |= (T >= T[p]) & (D >= D[p]) & ((T > T[p]) | (D > D[p]))
+            idx = idx[~drop]
+    order = idx[np.lexsort((D[idx], T[idx]))]
     d = D[order]
     prev_best = np.concatenate(([np.inf], np.minimum.accumulate(d)[:-1]))
     return order[d < prev_best - 1e-12]

@@ -51,7 +51,7 @@ def simulated_plans() -> dict:
     out = {}
     for name, case, sp, plan in stored_plans():
         key = f"{name}|{case['model']}|{case['gpu']}|{case['flash_attention']}|{sp['space']}"
-        out[key] = plain(simulate_plan(plan, load_profile(plan.cluster.gpu)))
+        out[key] = plain(simulate_plan(plan, load_profile(plan.cluster.gpu)).to_json())
     return out
 
 

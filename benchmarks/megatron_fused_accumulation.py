@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         cells = []
         for name, tune in (("megatron", baselines.tune_megatron), ("megatron-paper", baselines.tune_megatron_paper)):
             res = tune(get_preset(r["model"]), cluster, training, load_profile(r["gpu"]))
-            x = res.predicted["iteration_time_s"] / full
+            x = res.predicted.iteration_time_s / full
             ratios[name].append(x)
             cells.append(f"{sp[name]['iteration_time_s'] / full:.3f}× | {x:.3f}×")
         lines.append(

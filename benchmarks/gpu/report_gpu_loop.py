@@ -47,9 +47,9 @@ def predict(plan_dict: dict, profile) -> dict:
     except Exception as e:  # noqa: BLE001 - one plan's failure is reported, not fatal
         return {"error": error_text(e, 500)}
     return {
-        "step_time_s": sim["iteration_time_s"],
-        "fits": sim["fits"],
-        "stages": [{k: s[k] for k in KEYS} for s in sim["stages"]],
+        "step_time_s": sim.iteration_time_s,
+        "fits": sim.fits,
+        "stages": [{k: getattr(s, k) for k in KEYS} for s in sim.stages],
     }
 
 

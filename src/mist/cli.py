@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from dataclasses import replace
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
 from mist.tune.space import SPACE_LABELS
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
+
+if TYPE_CHECKING:
+    from mist.simulate.prediction import Prediction
 
 app = typer.Typer(
     add_completion=False,
@@ -136,15 +139,18 @@ def simulate(
 
         check_output_file(timeline, "--timeline", IMAGE_SUFFIXES)
     if timeline is None:
-        res = simulate_plan(p, profile)
+        res, event_time = simulate_plan(p, profile), None
     else:
         from mist.viz.timeline import draw_timeline  # lazy: keeps matplotlib out of start-up
 
         res, lanes = simulate_with_timeline(p, profile)
         draw_timeline(lanes, timeline)
-        res["event_iteration_time_s"] = lanes.event_iteration_time_s  # printed with --timeline only
+        event_time = lanes.event_iteration_time_s
     if as_json:
-        print(json.dumps(res, indent=1))
+        d = res.to_json()
+        if event_time is not None:  # printed with --timeline only
+            d["event_iteration_time_s"] = event_time
+        print(json.dumps(d, indent=1))
         return
     _print_simulation(p, res)
 
@@ -313,6 +319,7 @@ def tune(
     )
     if res.budget_ran_out:
         out.print(budget_words(time_budget))
+    assert res.predicted is not None  # a plan comes with its prediction
     _print_simulation(res.plan, res.predicted)
 
 
@@ -364,12 +371,12 @@ def compare(
             out.print(f"  {space}: {', '.join(knobs)}")
 
 
-def _print_simulation(p, r: dict) -> None:
+def _print_simulation(p, r: Prediction) -> None:
     out.print(p.summary())
-    out.print(f"profile: {r['profile']}")
+    out.print(f"profile: {r.profile}")
     out.print(
-        f"iteration {r['iteration_time_s'] * 1e3:.1f} ms · {r['throughput_samples_per_s']:.2f} samples/s · "
-        f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.1%}"
+        f"iteration {r.iteration_time_s * 1e3:.1f} ms · {r.throughput_samples_per_s:.2f} samples/s · "
+        f"{r.tokens_per_s:,.0f} tokens/s · MFU {r.mfu:.1%}"
     )
     t = Table(title="stages (times in ms per micro-batch; D once per iteration)")
     for col in ("stage", "T", "D", "compute", "recomp", "TP", "exposed", "p2p", "peak GiB", "host GiB", "fits"):
@@ -378,31 +385,31 @@ def _print_simulation(p, r: dict) -> None:
     def ms(x):
         return f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.2f}"
 
-    for i, s in enumerate(r["stages"]):
-        tb = s["time_breakdown"]
+    for i, s in enumerate(r.stages):
+        tb = s.time_breakdown
         t.add_row(
             str(i),
-            ms(s["stable_time_s"]),
-            ms(s["delta_time_s"]),
+            ms(s.stable_time_s),
+            ms(s.delta_time_s),
             ms(tb["compute_s"]),
             ms(tb["recompute_s"]),
             ms(tb["tp_comm_s"]),
             ms(max(tb["exposed_transfers_s"], 0.0)),
             ms(tb["p2p_s"]),
-            f"{s['peak_memory_bytes'] / GiB:.2f}",
-            f"{s['host_peak_bytes'] / GiB:.2f}",
-            "yes" if s["fits"] else "[red]no[/]",
+            f"{s.peak_memory_bytes / GiB:.2f}",
+            f"{s.host_peak_bytes / GiB:.2f}",
+            "yes" if s.fits else "[red]no[/]",
         )
     out.print(t)
-    h = r["host_memory"]
-    if any(h["per_node_bytes"]):
-        cap = h["capacity_per_node_bytes"]
+    h = r.host_memory
+    if any(h.per_node_bytes):
+        cap = h.capacity_per_node_bytes
         out.print(
-            f"host memory per node: {max(h['per_node_bytes']) / GiB:.1f} GiB at most"
+            f"host memory per node: {max(h.per_node_bytes) / GiB:.1f} GiB at most"
             + (f" of {cap / GiB:.1f} GiB" if cap else "")
-            + f" ({h['source']})"
+            + f" ({h.source})"
         )
-    for msg in r["memory_problems"]:
+    for msg in r.memory_problems:
         out.print(f"[red]does not fit:[/] {msg}")
 
 
@@ -570,17 +577,17 @@ def validate(
     p = load_plan(plan)
     profile = load_profile(gpu or p.cluster.gpu)
     r = run_and_validate(plan, profile, steps, local, drift)
-    if not r:
+    if r is None:
         return
     if as_json:
-        print(json.dumps(r, indent=1, default=str))
+        print(json.dumps(r.to_json(), indent=1, default=str))
         return
-    pred, meas, err = r["predicted"], r["measured"], r["errors"]
+    pred, meas, err = r.predicted, r.measured, r.errors
     t = Table(title=f"{p.model.name}: predicted ({profile.name}) vs measured")
     for col in ("quantity", "predicted", "measured", "error"):
         t.add_column(col, justify="right")
     fmt = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
-    t.add_row("step time (s)", f"{pred['iteration_time_s']:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
+    t.add_row("step time (s)", f"{pred.iteration_time_s:.4f}", f"{meas['step_time_s']:.4f}", fmt(err["step_time"]))
     labels = {
         "stable_time": ("T, steady micro-batch (ms)", 1e-3),
         "delta_time": ("D, one-off per iteration (ms)", 1e-3),
@@ -592,10 +599,10 @@ def validate(
         "host_activations": ("host: offloaded activations (MiB)", MiB),
         "host_optimizer_grads": ("host: CPU Adam gradients (MiB)", MiB),
     }
-    for i, (ps, ms) in enumerate(zip(pred["stages"], meas.get("stages", []))):
+    for i, (ps, ms) in enumerate(zip(pred.stages, meas.get("stages", []))):
         for name, key in STAGE_ERRORS:
             label, unit = labels[name]
-            pv, mv = ps.get(key), ms.get(key)
+            pv, mv = getattr(ps, key), ms.get(key)
             if (name.startswith("host") and not pv and not mv) or (pv is None and mv is None):
                 continue  # nothing offloaded of this kind; no W of its own (not a ZB-H1 stage)
             t.add_row(
@@ -605,9 +612,9 @@ def validate(
                 fmt(err[name][i]),
             )
     out.print(t)
-    for w in r.get("warnings", []):
+    for w in r.warnings:
         out.print(f"[yellow]warning:[/] {w}")
-    d = r.get("drift")
+    d = r.drift
     if d and d.get("drifted"):
         out.print(
             f"[yellow]warning:[/] this machine no longer matches the profile: its micro-benchmarks "
@@ -643,8 +650,8 @@ def export(
         profile = load_profile(p.cluster.gpu)
         a, b = simulate_plan(p, profile), simulate_plan(ran, profile)
         err.print(
-            f"approximated: the plan predicts {a['iteration_time_s']:.3f} s per iteration "
-            f"(fits: {a['fits']}); the exported nearest plan {b['iteration_time_s']:.3f} s (fits: {b['fits']})"
+            f"approximated: the plan predicts {a.iteration_time_s:.3f} s per iteration "
+            f"(fits: {a.fits}); the exported nearest plan {b.iteration_time_s:.3f} s (fits: {b.fits})"
         )
         err.print(f"  exported plan: {ran.summary()}")
 

@@ -7,6 +7,8 @@ micro-benchmarks tells whether the machine has drifted (> 10 %) since the profil
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mist.checks import is_int
 from mist.errors import MistInputError
 from mist.plan import Plan, load_plan
@@ -14,6 +16,7 @@ from mist.profiling.drift import check as drift_check
 from mist.runtime.config import TrainConfig
 from mist.runtime.launch import train_command
 from mist.simulate.plan_sim import simulate_plan
+from mist.simulate.prediction import Prediction
 
 MIN_STEPS = 2  # the first step warms up (allocations, caches); the measurement is of the later ones
 
@@ -37,19 +40,40 @@ def _rel(pred, meas):
     return (pred - meas) / meas
 
 
-def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class Validation:
+    """A run of a plan next to its prediction."""
+
+    predicted: Prediction
+    measured: dict  # the runtime's metrics, as its rank 0 wrote them (`Trainer.metrics`)
+    # signed relative errors: "step_time" one number, each `STAGE_ERRORS` name one per stage
+    # (None where either side has no value)
+    errors: dict
+    warnings: tuple[str, ...]  # why the profile may not describe these devices
+    drift: dict | None  # the quick re-measurement of the profile's micro-benchmarks, where run
+
+    def to_json(self) -> dict:
+        out = {
+            "predicted": self.predicted.to_json(),
+            "measured": self.measured,
+            "errors": self.errors,
+            "warnings": list(self.warnings),
+        }
+        if self.drift is not None:
+            out["drift"] = self.drift
+        return out
+
+
+def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> Validation:
     """Combine a simulation of `plan` on `profile` with the runtime's `metrics`."""
     pred = simulate_plan(plan, profile)
     # the runtime's step is one iteration: G micro-batches, the optimizer step included
-    pairs = list(zip(pred["stages"], metrics.get("stages", [])))
+    pairs = list(zip(pred.stages, metrics.get("stages", [])))
     errors = {
-        "step_time": _rel(pred["iteration_time_s"], metrics.get("step_time_s")),
-        **{name: [_rel(ps.get(key), ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
+        "step_time": _rel(pred.iteration_time_s, metrics.get("step_time_s")),
+        **{name: [_rel(getattr(ps, key), ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
     }
-    out = {"predicted": pred, "measured": metrics, "errors": errors, "warnings": mismatch(plan, profile)}
-    if drift is not None:
-        out["drift"] = drift
-    return out
+    return Validation(pred, metrics, errors, tuple(mismatch(plan, profile)), drift)
 
 
 def mismatch(plan: Plan, profile) -> list[str]:
@@ -64,7 +88,8 @@ def mismatch(plan: Plan, profile) -> list[str]:
     return []
 
 
-def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> dict:
+def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> Validation | None:
+    """`validate` of a run of the plan file (None on a rank of a torchrun launch other than 0)."""
     if not is_int(steps) or steps < MIN_STEPS:
         raise MistInputError(
             f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
@@ -77,5 +102,5 @@ def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_dri
         drift = drift_check(profile, quick=True)
     metrics = train_command(plan_path, TrainConfig(steps=steps, log=False), local)
     if metrics is None:  # a non-zero rank under torchrun
-        return {}
+        return None
     return validate(plan, profile, metrics, drift)

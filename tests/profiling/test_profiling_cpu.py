@@ -136,8 +136,8 @@ def test_simulate_plan_with_profile_path(written, spec, tmp_path):
     path, _ = written
     prof = load_profile(path)
     res = simulate_plan(_plan(spec, str(path)), prof)
-    assert 0 < res["iteration_time_s"] < math.inf
-    assert all(0 < s["stable_time_s"] < math.inf for s in res["stages"])
+    assert 0 < res.iteration_time_s < math.inf
+    assert all(0 < s.stable_time_s < math.inf for s in res.stages)
 
     # the DP all-reduce of the last micro-batch runs on the profile's own links
     def slower(d):
@@ -146,7 +146,7 @@ def test_simulate_plan_with_profile_path(written, spec, tmp_path):
                 table[n] = [table[n][0] * 100.0, table[n][1] / 100.0]
 
     res_slow = simulate_plan(_plan(spec, str(path)), load_profile(_variant(path, tmp_path, slower)))
-    assert res_slow["iteration_time_s"] > res["iteration_time_s"]
+    assert res_slow.iteration_time_s > res.iteration_time_s
 
     # ZeRO-3 gathers overlap compute through the profile's own interference factors — on a GPU.
     # On a CPU device the runtime runs every transfer in the rank's thread, so the factors do not
@@ -165,9 +165,8 @@ def test_simulate_plan_with_profile_path(written, spec, tmp_path):
         return both
 
     def zero3_time(edit, name):
-        return simulate_plan(_plan(spec, str(path), zero=3), load_profile(_variant(path, tmp_path, edit, name)))[
-            "iteration_time_s"
-        ]
+        plan = _plan(spec, str(path), zero=3)
+        return simulate_plan(plan, load_profile(_variant(path, tmp_path, edit, name))).iteration_time_s
 
     assert zero3_time(serial, "s.json") == pytest.approx(zero3_time(perfect, "p.json"), rel=1e-12)
     assert zero3_time(as_gpu(serial), "gs.json") > zero3_time(as_gpu(perfect), "gp.json")
@@ -206,7 +205,7 @@ def test_tune_with_profile(written, spec):
     assert res.plan is not None
     assert 0 < res.iteration_time_s < math.inf
     again = simulate_plan(res.plan, prof)
-    assert again["iteration_time_s"] == pytest.approx(res.iteration_time_s)
+    assert again.iteration_time_s == pytest.approx(res.iteration_time_s)
 
 
 def test_drift_check_near_one(written):

@@ -266,12 +266,12 @@ def test_device_states_match_the_simulator_with_fp32_gradients(name, make):
     for gd in ("fp32", None):
         plan = make(gd)
         meas = run_plan(plan, steps=1)["metrics"]["stages"]
-        pred = simulate_plan(plan, prof)["stages"]
+        pred = simulate_plan(plan, prof).stages
         runs[gd] = (meas, pred)
         for i, (ms, ps) in enumerate(zip(meas, pred)):
-            assert ms["state_bytes"] == ps["state_bytes"], (gd, i, ms["state_bytes"], ps["state_bytes"])
-            assert ms["host_state_bytes"] == ps["host_state_bytes"], (gd, i)
+            assert ms["state_bytes"] == ps.state_bytes, (gd, i, ms["state_bytes"], ps.state_bytes)
+            assert ms["host_state_bytes"] == ps.host_state_bytes, (gd, i)
     for (m32, p32), (m16, p16) in zip(zip(*runs["fp32"]), zip(*runs[None])):
-        g32, g16 = p32["memory_breakdown"]["grads_bytes"], p16["memory_breakdown"]["grads_bytes"]
+        g32, g16 = p32.memory_breakdown["grads_bytes"], p16.memory_breakdown["grads_bytes"]
         assert g16 > 0 and g32 == 2 * g16  # 4 bytes against 2 for the same elements
         assert m32["state_bytes"] - m16["state_bytes"] == g32 - g16

@@ -62,14 +62,14 @@ PLANS = {
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_host_bytes_match_the_prediction(name):
     plan = PLANS[name]
-    pred = simulate_plan(plan, load_profile(str(CPU_PROFILE)))["stages"]
+    pred = simulate_plan(plan, load_profile(str(CPU_PROFILE))).stages
     meas = run_plan(plan, steps=2)["metrics"]["stages"]
     for i, (p, m) in enumerate(zip(pred, meas)):
         for k in KEYS:
-            assert p[k] == m[k], (name, i, k)
-        assert p["host_peak_bytes"] == sum(p[k] for k in KEYS)
-    assert all(p["host_state_bytes"] > 0 and p["host_activation_peak_bytes"] > 0 for p in pred)
-    assert pred[0]["host_optimizer_grad_bytes"] > 0
+            assert getattr(p, k) == m[k], (name, i, k)
+        assert p.host_peak_bytes == sum(getattr(p, k) for k in KEYS)
+    assert all(p.host_state_bytes > 0 and p.host_activation_peak_bytes > 0 for p in pred)
+    assert pred[0].host_optimizer_grad_bytes > 0
 
 
 @pytest.mark.parametrize("flash", [True, False])
@@ -84,12 +84,12 @@ def test_selective_recomputation_saved_bytes_match_the_prediction(flash):
     )
     plan = _plan([st], G=2, gpus=2)
     plan = replace(plan, training=replace(plan.training, flash_attention=flash))
-    pred = simulate_plan(plan, load_profile(str(CPU_PROFILE)))["stages"][0]
+    pred = simulate_plan(plan, load_profile(str(CPU_PROFILE))).stages[0]
     plain = simulate_plan(
         replace(plan, stages=(replace(st, recompute_activation=False, recompute_attention=False),)),
         load_profile(str(CPU_PROFILE)),
-    )["stages"][0]
+    ).stages[0]
     meas = run_plan(plan, steps=2)["metrics"]["stages"][0]
     for k in ("saved_activation_peak_bytes", "host_activation_peak_bytes", "state_bytes"):
-        assert pred[k] == meas[k], k
-    assert pred["saved_activation_peak_bytes"] < plain["saved_activation_peak_bytes"]
+        assert getattr(pred, k) == meas[k], k
+    assert pred.saved_activation_peak_bytes < plain.saved_activation_peak_bytes

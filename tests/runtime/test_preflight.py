@@ -53,16 +53,16 @@ def _plan(model, tp, gpu="l4"):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_node_bytes_are_the_simulated_states_or_a_lower_bound(tp):
     plan = _plan("gpt3-1.3b", tp)
-    st = simulate_plan(plan, load_profile("l4"))["stages"]
-    on_cpu = sum((s["state_bytes"] + s["host_state_bytes"]) * 4 for s in st)  # 4 ranks a stage
-    on_host = sum(s["host_state_bytes"] * 4 for s in st)
+    st = simulate_plan(plan, load_profile("l4")).stages
+    on_cpu = sum((s.state_bytes + s.host_state_bytes) * 4 for s in st)  # 4 ranks a stage
+    on_host = sum(s.host_state_bytes * 4 for s in st)
     got_cpu, got_host = node_state_bytes(plan, range(8), "cpu"), node_state_bytes(plan, range(8), "cuda")
     if tp == 1:  # the unsharded block count is exact: the same bytes as the simulator's
         assert (got_cpu, got_host) == (on_cpu, on_host)
     else:  # replicated norms are counted once over tp: never more than the real bytes
         assert 0.95 * on_cpu < got_cpu <= on_cpu and 0.95 * on_host < got_host <= on_host
     # a node with only stage 1's ranks holds only stage 1's states
-    assert node_state_bytes(plan, range(4, 8), "cuda") == pytest.approx(st[1]["host_state_bytes"] * 4, rel=0.05)
+    assert node_state_bytes(plan, range(4, 8), "cuda") == pytest.approx(st[1].host_state_bytes * 4, rel=0.05)
 
 
 def test_train_refuses_a_plan_beyond_this_machines_memory(tmp_path):

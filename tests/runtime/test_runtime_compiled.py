@@ -56,8 +56,8 @@ def test_compiled_plan_matches_single_process(family, name, build):
     assert all(n > CFG["max_grad_norm"] for n in ref["grad_norms"])
     print(f"{family}-{name}: {compare(family, res, ref)}")
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
-    for p, m in zip(pred["stages"], res["metrics"]["stages"]):
+    for p, m in zip(pred.stages, res["metrics"]["stages"]):
         for k in ("state_bytes", "saved_activation_peak_bytes", "host_activation_peak_bytes"):
-            assert p[k] == m[k], k
+            assert getattr(p, k) == m[k], k
     if any(s.offload.activations > 0 for s in plan.stages):
         assert any(m["host_activation_peak_bytes"] > 0 for m in res["metrics"]["stages"])

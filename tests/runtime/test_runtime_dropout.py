@@ -86,9 +86,9 @@ def test_recomputation_replays_the_masks(sp, recompute):
 
 def _memory_matches(plan, res) -> None:
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
-    for p, m in zip(pred["stages"], res["metrics"]["stages"]):
+    for p, m in zip(pred.stages, res["metrics"]["stages"]):
         for k in ("state_bytes", "saved_activation_peak_bytes"):
-            assert p[k] == m[k], k
+            assert getattr(p, k) == m[k], k
 
 
 def test_resumed_run_draws_the_uninterrupted_masks(tmp_path):

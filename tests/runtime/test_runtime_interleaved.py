@@ -62,9 +62,9 @@ def test_interleaved_matches_single_process(family, kw):
     print(f"{family}-{kw}: {errs}")
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
     assert len(res["metrics"]["stages"]) == 2
-    for p, m in zip(pred["stages"], res["metrics"]["stages"]):
+    for p, m in zip(pred.stages, res["metrics"]["stages"]):
         for k in ("state_bytes", "saved_activation_peak_bytes"):
-            assert p[k] == m[k], k
+            assert getattr(p, k) == m[k], k
 
 
 def test_interleaved_checkpoint_resumes(tmp_path):

@@ -47,9 +47,9 @@ def test_sequence_parallel_matches_single_process(family, name, kw):
 
 def _memory_matches(plan: Plan, res: dict) -> None:
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
-    for p, m in zip(pred["stages"], res["metrics"]["stages"]):
+    for p, m in zip(pred.stages, res["metrics"]["stages"]):
         for k in ("state_bytes", "saved_activation_peak_bytes"):
-            assert p[k] == m[k], k
+            assert getattr(p, k) == m[k], k
 
 
 def pp_plan(family: str, stages: list[dict], G: int = 2, b: int = 2, v: int = 1, schedule: str = "1f1b") -> Plan:

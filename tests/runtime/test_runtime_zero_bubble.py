@@ -43,6 +43,6 @@ def test_zero_bubble_matches_single_process(family, name, kw):
     # the saved activations the runtime accounts tensor by tensor — every micro-batch held until
     # its W — are the simulator's ZB-H1 memory model to the byte, and so are the states
     pred = simulate_plan(plan, load_profile(CPU_PROFILE))
-    for p, m in zip(pred["stages"], res["metrics"]["stages"]):
+    for p, m in zip(pred.stages, res["metrics"]["stages"]):
         for k in ("state_bytes", "saved_activation_peak_bytes"):
-            assert p[k] == m[k], k
+            assert getattr(p, k) == m[k], k

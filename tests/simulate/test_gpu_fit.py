@@ -36,13 +36,13 @@ def test_need_and_capacity():
 def test_simulated_plan_at_the_edge_does_not_fit_once_the_context_is_counted():
     plan = load_plan(EXAMPLES / "gpt3-1.3b-2xl4-pp2.json")
     l4 = load_profile("l4")
-    peak = max(s["peak_memory_bytes"] for s in simulate_plan(plan, l4)["stages"])
+    peak = max(s.peak_memory_bytes for s in simulate_plan(plan, l4).stages)
     # a GPU with 100 MiB more than the stage needs: it fits, until 200 MiB are outside the allocator
     roomy = replace(l4, memory_bytes=int(need_bytes(peak)) + 100 * MiB)
-    assert simulate_plan(plan, roomy)["fits"]
+    assert simulate_plan(plan, roomy).fits
     sim = simulate_plan(plan, replace(roomy, outside_allocator_bytes=200 * MiB))
-    assert not sim["fits"] and sim["capacity_bytes"] == roomy.memory_bytes - 200 * MiB
-    msg = next(m for m in sim["memory_problems"] if m.startswith("stage"))
+    assert not sim.fits and sim.capacity_bytes == roomy.memory_bytes - 200 * MiB
+    msg = next(m for m in sim.memory_problems if m.startswith("stage"))
     assert "left to PyTorch's allocator (0.20 GiB are in use outside it)" in msg, msg
 
 

@@ -153,17 +153,17 @@ def test_interleaved_plan_simulates(tmp_path):
     prof = load_profile("l4")
     base = load_plan(EXAMPLES / "gpt3-1.3b-2xl4-pp2.json")
     p1, _ = simulate_with_timeline(base, prof)
-    times = [p1["iteration_time_s"]]
+    times = [p1.iteration_time_s]
     for v in (2, 4):
         pred, tl = simulate_with_timeline(_interleaved_example(tmp_path, v), prof)
-        assert tl.event_iteration_time_s == pytest.approx(pred["iteration_time_s"], rel=1e-12)
+        assert tl.event_iteration_time_s == pytest.approx(pred.iteration_time_s, rel=1e-12)
         assert sum(k in "FB" for _, k, *_ in tl.events) == 2 * 2 * v * base.micro_batches
-        for s, s1 in zip(pred["stages"], p1["stages"]):
-            assert sum(s["time_breakdown"].values()) == pytest.approx(s["stable_time_s"], rel=1e-9)
+        for s, s1 in zip(pred.stages, p1.stages):
+            assert sum(s.time_breakdown.values()) == pytest.approx(s.stable_time_s, rel=1e-9)
             # every chunk receives at both ends but the model's first and last
-            assert s["time_breakdown"]["p2p_s"] == pytest.approx((2 * v - 1) * s1["time_breakdown"]["p2p_s"])
-            assert s["saved_activation_peak_bytes"] > s1["saved_activation_peak_bytes"]
-        times.append(pred["iteration_time_s"])
+            assert s.time_breakdown["p2p_s"] == pytest.approx((2 * v - 1) * s1.time_breakdown["p2p_s"])
+            assert s.saved_activation_peak_bytes > s1.saved_activation_peak_bytes
+        times.append(pred.iteration_time_s)
     # the bubble of about one stage time out of 17 shrinks by v, the extra p2p and block-stream
     # edges of the chunks cost a little
     assert times[1] < times[0] and times[2] < times[0]

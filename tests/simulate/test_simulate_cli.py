@@ -74,8 +74,8 @@ def test_timeline_is_a_record_beside_the_prediction():
     prof = load_profile("l4")
     pred, tl = simulate_with_timeline(plan, prof)
     assert pred == simulate_plan(plan, prof) and tl == plan_timeline(plan, prof)
-    assert not any(k.startswith("_") for k in pred) and "event_iteration_time_s" not in pred
-    assert tl.iteration_time_s == pred["iteration_time_s"]
+    assert not any(k.startswith("_") for k in pred.to_json()) and "event_iteration_time_s" not in pred.to_json()
+    assert tl.iteration_time_s == pred.iteration_time_s
     # the 1F1B closed form bounds the event-driven schedule from above, exactly when the stages
     # take equal time; this example's last stage (the loss) is a little faster
     assert tl.event_iteration_time_s <= tl.iteration_time_s * (1 + 1e-12)
@@ -84,4 +84,4 @@ def test_timeline_is_a_record_beside_the_prediction():
     S, G = plan.num_stages, plan.micro_batches
     assert len(tl.channels) == len(tl.stable) == S
     assert sum(kind in ("F", "B") for _, kind, *_ in tl.events) == 2 * S * G
-    assert [f + b for f, b in tl.stable] == pytest.approx([s["stable_time_s"] for s in pred["stages"]], rel=1e-12)
+    assert [f + b for f, b in tl.stable] == pytest.approx([s.stable_time_s for s in pred.stages], rel=1e-12)

@@ -157,12 +157,12 @@ def test_zero_bubble_plan_simulates():
     prof = load_profile("l4")
     one, _ = simulate_with_timeline(_plan(), prof)
     zb, tl = simulate_with_timeline(_plan("zb-h1"), prof)
-    assert zb["schedule"] == "zb-h1" and one["schedule"] == "1f1b"
-    assert tl.event_iteration_time_s == pytest.approx(zb["iteration_time_s"], rel=1e-12)
+    assert zb.schedule == "zb-h1" and one.schedule == "1f1b"
+    assert tl.event_iteration_time_s == pytest.approx(zb.iteration_time_s, rel=1e-12)
     assert sum(k == "W" for _, k, *_ in tl.events) == 2 * 16
-    assert zb["iteration_time_s"] < one["iteration_time_s"]
-    for s1, s in zip(one["stages"], zb["stages"]):
-        assert s["stable_time_s"] == pytest.approx(s1["stable_time_s"])
-        assert 0.15 < s["weight_grad_time_s"] / s["stable_time_s"] < 0.45
-    assert zb["stages"][0]["peak_memory_bytes"] == one["stages"][0]["peak_memory_bytes"]
-    assert zb["stages"][1]["peak_memory_bytes"] > one["stages"][1]["peak_memory_bytes"]
+    assert zb.iteration_time_s < one.iteration_time_s
+    for s1, s in zip(one.stages, zb.stages):
+        assert s.stable_time_s == pytest.approx(s1.stable_time_s)
+        assert 0.15 < s.weight_grad_time_s / s.stable_time_s < 0.45
+    assert zb.stages[0].peak_memory_bytes == one.stages[0].peak_memory_bytes
+    assert zb.stages[1].peak_memory_bytes > one.stages[1].peak_memory_bytes

@@ -64,9 +64,9 @@ def test_baseline_returns_a_valid_plan_that_resimulates(name, results, prof):
     assert isinstance(r.plan, Plan) and r.infeasible_reason is None
     assert r.candidates_evaluated > 0 and r.tuning_time_s > 0
     again = simulate_plan(r.plan, prof)
-    assert again["fits"] and r.predicted["fits"]
-    assert again["iteration_time_s"] == pytest.approx(r.predicted["iteration_time_s"], rel=1e-12)
-    assert not any(k.startswith("_") for k in r.predicted)
+    assert again.fits and r.predicted.fits
+    assert again.iteration_time_s == pytest.approx(r.predicted.iteration_time_s, rel=1e-12)
+    assert not any(k.startswith("_") for k in r.predicted.to_json())
     d = json.loads(json.dumps(r.to_json()))
     assert set(d) == {
         "space",
@@ -95,7 +95,7 @@ def test_baseline_picks_the_fastest_of_what_it_evaluated(name, small, prof, monk
     monkeypatch.setattr(bl._Evaluator, "cost", spy)
     r = TUNERS[name](*small, prof)
     best = min(c.time for c in seen if c.fits)
-    assert r.predicted["iteration_time_s"] == pytest.approx(best, rel=1e-9)
+    assert r.predicted.iteration_time_s == pytest.approx(best, rel=1e-9)
 
 
 def test_fast_costing_matches_simulate_plan(prof):
@@ -113,8 +113,8 @@ def test_fast_costing_matches_simulate_plan(prof):
     for G, stages in plans[::3] + moves:
         c = ev.cost(G, stages)
         sim = simulate_plan(ev.plan(G, stages), prof)
-        assert c.time == pytest.approx(sim["iteration_time_s"], rel=1e-9)
-        assert c.fits == sim["fits"]
+        assert c.time == pytest.approx(sim.iteration_time_s, rel=1e-9)
+        assert c.fits == sim.fits
 
 
 def test_disagreeing_fast_path_falls_back_to_simulate_plan(small, prof, monkeypatch):
@@ -122,7 +122,7 @@ def test_disagreeing_fast_path_falls_back_to_simulate_plan(small, prof, monkeypa
     monkeypatch.setattr(bl, "iteration_time", lambda *a, **k: real(*a, **k) * 1.5)
     r = tune_megatron(*small, prof)
     assert r.plan is not None
-    assert simulate_plan(r.plan, prof)["iteration_time_s"] == pytest.approx(r.predicted["iteration_time_s"])
+    assert simulate_plan(r.plan, prof).iteration_time_s == pytest.approx(r.predicted.iteration_time_s)
 
 
 # ------------------------------------------------------------------ Megatron-LM
@@ -159,15 +159,15 @@ def test_megatron_accumulates_bf16_gradients_in_fp32(results, prof):
     p = results["megatron"].plan
     assert p.training.param_dtype == "bf16" and p.training.grad_dtype == "fp32"
     assert short_summary(p).startswith(f"G {p.micro_batches}, fp32 grads, ")  # what `mist compare` shows
-    st = simulate_plan(p, prof)["stages"][0]
-    mem, s = st["memory_breakdown"], p.stages[0]
+    st = simulate_plan(p, prof).stages[0]
+    mem, s = st.memory_breakdown, p.stages[0]
     assert s.zero <= 1 and p.micro_batches > 1  # the whole gradient buffer is kept
     assert mem["grads_bytes"] == 2 * mem["weights_bytes"]
     shards = s.dp if s.zero == 1 else 1
     assert mem["optimizer_bytes"] == pytest.approx(6 * mem["weights_bytes"] / shards, rel=1e-9)
     # the same plan with gradients in the parameter dtype holds 2 bytes less per parameter
     same = plan_from_dict({**p.to_dict(), "training": {**p.to_dict()["training"], "grad_dtype": None}})
-    mem16 = simulate_plan(same, prof)["stages"][0]["memory_breakdown"]
+    mem16 = simulate_plan(same, prof).stages[0].memory_breakdown
     assert mem16["grads_bytes"] == mem["weights_bytes"]
     assert mem16["optimizer_bytes"] == mem["optimizer_bytes"]
 
@@ -225,13 +225,13 @@ def test_aceso_never_worse_than_its_balanced_start(small, results, prof):
             plan = Plan(model, cluster, training, G, stages)
             sim = simulate_plan(plan, prof)
             assert all(s.recompute_layers == 0 and s.tp == 1 for s in stages)
-            if sim["fits"]:
-                starts.append(sim["iteration_time_s"])
+            if sim.fits:
+                starts.append(sim.iteration_time_s)
                 ev = bl._Evaluator(model, cluster, training, prof)
                 _, c = bl._aceso_walk(ev, G, stages, time.monotonic() + 30, tp_degrees(model, mesh[1]))
-                assert c.fits and c.time <= sim["iteration_time_s"] * (1 + 1e-12)
+                assert c.fits and c.time <= sim.iteration_time_s * (1 + 1e-12)
     assert starts
-    assert results["aceso"].predicted["iteration_time_s"] <= min(starts) * (1 + 1e-12)
+    assert results["aceso"].predicted.iteration_time_s <= min(starts) * (1 + 1e-12)
     assert all(s.offload.as_tuple() == (0, 0, 0, 0) for s in results["aceso"].plan.stages)
 
 
@@ -243,7 +243,7 @@ def test_aceso_restores_fit_from_an_oversized_start(prof):
     best, c = bl._aceso_walk(ev, G, start, time.monotonic() + 30, [1, 2])
     assert c.fits
     assert sum(s.layers for s in best) == model.num_layers
-    assert simulate_plan(ev.plan(G, best), prof)["fits"]
+    assert simulate_plan(ev.plan(G, best), prof).fits
 
 
 def test_aceso_respects_a_spent_time_budget(small, prof):

@@ -38,7 +38,7 @@ def test_compiled_tune_stays_inside_what_compiled_blocks_run(tmp_path, capsys):
         for s in plan.stages
     )
     again = simulate_plan(plan, load_profile(PROFILE))
-    assert again["iteration_time_s"] == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
+    assert again.iteration_time_s == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
 
 
 def test_compiled_space_keeps_every_knob_compiled_blocks_run():
@@ -80,7 +80,7 @@ def test_torchtitan_plans_for_its_compiled_blocks(tmp_path, capsys):
     plan = load_plan(str(out))
     assert plan.training.compile_blocks
     again = simulate_plan(plan, load_profile(PROFILE))
-    assert again["iteration_time_s"] == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
+    assert again.iteration_time_s == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
     main(["export", str(out), "--to", "torchtitan", "-o", str(tmp_path / "tt"), "--json"])
     args = json.loads(capsys.readouterr().out)["args"]
     assert args[args.index("--compile.enable") + 1 : args.index("--compile.enable") + 3] == [

@@ -85,18 +85,16 @@ def _offload_plan(host_gib=None):
 def test_simulate_checks_every_node_against_its_ram():
     prof = load_profile("l4")
     roomy = simulate_plan(_offload_plan(), prof)
-    h = roomy["host_memory"]
-    st = roomy["stages"][0]
-    assert st["host_peak_bytes"] == (
-        st["host_state_bytes"] + st["host_optimizer_grad_bytes"] + st["host_activation_peak_bytes"]
-    )
+    h = roomy.host_memory
+    st = roomy.stages[0]
+    assert st.host_peak_bytes == (st.host_state_bytes + st.host_optimizer_grad_bytes + st.host_activation_peak_bytes)
     # ZeRO-1 over 2.7B parameters: 12 bytes of optimizer state per parameter, half on each GPU
-    assert 0.45 * 2.7e9 * 12 < st["host_state_bytes"] < 0.75 * 2.7e9 * 16
-    assert h["per_node_bytes"] == [2 * st["host_peak_bytes"]] and h["fits"] and roomy["fits"]
-    tight = simulate_plan(_offload_plan(host_gib=h["per_node_bytes"][0] / GiB * 0.9), prof)
-    assert not tight["fits"] and not tight["host_memory"]["fits"]
-    assert any("host memory" in m for m in tight["memory_problems"])
-    assert all(s["fits"] for s in tight["stages"])  # the GPUs themselves are fine
+    assert 0.45 * 2.7e9 * 12 < st.host_state_bytes < 0.75 * 2.7e9 * 16
+    assert h.per_node_bytes == (2 * st.host_peak_bytes,) and h.fits and roomy.fits
+    tight = simulate_plan(_offload_plan(host_gib=h.per_node_bytes[0] / GiB * 0.9), prof)
+    assert not tight.fits and not tight.host_memory.fits
+    assert any("host memory" in m for m in tight.memory_problems)
+    assert all(s.fits for s in tight.stages)  # the GPUs themselves are fine
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +109,13 @@ def test_tuners_keep_offloading_within_the_host_memory(squeezed, space):
     model, training, prof = squeezed
     free = run_space(space, model, ClusterSpec("l4", 1, 2), training, prof)
     assert free.plan is not None
-    used = free.predicted["host_memory"]["per_node_bytes"][0]
+    used = free.predicted.host_memory.per_node_bytes[0]
     assert used > 1 * GiB  # offloading is what makes it fit
     budget = used / GiB * 0.6
     held = run_space(space, model, ClusterSpec("l4", 1, 2, host_memory_gib=budget), training, prof)
     if held.plan is not None:
         again = simulate_plan(held.plan, prof)
-        assert again["fits"] and again["host_memory"]["per_node_bytes"][0] <= budget * GiB
+        assert again.fits and again.host_memory.per_node_bytes[0] <= budget * GiB
         assert held.iteration_time_s >= free.iteration_time_s * (1 - 1e-9)
     else:
         assert "host memory" in held.infeasible_reason

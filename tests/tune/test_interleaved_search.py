@@ -58,8 +58,8 @@ def test_interleaved_split_resimulates_exactly(case, pp, G, v):
     plan = build_plan(model, cluster, training, G, found.strategies, v)
     assert all(s.chunks() == (24 // (pp * v),) * v for s in plan.stages)
     pred = simulate_plan(plan, prof)
-    assert pred["fits"]
-    assert pred["iteration_time_s"] == pytest.approx(found.time, rel=1e-12)
+    assert pred.fits
+    assert pred.iteration_time_s == pytest.approx(found.time, rel=1e-12)
 
 
 def test_searching_v_is_never_slower_and_plain_space_stays_plain(case):
@@ -70,4 +70,4 @@ def test_searching_v_is_never_slower_and_plain_space_stays_plain(case):
     assert without.plan.virtual_stages == 1
     assert with_v.iteration_time_s <= without.iteration_time_s * (1 + 1e-12)
     again = simulate_plan(with_v.plan, prof)
-    assert again["iteration_time_s"] == with_v.iteration_time_s
+    assert again.iteration_time_s == with_v.iteration_time_s

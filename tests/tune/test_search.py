@@ -32,9 +32,9 @@ def results(case):
 
 def test_tuned_plan_resimulates_exactly(case, results):
     r = results["full"]
-    assert r.plan is not None and r.predicted["fits"]
+    assert r.plan is not None and r.predicted.fits
     again = simulate_plan(r.plan, case[3])
-    assert again["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert again.iteration_time_s == r.predicted.iteration_time_s
     assert r.candidates_evaluated > 1000
 
 
@@ -130,7 +130,7 @@ def test_attention_recompute_is_searched_without_flash_and_resimulates():
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert r.plan is not None
     assert all(s.recompute_attention for s in r.plan.stages)
-    assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert simulate_plan(r.plan, prof).iteration_time_s == r.predicted.iteration_time_s
     plain = tune(spec, ClusterSpec("l4", 1, 2), training, prof, replace(forced, recompute_attention=(False,)))
     assert not any(s.recompute_attention for s in plain.plan.stages)
     assert plain.iteration_time_s != r.iteration_time_s
@@ -150,7 +150,7 @@ def test_activation_recompute_is_searched_and_resimulates():
     forced = replace(get_space("full"), name="forced", recompute_activation=(True,), seed_space=None)
     r = tune(spec, ClusterSpec("l4", 1, 2), training, prof, forced)
     assert all(s.recompute_activation for s in r.plan.stages)
-    assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert simulate_plan(r.plan, prof).iteration_time_s == r.predicted.iteration_time_s
 
     spec = get_preset("gpt3-7b")
     training = TrainingSpec(seq_len=2048, global_batch=128)
@@ -161,4 +161,4 @@ def test_activation_recompute_is_searched_and_resimulates():
     )
     assert any(s.recompute_activation for s in full.plan.stages)
     assert full.iteration_time_s < without.iteration_time_s
-    assert simulate_plan(full.plan, prof)["iteration_time_s"] == full.predicted["iteration_time_s"]
+    assert simulate_plan(full.plan, prof).iteration_time_s == full.predicted.iteration_time_s

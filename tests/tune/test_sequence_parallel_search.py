@@ -38,11 +38,11 @@ def test_tuned_sequence_parallel_plan_resimulates_and_saves_memory():
     assert r.plan is not None
     assert all(s.tp == 2 and s.sequence_parallel for s in r.plan.stages)
     sim = simulate_plan(r.plan, prof)
-    assert sim["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert sim.iteration_time_s == r.predicted.iteration_time_s
     off = replace(r.plan, stages=tuple(replace(s, sequence_parallel=False) for s in r.plan.stages))
     sim_off = simulate_plan(off, prof)
-    for on_st, off_st in zip(sim["stages"], sim_off["stages"]):
-        assert on_st["saved_activation_peak_bytes"] < off_st["saved_activation_peak_bytes"]
+    for on_st, off_st in zip(sim.stages, sim_off.stages):
+        assert on_st.saved_activation_peak_bytes < off_st.saved_activation_peak_bytes
 
 
 def test_context_parallelism_is_searched_for_long_sequences_and_resimulates():
@@ -51,7 +51,7 @@ def test_context_parallelism_is_searched_for_long_sequences_and_resimulates():
     spec, prof = get_preset("llama3-8b"), load_profile("h200")
     r = tune(spec, ClusterSpec("h200", 1, 8), TrainingSpec(seq_len=131072, global_batch=16), prof, "full")
     assert r.plan is not None and all(s.cp > 1 for s in r.plan.stages)
-    assert simulate_plan(r.plan, prof)["iteration_time_s"] == r.predicted["iteration_time_s"]
+    assert simulate_plan(r.plan, prof).iteration_time_s == r.predicted.iteration_time_s
 
 
 def test_context_parallel_refinement_adds_no_tensor_parallelism():

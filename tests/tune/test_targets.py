@@ -67,7 +67,7 @@ def test_spaces_registered_beside_the_paper_era_ones():
 def test_tuned_plan_exports_and_full_space_is_no_slower(target, m, gpu, n, tmp_path):
     res = tuned(TARGET_SPACES[target], m, gpu, n)
     assert res.plan is not None, res.infeasible_reason
-    assert res.predicted["fits"]
+    assert res.predicted.fits
     exporter = importlib.import_module(f"mist.export.{target}")
     assert exporter.problems(res.plan) == []
     rec = exporter.write(res.plan, tmp_path)
@@ -75,7 +75,7 @@ def test_tuned_plan_exports_and_full_space_is_no_slower(target, m, gpu, n, tmp_p
     if (gpu, n) in FULL_CLUSTERS:
         full = tuned("full", m, gpu, n)
         assert full.plan is not None
-        t_full, t_target = full.predicted["iteration_time_s"], res.predicted["iteration_time_s"]
+        t_full, t_target = full.predicted.iteration_time_s, res.predicted.iteration_time_s
         assert t_full <= t_target * (1 + 1e-9), f"full {t_full:.4f} s slower than {target} {t_target:.4f} s"
 
 
@@ -141,8 +141,8 @@ def test_megatron_and_torchtitan_search_virtual_stages():
         plan = ev.plan(G, st)
         assert plan.virtual_stages == len(st[0].chunk_layers)
         c, sim = ev.cost(G, st), simulate_plan(plan, profile)
-        assert c.time == pytest.approx(sim["iteration_time_s"], rel=1e-12) and c.fits == sim["fits"]
-        needs = [s["peak_memory_bytes"] * (1 + ALLOCATOR_MARGIN) for s in sim["stages"]]
+        assert c.time == pytest.approx(sim.iteration_time_s, rel=1e-12) and c.fits == sim.fits
+        needs = [s.peak_memory_bytes * (1 + ALLOCATOR_MARGIN) for s in sim.stages]
         assert list(c.needs) == pytest.approx(needs, rel=1e-9)
 
 

@@ -35,7 +35,7 @@ def test_full_space_searches_zero_bubble():
     for s in zb.plan.stages:
         args = (s.zero, s.offload.weights, s.offload.activations, s.recompute_layers)
         assert zb_h1_problem(*args, s.recompute_attention, s.recompute_activation) is None
-    assert zb.predicted["fits"]
+    assert zb.predicted.fits
     # the tuner's own price of the plan it chose is the simulator's, to the last bit
     G = zb.plan.micro_batches
     tables = StageTables(
@@ -43,4 +43,4 @@ def test_full_space_searches_zero_bubble():
     )
     found = best_zero_bubble(tables, MODEL.num_layers)
     assert found.strategies == list(zb.plan.stages)
-    assert found.time == simulate_plan(zb.plan, prof)["iteration_time_s"]
+    assert found.time == simulate_plan(zb.plan, prof).iteration_time_s

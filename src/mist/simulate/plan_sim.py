@@ -1,6 +1,7 @@
 """Simulate a whole plan: every stage's schedule, the 1F1B pipeline, memory, throughput, MFU.
 
-`simulate_plan` returns the prediction (the dict `mist simulate --json` prints); `plan_timeline`
+`simulate_plan` returns the prediction (a `Prediction` record, whose `to_json()` is what `mist
+simulate --json` prints); `plan_timeline`
 returns the same iteration played event by event as a `Timeline` record (what `--timeline`
 draws); `simulate_with_timeline` gives both from one evaluation of the stages.
 
@@ -31,6 +32,7 @@ from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, u
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
+from mist.simulate.prediction import HostMemory, Prediction, StagePrediction
 from mist.simulate.stage import StageDetail, StageInput, StageModel, ZeroBubbleHeld
 from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
 
@@ -92,27 +94,27 @@ def chunk_inputs(plan: Plan, rank_inputs: list[StageInput]) -> list[list[StageIn
     return out
 
 
-def host_check(plan: Plan, profile, per_gpu_bytes: list[float]) -> dict:
+def host_check(plan: Plan, profile, per_gpu_bytes: list[float]) -> HostMemory:
     """Host memory per node (every GPU's offloaded bytes, `StageResult.host`) against the node's RAM."""
     cap, source = node_host_memory(plan.cluster, profile)
     per_node = node_usage([s.gpus for s in plan.stages], per_gpu_bytes, plan.cluster.gpus_per_node)
     over = [(j, b) for j, b in enumerate(per_node) if cap is not None and b > cap]
     problems = (
-        []
+        ()
         if cap is None
-        else [
+        else tuple(
             f"node {j} needs {b / 2**30:.2f} GiB of host memory for offloaded states and "
             f"activations, {(b - cap) / 2**30:.2f} GiB over its {cap / 2**30:.1f} GiB ({source})"
             for j, b in over
-        ]
+        )
     )
-    return {
-        "per_node_bytes": [int(round(b)) for b in per_node],
-        "capacity_per_node_bytes": None if cap is None else int(cap),
-        "source": source,
-        "fits": not over,
-        "problems": problems,
-    }
+    return HostMemory(
+        per_node_bytes=tuple(int(round(b)) for b in per_node),
+        capacity_per_node_bytes=None if cap is None else int(cap),
+        source=source,
+        fits=not over,
+        problems=problems,
+    )
 
 
 @dataclass(frozen=True)
@@ -252,8 +254,8 @@ def _pipeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None =
     return T, F, X, Y, it
 
 
-def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | None]:
-    """Stage i's entry of the prediction, and the sentence saying why it does not fit (or None)."""
+def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[StagePrediction, str | None]:
+    """Stage i's prediction, and the sentence saying why it does not fit (or None)."""
     peak = float(r.peak[0])
     need = float(need_bytes(peak))
     ok = need <= capacity
@@ -264,30 +266,34 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[dict, str | 
             f"{ALLOCATOR_MARGIN:.0%} allocator margin), {(need - capacity) / 2**30:.2f} GiB "
             f"over the {capacity / 2**30:.1f} GiB of a {profile.name}{outside_words(profile)}"
         )
-    entry = {
-        "stable_time_s": float(r.T[0]),
-        "delta_time_s": float(r.D[0]),
-        "first_microbatch_extra_s": float(r.first_extra[0]),
-        "last_microbatch_extra_s": float(r.last_extra[0]),
-        "peak_memory_bytes": int(round(peak)),
-        "fwd_peak_bytes": int(round(float(r.fwd_peak[0]))),
-        "bwd_peak_bytes": int(round(float(r.bwd_peak[0]))),
-        "memory_breakdown": {k: int(round(float(v[0]))) for k, v in r.memory_breakdown.items()},
+    memory = {k: int(round(float(v[0]))) for k, v in r.memory_breakdown.items()}
+    host = {k: int(round(float(v[0]))) for k, v in r.host.items()}
+    stage = StagePrediction(
+        stable_time_s=float(r.T[0]),
+        delta_time_s=float(r.D[0]),
+        first_microbatch_extra_s=float(r.first_extra[0]),
+        last_microbatch_extra_s=float(r.last_extra[0]),
+        peak_memory_bytes=int(round(peak)),
+        fwd_peak_bytes=int(round(float(r.fwd_peak[0]))),
+        bwd_peak_bytes=int(round(float(r.bwd_peak[0]))),
+        memory_breakdown=memory,
         # the two terms the runtime accounts tensor by tensor (see `mist.runtime.memory`)
-        "state_bytes": int(
+        state_bytes=int(
             round(sum(float(r.memory_breakdown[k][0]) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")))
         ),
-        "saved_activation_peak_bytes": int(round(float(r.saved_peak[0]))),
-        # host memory per GPU of the stage (the runtime's metrics carry the same three terms)
-        **{f"host_{k}": int(round(float(v[0]))) for k, v in r.host.items()},
-        "time_breakdown": {k: float(v[0]) for k, v in r.time_breakdown.items()},
-        "delta_breakdown": {k: float(v[0]) for k, v in r.delta_breakdown.items()},
-        "fits": bool(ok),
-    }
-    return entry, problem
+        saved_activation_peak_bytes=int(round(float(r.saved_peak[0]))),
+        host_state_bytes=host["state_bytes"],
+        host_optimizer_grad_bytes=host["optimizer_grad_bytes"],
+        host_activation_peak_bytes=host["activation_peak_bytes"],
+        host_peak_bytes=host["peak_bytes"],
+        time_breakdown={k: float(v[0]) for k, v in r.time_breakdown.items()},
+        delta_breakdown={k: float(v[0]) for k, v in r.delta_breakdown.items()},
+        fits=bool(ok),
+    )
+    return stage, problem
 
 
-def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGrads | None) -> dict:
+def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGrads | None) -> Prediction:
     t = plan.training
     _, _, _, _, it = _pipeline(plan, results, chunks)
     G = plan.micro_batches
@@ -299,28 +305,26 @@ def _prediction(plan: Plan, profile, results: list, chunks: _Chunks | _WeightGra
     entries = [_stage_prediction(i, r, capacity, profile) for i, r in enumerate(results)]
     stages = [e for e, _ in entries]
     problems = [p for _, p in entries if p is not None]
-    fits = all(st["fits"] for st in stages)
-    host = host_check(plan, profile, [st["host_peak_bytes"] for st in stages])
-    fits &= host["fits"]
-    problems += host["problems"]
+    host = host_check(plan, profile, [st.host_peak_bytes for st in stages])
+    fits = all(st.fits for st in stages) and host.fits
+    problems += host.problems
     if isinstance(chunks, _WeightGrads):  # the part of each stage's backward that is W
         T, F, _, _, _ = _pipeline(plan, results, chunks)
-        for st, w in zip(stages, split_backward(T, F, chunks.w)[2]):
-            st["weight_grad_time_s"] = float(w)
-    return {
-        "iteration_time_s": it,
-        "schedule": plan.schedule,
-        "throughput_samples_per_s": t.global_batch / it,
-        "tokens_per_s": tokens / it,
-        "mfu": flops / it / (gpus * profile.peak_flops),
-        "fits": bool(fits),
-        "memory_problems": problems,
-        "capacity_bytes": int(capacity),
-        "host_memory": {k: v for k, v in host.items() if k != "problems"},
-        "gpu": profile.name,
-        "profile": profile.provenance,
-        "stages": stages,
-    }
+        stages = [replace(st, weight_grad_time_s=float(w)) for st, w in zip(stages, split_backward(T, F, chunks.w)[2])]
+    return Prediction(
+        iteration_time_s=it,
+        schedule=plan.schedule,
+        throughput_samples_per_s=t.global_batch / it,
+        tokens_per_s=tokens / it,
+        mfu=flops / it / (gpus * profile.peak_flops),
+        fits=bool(fits),
+        memory_problems=tuple(problems),
+        capacity_bytes=int(capacity),
+        host_memory=host,
+        gpu=profile.name,
+        profile=profile.provenance,
+        stages=tuple(stages),
+    )
 
 
 def _timeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None) -> Timeline:
@@ -345,9 +349,9 @@ def _timeline(plan: Plan, results: list, chunks: _Chunks | _WeightGrads | None) 
     )
 
 
-def simulate_plan(plan: Plan, profile) -> dict:
+def simulate_plan(plan: Plan, profile) -> Prediction:
     """The prediction of `plan` on `profile`: iteration time, throughput, MFU, whether it fits, and
-    per stage its times, memory and host memory (the dict `mist simulate --json` prints)."""
+    per stage its times, memory and host memory (`to_json()`: what `mist simulate --json` prints)."""
     return _prediction(plan, profile, *_stage_results(plan, profile))
 
 
@@ -356,7 +360,7 @@ def plan_timeline(plan: Plan, profile) -> Timeline:
     return _timeline(plan, *_stage_results(plan, profile))
 
 
-def simulate_with_timeline(plan: Plan, profile) -> tuple[dict, Timeline]:
+def simulate_with_timeline(plan: Plan, profile) -> tuple[Prediction, Timeline]:
     """`simulate_plan` and `plan_timeline` from one evaluation of the stages."""
     results, chunks = _stage_results(plan, profile)
     return _prediction(plan, profile, results, chunks), _timeline(plan, results, chunks)

@@ -201,10 +201,10 @@ class _Evaluator:
         if self.exact:
             sim = simulate_plan(self.plan(G, stages), self.profile)
             c = _Cost(
-                sim["iteration_time_s"],
-                bool(sim["fits"]),
-                tuple(s["stable_time_s"] for s in sim["stages"]),
-                tuple(float(need_bytes(s["peak_memory_bytes"])) for s in sim["stages"]),
+                sim.iteration_time_s,
+                sim.fits,
+                tuple(s.stable_time_s for s in sim.stages),
+                tuple(float(need_bytes(s.peak_memory_bytes)) for s in sim.stages),
                 self.capacity,
             )
         else:
@@ -382,7 +382,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
         sim = simulate_plan(plan, profile)
         fast = ev.cost(*best)
         if exact or (
-            sim["fits"] == fast.fits and math.isclose(sim["iteration_time_s"], fast.time, rel_tol=1e-9, abs_tol=1e-12)
+            sim.fits == fast.fits and math.isclose(sim.iteration_time_s, fast.time, rel_tol=1e-9, abs_tol=1e-12)
         ):
             return TuneResult(
                 space=space,
@@ -390,7 +390,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
                 predicted=sim,
                 tuning_time_s=time.monotonic() - t0,
                 candidates_evaluated=ev.count,
-                infeasible_reason=None if sim["fits"] else "; ".join(sim["memory_problems"]),
+                infeasible_reason=None if sim.fits else "; ".join(sim.memory_problems),
                 budget_ran_out=ev.cut_short,
             )
     if ev.cut_short:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mist.plan import Plan
+from mist.simulate.prediction import Prediction
 
 
 def _the_budget(time_budget: float | None) -> str:
@@ -30,7 +31,7 @@ def no_plan_in_budget_words(time_budget: float | None, space: str = "") -> str:
 class TuneResult:
     space: str  # "megatron", "deepspeed", "aceso", "full", "mist-paper", ...
     plan: Plan | None  # best feasible plan (None if nothing fits)
-    predicted: dict | None  # simulate_plan(plan, profile)
+    predicted: Prediction | None  # simulate_plan(plan, profile)
     tuning_time_s: float
     candidates_evaluated: int  # plans (or strategies) whose cost was evaluated
     infeasible_reason: str | None  # one sentence when plan is None
@@ -40,13 +41,13 @@ class TuneResult:
 
     @property
     def iteration_time_s(self) -> float | None:
-        return None if self.predicted is None else self.predicted["iteration_time_s"]
+        return None if self.predicted is None else self.predicted.iteration_time_s
 
     def to_json(self) -> dict:
         return {
             "space": self.space,
             "plan": self.plan.to_dict() if self.plan is not None else None,
-            "predicted": self.predicted,
+            "predicted": None if self.predicted is None else self.predicted.to_json(),
             "tuning_time_s": self.tuning_time_s,
             "candidates_evaluated": self.candidates_evaluated,
             "infeasible_reason": self.infeasible_reason,

@@ -39,7 +39,7 @@ def run_case(model: str, n: int, seq: int, batch: int, budget: float) -> dict:
     cluster = ClusterSpec("h200", max(1, n // 8), min(n, 8))
     training = TrainingSpec(seq_len=seq, global_batch=batch, flash_attention=True)
     t = time.perf_counter()
-    r = compare_spaces(get_preset(model), cluster, training, load_profile("h200"), budget, SPACES)
+    r = compare_spaces(get_preset(model), cluster, training, load_profile("h200"), budget, SPACES).to_json()
     r["wall_s"] = time.perf_counter() - t
     return r
 

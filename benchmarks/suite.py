@@ -124,7 +124,7 @@ def run_case(c, budget, grad_dtype=None, dtype="bf16", spaces=SPACES):
     """Traces are made (or loaded) first, untimed: tuning times are of the search itself."""
     warm(get_preset(c["model"]), (1, 2, 4, 8), c["flash"], dtype)
     cluster, training = _setup(c, grad_dtype, dtype)
-    return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, spaces)
+    return compare_spaces(get_preset(c["model"]), cluster, training, load_profile(c["gpu"]), budget, spaces).to_json()
 
 
 def markdown(rows) -> str:

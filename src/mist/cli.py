@@ -343,28 +343,28 @@ def compare(
     spec, cluster, training, profile = _setup(
         model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
     )
-    rows = compare_spaces(spec, cluster, training, profile, time_budget)
+    res = compare_spaces(spec, cluster, training, profile, time_budget)
     if as_json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(res.to_json(), indent=1))
         return
     t = Table(title=f"{spec.name} on {nodes}×{gpus_per_node} {profile.name}, seq {seq}, batch {global_batch}")
     for col in ("space", "iteration (ms)", "samples/s", "Mist full speedup", "tuning (s)", "plan"):
         t.add_column(col, justify="right" if col != "plan" else "left")
-    for r in rows["spaces"]:
-        it = r["iteration_time_s"]
+    for r in res.spaces:
+        it = r.iteration_time_s
         t.add_row(
-            r["space"],
+            r.space,
             f"{it * 1e3:.1f}" if it else "no fit",
-            f"{r['throughput_samples_per_s']:.2f}" if it else "-",
-            f"{r['speedup_of_full']:.3f}×" if r.get("speedup_of_full") else "-",
-            f"{r['tuning_time_s']:.1f}" + ("*" if r["budget_ran_out"] else ""),
-            r.get("plan_summary", r.get("infeasible_reason") or ""),
+            f"{r.throughput_samples_per_s:.2f}" if it else "-",
+            f"{r.speedup_of_full:.3f}×" if r.speedup_of_full else "-",
+            f"{r.tuning_time_s:.1f}" + ("*" if r.budget_ran_out else ""),
+            r.plan_summary or r.infeasible_reason or "",
         )
     out.print(t)
-    if any(r["budget_ran_out"] for r in rows["spaces"]):
+    if any(r.budget_ran_out for r in res.spaces):
         out.print("* " + budget_words(time_budget))
-    out.print("Spaces: " + "; ".join(f"{r['space']}: {SPACE_LABELS[r['space']]}" for r in rows["spaces"]) + ".")
-    needs = [(r["space"], r["full_plan_needs"]) for r in rows["spaces"] if r.get("full_plan_needs")]
+    out.print("Spaces: " + "; ".join(f"{r.space}: {SPACE_LABELS[r.space]}" for r in res.spaces) + ".")
+    needs = [(r.space, r.full_plan_needs) for r in res.spaces if r.full_plan_needs]
     if needs:
         out.print("What Mist's plan uses that each framework cannot run (what Mist's runtime buys here):")
         for space, knobs in needs:

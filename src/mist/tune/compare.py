@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import dataclass
 
+from mist.plan import Plan
 from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
 
 # Short names of the knobs behind the exporters' refusals (`mist.export.<target>.problems`), in the
@@ -72,37 +74,102 @@ def short_summary(plan) -> str:
     return " ".join(parts)
 
 
-def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=ALL_SPACES) -> dict:
+@dataclass(frozen=True)
+class SpaceOutcome:
+    """One search space's best plan in a comparison."""
+
+    space: str
+    iteration_time_s: float | None  # None: no plan fits
+    throughput_samples_per_s: float | None
+    tuning_time_s: float
+    candidates_evaluated: int
+    speedup_of_full: float | None  # this space's time / Mist's full space's
+    plan: Plan | None
+    infeasible_reason: str | None
+    budget_ran_out: bool
+    plan_summary: str | None  # `short_summary` of the plan
+    # a framework target's space: what Mist's full plan uses that the framework cannot run
+    full_plan_needs: tuple[str, ...] | None
+
+    def to_json(self) -> dict:
+        d: dict[str, object] = {
+            "space": self.space,
+            "iteration_time_s": self.iteration_time_s,
+            "throughput_samples_per_s": self.throughput_samples_per_s,
+            "tuning_time_s": self.tuning_time_s,
+            "candidates_evaluated": self.candidates_evaluated,
+            "speedup_of_full": self.speedup_of_full,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "infeasible_reason": self.infeasible_reason,
+            "budget_ran_out": self.budget_ran_out,
+        }
+        if self.plan_summary is not None:
+            d["plan_summary"] = self.plan_summary
+        if self.full_plan_needs is not None:
+            d["full_plan_needs"] = list(self.full_plan_needs)
+        return d
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The best plan of every compared space for one model, cluster and training setup."""
+
+    model: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch: int
+    flash_attention: bool
+    spaces: tuple[SpaceOutcome, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "gpu": self.gpu,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "flash_attention": self.flash_attention,
+            "spaces": [r.to_json() for r in self.spaces],
+        }
+
+
+def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=ALL_SPACES) -> Comparison:
+    """Tune every space in `spaces` (each within `time_budget`) and set their best plans side by side."""
     results = {sp: run_space(sp, model, cluster, training, profile, time_budget) for sp in spaces}
     ours = results.get("full")
     ours_t = ours.iteration_time_s if ours is not None else None
     rows = []
     for sp, r in results.items():
         it = r.iteration_time_s
-        row = {
-            "space": sp,
-            "iteration_time_s": it,
-            "throughput_samples_per_s": training.global_batch / it if it else None,
-            "tuning_time_s": r.tuning_time_s,
-            "candidates_evaluated": r.candidates_evaluated,
-            "speedup_of_full": (it / ours_t) if (it and ours_t) else None,
-            "plan": r.plan.to_dict() if r.plan else None,
-            "infeasible_reason": r.infeasible_reason,
-            "budget_ran_out": r.budget_ran_out,
-        }
-        if r.plan is not None:
-            row["plan_summary"] = short_summary(r.plan)
         target = next((t for t, name in TARGET_SPACES.items() if name == sp), None)
+        needs = None
         if target is not None and ours is not None and ours.plan is not None:
-            row["full_plan_needs"] = beyond_target(ours.plan, target)
-        rows.append(row)
-    return {
-        "model": model.name,
-        "gpu": profile.name,
-        "nodes": cluster.nodes,
-        "gpus_per_node": cluster.gpus_per_node,
-        "seq_len": training.seq_len,
-        "global_batch": training.global_batch,
-        "flash_attention": training.flash_attention,
-        "spaces": rows,
-    }
+            needs = tuple(beyond_target(ours.plan, target))
+        rows.append(
+            SpaceOutcome(
+                space=sp,
+                iteration_time_s=it,
+                throughput_samples_per_s=training.global_batch / it if it else None,
+                tuning_time_s=r.tuning_time_s,
+                candidates_evaluated=r.candidates_evaluated,
+                speedup_of_full=(it / ours_t) if (it and ours_t) else None,
+                plan=r.plan,
+                infeasible_reason=r.infeasible_reason,
+                budget_ran_out=r.budget_ran_out,
+                plan_summary=short_summary(r.plan) if r.plan is not None else None,
+                full_plan_needs=needs,
+            )
+        )
+    return Comparison(
+        model=model.name,
+        gpu=profile.name,
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        seq_len=training.seq_len,
+        global_batch=training.global_batch,
+        flash_attention=training.flash_attention,
+        spaces=tuple(rows),
+    )

@@ -26,15 +26,15 @@ for r in meas["blocks"]:
     if "error" in r:
         continue
     est = estimate(get_preset(r["model"]), prof, 2048, r["b"])
-    lay = est["layer"]
-    add(r["model"], r["b"], "block fwd", r["fwd_ms"], lay["fwd_compute_ms"], "time", "ms")
-    add(r["model"], r["b"], "block bwd", r["bwd_ms"], lay["bwd_compute_ms"], "time", "ms")
+    lay = est.layer
+    add(r["model"], r["b"], "block fwd", r["fwd_ms"], lay.fwd_compute_ms, "time", "ms")
+    add(r["model"], r["b"], "block bwd", r["bwd_ms"], lay.bwd_compute_ms, "time", "ms")
     add(
         r["model"],
         r["b"],
         "block saved",
         r["saved_bytes"] / 2**20,
-        lay["saved_activation_bytes"] / 2**20,
+        lay.saved_activation_bytes / 2**20,
         "memory",
         "MiB",
     )
@@ -47,7 +47,7 @@ for r in meas["models"]:
         1,
         "model fwd+bwd" + (" (full recompute)" if r["recompute"] else ""),
         r["fwd_bwd_ms"],
-        est["model"]["fwd_bwd_ms"],
+        est.model.fwd_bwd_ms,
         "time",
         "ms",
     )

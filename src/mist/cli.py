@@ -26,6 +26,7 @@ from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
 
 if TYPE_CHECKING:
+    from mist.simulate.estimate import Estimate
     from mist.simulate.prediction import Prediction
 
 app = typer.Typer(
@@ -114,7 +115,7 @@ def estimate(
         spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash, compiled=compile_blocks
     )
     if as_json:
-        print(json.dumps(res, indent=1))
+        print(json.dumps(res.to_json(), indent=1))
         return
     _print_estimate(res)
 
@@ -413,36 +414,36 @@ def _print_simulation(p, r: Prediction) -> None:
         out.print(f"[red]does not fit:[/] {msg}")
 
 
-def _print_estimate(r: dict) -> None:
-    lay, mod = r["layer"], r["model"]
+def _print_estimate(r: Estimate) -> None:
+    lay, mod = r.layer, r.model
     out.print(
-        f"[bold]{r['model_name']}[/] on [bold]{r['gpu']}[/] — seq {r['seq_len']}, micro-batch "
-        f"{r['micro_batch']}, TP {r['tp']}, recompute {r['recompute']}, "
-        f"{'flash' if r['flash'] else 'non-flash'} attention"
+        f"[bold]{r.model_name}[/] on [bold]{r.gpu}[/] — seq {r.seq_len}, micro-batch "
+        f"{r.micro_batch}, TP {r.tp}, recompute {r.recompute}, "
+        f"{'flash' if r.flash else 'non-flash'} attention"
     )
-    out.print(f"profile: {r['profile']}")
+    out.print(f"profile: {r.profile}")
     t = Table(title="one decoder block (one TP shard)")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     for k in ("fwd_compute_ms", "bwd_compute_ms", "recompute_ms", "fwd_comm_ms", "bwd_comm_ms"):
-        t.add_row(k.replace("_ms", " (ms)"), f"{lay[k]:.3f}")
-    t.add_row("saved activations (MiB)", f"{lay['saved_activation_bytes'] / MiB:.1f}")
-    t.add_row("parameters", f"{lay['params']:,}")
+        t.add_row(k.replace("_ms", " (ms)"), f"{getattr(lay, k):.3f}")
+    t.add_row("saved activations (MiB)", f"{lay.saved_activation_bytes / MiB:.1f}")
+    t.add_row("parameters", f"{lay.params:,}")
     out.print(t)
     m = Table(title="whole model, one micro-batch, forward + backward")
     m.add_column("quantity")
     m.add_column("value", justify="right")
-    m.add_row("time (ms)", f"{mod['fwd_bwd_ms']:.2f}")
-    for k, v in mod["time_breakdown"].items():
+    m.add_row("time (ms)", f"{mod.fwd_bwd_ms:.2f}")
+    for k, v in mod.time_breakdown.items():
         m.add_row("  " + k.replace("_ms", " (ms)"), f"{v:.2f}")
-    m.add_row("achieved TFLOP/s", f"{mod['achieved_tflops']:.0f}")
-    m.add_row("parameters", f"{mod['params']:,}")
+    m.add_row("achieved TFLOP/s", f"{mod.achieved_tflops:.0f}")
+    m.add_row("parameters", f"{mod.params:,}")
     for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes"):
-        m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{mod[k] / GiB:.2f}")
+        m.add_row("  " + k.replace("_bytes", " (GiB)"), f"{getattr(mod, k) / GiB:.2f}")
     m.add_row(
         "peak memory (GiB)",
-        f"{mod['peak_bytes'] / GiB:.2f} of {mod['capacity_bytes'] / GiB:.1f}"
-        + ("" if mod["fits"] else "  [red]does not fit[/]"),
+        f"{mod.peak_bytes / GiB:.2f} of {mod.capacity_bytes / GiB:.1f}"
+        + ("" if mod.fits else "  [red]does not fit[/]"),
     )
     out.print(m)
 

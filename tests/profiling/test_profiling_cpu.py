@@ -117,8 +117,8 @@ def test_profile_written_and_loads(written):
 def test_estimate_uses_the_profiles_links(written, spec, tmp_path):
     path, _ = written
     r = estimate(spec, load_profile(path), SEQ, 2, tp=2)
-    assert r["gpu"] == "cpu-test"
-    assert 0 < r["model"]["fwd_bwd_ms"] < math.inf and r["layer"]["fwd_comm_ms"] > 0
+    assert r.gpu == "cpu-test"
+    assert 0 < r.model.fwd_bwd_ms < math.inf and r.layer.fwd_comm_ms > 0
     assert json.loads(path.read_text())["links"]["sync_s"] >= 0  # measured, whatever this machine gives
 
     def slower(d):  # every TP collective 10x slower: alpha and sync x 10, bus bandwidth / 10
@@ -128,8 +128,8 @@ def test_estimate_uses_the_profiles_links(written, spec, tmp_path):
         d["links"]["sync_s"] *= 10.0
 
     r2 = estimate(spec, load_profile(_variant(path, tmp_path, slower)), SEQ, 2, tp=2)
-    assert r2["layer"]["fwd_comm_ms"] == pytest.approx(10 * r["layer"]["fwd_comm_ms"], rel=1e-6)
-    assert r2["layer"]["fwd_compute_ms"] == pytest.approx(r["layer"]["fwd_compute_ms"], rel=1e-12)
+    assert r2.layer.fwd_comm_ms == pytest.approx(10 * r.layer.fwd_comm_ms, rel=1e-6)
+    assert r2.layer.fwd_compute_ms == pytest.approx(r.layer.fwd_compute_ms, rel=1e-12)
 
 
 def test_simulate_plan_with_profile_path(written, spec, tmp_path):
@@ -359,4 +359,4 @@ def test_profile_command_writes_a_loadable_profile(tmp_path, monkeypatch):
     assert any("one process" in n for n in prof.notes)
     assert prof.memory_ops.pointwise_s is None and "pointwise_s" not in prof.memory_ops.sources
     assert any(n.startswith("fused pointwise kernels not measured (Inductor could not compile") for n in prof.notes)
-    assert estimate(load_model(str(TINY)), prof, SEQ, 1, tp=2)["model"]["fwd_bwd_ms"] > 0
+    assert estimate(load_model(str(TINY)), prof, SEQ, 1, tp=2).model.fwd_bwd_ms > 0

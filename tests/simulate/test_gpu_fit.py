@@ -49,15 +49,15 @@ def test_simulated_plan_at_the_edge_does_not_fit_once_the_context_is_counted():
 def test_estimate_fits_with_the_margin_and_without_the_context():
     spec = load_model("gpt3-1.3b")
     l4 = load_profile("l4")
-    peak = estimate(spec, l4, 2048, 1)["model"]["peak_bytes"]
+    peak = estimate(spec, l4, 2048, 1).model.peak_bytes
     for memory, outside, fits in (
         (int(need_bytes(peak)) + MiB, None, True),
         (peak + MiB, None, False),  # the peak alone fits; with the allocator margin it does not
         (int(need_bytes(peak)) + MiB, 2 * MiB, False),
     ):
         prof = replace(l4, memory_bytes=memory, outside_allocator_bytes=outside)
-        m = estimate(spec, prof, 2048, 1)["model"]
-        assert (m["fits"], m["capacity_bytes"]) == (fits, memory - (outside or 0))
+        m = estimate(spec, prof, 2048, 1).model
+        assert (m.fits, m.capacity_bytes) == (fits, memory - (outside or 0))
 
 
 def test_tuner_and_baseline_refuse_what_only_the_context_makes_too_big():

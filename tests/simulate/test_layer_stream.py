@@ -40,6 +40,6 @@ def test_blocks_that_leave_the_gpu_waiting_alone_are_cheaper_together():
     pt = phase_time(prof, None, la, "fwd", 1, 1024)
     assert float(pt.lead) > 0.05 * float(pt.compute)
     est = estimate(spec, prof, 1024, 1)
-    L, tb = spec.num_layers, est["model"]["time_breakdown"]
-    assert tb["blocks_fwd_ms"] < 0.9 * L * est["layer"]["fwd_compute_ms"]
+    L, tb = spec.num_layers, est.model.time_breakdown
+    assert tb["blocks_fwd_ms"] < 0.9 * L * est.layer.fwd_compute_ms
     assert tb["blocks_fwd_ms"] == pytest.approx(float(stream_of(L, pt)) * 1e3)

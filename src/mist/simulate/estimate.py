@@ -9,6 +9,9 @@ walking the layers forward and back with the traced live bytes of each.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
 import numpy as np
 
 from mist.analysis import analyze_layer
@@ -18,6 +21,62 @@ from mist.simulate.precision import default_precision
 from mist.specs.model import ModelSpec
 
 MS = 1e3
+
+
+@dataclass(frozen=True)
+class LayerEstimate:
+    """One decoder block (one TP shard): its phase times (ms) and traced memory (bytes)."""
+
+    fwd_compute_ms: float
+    bwd_compute_ms: float
+    recompute_ms: float
+    fwd_comm_ms: float
+    bwd_comm_ms: float
+    saved_activation_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    params: int
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """The whole model, one micro-batch forward and backward, on one GPU."""
+
+    fwd_bwd_ms: float
+    time_breakdown: Mapping[str, float]  # embedding, blocks (fwd, bwd, recompute), head and loss
+    params: int
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    peak_bytes: int  # the sum of the four above
+    activation_peak_at: str  # where in the pass the activations peak
+    model_flops: float
+    achieved_tflops: float
+    capacity_bytes: int  # what PyTorch's allocator can have on the GPU
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What `mist estimate` reports; `to_json()` is what its --json prints."""
+
+    model_name: str
+    gpu: str
+    profile: str
+    measured_profile: bool
+    seq_len: int
+    micro_batch: int
+    tp: int
+    dtype: str
+    recompute: str
+    flash: bool
+    compiled_blocks: bool
+    layer: LayerEstimate
+    model: ModelEstimate
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 def _f(x) -> float:
@@ -50,7 +109,8 @@ def estimate(
     flash: bool = True,
     dtype: str | None = None,
     compiled: bool = False,
-) -> dict:
+) -> Estimate:
+    """One micro-batch of `spec` on one GPU of `profile` (a TP shard when tp > 1): see the module."""
     spec.check_tp(tp)
     links = profile.link_model() if tp > 1 else None  # own section or shipped file
     mode = {"none": False, "full": True}.get(recompute, recompute)  # else selective parts
@@ -82,47 +142,48 @@ def estimate(
         "activation_peak_bytes": int(round(peak_act)),
     }
     flops = sum(_f(la.flops_of(ph, b, s)) * n for la, n in ((pre, 1), (blk, L), (post, 1)) for ph in ("fwd", "bwd"))
-    return {
-        "model_name": spec.name,
-        "gpu": profile.name,
-        "profile": profile.provenance,
-        "measured_profile": bool(getattr(profile, "measured", True)),
-        "seq_len": s,
-        "micro_batch": b,
-        "tp": tp,
-        "dtype": pr.trace_dtype,
-        "recompute": recompute,
-        "flash": flash,
-        "compiled_blocks": compiled,
-        "layer": _layer_json(t["block"], blk, b, s, ckpt),
-        "model": {
-            "fwd_bwd_ms": fwd_bwd * MS,
-            "time_breakdown": time_breakdown,
-            "params": params,
+    peak = sum(mem.values())
+    return Estimate(
+        model_name=spec.name,
+        gpu=profile.name,
+        profile=profile.provenance,
+        measured_profile=bool(getattr(profile, "measured", True)),
+        seq_len=s,
+        micro_batch=b,
+        tp=tp,
+        dtype=pr.trace_dtype,
+        recompute=recompute,
+        flash=flash,
+        compiled_blocks=compiled,
+        layer=_layer(t["block"], blk, b, s, ckpt),
+        model=ModelEstimate(
+            fwd_bwd_ms=fwd_bwd * MS,
+            time_breakdown=time_breakdown,
+            params=params,
             **mem,
-            "peak_bytes": sum(mem.values()),
-            "activation_peak_at": where,
-            "model_flops": flops,
-            "achieved_tflops": flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
-            "capacity_bytes": usable_bytes(profile),
-            "fits": bool(fits_gpu(sum(mem.values()), profile)),
-        },
-    }
+            peak_bytes=peak,
+            activation_peak_at=where,
+            model_flops=flops,
+            achieved_tflops=flops / fwd_bwd / 1e12 if fwd_bwd > 0 else 0.0,
+            capacity_bytes=usable_bytes(profile),
+            fits=bool(fits_gpu(peak, profile)),
+        ),
+    )
 
 
-def _layer_json(times: dict, blk, b: int, s: int, ckpt: bool) -> dict:
+def _layer(times: dict, blk, b: int, s: int, ckpt: bool) -> LayerEstimate:
     """One block's row of the report: its phase times (ms) and traced memory (bytes)."""
-    return {
-        "fwd_compute_ms": _f(times["fwd"].compute) * MS,
-        "bwd_compute_ms": _f(times["bwd"].compute) * MS,
-        "recompute_ms": _f(times["recompute"].total) * MS if ckpt else 0.0,
-        "fwd_comm_ms": _f(times["fwd"].comm) * MS,
-        "bwd_comm_ms": _f(times["bwd"].comm) * MS,
-        "saved_activation_bytes": int(round(_f(blk.saved(b, s)))),
-        "fwd_peak_bytes": int(round(_f(blk.fwd_peak(b, s)))),
-        "bwd_peak_bytes": int(round(_f(blk.bwd_peak(b, s)))),
-        "params": blk.params,
-    }
+    return LayerEstimate(
+        fwd_compute_ms=_f(times["fwd"].compute) * MS,
+        bwd_compute_ms=_f(times["bwd"].compute) * MS,
+        recompute_ms=_f(times["recompute"].total) * MS if ckpt else 0.0,
+        fwd_comm_ms=_f(times["fwd"].comm) * MS,
+        bwd_comm_ms=_f(times["bwd"].comm) * MS,
+        saved_activation_bytes=int(round(_f(blk.saved(b, s)))),
+        fwd_peak_bytes=int(round(_f(blk.fwd_peak(b, s)))),
+        bwd_peak_bytes=int(round(_f(blk.bwd_peak(b, s)))),
+        params=blk.params,
+    )
 
 
 def _times(profile, links, layers, L: int, b: int, s: int, ckpt: bool) -> tuple[dict, float, dict]:

@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python benchmarks/interference_fit.py [--data DATA] [--shipped]
 
-Refits every GPU with overlap-benchmark data (DATA: the raw measurement folder; `fit_gpu` of
+Refits every GPU with overlap-benchmark data (DATA: the raw measurement folder, default
+$MIST_RAW_DATA, not part of this repository: see data/README.md; `fit_gpu` of
 the offline overlap fit, including the leave-one-layout-out refits) and checks the refit against
 the shipped `overlap/<gpu>.json`; with --shipped (or without the data folder) it reports the
 numbers recorded in the shipped files. Prints Markdown and writes benchmarks/results/interference_fit.md.
@@ -11,6 +12,7 @@ numbers recorded in the shipped files. Prints Markdown and writes benchmarks/res
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ def _gb(x):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="../shared/data")
+    ap.add_argument("--data", default=os.environ.get("MIST_RAW_DATA") or "")
     ap.add_argument("--shipped", action="store_true", help="report the shipped files, no refit")
     ap.add_argument("-o", "--out", default=str(ROOT / "results" / "interference_fit.md"))
     a = ap.parse_args(argv)
@@ -48,7 +50,7 @@ def main(argv=None):
     docs, notes = {}, []
     for gpu in OVERLAP_GPUS:
         shipped = load_overlap_doc(gpu)
-        have_data = (Path(a.data) / "gpus" / gpu / "overlap-bench").is_dir()
+        have_data = bool(a.data) and (Path(a.data) / "gpus" / gpu / "overlap-bench").is_dir()
         if a.shipped or not have_data:
             docs[gpu] = shipped
             notes.append(f"- {gpu}: numbers recorded in the shipped overlap/{gpu}.json")

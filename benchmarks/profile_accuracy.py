@@ -9,7 +9,8 @@
 
     python benchmarks/profile_accuracy.py [--data DATA] [--out benchmarks/results/profile_accuracy.md]
 
-DATA is the raw measurement folder the profiles were built from (not part of this repository).
+DATA is the raw measurement folder the profiles were built from (the one holding `gpus/`; default:
+$MIST_RAW_DATA). Only its H200 part is in this repository (`data/`): see data/README.md.
 """
 
 from __future__ import annotations
@@ -313,9 +314,12 @@ def report(data: Path) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("MIST_SHARED_DATA", "../shared/data")))
+    default = os.environ.get("MIST_RAW_DATA")
+    ap.add_argument("--data", type=Path, default=Path(default) if default else None)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "profile_accuracy.md")
     args = ap.parse_args(argv)
+    if args.data is None or not (args.data / "gpus").is_dir():
+        ap.error("name the raw measurement set (the folder holding gpus/) with --data or MIST_RAW_DATA.")
     text = report(args.data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

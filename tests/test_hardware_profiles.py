@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +14,9 @@ from mist.hardware import available_profiles, load_profile, op_class
 from mist.hardware.host import stream_time
 from mist.hardware.memory_ops import POINTWISE_KINDS
 from mist.hardware.profile import GpuProfile
+from raw_data import RAW_DATA, REPO_DATA, TOOLS, needs_raw_data
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # raw data, if present
-TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline profile builders (not installed)
-H200_DATA = DATA / "gpus" / "h200"
-needs_data = pytest.mark.skipif(not H200_DATA.is_dir(), reason="shared measurement data not available")
+H200_DATA = REPO_DATA / "gpus" / "h200"
 
 EXPECTED = {"h200", "h100", "l4", "a100-sxm4-40gb", "a10g", "v100-sxm2-32gb"}
 
@@ -272,7 +269,6 @@ def test_valid_optional_fields_still_load(tmp_path):
 
 
 # ---------------------------------------------------------------------------- GEMM
-@needs_data
 def test_h200_gemm_reproduces_measured_points(h200):
     rows = json.loads((H200_DATA / "gemm.json").read_text())["rows"]
     m, n, k, ms = (np.array([r[key] for r in rows], float) for key in ("m", "n", "k", "ms"))
@@ -324,7 +320,6 @@ def test_vectorized_calls_broadcast(h200):
 
 
 # ---------------------------------------------------------------------------- attention
-@needs_data
 def test_h200_attention_reproduces_table(h200):
     rows = json.loads((H200_DATA / "attention.json").read_text())["rows"]
     e_call = h200.host.backward_call_s
@@ -469,15 +464,25 @@ def test_profile_builders_live_outside_the_package(monkeypatch):
     assert common.DATASHEET is DATASHEET and common.fit_floor_plus_rate is fit_floor_plus_rate
 
 
-@needs_data
-def test_shipped_profiles_match_a_fresh_build(monkeypatch):
-    monkeypatch.syspath_prepend(str(TOOLS))
+def _fresh_builds_equal_the_shipped(data, only=None):
     from profile_build import build_all
 
-    fresh = build_all(DATA)
+    fresh = build_all(data, only)
+    assert set(fresh) == set(only or fresh)
     for name, p in fresh.items():
         shipped = load_profile(name)
         np.testing.assert_allclose(shipped.gemm.times_s, p.gemm.times_s, rtol=1e-4)
         np.testing.assert_allclose(shipped.attention.bwd_s, p.attention.bwd_s, rtol=1e-4)
         assert shipped.memory_bytes == p.memory_bytes
         assert shipped.provenance == p.provenance
+
+
+def test_shipped_h200_and_h100_profiles_match_a_fresh_build_from_the_repository_data(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    _fresh_builds_equal_the_shipped(REPO_DATA, ("h200", "h100"))
+
+
+@needs_raw_data
+def test_shipped_profiles_match_a_fresh_build(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    _fresh_builds_equal_the_shipped(RAW_DATA)

@@ -1,8 +1,6 @@
 """Interference estimator (the Mist paper's progressive overlap), shipped overlap fits, and the
 DP / cross-node link model."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -17,10 +15,9 @@ from mist.hardware.interference import (
     pairwise_additive,
     subset_key,
 )
+from raw_data import RAW_DATA, TOOLS, needs_raw_data
 
 FITTED = ("l4", "a100-sxm4-40gb", "v100-sxm2-16gb")
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # raw data, if present
-TOOLS = Path(__file__).resolve().parents[1] / "tools"  # offline fitting scripts (not installed)
 
 
 # ---- estimator --------------------------------------------------------------------------------
@@ -147,13 +144,13 @@ def test_h200_fallback_reads_its_data_file(monkeypatch):
     assert h.factors["G2G+G2C"] == pytest.approx([1.05, 1.05], abs=1e-12)
 
 
-@pytest.mark.skipif(not (DATA / "gpus" / "l4" / "overlap-bench").is_dir(), reason="shared data not present")
+@needs_raw_data
 def test_recorded_errors_reproduce_on_data(monkeypatch):
     monkeypatch.syspath_prepend(str(TOOLS))
     from profile_build.fit_overlap import load_layouts, mixed_rows, rel_errors
 
     doc = load_overlap_doc("l4")
-    layouts = load_layouts(DATA, "l4")
+    layouts = load_layouts(RAW_DATA, "l4")
     g2g, host = doc["g2g_allgather"], doc["host_links"]
     parts = [mixed_rows(L, g2g[L.name], host["c2g"], host["g2c"]) for L in layouts]
     X, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from mist.hardware import load_profile
-from mist.simulate.stage import StageInput, StageModel
+from mist.simulate.stage import StageModel
+from mist.simulate.stage_records import StageInput
 from mist.specs.presets import get_preset
 
 SPEC = get_preset("gpt3-1.3b")

@@ -33,7 +33,8 @@ from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
 from mist.simulate.prediction import HostMemory, Prediction, StagePrediction
-from mist.simulate.stage import StageDetail, StageInput, StageModel, ZeroBubbleHeld
+from mist.simulate.stage import StageModel
+from mist.simulate.stage_records import StageDetail, StageInput, ZeroBubbleHeld
 from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
 
 

@@ -26,7 +26,8 @@ Everything is numpy-vectorized over a candidate axis (arrays of strategies).
 records (`StageComponents`): per-block times of each micro-batch kind (`LayerTimes`, for a plain
 block and for one recomputed whole), edges (`Edges`), per-block accounting (`LayerAccounts`), the
 embedding's and head's terms (`EndTerms`), p2p, device memory (`StateTerms`, `ActivationTerms`)
-and host memory (`HostTerms`); `compose` turns them into a `StageResult`.
+and host memory (`HostTerms`), all in `mist.simulate.stage_records`; `compose`
+(`mist.simulate.stage_compose`) turns them into a `StageResult`.
 
 Names: G micro-batches per iteration; `layers` a stage's blocks, of which the last `recompute`
 are recomputed whole ("ckpt"; the others are "plain"); P, W, Gr a block's parameters, weight bytes
@@ -37,9 +38,7 @@ and the head (last stage, "post").
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from functools import cached_property, reduce
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -50,221 +49,21 @@ from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.layer_terms import LayerTerms, analyses, layer_terms
 from mist.simulate.precision import Precision, default_precision
+from mist.simulate.stage_compose import compose
+from mist.simulate.stage_records import (
+    ActivationTerms,
+    Edges,
+    EndTerms,
+    HostTerms,
+    LayerAccounts,
+    LayerChannels,
+    LayerTimes,
+    StageComponents,
+    StageInput,
+    StageResult,
+    StateTerms,
+)
 from mist.simulate.states import unit_host_states, unit_states
-
-
-@dataclass
-class StageInput:
-    """One stage (or a batch of candidate stages: every array field broadcasts)."""
-
-    first: bool  # holds the embedding
-    last: bool  # holds the head and loss
-    index: int  # position in the pipeline
-    num_stages: int
-    layers: np.ndarray
-    recompute: np.ndarray  # checkpointed blocks (the last ones of the stage)
-    b: np.ndarray
-    dp: np.ndarray
-    tp: int
-    zero: np.ndarray
-    offload_weights: np.ndarray  # fractions kept in host memory (`plan.Offload`)
-    offload_grads: np.ndarray
-    offload_optimizer: np.ndarray
-    offload_activations: np.ndarray
-    G: int  # micro-batches per iteration
-    nodes: int = 1  # nodes spanned by the stage mesh
-    gpus_per_node: int = 1  # GPUs per node of the stage mesh
-    cluster_gpus_per_node: int = 1
-    in_flight: float | None = None  # earlier micro-batches held (default: 1F1B's min(num_stages−1−i, G−1))
-    # ZB-H1 (`simulate.zero_bubble`): how many of those wait for their weight-gradient pass W, and
-    # the output gradients each keeps for it; they also keep the head's saved activations
-    waiting: ZeroBubbleHeld | None = None
-
-
-@dataclass(frozen=True)
-class ZeroBubbleHeld:
-    """Of a stage's earlier micro-batches held, those waiting for their weight-gradient pass
-    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the output-gradient bytes each keeps."""
-
-    micro_batches: float | np.ndarray
-    grad_bytes: float | np.ndarray
-
-
-@dataclass(frozen=True)
-class StageDetail:
-    """What a stage's time and memory are made of (arrays over candidates, like `StageResult`)."""
-
-    time_breakdown: dict  # sums to T
-    memory_breakdown: dict  # sums to peak
-    flops_per_microbatch: np.ndarray
-    channels: dict  # standalone channel volumes of a stable micro-batch (seconds)
-
-
-@dataclass
-class StageResult:
-    """Time and memory of one stage (or of a batch of candidate stages: arrays over them)."""
-
-    T: np.ndarray  # steady time of one micro-batch (forward + backward)
-    D: np.ndarray  # one-off extra per iteration = first_extra + last_extra
-    delta_breakdown: dict  # sums to D
-    fwd_peak: np.ndarray
-    bwd_peak: np.ndarray
-    peak: np.ndarray
-    fwd: np.ndarray  # stable forward part of T (the rest is backward)
-    first_extra: np.ndarray  # the first micro-batch's extra forward time
-    last_extra: np.ndarray  # the last micro-batch's extra backward time
-    saved_per_microbatch: np.ndarray  # activations one in-flight micro-batch keeps
-    saved_peak: np.ndarray  # saved activations on the device at most: every in-flight
-    #                                 micro-batch's and the current one's, with the head's (last stage)
-    host: dict  # host-memory bytes per GPU: state_bytes (offloaded tails),
-    #                                 optimizer_grad_bytes (the CPU AdamW's fp32 gradient copies),
-    #                                 activation_peak_bytes (offloaded saved activations of every
-    #                                 micro-batch in flight), peak_bytes (their sum: an upper bound)
-    # the breakdowns, computed when first read: a search reads only the totals above, and
-    # building the breakdowns of every candidate took an eighth of its time
-    detail_of: Callable[[], StageDetail] = field(repr=False, compare=False)
-
-    @cached_property
-    def detail(self) -> StageDetail:
-        return self.detail_of()
-
-    @property
-    def time_breakdown(self) -> dict:
-        return self.detail.time_breakdown
-
-    @property
-    def memory_breakdown(self) -> dict:
-        return self.detail.memory_breakdown
-
-    @property
-    def flops_per_microbatch(self) -> np.ndarray:
-        return self.detail.flops_per_microbatch
-
-    @property
-    def channels(self) -> dict:
-        return self.detail.channels
-
-
-@dataclass(frozen=True)
-class LayerTimes:
-    """Seconds of one block in each kind of micro-batch, interference applied."""
-
-    fwd: np.ndarray  # forward of a stable micro-batch
-    bwd: np.ndarray  # backward of a stable micro-batch
-    first_fwd: np.ndarray  # forward of the first micro-batch (with the lazy optimizer step)
-    last_bwd: np.ndarray  # backward of the last micro-batch (with the final gradient reduction)
-
-
-@dataclass(frozen=True)
-class Edges:
-    """Seconds a stage pays once per micro-batch and phase on top of its blocks' times: the first
-    prefetch and the last reduction / swap-out, which have no neighbour to hide behind, and the
-    lead of a stream of blocks (`layer_cost.stream_of`)."""
-
-    fwd: np.ndarray
-    bwd: np.ndarray
-    first: np.ndarray  # forward of the first micro-batch
-    last: np.ndarray  # backward of the last micro-batch
-    lead: np.ndarray  # the streams' leads alone (forward + backward), for the breakdown
-
-
-@dataclass(frozen=True)
-class LayerChannels:
-    """Standalone seconds of one block's channels in a stable micro-batch; the activation
-    swap-out / swap-in (each way) of a plain and of a checkpointed block apart."""
-
-    g2g: np.ndarray
-    c2g: np.ndarray
-    g2c: np.ndarray
-    activations: np.ndarray
-    activations_ckpt: np.ndarray
-
-
-@dataclass(frozen=True)
-class LayerAccounts:
-    """Per block: the terms of the time breakdown, FLOPs and channel volumes."""
-
-    compute: np.ndarray  # forward + backward compute without any re-run
-    recompute: np.ndarray  # forward re-run of a block recomputed whole
-    recompute_selective: np.ndarray  # the selective re-runs of a plain block
-    tp: np.ndarray  # TP collectives (forward + backward)
-    flops: np.ndarray
-    channels: LayerChannels
-
-
-@dataclass(frozen=True)
-class EndTerms:
-    """Seconds and FLOPs of the embedding (first stage) and the head (last stage) together."""
-
-    stable: np.ndarray  # forward + backward of a stable micro-batch
-    first: np.ndarray  # the first micro-batch's optimizer step (and re-gather)
-    last: np.ndarray  # the last micro-batch's gradient handling and reduction
-    compute: np.ndarray
-    tp: np.ndarray
-    fwd: np.ndarray  # the forward share of `stable`
-    flops: np.ndarray
-
-
-@dataclass(frozen=True)
-class StateTerms:
-    """Device bytes of the training states in the runtime's flat-buffer layout."""
-
-    layer_weights: np.ndarray  # per block
-    layer_grads: np.ndarray
-    layer_optimizer: np.ndarray
-    end_weights: np.ndarray  # the embedding and the head together
-    end_grads: np.ndarray
-    end_optimizer: np.ndarray
-    buffers: np.ndarray  # gathered / fetched weights, flattened gradients
-
-
-@dataclass(frozen=True)
-class ActivationTerms:
-    """Device bytes of saved activations and transient peaks."""
-
-    saved: np.ndarray  # kept by a plain block (its offloaded part gone)
-    saved_ckpt: np.ndarray  # kept by a block recomputed whole
-    pre_saved: np.ndarray  # kept by the embedding
-    x_in: np.ndarray  # a block's input (= output) bytes
-    fwd_peak: np.ndarray  # the transient peaks of a plain block
-    fwd_peak_ckpt: np.ndarray  # ... and of a block recomputed whole
-    bwd_peak: np.ndarray
-    bwd_peak_ckpt: np.ndarray
-    fetched: np.ndarray  # a plain block's offloaded activations, back for its backward
-    post_fwd: np.ndarray | None  # the head's peaks (last stage)
-    post_bwd: np.ndarray | None
-    pre_peaks: tuple | None  # the embedding's (forward, backward) peaks (first stage)
-    p2p_buffers: np.ndarray  # received activations / gradients at the stage boundaries
-    post_saved: np.ndarray  # kept by the head
-
-
-@dataclass(frozen=True)
-class HostTerms:
-    """Host bytes per block (the embedding and the head keep everything on the device)."""
-
-    states: np.ndarray  # offloaded state tails
-    optimizer_grads: np.ndarray  # the CPU AdamW's fp32 gradient copy
-    saved: np.ndarray  # offloaded saved activations of a plain block
-    saved_ckpt: np.ndarray  # ... and of a block recomputed whole
-    optimizer_offloadable: np.ndarray  # optimizer bytes that offloading all of them would move
-
-
-@dataclass(frozen=True)
-class StageComponents:
-    """Everything about a batch of strategies that does not depend on the stage's layer count,
-    recomputed blocks or in-flight micro-batches (arrays over the candidate axis)."""
-
-    shape: tuple
-    G: int
-    plain: LayerTimes  # a block that keeps its activations (selective re-runs included)
-    ckpt: LayerTimes  # a block recomputed whole
-    edges: Edges
-    layer: LayerAccounts
-    ends: EndTerms
-    p2p: np.ndarray  # activations / gradients at the stage boundaries (critical path)
-    states: StateTerms
-    activations: ActivationTerms
-    host: HostTerms
 
 
 @dataclass(frozen=True)
@@ -814,155 +613,3 @@ def _offloaded_saved(numel, elt, ix, offload_activations):
     """Saved-activation bytes of a block in host memory: the last round(n·r) elements (r =
     `offload_activations`) of every tensor that `_kept_saved` splits."""
     return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(offload_activations))
-
-
-def compose(
-    comp: StageComponents, layers, recompute, in_flight, G: int, waiting: ZeroBubbleHeld | None = None
-) -> StageResult:
-    """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
-    `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
-    `components` (all arrays broadcast against each other)."""
-    layers, n_ck = _arr(layers), _arr(recompute)
-    n_no = layers - n_ck
-    T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting)
-
-    def detail() -> StageDetail:
-        lay, ends = comp.layer, comp.ends
-        compute = layers * lay.compute + ends.compute + comp.edges.lead
-        recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
-        tp = layers * lay.tp + ends.tp
-        p2pb = np.broadcast_to(comp.p2p, T.shape)
-        ch = lay.channels
-        return StageDetail(
-            time_breakdown={
-                "compute_s": compute + 0 * T,
-                "recompute_s": recompute_s + 0 * T,
-                "tp_comm_s": tp + 0 * T,
-                "exposed_transfers_s": T - compute - recompute_s - tp - p2pb,
-                "p2p_s": p2pb + 0 * T,
-            },
-            memory_breakdown=mem.breakdown(),
-            flops_per_microbatch=layers * lay.flops + ends.flops + 0 * T,
-            channels={
-                "G2G": layers * ch.g2g,
-                "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
-                "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
-            },
-        )
-
-    return StageResult(
-        T=T,
-        D=X + Y,
-        delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
-        fwd_peak=mem.fwd_peak,
-        bwd_peak=mem.bwd_peak,
-        peak=mem.peak,
-        fwd=np.minimum(fwd_part, T),
-        first_extra=X,
-        last_extra=Y,
-        saved_per_microbatch=mem.saved_per_microbatch,
-        saved_peak=mem.saved_peak,
-        host=mem.host,
-        detail_of=detail,
-    )
-
-
-def _times(comp: StageComponents, n_ck, n_no, G: int):
-    """(T, X, Y, forward part of T): the steady time of a micro-batch, the first micro-batch's and
-    the last one's extras (in T when G = 1: the one micro-batch is both first and last)."""
-    ends, edges, p2p = comp.ends, comp.edges, comp.p2p
-    stable_f = n_ck * comp.ckpt.fwd + n_no * comp.plain.fwd
-    stable_b = n_ck * comp.ckpt.bwd + n_no * comp.plain.bwd
-    first_f = n_ck * comp.ckpt.first_fwd + n_no * comp.plain.first_fwd
-    last_b = n_ck * comp.ckpt.last_bwd + n_no * comp.plain.last_bwd
-    T_stable = stable_f + stable_b + edges.fwd + edges.bwd + ends.stable + p2p
-    X = np.maximum(first_f + edges.first + ends.first - (stable_f + edges.fwd), 0.0)
-    Y = np.maximum(last_b + edges.last + ends.last - (stable_b + edges.bwd), 0.0)
-    fwd_part = stable_f + edges.fwd + ends.fwd + p2p / 2
-    if G == 1:
-        T = T_stable + X + Y
-        X, Y = np.zeros_like(T), np.zeros_like(T)
-    else:
-        T = T_stable + 0.0 * X
-    return T, X, Y, fwd_part
-
-
-@dataclass(frozen=True)
-class _Memory:
-    fwd_peak: np.ndarray
-    bwd_peak: np.ndarray
-    peak: np.ndarray
-    breakdown: Callable[[], dict]  # sums to peak (built when read)
-    host: dict
-    saved_per_microbatch: np.ndarray
-    saved_peak: np.ndarray
-
-
-def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleHeld | None = None) -> _Memory:
-    s, a = comp.states, comp.activations
-    weights = layers * s.layer_weights + s.end_weights
-    grads = layers * s.layer_grads + s.end_grads
-    opt = layers * s.layer_optimizer + s.end_optimizer
-    buffers = s.buffers
-    ck = n_ck >= 1  # the last block is checkpointed whenever any is
-    blocks_saved = (layers - n_ck) * a.saved + n_ck * a.saved_ckpt
-    A_last = np.where(ck, a.saved_ckpt, a.saved)
-    saved_mb = blocks_saved + a.pre_saved
-    states = weights + grads + opt + buffers
-    # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
-    # runs the last stage's backward right after its forward) and its output gradients
-    held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
-    held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
-    base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
-    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck)
-    fwd_peak = states + base_act + fwd_act
-    bwd_peak = states + base_act + bwd_act
-    peak = np.maximum(fwd_peak, bwd_peak)
-
-    def breakdown() -> dict:
-        act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
-        return {
-            "weights_bytes": weights + 0 * peak,
-            "grads_bytes": grads + 0 * peak,
-            "optimizer_bytes": opt + 0 * peak,
-            "buffers_bytes": buffers + 0 * peak,
-            "activations_bytes": act_held,
-            "transient_bytes": peak - states - act_held,
-        }
-
-    return _Memory(
-        fwd_peak=fwd_peak,
-        bwd_peak=bwd_peak,
-        peak=peak,
-        breakdown=breakdown,
-        host=_host_memory(comp.host, layers, n_ck, in_flight),
-        saved_per_microbatch=saved_mb + 0 * peak,
-        saved_peak=(in_flight + 1) * saved_mb + a.post_saved + held_post + 0 * peak,
-    )
-
-
-def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
-    """Activations live at the forward and at the backward peak on top of the held ones: the
-    stage's last block's (with the other blocks' saved), the head's, the embedding's."""
-    fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
-    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + a.fetched]
-    if a.post_fwd is not None:
-        fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
-        bwd_cands.append(saved_mb + a.post_bwd)
-    if a.pre_peaks is not None:
-        fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
-        bwd_cands.append(a.pre_peaks[1] + 0 * saved_mb)
-    # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
-    return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
-
-
-def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:
-    # (broadcast only as far as their own terms: the tuner reads peak_bytes where the GPU fits)
-    host = {
-        "state_bytes": layers * h.states,
-        "optimizer_grad_bytes": layers * h.optimizer_grads,
-        "activation_peak_bytes": (in_flight + 1) * ((layers - n_ck) * h.saved + n_ck * h.saved_ckpt),
-    }
-    host["peak_bytes"] = host["state_bytes"] + host["optimizer_grad_bytes"] + host["activation_peak_bytes"]
-    return host

@@ -24,7 +24,7 @@ import numpy as np
 from mist.plan import StageStrategy
 from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence, rank_summary
-from mist.simulate.stage import compose
+from mist.simulate.stage_compose import compose
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier
 

@@ -21,7 +21,9 @@ import numpy as np
 from mist.plan import Offload, StageStrategy
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.gpu_fit import fits_gpu
-from mist.simulate.stage import StageComponents, StageInput, StageModel, compose
+from mist.simulate.stage import StageModel
+from mist.simulate.stage_compose import compose
+from mist.simulate.stage_records import StageComponents, StageInput
 from mist.tune.space import MAX_TP, SearchSpace, tp_degrees
 
 

@@ -26,7 +26,8 @@ import numpy as np
 from mist.plan import Plan
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import fits_gpu
-from mist.simulate.stage import ZeroBubbleHeld, compose
+from mist.simulate.stage_compose import compose
+from mist.simulate.stage_records import ZeroBubbleHeld
 from mist.simulate.zero_bubble import stage_weight_grad, zb_held, zb_recurrence
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier

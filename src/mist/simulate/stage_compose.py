@@ -1,0 +1,179 @@
+"""A stage's time and memory from its components: `compose` turns the layer-count-free terms of
+`StageModel.components` (`mist.simulate.stage_records`) into a `StageResult` for any number of
+blocks, of them recomputed whole, and micro-batches in flight (all broadcast as arrays over
+candidates). Its rules are those of `mist.simulate.stage`'s module docstring: T the steady
+micro-batch, the first micro-batch's extra X and the last one's Y (in T when G = 1), the device
+memory peaks of forward and backward over the held activations, and host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import reduce
+
+import numpy as np
+
+from mist.simulate.stage_records import (
+    ActivationTerms,
+    HostTerms,
+    StageComponents,
+    StageDetail,
+    StageResult,
+    ZeroBubbleHeld,
+)
+
+
+def _arr(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def compose(
+    comp: StageComponents, layers, recompute, in_flight, G: int, waiting: ZeroBubbleHeld | None = None
+) -> StageResult:
+    """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
+    `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
+    `components` (all arrays broadcast against each other)."""
+    layers, n_ck = _arr(layers), _arr(recompute)
+    n_no = layers - n_ck
+    T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting)
+
+    def detail() -> StageDetail:
+        lay, ends = comp.layer, comp.ends
+        compute = layers * lay.compute + ends.compute + comp.edges.lead
+        recompute_s = n_ck * lay.recompute + n_no * lay.recompute_selective
+        tp = layers * lay.tp + ends.tp
+        p2pb = np.broadcast_to(comp.p2p, T.shape)
+        ch = lay.channels
+        return StageDetail(
+            time_breakdown={
+                "compute_s": compute + 0 * T,
+                "recompute_s": recompute_s + 0 * T,
+                "tp_comm_s": tp + 0 * T,
+                "exposed_transfers_s": T - compute - recompute_s - tp - p2pb,
+                "p2p_s": p2pb + 0 * T,
+            },
+            memory_breakdown=mem.breakdown(),
+            flops_per_microbatch=layers * lay.flops + ends.flops + 0 * T,
+            channels={
+                "G2G": layers * ch.g2g,
+                "C2G": layers * ch.c2g + n_ck * ch.activations_ckpt + n_no * ch.activations,
+                "G2C": layers * ch.g2c + n_ck * ch.activations_ckpt + n_no * ch.activations,
+            },
+        )
+
+    return StageResult(
+        T=T,
+        D=X + Y,
+        delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
+        fwd_peak=mem.fwd_peak,
+        bwd_peak=mem.bwd_peak,
+        peak=mem.peak,
+        fwd=np.minimum(fwd_part, T),
+        first_extra=X,
+        last_extra=Y,
+        saved_per_microbatch=mem.saved_per_microbatch,
+        saved_peak=mem.saved_peak,
+        host=mem.host,
+        detail_of=detail,
+    )
+
+
+def _times(comp: StageComponents, n_ck, n_no, G: int):
+    """(T, X, Y, forward part of T): the steady time of a micro-batch, the first micro-batch's and
+    the last one's extras (in T when G = 1: the one micro-batch is both first and last)."""
+    ends, edges, p2p = comp.ends, comp.edges, comp.p2p
+    stable_f = n_ck * comp.ckpt.fwd + n_no * comp.plain.fwd
+    stable_b = n_ck * comp.ckpt.bwd + n_no * comp.plain.bwd
+    first_f = n_ck * comp.ckpt.first_fwd + n_no * comp.plain.first_fwd
+    last_b = n_ck * comp.ckpt.last_bwd + n_no * comp.plain.last_bwd
+    T_stable = stable_f + stable_b + edges.fwd + edges.bwd + ends.stable + p2p
+    X = np.maximum(first_f + edges.first + ends.first - (stable_f + edges.fwd), 0.0)
+    Y = np.maximum(last_b + edges.last + ends.last - (stable_b + edges.bwd), 0.0)
+    fwd_part = stable_f + edges.fwd + ends.fwd + p2p / 2
+    if G == 1:
+        T = T_stable + X + Y
+        X, Y = np.zeros_like(T), np.zeros_like(T)
+    else:
+        T = T_stable + 0.0 * X
+    return T, X, Y, fwd_part
+
+
+@dataclass(frozen=True)
+class _Memory:
+    fwd_peak: np.ndarray
+    bwd_peak: np.ndarray
+    peak: np.ndarray
+    breakdown: Callable[[], dict]  # sums to peak (built when read)
+    host: dict
+    saved_per_microbatch: np.ndarray
+    saved_peak: np.ndarray
+
+
+def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleHeld | None = None) -> _Memory:
+    s, a = comp.states, comp.activations
+    weights = layers * s.layer_weights + s.end_weights
+    grads = layers * s.layer_grads + s.end_grads
+    opt = layers * s.layer_optimizer + s.end_optimizer
+    buffers = s.buffers
+    ck = n_ck >= 1  # the last block is checkpointed whenever any is
+    blocks_saved = (layers - n_ck) * a.saved + n_ck * a.saved_ckpt
+    A_last = np.where(ck, a.saved_ckpt, a.saved)
+    saved_mb = blocks_saved + a.pre_saved
+    states = weights + grads + opt + buffers
+    # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
+    # runs the last stage's backward right after its forward) and its output gradients
+    held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
+    held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
+    base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
+    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck)
+    fwd_peak = states + base_act + fwd_act
+    bwd_peak = states + base_act + bwd_act
+    peak = np.maximum(fwd_peak, bwd_peak)
+
+    def breakdown() -> dict:
+        act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
+        return {
+            "weights_bytes": weights + 0 * peak,
+            "grads_bytes": grads + 0 * peak,
+            "optimizer_bytes": opt + 0 * peak,
+            "buffers_bytes": buffers + 0 * peak,
+            "activations_bytes": act_held,
+            "transient_bytes": peak - states - act_held,
+        }
+
+    return _Memory(
+        fwd_peak=fwd_peak,
+        bwd_peak=bwd_peak,
+        peak=peak,
+        breakdown=breakdown,
+        host=_host_memory(comp.host, layers, n_ck, in_flight),
+        saved_per_microbatch=saved_mb + 0 * peak,
+        saved_peak=(in_flight + 1) * saved_mb + a.post_saved + held_post + 0 * peak,
+    )
+
+
+def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
+    """Activations live at the forward and at the backward peak on top of the held ones: the
+    stage's last block's (with the other blocks' saved), the head's, the embedding's."""
+    fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
+    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + a.fetched]
+    if a.post_fwd is not None:
+        fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
+        bwd_cands.append(saved_mb + a.post_bwd)
+    if a.pre_peaks is not None:
+        fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
+        bwd_cands.append(a.pre_peaks[1] + 0 * saved_mb)
+    # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
+    return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
+
+
+def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:
+    # (broadcast only as far as their own terms: the tuner reads peak_bytes where the GPU fits)
+    host = {
+        "state_bytes": layers * h.states,
+        "optimizer_grad_bytes": layers * h.optimizer_grads,
+        "activation_peak_bytes": (in_flight + 1) * ((layers - n_ck) * h.saved + n_ck * h.saved_ckpt),
+    }
+    host["peak_bytes"] = host["state_bytes"] + host["optimizer_grad_bytes"] + host["activation_peak_bytes"]
+    return host

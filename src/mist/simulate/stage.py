@@ -49,7 +49,7 @@ from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.layer_terms import LayerTerms, analyses, layer_terms
 from mist.simulate.precision import Precision, default_precision
-from mist.simulate.stage_compose import compose
+from mist.simulate.stage_compose import as_floats, compose
 from mist.simulate.stage_records import (
     ActivationTerms,
     Edges,
@@ -139,10 +139,6 @@ class _EndPart:
     params: int  # per TP shard, with the head's copy of a tied word table
 
 
-def _arr(x):
-    return np.asarray(x, dtype=np.float64)
-
-
 class StageModel:
     """Cost model of stages for one (model, GPU, TP degree, attention kernel, sequence).
 
@@ -225,8 +221,8 @@ class StageModel:
 
     def _coll(self, op, nbytes, dp, st: StageInput):
         """DP-group collective; the group spans the stage's nodes (TP ranks are node-local)."""
-        dp = _arr(dp)
-        nb = np.broadcast_to(_arr(nbytes), np.broadcast(dp, _arr(nbytes)).shape)
+        dp = as_floats(dp)
+        nb = np.broadcast_to(as_floats(nbytes), np.broadcast(dp, as_floats(nbytes)).shape)
         dpb = np.broadcast_to(dp, nb.shape)
         out = np.zeros(nb.shape)
         for n in np.unique(dpb):
@@ -238,17 +234,17 @@ class StageModel:
         return out
 
     def _h2d(self, nbytes):
-        return _arr(nbytes) / self.profile.h2d_bandwidth
+        return as_floats(nbytes) / self.profile.h2d_bandwidth
 
     def _d2h(self, nbytes):
-        return _arr(nbytes) / self.profile.d2h_bandwidth
+        return as_floats(nbytes) / self.profile.d2h_bandwidth
 
     def _device_step(self, params):
         """The optimizer step of `params` device-resident fp32 elements as the runtime runs it
         (`ShardedAdamW._update`): the gradient copied out to fp32 (an fp32 gradient is read in
         place) and scaled (clip, loss scale), the AdamW kernel (the profile's measured rate of the
         same function), the new master cast into the working weights."""
-        prof, pr, n = self.profile, self.prec, _arr(params)
+        prof, pr, n = self.profile, self.prec, as_floats(params)
         to_fp32 = prof.memory_op_time("copy", (pr.grad_bytes + 4) * n, False) if pr.grad_bytes != 4 else 0.0
         return (
             to_fp32
@@ -269,9 +265,9 @@ class StageModel:
         Otherwise the unit's gradients are flattened each micro-batch (a fill, and a copy from the
         parameters' .grad, which are in the weights' dtype), divided by dp, and accumulated (G > 1)
         or stored once reduced (G = 1)."""
-        prof, Gr = self.profile, _arr(grad_bytes)
+        prof, Gr = self.profile, as_floats(grad_bytes)
         Gw = Gr * self.prec.weight_bytes / self.prec.grad_bytes  # the same gradients as .grad
-        div = np.where(_arr(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
+        div = np.where(as_floats(dp) > 1, prof.memory_op_time("div", 2 * Gr, True), 0.0)
         keep = (
             prof.memory_op_time("add", 3 * Gr / gs, True) if G > 1 else prof.memory_op_time("copy", 2 * Gr / os_, True)
         )
@@ -282,8 +278,8 @@ class StageModel:
 
     def _overlap(self, c, g2g, c2g, g2c):
         if self.serial:
-            return _arr(c) + _arr(g2g) + _arr(c2g) + _arr(g2c)
-        x = np.stack(np.broadcast_arrays(_arr(c), _arr(g2g), _arr(c2g), _arr(g2c)), axis=-1)
+            return as_floats(c) + as_floats(g2g) + as_floats(c2g) + as_floats(g2c)
+        x = np.stack(np.broadcast_arrays(as_floats(c), as_floats(g2g), as_floats(c2g), as_floats(g2c)), axis=-1)
         return overlap_time(x, self.interference)
 
     def _tied(self, st: StageInput) -> bool:
@@ -304,7 +300,7 @@ class StageModel:
     def evaluate(self, st: StageInput) -> StageResult:
         in_flight = earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None else st.in_flight
         comp = self.components(st)
-        return compose(comp, _arr(st.layers), _arr(st.recompute), in_flight, st.G, st.waiting)
+        return compose(comp, as_floats(st.layers), as_floats(st.recompute), in_flight, st.G, st.waiting)
 
     def components(self, st: StageInput) -> StageComponents:
         """Everything independent of layers, recomputed blocks and in-flight micro-batches."""
@@ -327,10 +323,12 @@ class StageModel:
 
     def _batch(self, st: StageInput) -> _Batch:
         offloads = (st.offload_weights, st.offload_grads, st.offload_optimizer, st.offload_activations)
-        shape = np.broadcast(_arr(st.b), _arr(st.dp), _arr(st.zero), *(_arr(v) for v in offloads)).shape
-        bb = np.broadcast_to(_arr(st.b), shape)
-        dp, zero = np.broadcast_to(_arr(st.dp), shape), np.broadcast_to(_arr(st.zero), shape)
-        weights, grads, optimizer, activations = (np.broadcast_to(_arr(v), shape) for v in offloads)
+        shape = np.broadcast(
+            as_floats(st.b), as_floats(st.dp), as_floats(st.zero), *(as_floats(v) for v in offloads)
+        ).shape
+        bb = np.broadcast_to(as_floats(st.b), shape)
+        dp, zero = np.broadcast_to(as_floats(st.dp), shape), np.broadcast_to(as_floats(st.zero), shape)
+        weights, grads, optimizer, activations = (np.broadcast_to(as_floats(v), shape) for v in offloads)
         blk, ix = self._terms("block", bb)
         P = float(blk.params)
         return _Batch(
@@ -597,7 +595,7 @@ class StageModel:
 
 def _in_place_grads(zero, offload_grads, G: int):
     """Whether the runtime accumulates gradients in place (see `StageModel._grad_handling`)."""
-    return accumulates_in_place_by_level(_arr(zero), _arr(offload_grads), G)
+    return accumulates_in_place_by_level(as_floats(zero), as_floats(offload_grads), G)
 
 
 def _kept_saved(full, numel, elt, whole, ix, offload_activations):
@@ -606,10 +604,10 @@ def _kept_saved(full, numel, elt, whole, ix, offload_activations):
     `SavedTensorManager.pack`): each tensor's first n − round(n·r) elements stay; tensors of one
     element stay whole. Without offloading the unique storages are kept (`full`)."""
     # numel, elt: [tensors, *candidates]
-    return kept_saved_bytes(numel[:, ix], elt[:, ix], whole[ix], full, _arr(offload_activations))
+    return kept_saved_bytes(numel[:, ix], elt[:, ix], whole[ix], full, as_floats(offload_activations))
 
 
 def _offloaded_saved(numel, elt, ix, offload_activations):
     """Saved-activation bytes of a block in host memory: the last round(n·r) elements (r =
     `offload_activations`) of every tensor that `_kept_saved` splits."""
-    return offloaded_saved_bytes(numel[:, ix], elt[:, ix], _arr(offload_activations))
+    return offloaded_saved_bytes(numel[:, ix], elt[:, ix], as_floats(offload_activations))

@@ -23,7 +23,8 @@ from mist.simulate.stage_records import (
 )
 
 
-def _arr(x):
+def as_floats(x):
+    """x as a float64 array (the candidate axis broadcasts)."""
     return np.asarray(x, dtype=np.float64)
 
 
@@ -33,7 +34,7 @@ def compose(
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
     `components` (all arrays broadcast against each other)."""
-    layers, n_ck = _arr(layers), _arr(recompute)
+    layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
     mem = _memory(comp, layers, n_ck, in_flight, waiting)

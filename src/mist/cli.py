@@ -272,7 +272,7 @@ def tune(
         False,
         "--compile-blocks",
         help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
-        "them: every knob but the zb-h1 schedule (and no dropout in the model).",
+        "them: the same knobs and schedules as eager blocks.",
     ),
     as_json: JsonOpt = False,
 ):

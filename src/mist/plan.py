@@ -31,7 +31,6 @@ import yaml
 
 from mist.checks import is_int, is_number
 from mist.errors import MistInputError
-from mist.rules.compiled_blocks import compiled_schedule_problem
 from mist.rules.zero_bubble_order import SCHEDULES, ZB_H1, zb_h1_problem
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
@@ -254,16 +253,6 @@ def check_plan(p: Plan) -> None:
     _check_chunks(p)
     _check_context(p)
     _check_schedule(p)
-    _check_compiled(p)
-
-
-def _check_compiled(p: Plan) -> None:
-    """Compiled blocks (`training.compile_blocks`) only where `mist.rules.compiled_blocks` allows them."""
-    if not p.training.compile_blocks:
-        return
-    why = compiled_schedule_problem(p.schedule)
-    if why is not None:
-        raise MistInputError(f"training.compile_blocks cannot be used here: {why}.")
 
 
 def _check_schedule(p: Plan) -> None:

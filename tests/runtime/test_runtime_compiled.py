@@ -3,16 +3,20 @@ single-process eager training — losses, gradient norms and every updated weigh
 the other equivalence tests — under data parallelism with ZeRO-3, whole-block recomputation,
 optimizer and activation offload and materialised attention; in an interleaved pipeline; under
 tensor and sequence parallelism with one layer recomputed whole and the other's attention and
-activation recomputed (selective); and under context with tensor parallelism (the collectives
-inside the compiled graphs, on gloo; the rotary positions of the rank's two chunks). (Tensor
+activation recomputed (selective); under context with tensor parallelism (the collectives
+inside the compiled graphs, on gloo; the rotary positions of the rank's two chunks); and in a
+ZB-H1 pipeline, whose weight-gradient pass runs each block's compiled W graph. (Tensor
 parallelism without the others is checked against the eager block's collectives in
 tests/analysis/test_compiled_block.py, and runs in the CPU loop.) And the simulator's states and
 saved activations (on the device and offloaded to the host), priced from the captured graphs, are
 the runtime's to the byte."""
 
+from dataclasses import replace
+
 import pytest
 from rt_helpers import CFG, CPU_PROFILE, compare, compiled_plan, make_plan, reference, run_plan
 from test_runtime_interleaved import interleaved_plan
+from test_runtime_pipeline import pp_plan
 
 from mist.hardware import load_profile
 from mist.simulate.plan_sim import simulate_plan
@@ -44,6 +48,11 @@ CASES = [
         "llama",
         "cp2-tp2",
         lambda: make_plan("llama", cp=2, tp=2),
+    ),
+    (
+        "llama",
+        "zb-h1-pp2-2+1-G3",
+        lambda: replace(pp_plan("llama", stages=[dict(layers=2), dict(layers=1)], G=3), schedule="zb-h1"),
     ),
 ]
 

@@ -3,7 +3,8 @@ gradients of a plain backward, and W computes weight gradients only — no node 
 input-gradient chain (the path from the output to the stage input) runs again, except the
 frontier nodes themselves, whose input-side outputs W does not request; and a frontier node that
 computed its weight gradient in B anyway (Llama's RMSNorm, a custom autograd.Function) does not run
-in W at all."""
+in W at all. A compiled block's node runs its input-gradient graph in B and its weight-gradient
+graph in W (`mist.models.weight_split`)."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from rt_helpers import SPECS
 from mist.models import init_weights
 from mist.models.block import DecoderBlock
 from mist.models.collectives import TPGroup
+from mist.models.compiled import compile_block
 from mist.models.head import Head
 from mist.runtime.zero_bubble import _accumulator, _parents, _upward, _WeightPass
 
@@ -23,9 +25,10 @@ class _Stage(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(DecoderBlock(spec, TPGroup(), True, torch.float32) for _ in range(2))
         self.head = Head(spec, TPGroup(), torch.float32)
+        self.run = list(self.blocks)
 
     def forward(self, x, targets):
-        for b in self.blocks:
+        for b in self.run:
             x = b(x)
         return self.head(x, targets)
 
@@ -74,3 +77,37 @@ def test_weight_pass_reruns_no_input_gradient_node(family):
     torch.testing.assert_close(gx, plain_x)
     for p, g in zip(params, plain):
         torch.testing.assert_close(p.grad, g)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_compiled_blocks_defer_their_weight_gradient_graph_to_w(family):
+    """B computes the input gradient with no block parameter's gradient; W computes them all,
+    each compiled block's weight-gradient graph once; together the plain backward's gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    spec = SPECS[family]
+    stage = _Stage(spec)
+    init_weights(stage, seed=0)
+    params = list(stage.parameters())
+    block_params = [p for b in stage.blocks for p in b.parameters()]
+    stage.run = [compile_block(b) for b in stage.blocks]
+    targets = torch.randint(0, spec.vocab_size, (2, 16))
+    x0 = torch.randn(2, 16, spec.hidden_size)
+
+    x = x0.clone().requires_grad_()
+    stage(x, targets).backward()
+    plain = [p.grad.clone() for p in params]
+    plain_x = x.grad.clone()
+    stage.zero_grad(set_to_none=True)
+
+    x = x0.clone().requires_grad_()
+    loss = stage(x, targets)
+    wp = _WeightPass(loss, x, params)
+    gx = wp.input_grad(None, x)
+    assert len(wp.deferred) == 2  # one pending weight-gradient graph per compiled block
+    assert all(p.grad is None for p in block_params)
+    torch.testing.assert_close(gx, plain_x, rtol=1e-4, atol=1e-6)
+    wp.weight_grads()
+    assert not wp.deferred
+    for p, g in zip(params, plain):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)

@@ -46,7 +46,7 @@ bytes, liveness, FLOPs) is shared:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -65,7 +65,7 @@ from mist.analysis.records import (
 )
 from mist.analysis.tracer import ATTENTION_OPS, GEMM_OPS, Trace, _Expr, library_call
 from mist.hardware.memory_ops import POINTWISE_KINDS
-from mist.models.compiled import compile_block
+from mist.models.compiled import compile_block, is_parameter
 
 FUSED = "fused"
 # Operators that return a view of their first argument (no kernel, no new storage).
@@ -108,11 +108,13 @@ _COLLECTIVES = {
 @dataclass(frozen=True)
 class CompiledGraphs:
     """The partitioned graphs of one compiled block and the names dynamo gave their inputs
-    (parameters are named after their module path): the training forward and its backward, and,
-    for a checkpointed block, the inference forward its first run (without grad) executes."""
+    (parameters are named after their module path): the training forward, its backward as B and
+    W (`mist.models.weight_split`), and, for a checkpointed block, the inference forward its
+    first run (without grad) executes."""
 
     fw: torch.fx.GraphModule
-    bw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule  # B: the input gradient, then the values W reads
+    wgrad: torch.fx.GraphModule  # W: the parameters' gradients
     names: list[str]
     inference: torch.fx.GraphModule | None = None
     inference_names: list[str] | None = None
@@ -174,13 +176,13 @@ def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False) ->
         out = run(x)
         out.backward(torch.empty_like(out))
         torch._dynamo.reset()
-    if len(graphs) != 2 + recompute or len(names) != 1 + recompute:
+    if len(graphs) != 3 + recompute or len(names) != 1 + recompute:
         raise RuntimeError(
             f"a compiled block gave {len(graphs)} graphs (a graph break?); Mist prices one forward and one backward"
         )
     if recompute:
-        return CompiledGraphs(graphs[1], graphs[2], names[1], graphs[0], names[0])
-    return CompiledGraphs(graphs[0], graphs[1], names[0])
+        return CompiledGraphs(graphs[1], graphs[2], graphs[3], names[1], graphs[0], names[0])
+    return CompiledGraphs(graphs[0], graphs[1], graphs[2], names[0])
 
 
 class _Graphs:
@@ -238,14 +240,14 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
     fw_in = _placeholders(cg.fw)
     if len(fw_in) != len(cg.names):
         raise RuntimeError("the compiled forward's inputs do not match dynamo's graph inputs")
-    xs = [n for n, dyn in zip(fw_in, cg.names) if isinstance(_val(n), torch.Tensor) and "_parameters_" not in dyn]
+    xs = [n for n, dyn in zip(fw_in, cg.names) if isinstance(_val(n), torch.Tensor) and not is_parameter(dyn)]
     if len(xs) != 1:
         raise RuntimeError(f"a compiled block takes one activation input, found {len(xs)}")
     subs: dict = {}
     for d, sym in ((_val(xs[0]).shape[1], S / seq_shards), (_val(xs[0]).shape[0], B)):
         if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
             subs.setdefault(d.node.expr, sym)
-    for gm in (cg.fw, cg.bw):
+    for gm in (cg.fw, cg.bw, cg.wgrad):
         _unwrap_rng_ops(gm, subs)
     ex = _Expr(subs)
     st = _Graphs(trace, tp)
@@ -256,7 +258,7 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
                 st.base[(g, n.name)] = ("in", dyn)
                 sid = st.new_sid(("in", dyn))
                 trace.storage_bytes[sid] = ex.nbytes(_val(n))
-                (trace.param_sids if "_parameters_" in dyn else trace.input_sids).add(sid)
+                (trace.param_sids if is_parameter(dyn) else trace.input_sids).add(sid)
     fw_out = _outputs(cg.fw)
     bw_in = _placeholders(cg.bw)
     n_saved = sum(not n.name.startswith("tangents") for n in bw_in)
@@ -286,19 +288,40 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
                 _save_storage(trace, sid, _val(o).element_size())
         trace.output_sids |= {st.sid[st.key("fw", o)] for o in user_out}
 
-    # backward: its saved inputs are the forward's storages, its tangents new ones
-    for n, o in zip(bw_in, saved_out):
-        if isinstance(o, torch.fx.Node):
-            st.base[("bw", n.name)] = st.key("fw", o)
+    # backward: its saved inputs are the forward's storages, its tangents new ones. AOTAutograd
+    # passes the saved sizes first and the saved tensors after them, while the forward returns the
+    # sizes last; each saved input is named after the forward's node it is (a generator state
+    # after the partitioner's `rng_state_output`)
+    saved_order = [o for o in saved_out if not isinstance(_val(o), torch.Tensor)]
+    saved_order += [o for o in saved_out if isinstance(_val(o), torch.Tensor)]
+    for n, o in zip(bw_in[:n_saved], saved_order):
+        if not isinstance(o, torch.fx.Node):
+            continue
+        if n.name != o.name and not n.name.startswith("rng_state_output"):
+            raise RuntimeError(f"the compiled backward's input {n.name} is not the forward's saved {o.name}")
+        st.base[("bw", n.name)] = st.key("fw", o)
     for n in bw_in[n_saved:]:
         sid = st.new_sid(("bw", n.name))
         trace.storage_bytes[sid] = ex.nbytes(_val(n))
     trace.phase = "bwd"
     _kernels(st, "bw", cg.bw, ex, named(cg.bw))
-    for o, dyn in zip(_outputs(cg.bw), cg.names):
-        if isinstance(o, torch.fx.Node):
-            sid = st.sid[st.key("bw", o)]
-            (trace.grad_sids if "_parameters_" in dyn else trace.keep_bwd).add(sid)
+    # W: its inputs are the values B returns after the gradients; what B computed (or took as
+    # a tangent) of them is held from B to W, what the forward saved is held anyway
+    b_out = _outputs(cg.bw)
+    crossing = b_out[len(cg.names) :]
+    w_start = len(trace.records)
+    for ph, o in zip(_placeholders(cg.wgrad), crossing):
+        st.base[("w", ph.name)] = st.key("bw", o)
+    held = {st.sid[st.key("bw", o)] for o in crossing if isinstance(_val(o), torch.Tensor)}
+    held -= set(trace.saved) | trace.param_sids
+    trace.weight_grad_held = sympy.expand(sum((trace.storage_bytes[sid] for sid in held), sympy.Integer(0)))
+    _kernels(st, "w", cg.wgrad, ex, named(cg.wgrad))
+    trace.records[:] = [replace(r, weight_grad=r.index >= w_start) if r.phase == "bwd" else r for r in trace.records]
+    for g, outs in (("bw", b_out), ("w", _outputs(cg.wgrad))):
+        for o, dyn in zip(outs, cg.names):
+            if isinstance(o, torch.fx.Node):
+                sid = st.sid[st.key(g, o)]
+                (trace.grad_sids if is_parameter(dyn) else trace.keep_bwd).add(sid)
     return trace, ex
 
 
@@ -325,6 +348,11 @@ def _unwrap_rng_ops(gm: torch.fx.GraphModule, subs: dict) -> None:
         elif name == "run_with_rng_state":
             _, op, *args = n.args
             n.target, n.args = op, tuple(args)
+            if "val" not in n.meta:  # (the wrapper has none: its results are its getitems')
+                vals: list = [None] * (1 + max((u.args[1] for u in n.users), default=-1))
+                for u in n.users:
+                    vals[u.args[1]] = _val(u)
+                n.meta["val"] = tuple(vals)
     hint = torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw
     for n in graph.nodes:
         if n.target is _generator_state or (n.op == "placeholder" and n.name.startswith("rng_state_output")):

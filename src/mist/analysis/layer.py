@@ -67,6 +67,8 @@ class LayerAnalysis:
     sequence_parallel: bool = False  # traced with the TP group's sequence parallelism
     cp: int = 1  # traced as context-parallel rank 0 of cp
     compiled: bool = False  # a block as `mist.models.compiled` compiles it
+    # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
+    weight_grad_held: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
@@ -364,6 +366,7 @@ def _trace_and_analyze(
         sequence_parallel=sp,
         cp=cp,
         compiled=compiled,
+        weight_grad_held=trace.weight_grad_held,
     )
 
 

@@ -89,6 +89,9 @@ class OpRecord:
     params: the kind's cost parameters (`GemmParams`, `AttentionParams`, `CollectiveParams`,
            `FusedParams` for a compiled block's fused kernel), sympy expressions in b and s; None
            for the other memory ops and views.
+    weight_grad: whether a backward operator is part of the weight-gradient pass W, where the
+           runtime says (a compiled block's W graph, `mist.models.weight_split`); None where
+           the operator's shapes say (`mist.simulate.weight_grad`).
     """
 
     index: int
@@ -102,6 +105,7 @@ class OpRecord:
     flops: sympy.Expr = sympy.Integer(0)
     saved_bytes: sympy.Expr = sympy.Integer(0)
     params: OpParams = None
+    weight_grad: bool | None = None
 
     @property
     def bytes_moved(self) -> sympy.Expr:

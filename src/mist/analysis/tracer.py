@@ -152,6 +152,10 @@ class Trace:
         self.output_sids: set[int] = set()
         # the input gradients handed to the previous layer (empty: the last backward op's outputs)
         self.keep_bwd: set[int] = set()
+        # bytes held from the input-gradient pass B to the weight-gradient pass W beyond the saved
+        # activations, where the trace knows them (a compiled block's split backward); None: the
+        # weight-gradient operators' records say (`mist.simulate.weight_grad`)
+        self.weight_grad_held: sympy.Expr | None = None
         # Every tensor seen is kept alive for the whole trace: storage addresses identify
         # buffers, and a freed address would otherwise be reused by a later, different buffer.
         self.keep: list = []

@@ -20,6 +20,12 @@ context parallelism one dynamo then failed to lift.
 Inside the compiled region the blocks run plain tensor code where eager runs hand-fused
 operators (`torch.compiler.is_compiling()` in `mist.models`: RMSNorm, rotary, SwiGLU): Inductor
 fuses the plain code, and an opaque operator would stop it.
+
+The backward graph is compiled as two (`mist.models.weight_split`): B, the input gradient, and W,
+the weight gradients, run back to back, or W later under the ZB-H1 schedule. So that W can run
+after B, the saved tensors B reads stay whole: no backward reuses a saved tensor's buffer for its
+own results (AOTAutograd's donated buffers are off), and no compile is taken from AOTAutograd's
+cache, which could hold a backward compiled whole.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import os
 import sys
 
 import torch
+
+from mist.models.weight_split import SplitBackward, split_backward, tensor_edges
 
 
 def _fresh_compile_threads_after_fork() -> None:
@@ -52,26 +60,50 @@ class CompiledBlock:
         self._compiled = torch.compile(block, backend=backend)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch._functorch.config as functorch_config  # lazy: as `compile_block`
+
         torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         # past dynamo's recompile limit a block would silently run eager, unlike its prediction
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False):
+        with (
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False),
+            functorch_config.patch(donated_buffer=False, enable_autograd_cache=False),
+        ):
             return self._compiled(x)
 
 
-def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> CompiledBlock:
-    """`block`, compiled with Inductor. `inner_compile` replaces Inductor's code generation of
-    each partitioned graph (`compile_fx`'s argument of that name), and `on_graph(gm,
-    example_inputs)` sees dynamo's graph first: the analysis's capture."""
-    if inner_compile is None and on_graph is None:
-        return CompiledBlock(block, "inductor")
-    from torch._inductor.compile_fx import compile_fx  # lazy: Inductor only where blocks are compiled
+def is_parameter(name: str) -> bool:
+    """Whether an input of dynamo's graph of a block (by its name) is one of its parameters."""
+    return "_parameters_" in name
 
-    kwargs = {} if inner_compile is None else {"inner_compile": inner_compile}
+
+def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> CompiledBlock:
+    """`block`, compiled with Inductor, its backward as B and W (`mist.models.weight_split`).
+    `inner_compile` replaces Inductor's code generation of each partitioned graph (`compile_fx`'s
+    argument of that name: the forward, B and W), and `on_graph(gm, example_inputs)` sees
+    dynamo's graph first: the analysis's capture."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # lazy: Inductor only where blocks are compiled
+
+    inner = compile_fx_inner if inner_compile is None else inner_compile
 
     def backend(gm, example_inputs):
         if on_graph is not None:
             on_graph(gm, example_inputs)
-        return compile_fx(gm, example_inputs, **kwargs)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        weights = [i for i, name in enumerate(names) if is_parameter(name)]
+        edges = tensor_edges(example_inputs)
+
+        def split_inner(g, inputs, **kwargs):
+            if not kwargs.get("is_backward"):
+                return inner(g, inputs, **kwargs)
+            split = split_backward(g, weights)
+            if split.n_outputs != len(names):
+                raise RuntimeError(f"a compiled block's backward has {split.n_outputs} outputs for {len(names)} inputs")
+            b_fn = inner(split.b_gm, inputs, **kwargs)
+            crossing = [c.meta["val"] for c in split.crossing]
+            w_fn = inner(split.w_gm, crossing, **{**kwargs, "static_input_idxs": ()})
+            return SplitBackward(split, b_fn, w_fn, edges)
+
+        return compile_fx(gm, example_inputs, inner_compile=split_inner)
 
     return CompiledBlock(block, backend)

@@ -1,6 +1,6 @@
-"""Which plans can run their decoder blocks compiled (`TrainingSpec.compile_blocks`,
-`mist.models.compiled`): one rule for the plan check, the search space, the analysis and the
-runtime.
+"""What decoder blocks compiled (`TrainingSpec.compile_blocks`, `mist.models.compiled`) run: the
+one description the plan check, the search space, the analysis and the runtime follow. Every plan
+an eager run can run also runs with compiled blocks; what differs is inside a block.
 
 The compiled region is one tensor- and context-parallel shard's block with its collectives: inside
 it the model issues PyTorch's functional collectives, which dynamo traces into the graphs
@@ -27,16 +27,9 @@ eager blocks draw), with the fused kernels around them. The attention core takes
 its checkpointed region, so that the partitioner's re-run of the region in the backward graph
 draws with the forward's seed (kept for backward) the forward's mask.
 
-ZB-H1 splits each block's backward into input and weight gradients; a compiled block's backward is
-one function. (Activation offload works: the runtime splits a compiled block's saved storages whole
-and gives each saved view back its strides, `mist.runtime.activations`.)
+ZB-H1 splits each block's backward into the input gradient (B) and the weight gradients (W): a
+compiled block's backward is compiled as two graphs, B and the operators only the weight gradients
+need (`mist.models.weight_split`), which the schedule runs apart and the analysis prices apart.
+(Activation offload works: the runtime splits a compiled block's saved storages whole and gives
+each saved view back its strides, `mist.runtime.activations`.)
 """
-
-from __future__ import annotations
-
-
-def compiled_schedule_problem(schedule: str) -> str | None:
-    """Why a pipeline schedule cannot run compiled blocks (None: it can)."""
-    if schedule == "zb-h1":
-        return "the zb-h1 schedule splits each block's backward, and a compiled block's backward is one function"
-    return None

@@ -21,6 +21,12 @@ frontier node's gradient is pinned to the recorded one during W (a node reached 
 and through another root would otherwise count twice). The graph, and with it the micro-batch's
 saved activations, is dropped after W: what the simulator's ZB-H1 memory model holds.
 
+A compiled block (`mist.models.compiled`) is one autograd node whose backward is compiled as
+two graphs (`mist.models.weight_split`): during B it runs the input-gradient graph alone and
+leaves its weight-gradient graph pending; the node's hook takes it (`_WeightPass._producer`), and
+W runs it and feeds the parameters' gradients to their accumulators, as for a node that computed
+its weight side in B.
+
 The first stage sends no input gradient, and its W follows its B at once in the order: it runs
 its backward whole at W. The plans the runtime refuses are those `zb_h1_problem` names (the plan
 check already has): reentrant checkpointing runs its own backward, which cannot be split.
@@ -35,6 +41,7 @@ from contextlib import nullcontext
 import torch
 from torch.autograd.graph import GradientEdge
 
+from mist.models import weight_split
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, zb_h1
 from mist.runtime.phase_timer import PhaseTimer
 from mist.runtime.schedule import PipelineSchedule, _spans
@@ -125,23 +132,32 @@ class _WeightPass:
         self.grads: dict = {}
         # frontier node -> [(its weight-side edge, the gradient B already computed for it)]
         self.produced: dict = {}
+        # frontier node (a compiled block) -> its pending weight-gradient graph
+        self.deferred: dict = {}
+        self._pending_before: dict = {}
         self.handles = [n.register_prehook(self._recorder(n)) for n in self.nodes]
         self.handles += [n.register_hook(self._producer(n, path)) for n in self.nodes]
 
     def _recorder(self, node):
         def hook(grad_outputs):
             self.grads[node] = grad_outputs
+            self._pending_before[node] = weight_split.pending_count()
 
         return hook
 
     def _producer(self, node, path: set):
-        """A hook that keeps the weight-side gradients a frontier node computed during B anyway.
-        Autograd's own nodes compute only the outputs a backward needs (B: none of the weight
-        side); a custom autograd.Function (RMSNorm's fused kernel) returns them all, and W then
-        starts below it from what B computed instead of running it a second time."""
+        """A hook that keeps the weight-side gradients a frontier node computed during B anyway,
+        or the weight-gradient graph it left pending. Autograd's own nodes compute only the
+        outputs a backward needs (B: none of the weight side); a custom autograd.Function
+        (RMSNorm's fused kernel) returns them all, and W then starts below it from what B
+        computed instead of running it a second time; a compiled block's node leaves its W
+        graph pending, and W runs it."""
         sides = [(i, nxt, nr) for i, (nxt, nr) in enumerate(node.next_functions) if nxt is not None and nxt not in path]
 
         def hook(grad_inputs, grad_outputs):
+            if weight_split.pending_count() > self._pending_before.get(node, weight_split.pending_count()):
+                self.deferred[node] = weight_split.take_pending()
+                return
             got = [(GradientEdge(nxt, nr), grad_inputs[i]) for i, nxt, nr in sides]
             if got and all(g is not None for _, g in got):
                 self.produced[node] = got
@@ -152,11 +168,17 @@ class _WeightPass:
         """B: the input's gradient, recording the frontier's gradients; the graph is kept."""
         assert self.root is not None, "B runs once, before W"
         try:
-            (gx,) = torch.autograd.grad(self.root, [x], grad, retain_graph=True, allow_unused=True)
+            with weight_split.deferring_weights():
+                (gx,) = torch.autograd.grad(self.root, [x], grad, retain_graph=True, allow_unused=True)
         finally:
             for h in self.handles:
                 h.remove()
-        for node in self.produced:  # W starts below these nodes: their output gradients are not needed
+            left = weight_split.pending_count()
+            weight_split.drop_pending()
+        if left:  # each is taken by its node's hook: one left would lose its weights' gradients
+            raise RuntimeError(f"{left} compiled weight-gradient pass(es) left with no frontier node to run them")
+        # W starts below these nodes: their output gradients are not needed
+        for node in [*self.produced, *self.deferred]:
             self.grads.pop(node, None)
         return gx if gx is not None else torch.zeros_like(x)
 
@@ -166,6 +188,13 @@ class _WeightPass:
         B recorded at it, pinned to them (a pre-hook, appended to `pins` for the caller to remove)."""
         roots, grads = [], []
         for node in nodes:
+            if node in self.deferred:
+                edges = node.next_functions
+                for k, g in self.deferred.pop(node)():
+                    if edges[k][0] is not None:
+                        roots.append(GradientEdge(*edges[k]))
+                        grads.append(g)
+                continue
             if node in self.produced:
                 for edge, g in self.produced[node]:
                     roots.append(edge)
@@ -193,7 +222,7 @@ class _WeightPass:
         finally:
             for h in pins:
                 h.remove()
-        self.nodes, self.grads, self.produced, self.root = [], {}, {}, None
+        self.nodes, self.grads, self.produced, self.deferred, self.root = [], {}, {}, {}, None
 
 
 class ZeroBubbleSchedule(PipelineSchedule):

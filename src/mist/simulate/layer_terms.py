@@ -167,7 +167,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
-    held = sympy.lambdify((B, S), held_gradient_bytes(la.records), modules="numpy", docstring_limit=0)(b, s)
+    held = sympy.lambdify((B, S), held_gradient_bytes(la), modules="numpy", docstring_limit=0)(b, s)
     return LayerTerms(
         params=la.params,
         fwd=per(f),

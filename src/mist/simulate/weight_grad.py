@@ -10,11 +10,15 @@ in "bwd" — input-gradient GEMMs, attention, norms (whose fused backward yields
 weight gradient at once), elementwise and the TP collectives — is B. (The copies of a gradient
 into a leaf's .grad are `GRAD_ACCUM` records, priced by the schedule, not the layer.)
 
+A compiled block's backward runs as two graphs, B and W (`mist.models.weight_split`): its
+records say which they belong to (`OpRecord.weight_grad`), and its trace what B hands to W.
+
 W's time is its share of the layer's backward kernel time applied to the backward's stream time
 (without the TP collectives, which B waits for); B is the rest. What W needs beyond what B needs
 stays allocated from B to W: the layer's saved activations (the runtime keeps the autograd graph)
 and the gradient of every linear's output — the dYᵀ operand of each weight-gradient GEMM, which
-`held_gradient_bytes` sums from the records.
+`held_gradient_bytes` sums from the records (for a compiled block: every value B hands to W that
+the forward did not save, `LayerAnalysis.weight_grad_held`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def _symbolic(shape) -> bool:
 
 def is_weight_grad(rec: OpRecord) -> bool:
     """Whether a traced record is part of W (see the module docstring)."""
+    if rec.weight_grad is not None:
+        return rec.weight_grad
     if rec.phase != "bwd" or rec.kind not in (GEMM, MEMORY) or not rec.shapes_out:
         return False
     outs_fixed = all(len(s) > 0 and not _symbolic(s) for s in rec.shapes_out)
@@ -43,11 +49,14 @@ def weight_grad_records(records) -> list[OpRecord]:
     return [r for r in records if is_weight_grad(r)]
 
 
-def held_gradient_bytes(records) -> sympy.Expr:
-    """Bytes of the output gradients the W GEMMs read (their dYᵀ operand, the first input), which
-    stay allocated from B to W: a sympy expression in b and s."""
+def held_gradient_bytes(la) -> sympy.Expr:
+    """Bytes that stay allocated from B to W beyond a layer's saved activations: the output
+    gradients the W GEMMs read (their dYᵀ operand, the first input), or what the trace of a
+    compiled block says. A sympy expression in b and s."""
+    if la.weight_grad_held is not None:
+        return la.weight_grad_held
     total = sympy.Integer(0)
-    for r in weight_grad_records(records):
+    for r in weight_grad_records(la.records):
         if r.kind != GEMM:
             continue
         out = r.shapes_out[0]

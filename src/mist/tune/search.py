@@ -34,7 +34,7 @@ from mist.tune.inter import best_split
 from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult, no_plan_in_budget_words
-from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, compiled_space, get_space, tp_degrees
+from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
 from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble
 
 
@@ -103,8 +103,6 @@ def tune(
 
 def _tune(model, cluster, training, profile, space, time_budget, progress, pool: TracePool | None) -> TuneResult:
     sp = get_space(space) if isinstance(space, str) else space
-    if training.compile_blocks:
-        sp = compiled_space(sp)
     t0 = time.perf_counter()
     L, B = model.num_layers, training.global_batch
     state = _Search(t0=t0, time_budget=time_budget, pool=pool)

@@ -25,10 +25,9 @@ loop and the baselines all draw from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mist.errors import MistInputError
-from mist.rules.compiled_blocks import compiled_schedule_problem
 from mist.specs.model import ModelSpec
 
 EIGHTHS = tuple(i / 8 for i in range(9))
@@ -143,10 +142,3 @@ def get_space(name: str) -> SearchSpace:
     raise MistInputError(
         f"Unknown search space {name!r}; choose one of {', '.join(list(SPACES) + list(BASELINE_SPACES))}."
     )
-
-
-def compiled_space(sp: SearchSpace) -> SearchSpace:
-    """`sp` limited to the plans that can run compiled blocks (`mist.rules.compiled_blocks`): no
-    ZB-H1. (A stage's own limit, no attention-core recomputation with attention dropout on
-    tp > 1, is applied where its choices are made: `mist.tune.intra`.)"""
-    return replace(sp, schedules=tuple(x for x in sp.schedules if compiled_schedule_problem(x) is None) or ("1f1b",))

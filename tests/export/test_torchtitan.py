@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from torchtitan_checks import build_meshes, meta_model, parse, require_torchtitan, unknown_fqns
 
 from mist.cli import main
@@ -542,3 +543,31 @@ def test_context_parallel_plan_exports_with_mists_rank_groups(tmp_path):
     plain = make(LLAMA3_8B, [stage(32, 8, 1, 2, 2, zero=0, cp=2)], B=4, G=2, seq=8192)
     assert any("cp 2 without ZeRO" in p for p in tt.problems(plain))
     assert tt.nearest(plain).stages[0].zero == 2
+
+
+def test_zero_bubble_with_compiled_blocks_exports_as_one_f_one_b():
+    """torch.distributed.pipelining splits a backward at the autograd graph's nodes (its own
+    `stage_backward_input` / `stage_backward_weight`, what its I and W actions run); a block that
+    torch.compile wraps whole is one node (AOTAutograd's, whichever backend: `aot_eager` here for
+    speed), so I runs its whole backward and W runs it again. Mist does not export that: the
+    nearest plan is 1F1B."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    run = torch.compile(block, backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    out = run(x)
+    calls = []
+    out.grad_fn.register_prehook(lambda g: calls.append(1))
+    params = list(block.parameters())
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], iter(params))
+    assert len(calls) == 1 and all(p.grad is None for p in params)
+    stage_backward_weight(iter(params), groups)
+    assert len(calls) == 2 and all(p.grad is not None for p in params)
+
+    stages = [stage(8, 2, 1, 2, 1, zero=1) for _ in range(4)]
+    plan = make(LLAMA3_8B, stages, B=16, G=8, schedule="zb-h1", compile_blocks=True)
+    (why,) = tt.problems(plan)
+    assert "zb-h1 schedule with compiled blocks" in why
+    near = tt.nearest(plan)
+    assert near.schedule == "1f1b" and near.training.compile_blocks and tt.problems(near) == []

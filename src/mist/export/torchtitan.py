@@ -22,7 +22,11 @@ How a plan maps:
   actions per rank (`pipeline_parallel_schedule_csv`, `_PipelineScheduleRuntime`), with F, I
   (input gradient) and W (weight gradients) actions. The export writes Mist's ZB-H1 order
   (`rules.zero_bubble_order`, B as I) to `zb_h1_schedule.csv` beside the script; torch's own
-  validation and comms simulation accept it (tests). Not run on GPUs yet.
+  validation and comms simulation accept it (tests). Not run on GPUs yet. Not with compiled
+  blocks: torch.distributed.pipelining splits a backward at the autograd graph's nodes, and a
+  block torch.compile'd whole is one node, so its input-gradient step runs the block's whole
+  compiled backward and its weight step runs it again (measured in tests/export); Mist's own
+  runtime compiles B and W apart (`mist.models.weight_split`). Such a plan exports as 1F1B.
 - context parallelism (cp > 1): `context_parallel_degree`, torchtitan's default "headtail" load
   balancer (rank r holds chunks r and 2·cp − 1 − r, Mist's layout) and torch's all-gather of K/V
   for SDPA, which is what Mist runs and prices. torchtitan then shards parameters with FSDP2 over
@@ -115,6 +119,12 @@ def problems(plan: Plan) -> list[str]:
     out += uniform_mesh_problems(plan, NAME) + sequence_parallel_problems(plan, NAME, always=True)
     if plan.num_stages == 1:  # (a ZB-H1 plan of one stage is 1F1B's accumulation)
         out += schedule_problems(plan, NAME)
+    elif plan.schedule == ZB_H1 and plan.training.compile_blocks:
+        out.append(
+            "its zb-h1 schedule with compiled blocks: torch.distributed.pipelining splits a backward at the "
+            "autograd graph's nodes, and a block torch.compile'd whole is one node, whose whole backward its "
+            "weight step would run a second time"
+        )
     out += _zero_problems(plan) + _recompute_problems(plan) + _offload_problems(plan) + _dtype_problems(plan)
     return out
 
@@ -284,7 +294,8 @@ def nearest(plan: Plan) -> Plan:
     offload = Offload() if pipeline else _nearest_offload(plan.stages)
     stages = [_nearest_stage(s, dp, tp, mb, zero, offload) for s in plan.stages]
     near = with_stages(plan, stages)
-    if schedule == ZB_H1 and pipeline:  # kept where the nearest stages can still split B from W
+    # kept where the nearest stages can still split B from W (and the blocks are not compiled whole)
+    if schedule == ZB_H1 and pipeline and not plan.training.compile_blocks:
         try:
             return replace(near, schedule=ZB_H1)
         except MistInputError:

@@ -18,9 +18,11 @@ from mist.analysis.records import COLLECTIVE, B, S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block, run_block_as, select_parts
 from mist.models.compiled import compile_block
+from mist.rules.compiled_blocks import SPLIT
 from mist.rules.offload_split import MIN_SPLIT_NUMEL, kept_saved_bytes, offloaded_saved_bytes
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.memory import MemoryAccount
+from mist.simulate.weight_grad import held_gradient_bytes
 from mist.specs.model import ModelSpec
 
 SPECS = {
@@ -155,6 +157,30 @@ def test_compiled_block_does_the_eager_block_s_matrix_work(compiled):
     eager, comp = (analyze_layer(spec, "block", 1, flash, "fp32", "cpu", compiled=c) for c in (False, True))
     for phase in ("fwd", "bwd"):
         assert float(comp.flops_of(phase, 3, 40)) == float(eager.flops_of(phase, 3, 40)) > 0
+
+
+def test_a_split_backward_prices_its_weight_gradient_graph_apart(compiled):
+    """The backward as B and W (ZB-H1, `mist.models.weight_split`): the same forward and saved
+    bytes and the same matrix work as the whole backward; W's records are the weight-gradient
+    GEMMs (2·tokens·in·out FLOPs for each linear weight) and the reductions only they need; and a
+    micro-batch holds from B to W at least the gradient of every linear's output (what an eager
+    block holds: the weight GEMMs' dY operands)."""
+    spec, block, _, flash = compiled
+    whole, split, eager = (
+        analyze_layer(spec, "block", 1, flash, "fp32", "cpu", compiled=c) for c in (True, SPLIT, False)
+    )
+    b, s = 3, 40
+    assert float(split.saved(b, s)) == float(whole.saved(b, s))
+    assert float(split.flops_of("bwd", b, s)) == float(whole.flops_of("bwd", b, s))
+    w = [r for r in split.ops("bwd") if r.weight_grad]
+    assert w and all(r.weight_grad is False for r in split.ops("bwd") if r not in w)
+    linear = [p for n, p in block.named_parameters() if p.dim() == 2]
+    w_flops = sympy.expand(sum((r.flops for r in w), sympy.Integer(0)))
+    assert w_flops == sympy.expand(sum(2 * B * S * p.numel() for p in linear))
+    assert {r.op for r in w} <= {"mm", "fused"} and sum(r.op == "mm" for r in w) == len(linear)
+    held = float(held_gradient_bytes(split).subs({B: b, S: s}))
+    assert held >= float(held_gradient_bytes(eager).subs({B: b, S: s})) > 0
+    assert whole.weight_grad_held is None and all(r.weight_grad is None for r in whole.records)
 
 
 def _fused_work(la, phase: str, kind: str):

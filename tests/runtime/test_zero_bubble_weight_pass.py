@@ -90,7 +90,7 @@ def test_compiled_blocks_defer_their_weight_gradient_graph_to_w(family):
     init_weights(stage, seed=0)
     params = list(stage.parameters())
     block_params = [p for b in stage.blocks for p in b.parameters()]
-    stage.run = [compile_block(b) for b in stage.blocks]
+    stage.run = [compile_block(b, split=True) for b in stage.blocks]
     targets = torch.randint(0, spec.vocab_size, (2, 16))
     x0 = torch.randn(2, 16, spec.hidden_size)
 

@@ -108,16 +108,16 @@ _COLLECTIVES = {
 @dataclass(frozen=True)
 class CompiledGraphs:
     """The partitioned graphs of one compiled block and the names dynamo gave their inputs
-    (parameters are named after their module path): the training forward, its backward as B and
-    W (`mist.models.weight_split`), and, for a checkpointed block, the inference forward its
-    first run (without grad) executes."""
+    (parameters are named after their module path): the training forward, its backward (whole,
+    or as B and W: `mist.models.weight_split`), and, for a checkpointed block, the inference
+    forward its first run (without grad) executes."""
 
     fw: torch.fx.GraphModule
-    bw: torch.fx.GraphModule  # B: the input gradient, then the values W reads
-    wgrad: torch.fx.GraphModule  # W: the parameters' gradients
+    bw: torch.fx.GraphModule  # the backward, or B: the input gradient, then the values W reads
     names: list[str]
     inference: torch.fx.GraphModule | None = None
     inference_names: list[str] | None = None
+    wgrad: torch.fx.GraphModule | None = None  # W, the parameters' gradients (a split backward)
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -148,9 +148,10 @@ def _empty_like_outputs(gm: torch.fx.GraphModule):
     return run
 
 
-def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False) -> CompiledGraphs:
+def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False, split: bool = False) -> CompiledGraphs:
     """Compile `block` as the runtime does and keep its graphs for one forward and backward at x
-    (with `recompute`, also for the forward without grad that checkpointing runs first)."""
+    (with `recompute`, also for the forward without grad that checkpointing runs first; with
+    `split`, the backward as B and W)."""
     import torch._functorch.config as functorch_config  # lazy: Inductor only where blocks are compiled
     import torch._inductor.config as inductor_config  # lazy: as above
 
@@ -169,20 +170,21 @@ def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False) ->
     # process's compiled blocks compile again when they next run
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         torch._dynamo.reset()
-        run = compile_block(block, inner_compile=inner, on_graph=note_inputs)
+        run = compile_block(block, inner_compile=inner, on_graph=note_inputs, split=split)
         if recompute:
             with torch.no_grad():
                 run(x)
         out = run(x)
         out.backward(torch.empty_like(out))
         torch._dynamo.reset()
-    if len(graphs) != 3 + recompute or len(names) != 1 + recompute:
+    if len(graphs) != 2 + split + recompute or len(names) != 1 + recompute:
         raise RuntimeError(
             f"a compiled block gave {len(graphs)} graphs (a graph break?); Mist prices one forward and one backward"
         )
+    wgrad = graphs[-1] if split else None
     if recompute:
-        return CompiledGraphs(graphs[1], graphs[2], graphs[3], names[1], graphs[0], names[0])
-    return CompiledGraphs(graphs[0], graphs[1], graphs[2], names[0])
+        return CompiledGraphs(graphs[1], graphs[2], names[1], graphs[0], names[0], wgrad)
+    return CompiledGraphs(graphs[0], graphs[1], names[0], wgrad=wgrad)
 
 
 class _Graphs:
@@ -247,7 +249,7 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
     for d, sym in ((_val(xs[0]).shape[1], S / seq_shards), (_val(xs[0]).shape[0], B)):
         if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
             subs.setdefault(d.node.expr, sym)
-    for gm in (cg.fw, cg.bw, cg.wgrad):
+    for gm in (cg.fw, cg.bw) + ((cg.wgrad,) if cg.wgrad is not None else ()):
         _unwrap_rng_ops(gm, subs)
     ex = _Expr(subs)
     st = _Graphs(trace, tp)
@@ -305,8 +307,21 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
         trace.storage_bytes[sid] = ex.nbytes(_val(n))
     trace.phase = "bwd"
     _kernels(st, "bw", cg.bw, ex, named(cg.bw))
-    # W: its inputs are the values B returns after the gradients; what B computed (or took as
-    # a tangent) of them is held from B to W, what the forward saved is held anyway
+    if cg.wgrad is not None:
+        _weight_graph(st, cg, ex)
+    for o, dyn in zip(_outputs(cg.bw), cg.names):
+        if isinstance(o, torch.fx.Node):
+            sid = st.sid[st.key("bw", o)]
+            (trace.grad_sids if is_parameter(dyn) else trace.keep_bwd).add(sid)
+    return trace, ex
+
+
+def _weight_graph(st: _Graphs, cg: CompiledGraphs, ex: _Expr) -> None:
+    """Append W's kernels (`cg.wgrad`) after B's, marked as W's; its inputs are the values B
+    returns after the gradients, of which what B computed (or took as a tangent) is held from B
+    to W and what the forward saved is held anyway."""
+    assert cg.wgrad is not None
+    trace = st.trace
     b_out = _outputs(cg.bw)
     crossing = b_out[len(cg.names) :]
     w_start = len(trace.records)
@@ -315,14 +330,11 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
     held = {st.sid[st.key("bw", o)] for o in crossing if isinstance(_val(o), torch.Tensor)}
     held -= set(trace.saved) | trace.param_sids
     trace.weight_grad_held = sympy.expand(sum((trace.storage_bytes[sid] for sid in held), sympy.Integer(0)))
-    _kernels(st, "w", cg.wgrad, ex, named(cg.wgrad))
+    _kernels(st, "w", cg.wgrad, ex, {o.name for o in _outputs(cg.wgrad) if isinstance(o, torch.fx.Node)})
     trace.records[:] = [replace(r, weight_grad=r.index >= w_start) if r.phase == "bwd" else r for r in trace.records]
-    for g, outs in (("bw", b_out), ("w", _outputs(cg.wgrad))):
-        for o, dyn in zip(outs, cg.names):
-            if isinstance(o, torch.fx.Node):
-                sid = st.sid[st.key(g, o)]
-                (trace.grad_sids if is_parameter(dyn) else trace.keep_bwd).add(sid)
-    return trace, ex
+    for o in _outputs(cg.wgrad):
+        if isinstance(o, torch.fx.Node):
+            trace.grad_sids.add(st.sid[st.key("w", o)])
 
 
 def _generator_state():

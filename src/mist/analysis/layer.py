@@ -26,6 +26,7 @@ from mist.models.collectives import CPGroup, TPGroup
 from mist.models.dtypes import torch_dtype
 from mist.models.embedding import Embedding
 from mist.models.head import Head
+from mist.rules.compiled_blocks import SPLIT
 from mist.rules.offload_split import MIN_SPLIT_NUMEL
 from mist.specs.model import ModelSpec
 
@@ -66,7 +67,7 @@ class LayerAnalysis:
     unit_batch: LayerAnalysis | None = None  # the exact b = 1 trace (memory at b = 1)
     sequence_parallel: bool = False  # traced with the TP group's sequence parallelism
     cp: int = 1  # traced as context-parallel rank 0 of cp
-    compiled: bool = False  # a block as `mist.models.compiled` compiles it
+    compiled: bool | str = False  # a block as `mist.models.compiled` compiles it (`analyze_layer`)
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
@@ -165,7 +166,7 @@ def analyze_layer(
     recompute: bool | str = False,
     sequence_parallel: bool = False,
     cp: int = 1,
-    compiled: bool = False,
+    compiled: bool | str = False,
 ) -> LayerAnalysis:
     """Trace and analyse one layer (cached per argument tuple). `recompute`: False, True (the
     block checkpointed whole), or the parts a block not checkpointed whole re-runs in backward,
@@ -174,7 +175,8 @@ def analyze_layer(
     still in the whole sequence length S. `cp` > 1: the layer is context-parallel rank 0's of cp
     (`mist.models.context_parallel`; its input 1/cp of the sequence, flash attention only).
     `compiled`: a block as `mist.models.compiled` compiles it (`mist.analysis.compiled`; the
-    embedding and the head run eager either way)."""
+    embedding and the head run eager either way): True, or `SPLIT` with its backward as B and W
+    (`mist.rules.compiled_blocks.compile_mode`)."""
     args = _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parallel, cp, compiled)
     la = _analyze(*args[:7], False, *args[7:])
     if la.unit_batch is None:
@@ -195,7 +197,7 @@ class AnalysisRequest:
     recompute: bool | str = False
     sequence_parallel: bool = False
     cp: int = 1
-    compiled: bool = False
+    compiled: bool | str = False
 
     def run(self) -> LayerAnalysis:
         return analyze_layer(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -222,7 +224,9 @@ def _normalized(spec, part, tp, flash, dtype, target, recompute, sequence_parall
     rc = ("+".join(parts) if parts else bool(recompute)) if part == "block" else False
     if cp > 1 and not flash:
         raise ValueError("context parallelism runs flash attention only")
-    compiled = bool(compiled) and part == "block"
+    if compiled not in (False, True, SPLIT):
+        raise ValueError(f"compiled must be False, True or {SPLIT!r}, got {compiled!r}")
+    compiled = compiled if part == "block" else False
     sp = bool(sequence_parallel) and tp > 1
     return spec, part, tp, flash, dtype, target, rc, sp, cp, compiled
 
@@ -231,7 +235,12 @@ def _key(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, 
     """The disk-cache key of one trace (one without sequence or context parallelism or
     compilation keeps the key it always had)."""
     key = (spec, part, tp, flash, dtype, target, recompute, unit_batch) + ((True,) if sp else ())
-    return key + ((("cp", cp),) if cp > 1 else ()) + (("compiled",) if compiled else ())
+    return (
+        key
+        + ((("cp", cp),) if cp > 1 else ())
+        + (("compiled",) if compiled else ())
+        + ((SPLIT,) if compiled == SPLIT else ())
+    )
 
 
 @lru_cache(maxsize=512)
@@ -313,7 +322,7 @@ def _trace_and_analyze(
         sel = selective_modes(recompute)
         select_parts(m, "attention" in sel, "activation" in sel)
         x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
-        trace, _ = trace_compiled(capture(m, x, recompute is True), tp, shards)
+        trace, _ = trace_compiled(capture(m, x, recompute is True, split=compiled == SPLIT), tp, shards)
     else:
         trace, _ = run_trace(
             build_and_hook,

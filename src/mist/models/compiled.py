@@ -21,17 +21,19 @@ Inside the compiled region the blocks run plain tensor code where eager runs han
 operators (`torch.compiler.is_compiling()` in `mist.models`: RMSNorm, rotary, SwiGLU): Inductor
 fuses the plain code, and an opaque operator would stop it.
 
-The backward graph is compiled as two (`mist.models.weight_split`): B, the input gradient, and W,
-the weight gradients, run back to back, or W later under the ZB-H1 schedule. So that W can run
-after B, the saved tensors B reads stay whole: no backward reuses a saved tensor's buffer for its
-own results (AOTAutograd's donated buffers are off), and no compile is taken from AOTAutograd's
-cache, which could hold a backward compiled whole.
+Under the ZB-H1 schedule (`split`, `mist.rules.compiled_blocks.compile_mode`) the backward graph
+is compiled as two (`mist.models.weight_split`): B, the input gradient, and W, the weight
+gradients, which the schedule runs later. So that W can run after B, the saved tensors B reads
+stay whole: no backward reuses a saved tensor's buffer for its own results (AOTAutograd's
+donated buffers are off), and no compile is taken from AOTAutograd's cache, which could hold a
+backward compiled whole.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -55,9 +57,10 @@ class CompiledBlock:
     `mist.models.checkpointing.run_block` like it (its `attn`, `mlp` and `spec` are the block's).
     The block's modules and parameters stay the block's: the compiled code reads them."""
 
-    def __init__(self, block: torch.nn.Module, backend):
+    def __init__(self, block: torch.nn.Module, backend, split: bool = False):
         self.block, self.attn, self.mlp, self.spec = block, block.attn, block.mlp, block.spec
         self._compiled = torch.compile(block, backend=backend)
+        self.split = split  # the backward as B and W graphs (`mist.models.weight_split`)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch._functorch.config as functorch_config  # lazy: as `compile_block`
@@ -65,9 +68,12 @@ class CompiledBlock:
         torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(x, 1)
         # past dynamo's recompile limit a block would silently run eager, unlike its prediction
+        split = (
+            functorch_config.patch(donated_buffer=False, enable_autograd_cache=False) if self.split else nullcontext()
+        )
         with (
             torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False),
-            functorch_config.patch(donated_buffer=False, enable_autograd_cache=False),
+            split,
         ):
             return self._compiled(x)
 
@@ -77,11 +83,13 @@ def is_parameter(name: str) -> bool:
     return "_parameters_" in name
 
 
-def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> CompiledBlock:
-    """`block`, compiled with Inductor, its backward as B and W (`mist.models.weight_split`).
-    `inner_compile` replaces Inductor's code generation of each partitioned graph (`compile_fx`'s
-    argument of that name: the forward, B and W), and `on_graph(gm, example_inputs)` sees
-    dynamo's graph first: the analysis's capture."""
+def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None, split: bool = False) -> CompiledBlock:
+    """`block`, compiled with Inductor; with `split`, its backward as B and W
+    (`mist.models.weight_split`). `inner_compile` replaces Inductor's code generation of each
+    partitioned graph (`compile_fx`'s argument of that name: the forward, the backward or B and
+    W), and `on_graph(gm, example_inputs)` sees dynamo's graph first: the analysis's capture."""
+    if inner_compile is None and on_graph is None and not split:
+        return CompiledBlock(block, "inductor")
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # lazy: Inductor only where blocks are compiled
 
     inner = compile_fx_inner if inner_compile is None else inner_compile
@@ -89,6 +97,8 @@ def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> 
     def backend(gm, example_inputs):
         if on_graph is not None:
             on_graph(gm, example_inputs)
+        if not split:
+            return compile_fx(gm, example_inputs, inner_compile=inner)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         weights = [i for i, name in enumerate(names) if is_parameter(name)]
         edges = tensor_edges(example_inputs)
@@ -106,4 +116,4 @@ def compile_block(block: torch.nn.Module, inner_compile=None, on_graph=None) -> 
 
         return compile_fx(gm, example_inputs, inner_compile=split_inner)
 
-    return CompiledBlock(block, backend)
+    return CompiledBlock(block, backend, split)

@@ -28,8 +28,26 @@ its checkpointed region, so that the partitioner's re-run of the region in the b
 draws with the forward's seed (kept for backward) the forward's mask.
 
 ZB-H1 splits each block's backward into the input gradient (B) and the weight gradients (W): a
-compiled block's backward is compiled as two graphs, B and the operators only the weight gradients
-need (`mist.models.weight_split`), which the schedule runs apart and the analysis prices apart.
-(Activation offload works: the runtime splits a compiled block's saved storages whole and gives
-each saved view back its strides, `mist.runtime.activations`.)
+compiled block's backward is then compiled as two graphs, B and the operators only the weight
+gradients need (`mist.models.weight_split`), which the schedule runs apart and the analysis
+prices apart (`compile_mode`). The other schedules compile the backward whole: run back to back,
+B and W would hold what B hands to W (the linears' output gradients, a norm's normalised input)
+through all of B, and could not fuse across the cut. (Activation offload works: the runtime
+splits a compiled block's saved storages whole and gives each saved view back its strides,
+`mist.runtime.activations`.)
 """
+
+from __future__ import annotations
+
+from mist.rules.zero_bubble_order import ZB_H1
+
+# how a plan's blocks run (`compile_mode`): eager (False), compiled with the backward whole (True),
+# or compiled with the backward as B and W graphs (SPLIT)
+SPLIT = "split"
+
+
+def compile_mode(compile_blocks: bool, schedule: str) -> bool | str:
+    """How the blocks of a plan with `training.compile_blocks` and `schedule` run (see above)."""
+    if not compile_blocks:
+        return False
+    return SPLIT if schedule == ZB_H1 else True

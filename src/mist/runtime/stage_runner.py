@@ -23,6 +23,7 @@ from torch import nn
 from mist.models import DecoderBlock, Embedding, Head, TPGroup
 from mist.models.checkpointing import run_block
 from mist.models.compiled import compile_block
+from mist.rules.compiled_blocks import SPLIT
 from mist.runtime.activations import SavedTensorManager
 from mist.runtime.flat import FlatUnit
 from mist.runtime.sharding import local_to_full_name
@@ -91,12 +92,14 @@ class StageRunner:
         saved: SavedTensorManager,
         autocast_dtype=None,
         keep_last_for_backward: bool = True,
-        compiled: bool = False,
+        compiled: bool | str = False,
     ):
         self.module, self.units = module, units
-        # the blocks as they run: compiled with Inductor (`training.compile_blocks`) or eager
-        self.blocks = [compile_block(b) for b in module.blocks] if compiled else list(module.blocks)
-        self.compiled = compiled
+        # the blocks as they run: compiled with Inductor (`training.compile_blocks`; under ZB-H1
+        # with the backward as B and W, `mist.rules.compiled_blocks.compile_mode`) or eager
+        split = compiled == SPLIT
+        self.blocks = [compile_block(b, split=split) for b in module.blocks] if compiled else list(module.blocks)
+        self.compiled = bool(compiled)
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
         self.selective = dict(attention=recompute_attention, activation=recompute_activation)
         self.saved = saved

@@ -21,6 +21,7 @@ from mist.models.context_parallel import local_tokens
 from mist.models.dropout import seed_dropout
 from mist.models.dtypes import torch_dtype
 from mist.plan import Offload, Plan
+from mist.rules.compiled_blocks import compile_mode
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.runtime import checkpoint, hf_weights
 from mist.runtime.activations import SavedTensorManager
@@ -125,7 +126,7 @@ class Trainer:
                 st.offload.activations,
                 self.saved,
                 autocast,
-                compiled=t.compile_blocks,
+                compiled=compile_mode(t.compile_blocks, plan.schedule),
             )
         self.schedule = self._build_schedule()
         self.optimizer = ShardedAdamW(

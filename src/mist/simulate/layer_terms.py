@@ -95,14 +95,15 @@ def layer_terms(
     selective: str | bool = False,
     sequence_parallel: bool = False,
     cp: int = 1,
-    compiled: bool = False,
+    compiled: bool | str = False,
 ) -> LayerTerms:
     """Terms at the distinct micro-batch sizes `b` (a 1-D array; evaluated once per size set),
     with the layer traced in `dtype` on the `target` device kind. `selective`: what the blocks
     that are not checkpointed whole re-run in backward ("attention", "activation", both joined by
     "+"; `mist.models.checkpointing.selective_name`); their backward then includes the re-runs.
     `sequence_parallel`: the layer traced with the TP group's sequence parallelism; `cp`: as a
-    context-parallel rank of cp; `compiled`: the blocks compiled (`mist.models.compiled`)."""
+    context-parallel rank of cp; `compiled`: the blocks compiled (`mist.models.compiled`; True, or
+    `SPLIT` with the backward as B and W, `mist.rules.compiled_blocks.compile_mode`)."""
     b = np.atleast_1d(np.asarray(b, dtype=np.float64))
     return _layer_terms(
         spec,
@@ -117,7 +118,7 @@ def layer_terms(
         selective if part == "block" else False,
         bool(sequence_parallel) and tp > 1,
         int(cp),
-        bool(compiled) and part == "block",
+        compiled if part == "block" else False,
     )
 
 
@@ -128,7 +129,7 @@ def analyses(
     selective recomputation), then for a block without it (if selective) and checkpointed whole."""
     kw = dict(spec=spec, part=part, tp=tp, flash=flash, dtype=dtype, target=target, sequence_parallel=sp, cp=cp)
     if compiled and part == "block":
-        kw["compiled"] = True
+        kw["compiled"] = compiled
     rcs = [selective or False] + ([False] if selective else []) + ([True] if part == "block" else [])
     return [AnalysisRequest(recompute=rc, **kw) for rc in rcs]
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
+from mist.rules.compiled_blocks import compile_mode
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
@@ -172,7 +173,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | 
             recompute_activation=s.recompute_activation,
             sequence_parallel=s.sequence_parallel,
             cp=s.cp,
-            compiled=t.compile_blocks,
+            compiled=compile_mode(t.compile_blocks, plan.schedule),
         )
         models.append(model)
     if plan.schedule == ZB_H1:

@@ -162,10 +162,11 @@ class StageModel:
         recompute_activation: bool = False,
         sequence_parallel: bool = False,
         cp: int = 1,
-        compiled: bool = False,
+        compiled: bool | str = False,
     ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
-        # the blocks compiled by `mist.models.compiled` (`TrainingSpec.compile_blocks`)
+        # the blocks compiled by `mist.models.compiled`, how the plan runs them
+        # (`mist.rules.compiled_blocks.compile_mode`)
         self.compiled = compiled
         # the layers as traced with the TP group's sequence parallelism (tp > 1 only), and as a
         # context-parallel rank of cp (its StageInput's dp then counts the dp × cp replicas)

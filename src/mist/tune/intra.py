@@ -120,10 +120,12 @@ class StageTables:
         precision=None,
         host_cap: float | None = None,
         cp: int = 1,
-        compiled: bool = False,
+        compiled: bool | str = False,
     ):
         self.spec, self.profile, self.seq, self.flash, self.space = spec, profile, seq, flash, space
-        self.compiled = compiled  # the blocks compiled (`training.compile_blocks`)
+        # the blocks compiled (`training.compile_blocks`), as the schedule runs them
+        # (`mist.rules.compiled_blocks.compile_mode`)
+        self.compiled = compiled
         self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
         # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it

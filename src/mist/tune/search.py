@@ -23,6 +23,7 @@ import numpy as np
 from mist.analysis.prefetch import TracePool
 from mist.hardware.host_memory import node_host_memory
 from mist.plan import Plan, StageStrategy
+from mist.rules.compiled_blocks import compile_mode
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
 from mist.simulate.plan_sim import simulate_plan
@@ -152,11 +153,16 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
                 return True
             if gpn % cp:
                 continue
-            tables = _stage_tables(sp, (pp, nodes, gpn), G, with_wg, host_cap, cp, model, cluster, training, profile)
+            mesh = (pp, nodes, gpn)
+            tables = _stage_tables(sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile)
+            # compiled blocks run ZB-H1 with their backward split (`rules.compiled_blocks`)
+            zb = tables
+            if training.compile_blocks and ZB_H1 in sp.schedules:
+                zb = _stage_tables(sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile, ZB_H1)
             for tp_fixed in _tp_loop(sp, model, gpn):
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
                 _search_interleaved(state, tables, tp_fixed, model, cluster, training)
-                _search_zero_bubble(state, tables, tp_fixed, model, cluster, training)
+                _search_zero_bubble(state, zb, tp_fixed, model, cluster, training)
             done += 1
             if progress is not None:
                 progress(done, len(combos), state.best.objective)
@@ -174,13 +180,17 @@ def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, clu
     for mesh, G in combos:
         if mesh[2] % cp:
             continue
-        tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile)
-        requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
+        for schedule in sp.schedules if training.compile_blocks else sp.schedules[:1]:
+            tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile, schedule)
+            requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
     state.pool.prefetch(requests)
 
 
-def _stage_tables(sp: SearchSpace, mesh, G: int, with_wg: bool, host_cap, cp: int, model, cluster, training, profile):
-    """The stage tables of one (pp, nodes, gpus per node) mesh and G."""
+def _stage_tables(
+    sp: SearchSpace, mesh, G: int, with_wg: bool, host_cap, cp: int, model, cluster, training, profile, schedule="1f1b"
+):
+    """The stage tables of one (pp, nodes, gpus per node) mesh and G, for `schedule` (how it runs
+    compiled blocks: `rules.compiled_blocks.compile_mode`)."""
     pp, nodes, gpn = mesh
     return StageTables(
         model,
@@ -198,7 +208,7 @@ def _stage_tables(sp: SearchSpace, mesh, G: int, with_wg: bool, host_cap, cp: in
         precision_for(training, profile),
         host_cap,
         cp,
-        training.compile_blocks,
+        compile_mode(training.compile_blocks, schedule),
     )
 
 

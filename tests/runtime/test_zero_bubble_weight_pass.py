@@ -33,24 +33,28 @@ class _Stage(torch.nn.Module):
         return self.head(x, targets)
 
 
+def _plain_then_forward(stage: _Stage, spec):
+    """The stage's parameters, their and its input's gradients from a plain backward, then a
+    fresh forward of the same batch: (params, plain, plain_x, loss, x)."""
+    params = list(stage.parameters())
+    targets = torch.randint(0, spec.vocab_size, (2, 16))
+    x0 = torch.randn(2, 16, spec.hidden_size)
+    x = x0.clone().requires_grad_()
+    stage(x, targets).backward()
+    plain = [p.grad.clone() for p in params]
+    plain_x = x.grad.clone()
+    stage.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    return params, plain, plain_x, stage(x, targets), x
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama", "falcon"])
 def test_weight_pass_reruns_no_input_gradient_node(family):
     torch.manual_seed(0)
     spec = SPECS[family]
     stage = _Stage(spec)
     init_weights(stage, seed=0)
-    params = list(stage.parameters())
-    targets = torch.randint(0, spec.vocab_size, (2, 16))
-    x0 = torch.randn(2, 16, spec.hidden_size)
-
-    x = x0.clone().requires_grad_()
-    stage(x, targets).backward()
-    plain = [p.grad.clone() for p in params]
-    plain_x = x.grad.clone()
-    stage.zero_grad(set_to_none=True)
-
-    x = x0.clone().requires_grad_()
-    loss = stage(x, targets)
+    params, plain, plain_x, loss, x = _plain_then_forward(stage, spec)
     wp = _WeightPass(loss, x, params)
     path, _ = _upward(_accumulator(x), _parents(loss.grad_fn), set())
     below = path - set(wp.nodes)  # the chain's nodes that own no parameter
@@ -88,20 +92,9 @@ def test_compiled_blocks_defer_their_weight_gradient_graph_to_w(family):
     spec = SPECS[family]
     stage = _Stage(spec)
     init_weights(stage, seed=0)
-    params = list(stage.parameters())
     block_params = [p for b in stage.blocks for p in b.parameters()]
     stage.run = [compile_block(b, split=True) for b in stage.blocks]
-    targets = torch.randint(0, spec.vocab_size, (2, 16))
-    x0 = torch.randn(2, 16, spec.hidden_size)
-
-    x = x0.clone().requires_grad_()
-    stage(x, targets).backward()
-    plain = [p.grad.clone() for p in params]
-    plain_x = x.grad.clone()
-    stage.zero_grad(set_to_none=True)
-
-    x = x0.clone().requires_grad_()
-    loss = stage(x, targets)
+    params, plain, plain_x, loss, x = _plain_then_forward(stage, spec)
     wp = _WeightPass(loss, x, params)
     gx = wp.input_grad(None, x)
     assert len(wp.deferred) == 2  # one pending weight-gradient graph per compiled block

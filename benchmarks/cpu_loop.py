@@ -69,6 +69,13 @@ SETS = {
 LIMIT_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 
+def _shown(profile: str) -> str:
+    """The profile as the results name it: its path in the repository, or that it was measured
+    for the run and kept outside it."""
+    p = Path(profile).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else "measured for this run, not committed"
+
+
 def mist(*args: str, timeout: float = 900) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run(
@@ -304,7 +311,7 @@ def main(argv=None) -> int:
     prof = json.loads(Path(profile).read_text())
     (out / "cpu_loop.md").write_text(markdown(rows, prof, a.steps))
     (out / "cpu_loop.json").write_text(
-        json.dumps({"profile": profile, "summary": summary(rows), "cases": rows}, indent=1)
+        json.dumps({"profile": _shown(profile), "summary": summary(rows), "cases": rows}, indent=1)
     )
     print(markdown(rows, prof, a.steps))
     return 0

@@ -36,7 +36,7 @@ from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
 from mist.tune.result import TuneResult, no_plan_in_budget_words
 from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
-from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble
+from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble, zb_analyses
 
 
 def _divisors(n: int) -> list[int]:
@@ -180,9 +180,11 @@ def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, clu
     for mesh, G in combos:
         if mesh[2] % cp:
             continue
-        for schedule in sp.schedules if training.compile_blocks else sp.schedules[:1]:
-            tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile, schedule)
-            requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
+        tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile)
+        requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
+        if training.compile_blocks and ZB_H1 in sp.schedules:  # its own stage tables (`_search`)
+            zb = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile, ZB_H1)
+            requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in zb_analyses(zb, tp)]
     state.pool.prefetch(requests)
 
 

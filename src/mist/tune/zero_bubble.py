@@ -57,13 +57,24 @@ def _runnable(grid) -> np.ndarray:
     return (grid.zero <= 2) & (grid.offload_weights == 0) & (grid.offload_activations == 0)
 
 
+# no selective recomputation either (`zb_h1_problem`), and no sequence parallelism
+_SEL = (False, False)
+
+
+def zb_analyses(tables, tp_fixed=None) -> list:
+    """The layer analyses (`AnalysisRequest`) the ZB-H1 options of `tables` read."""
+    if _SEL not in tables.selective_choices():
+        return []
+    return [r for tp in sorted({c[0] for c in tables.tp_choices(tp_fixed)}) for r in tables.model(tp, _SEL).analyses()]
+
+
 def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptions:
     """Frontier of stage i holding `layers` blocks under ZB-H1 (no recomputation)."""
     pp, G = tables.pp, tables.G
     first, last = i == 0, i == pp - 1
     cols: list = []
     metas: list = []
-    sel = (False, False)  # no selective recomputation either (`zb_h1_problem`), if the space has none
+    sel = _SEL
     choices = tables.tp_choices(tp_fixed) if sel in tables.selective_choices() else []
     for tp, dp, b in choices:
         grid, comp = tables.components(tp, dp, b, first, last, sel)

@@ -207,7 +207,7 @@ def _zero_bubble_results(plan: Plan, models: list, inputs: list) -> tuple[list, 
         earlier, waiting = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg.waiting_bytes)
         held = ZeroBubbleHeld(waiting, wg.grad_bytes)
         results.append(m.evaluate(replace(st, in_flight=earlier, waiting=held)))
-        w.append(float(wg.seconds[0]))
+        w.append(float(wg.with_grad_handling(results[-1].grads_per_microbatch)[0]))
     return results, _WeightGrads(np.array(w))
 
 

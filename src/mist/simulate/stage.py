@@ -108,6 +108,7 @@ class _Traffic:
     recompute: np.ndarray
     recompute_selective: np.ndarray
     grad_per_iteration: np.ndarray  # once-per-iteration gradient handling (last micro-batch)
+    grad_per_microbatch: np.ndarray  # per-micro-batch gradient handling (in `bwd`)
     g2g_fwd: np.ndarray
     c2g_fwd: np.ndarray
     g2g_bwd: np.ndarray
@@ -374,6 +375,7 @@ class StageModel:
             recompute=crc,
             recompute_selective=g(blk.recompute_selective),
             grad_per_iteration=grad_it,
+            grad_per_microbatch=grad_mb,
             g2g_fwd=np.where(sharded_w, ag_w, 0.0),
             c2g_fwd=self._h2d(k.W / k.ws * k.offload_weights),
             g2g_bwd=np.where(sharded_w, ag_w, 0.0) + np.where(sharded_g, rs_g, 0.0),
@@ -467,6 +469,7 @@ class StageModel:
             tp=tr.tp_fwd + tr.tp_bwd,
             flops=k.g(k.blk.flops_fwd) + k.g(k.blk.flops_bwd),
             channels=channels,
+            grads=tr.grad_per_microbatch,
         )
 
     # ------------------------------------------------------------------ embedding / head
@@ -504,6 +507,7 @@ class StageModel:
         g2g_s = np.where(zero >= 3, 2 * agp, 0.0) + np.where(zero >= 2, rsp, 0.0)
         stable = self._overlap(f_c + b_c - tpp, g2g_s, 0.0, 0.0) + tpp
         acc["stable"] += stable
+        acc["grads"] += grad_mb
         acc["compute"] += f_c + b_c - tpp
         acc["tp"] += tpp
         acc["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)

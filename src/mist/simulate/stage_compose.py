@@ -74,6 +74,7 @@ def compose(
         first_extra=X,
         last_extra=Y,
         saved_per_microbatch=mem.saved_per_microbatch,
+        grads_per_microbatch=layers * comp.layer.grads + comp.ends.grads + 0 * T,
         saved_peak=mem.saved_peak,
         host=mem.host,
         detail_of=detail,

@@ -74,6 +74,9 @@ class StageResult:
     first_extra: np.ndarray  # the first micro-batch's extra forward time
     last_extra: np.ndarray  # the last micro-batch's extra backward time
     saved_per_microbatch: np.ndarray  # activations one in-flight micro-batch keeps
+    # the per-micro-batch gradient handling in T (the flat units' adds or copies of the
+    # parameters' gradients): under ZB-H1 part of W, where the parameters' gradients appear
+    grads_per_microbatch: np.ndarray
     saved_peak: np.ndarray  # saved activations on the device at most: every in-flight
     #                                 micro-batch's and the current one's, with the head's (last stage)
     host: dict  # host-memory bytes per GPU: state_bytes (offloaded tails),
@@ -150,6 +153,7 @@ class LayerAccounts:
     tp: np.ndarray  # TP collectives (forward + backward)
     flops: np.ndarray
     channels: LayerChannels
+    grads: np.ndarray  # the per-micro-batch gradient handling its backward includes
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class EndTerms:
     tp: np.ndarray
     fwd: np.ndarray  # the forward share of `stable`
     flops: np.ndarray
+    grads: np.ndarray  # the per-micro-batch gradient handling `stable` includes
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,12 @@ class StageWeightGrad:
         """What a micro-batch waiting for its W holds beside the stage's saved activations."""
         return self.grad_bytes + self.head_saved_bytes
 
+    def with_grad_handling(self, grads_per_microbatch) -> np.ndarray:
+        """W's seconds with the gradient handling the parameters' gradients trigger (the flat
+        units' per-micro-batch adds or copies, `StageResult.grads_per_microbatch`): the runtime
+        runs it where they appear, in W, not in B."""
+        return self.seconds + np.asarray(grads_per_microbatch, dtype=np.float64)
+
 
 def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> StageWeightGrad:
     """W of one micro-batch of a stage of `model` (a `simulate.stage.StageModel`), vectorized

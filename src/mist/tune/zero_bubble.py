@@ -90,7 +90,7 @@ def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptio
             continue
         si, ci = np.nonzero(ok)
         T, F = r.T[si, ci], r.fwd[si, ci]
-        W = np.minimum(np.full(T.shape, float(wg.seconds[0])), T - F)
+        W = np.minimum(wg.with_grad_handling(r.grads_per_microbatch[si, ci]), T - F)
         cols.append((T, F, r.first_extra[si, ci], r.last_extra[si, ci], T - F - W, W))
         metas.append((tp, dp, b, sel, grid, si, np.zeros(len(si), dtype=int)))
     if not cols:

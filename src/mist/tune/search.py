@@ -155,10 +155,7 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
                 continue
             mesh = (pp, nodes, gpn)
             tables = _stage_tables(sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile)
-            # compiled blocks run ZB-H1 with their backward split (`rules.compiled_blocks`)
-            zb = tables
-            if training.compile_blocks and ZB_H1 in sp.schedules:
-                zb = _stage_tables(sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile, ZB_H1)
+            zb = _zero_bubble_tables(tables, sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile)
             for tp_fixed in _tp_loop(sp, model, gpn):
                 _search_tables(state, tables, tp_fixed, model, cluster, training)
                 _search_interleaved(state, tables, tp_fixed, model, cluster, training)
@@ -182,8 +179,8 @@ def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, clu
             continue
         tables = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile)
         requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in tables.analyses(tp)]
-        if training.compile_blocks and ZB_H1 in sp.schedules:  # its own stage tables (`_search`)
-            zb = _stage_tables(sp, mesh, G, False, None, cp, model, cluster, training, profile, ZB_H1)
+        zb = _zero_bubble_tables(tables, sp, mesh, G, False, None, cp, model, cluster, training, profile)
+        if zb is not tables:  # (the same tables' analyses are requested above)
             requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in zb_analyses(zb, tp)]
     state.pool.prefetch(requests)
 
@@ -212,6 +209,26 @@ def _stage_tables(
         cp,
         compile_mode(training.compile_blocks, schedule),
     )
+
+
+def _zero_bubble_tables(
+    tables: StageTables,
+    sp: SearchSpace,
+    mesh,
+    G: int,
+    with_wg: bool,
+    host_cap,
+    cp: int,
+    model,
+    cluster,
+    training,
+    profile,
+) -> StageTables:
+    """The stage tables ZB-H1 is searched in: `tables` (those of the other schedules), or, for
+    compiled blocks, their own, whose blocks compile the backward split (`rules.compiled_blocks`)."""
+    if not training.compile_blocks or ZB_H1 not in sp.schedules:
+        return tables
+    return _stage_tables(sp, mesh, G, with_wg, host_cap, cp, model, cluster, training, profile, ZB_H1)
 
 
 def _tp_loop(sp: SearchSpace, model, gpn: int) -> list:

@@ -43,7 +43,7 @@ TINY_SETUP = gpu_loop.Setup(
     dtype="fp32",
     gpu="cpu",
     device="cpu",
-    kernel_blocks=((TINY, 2), ({**TINY, "family": "gpt", "bias": True}, 1)),
+    kernel_blocks=((TINY, 2), ({**TINY, "family": "gpt", "bias": True}, 1), (TINY, 2, 2)),
 )
 
 
@@ -53,7 +53,7 @@ def report(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
     try:
-        res = gpu_loop.run_loop(out, TINY_SETUP, budget_s=160, skip=frozenset({"profile"}))
+        res = gpu_loop.run_loop(out, TINY_SETUP, budget_s=260, skip=frozenset({"profile"}))
         slow = gpu_loop.make_plan(TINY, seq=16, global_batch=4, micro_batch=2, gpu="cpu", dtype="fp32")
         res["plans"].append(gpu_loop.run_plan("too slow", slow, 500, 0.3, "cpu", start_method="fork", threads=1))
     finally:
@@ -84,7 +84,11 @@ def test_the_loop_records_runs_timeouts_and_the_bare_loop(report):
 def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
     res, md, _, _ = report
     rows = res["kernels"]
-    assert [(r["model"], r["b"], r["status"]) for r in rows] == [("tiny-llama", 2, "ok"), ("tiny-llama", 1, "ok")]
+    assert [(r["model"], r["b"], r["tp"], r["status"]) for r in rows] == [
+        ("tiny-llama", 2, 1, "ok"),
+        ("tiny-llama", 1, 1, "ok"),
+        ("tiny-llama", 2, 2, "ok"),
+    ]
     for r in rows:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwd_unit_weights_ms"] > 0
         assert any("mm" in name for name in r["fwd_unit_weights"])
@@ -100,9 +104,16 @@ def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
         assert lin["m"] == 16 * (2 if lin in llama else 1) and lin["k"] in (64, 128, 256)
         assert min(lin["as_called_ms"], lin["random_weights_ms"]) > 0
         assert (lin["no_bias_ms"] is not None) == lin["bias_in_gemm"] and (lin["no_bias_ms"] or 1) > 0
+    # rank 0's shard of 2: its column-parallel layers give half the outputs, row-parallel take half
+    # the inputs
+    shard = {lin["name"]: (lin["n"], lin["k"]) for lin in rows[2]["linears"]}
+    whole = {lin["name"]: (lin["n"], lin["k"]) for lin in llama}
+    assert shard.keys() == whole.keys()
+    assert sorted(n * k for n, k in shard.values()) == sorted(n * k // 2 for n, k in whole.values())
     section = md.split("## Kernels of single blocks")[1]
-    assert section.count("| linear |") == 2 and section.count("(bias in the GEMM)") == 2
-    assert section.count("- fwd with N(0, 1) weight matrices: ") == 2
+    assert section.count("| linear |") == 3 and section.count("(bias in the GEMM)") == 2
+    assert section.count("- fwd with N(0, 1) weight matrices: ") == 3
+    assert "### tiny-llama b 2, tensor-parallel shard 1 of 2" in section
 
 
 def test_the_dropout_phase_compares_compiled_and_eager_masks(report):

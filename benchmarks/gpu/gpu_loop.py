@@ -1,31 +1,38 @@
 """The one-shot GPU loop: one run on a machine with one CUDA GPU (an H200), everything under $OUT.
 
-    OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 490] [--profile-budget 240]
-        [--skip profile,plans,bare,kernels,dropout]
+    OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 550] [--profile-budget 240]
+        [--skip plans,bare,kernels,split,profile,dropout]
 
-Phases, in this order; each saves $OUT/gpu_loop.json as it goes (a plan in flight is marked
-"running"), so a run cut short still leaves what it measured; a failing part is recorded with its
-error string and the loop goes on:
+Phases, in this order (the plans first: they are what the loop is for); each saves
+$OUT/gpu_loop.json as it goes (a plan in flight is marked "running"), so a run cut short still
+leaves what it measured; a failing part is recorded with its error string and the loop goes on:
 
-1. profile  `python -m mist profile --device cuda --processes 1 --time-budget 240
-            -o $OUT/h200-profile.json` (log: $OUT/profile.log). With one process the collectives
-            share (27 %) of the budget goes unused: about 175 s of measuring + ~15 s start.
-2. plans    llama-1.3b, seq 2048, global batch 8 = micro-batch 4 × G 2, bf16, flash attention,
+1. plans    llama-1.3b, seq 2048, global batch 8 = micro-batch 4 × G 2, bf16, flash attention,
             eager blocks and (the second plan) Inductor-compiled ones, through
             `mist.runtime.spawn_local` for 5 steps each; the runtime's metrics dict per
             plan. About 30–40 s a plan (worker start, 1.3B-parameter init, 5 steps); optimizer
             offload takes about twice as long, so it runs last.
-3. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
+2. bare     the same model in a bare PyTorch loop (bf16 model, fp32 master weights, fused AdamW):
             mean/median step time and peak memory, for the runtime-overhead comparison. ~15 s.
-4. kernels  single decoder blocks where `mist estimate` misses most on the H200 (GPT-3 7B at
-            micro-batch 4: forward +15 %; GPT-3 1.3B at 1: −21 %; Llama 3 8B at 4), each pass under
-            torch.profiler: every kernel's count and device time; the forward once more with
-            standard-normal weight matrices (the GEMM table's data) instead of N(0, 0.02). And
-            each of the block's linear layers timed alone at its own shape: as the block calls
-            it, without its bias, and with standard-normal weights — the GEMM table (`F.linear`,
-            no bias, random data) prices the first. ~25 s.
-
-5. dropout  a rank's own attention dropout (tensor-parallel rank 0 of 2, materialised attention, a
+3. kernels  single decoder blocks where `mist estimate` misses most on the H200 (GPT-3 7B at
+            micro-batch 4: forward +15 %; GPT-3 1.3B at 1: −21 %; Llama 3 8B at 4; a Llama 3 8B
+            tensor-parallel shard, 1 of 4, at 1), each pass under torch.profiler: every kernel's
+            count and device time; the forward once more with standard-normal weight matrices
+            (the GEMM table's data) instead of N(0, 0.02). And each of the block's linear layers
+            timed alone at its own shape: as the block calls it, without its bias, and with
+            standard-normal weights — the GEMM table (`F.linear`, no bias, random data) prices
+            the first. ~30 s.
+4. split    a llama-1.3b block at the plans' shape compiled by Inductor with its backward split
+            into B and W (what ZB-H1 runs with compiled blocks) and whole: B then W and the
+            whole compiled backward against eager (max |diff| / max |eager| per gradient),
+            whether B left every weight gradient to W, and the times of the eager and the whole
+            backward, of B and of W. ~40 s, most of it compiling.
+5. profile  `python -m mist profile --device cuda --processes 1 --time-budget B
+            -o $OUT/h200-profile.json` (log: $OUT/profile.log), B = what is left less the dropout
+            phase's reserve and a grace to stop it, at most 240 (--profile-budget). With one
+            process the collectives' share (27 %) of the budget goes unused: at 240, about 175 s
+            of measuring + ~15 s start.
+6. dropout  a rank's own attention dropout (tensor-parallel rank 0 of 2, materialised attention, a
             tiny GPT) run eager and compiled by Inductor on the device, its attention core as
             computed and recomputed in a checkpointed region (which the compiled backward re-runs
             with the seed its forward took), in fp32: the largest difference of the output and
@@ -34,10 +41,11 @@ error string and the loop goes on:
             `mist::rank_seed`, a host scalar, and `mist::seeded_dropout` under Inductor's device
             backend). ~30 s, most of it compiling.
 
-The whole run is held to --budget seconds (490, about 8 minutes): a plan gets what is left after
-the reserves for the bare loop, the kernel and the dropout phases and is stopped (its worker terminated) when that runs out; plans that
-cannot get MIN_PLAN_S are skipped. No simulator runs here: `report_gpu_loop.py` predicts the plans
-afterwards on the fetched files (the tracer's symbolic shapes are not reliable under torch 2.11).
+The whole run is held to --budget seconds (550, about 9 minutes): a plan gets what is left after
+the reserves for the later phases (the profile's least budget among them) and is stopped (its
+worker terminated) when that runs out; plans that cannot get MIN_PLAN_S are skipped. No simulator
+runs here: `report_gpu_loop.py` predicts the plans afterwards on the fetched files (the tracer's
+symbolic shapes are not reliable under torch 2.11).
 """
 
 from __future__ import annotations
@@ -63,11 +71,13 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 MODEL, SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = "llama-1.3b", 2048, 8, 4, 5
-TOTAL_BUDGET_S = 490.0  # the whole run
+TOTAL_BUDGET_S = 550.0  # the whole run
 PROFILE_BUDGET_S = 240.0  # `mist profile --time-budget`
-PROFILE_GRACE_S = 90.0  # the profile subprocess is stopped at its budget + this
+PROFILE_GRACE_S = 30.0  # the profile subprocess is stopped at its budget + this
+PROFILE_MIN_S = 100.0  # kept for the profile while the phases before it run
 BARE_RESERVE_S = 40.0  # kept for the bare loop while plans run
 KERNELS_RESERVE_S = 30.0  # kept for the kernel phase while plans and the bare loop run
+SPLIT_RESERVE_S = 60.0  # kept for the split-backward phase while the phases before it run
 DROPOUT_RESERVE_S = 40.0  # kept for the dropout phase while the phases before it run
 MIN_PLAN_S = 25.0  # a plan is skipped when less than this is left for it
 PLAN_CAP_S = 150.0  # no plan runs longer than this
@@ -85,8 +95,9 @@ PLANS = [
     ("optimizer offload 1.0", lambda n: {"offload": {"optimizer": 1.0}}),
 ]
 PLAIN = PLANS[0][0]
-# (preset, micro-batch) of the kernel phase: the H200 blocks `mist estimate` misses most
-KERNEL_BLOCKS = (("gpt3-7b", 4), ("gpt3-1.3b", 1), ("llama3-8b", 4))
+# (preset, micro-batch[, tensor-parallel size]) of the kernel phase: the H200 blocks `mist estimate`
+# misses most; a TP entry runs rank 0's shard alone (its collectives skipped: no process group)
+KERNEL_BLOCKS = (("gpt3-7b", 4), ("gpt3-1.3b", 1), ("llama3-8b", 4), ("llama3-8b", 1, 4))
 
 
 # ---------------------------------------------------------------------------- bookkeeping
@@ -178,7 +189,7 @@ def environment() -> dict:
     return env
 
 
-# ---------------------------------------------------------------------------- phase 1: profile
+# ---------------------------------------------------------------------------- phase 5: profile
 def profile_command(
     path: Path, budget_s: float, device: str = "cuda", cli: bool | None = None
 ) -> tuple[list[str], str]:
@@ -250,7 +261,7 @@ def run_profile_phase(
     return row
 
 
-# ---------------------------------------------------------------------------- phase 2: plans
+# ---------------------------------------------------------------------------- phase 1: plans
 def make_plan(
     model=MODEL,
     seq: int = SEQ,
@@ -316,7 +327,7 @@ def run_plan(name: str, plan, steps: int, limit_s: float, device_type: str = "cu
     return row
 
 
-# ---------------------------------------------------------------------------- phase 3: bare loop
+# ---------------------------------------------------------------------------- phase 2: bare loop
 def init_weights(module) -> None:
     """Matrices N(0, 0.02), norm weights 1, biases 0 (the bare loop's model, the kernel phase's
     blocks)."""
@@ -401,7 +412,7 @@ def bare_loop(
     }
 
 
-# ---------------------------------------------------------------------------- phase 4: kernels
+# ---------------------------------------------------------------------------- phase 3: kernels
 def _timed(fn, cuda: bool, reps: int = 10, warm: int = 3) -> float:
     """Median seconds of fn() run alone (synchronised before and after each call)."""
     import torch
@@ -429,8 +440,9 @@ def _kernel_table(prof, cuda: bool, reps: int) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
 
 
-def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 5) -> dict:
-    """One decoder block of `model`: each pass's kernels under torch.profiler, and each linear
+def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 5, tp: int = 1) -> dict:
+    """One decoder block of `model` (rank 0's shard of `tp`, its collectives skipped): each pass's
+    kernels under torch.profiler, and each linear
     layer alone at its own shape: as the block calls it (its weights N(0, 0.02), the input
     standard normal, like a normalised activation), without its bias where the GEMM takes one,
     and with standard-normal weights (as the GEMM table was measured)."""
@@ -439,6 +451,7 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
     from torch.profiler import ProfilerActivity, profile
 
     from mist.models import DecoderBlock
+    from mist.models.collectives import TPGroup
     from mist.models.dtypes import torch_dtype
     from mist.models.linear import ColumnParallelLinear, RowParallelLinear
     from mist.specs.loading import load_model, load_model_dict
@@ -447,7 +460,7 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
     dev, dt = torch.device(device), torch_dtype(dtype)
     cuda = dev.type == "cuda"
     torch.manual_seed(0)
-    blk = DecoderBlock(spec, None, True, dt, dev)
+    blk = DecoderBlock(spec, TPGroup(tp, 0), True, dt, dev)
     init_weights(blk)
     x = torch.randn(b, seq, spec.hidden_size, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn_like(x)
@@ -462,7 +475,7 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
                 torch.cuda.synchronize()
         return _kernel_table(prof, cuda, reps)
 
-    row: dict = {"model": spec.name, "b": b, "seq": seq}
+    row: dict = {"model": spec.name, "b": b, "tp": tp, "seq": seq}
     row["fwd_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
     row["fwd"] = kernels(lambda: blk(x))
     timed = [blk(x) for _ in range(reps + 3)]  # one forward graph per timed backward
@@ -504,24 +517,26 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
 
 def kernels_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
     res["kernels"] = []
-    for model, b in su.kernel_blocks:
+    for model, b, *rest in su.kernel_blocks:
+        tp = rest[0] if rest else 1
+        name = model if isinstance(model, str) else model.get("name", "?")
         if clock.left() < 5:
-            res["kernels"].append({"model": str(model), "b": b, "status": "skipped", "error": "no time left"})
+            res["kernels"].append({"model": name, "b": b, "tp": tp, "status": "skipped", "error": "no time left"})
             continue
         t0 = time.perf_counter()
         try:
-            row = with_time_limit(clock.left(), lambda: block_kernels(model, b, su.seq, su.device, su.dtype))
+            row = with_time_limit(clock.left(), lambda: block_kernels(model, b, su.seq, su.device, su.dtype, tp=tp))
             row["status"] = "ok"
         except TimeLimit as e:
-            row = {"model": str(model), "b": b, "status": "timeout", "error": str(e)}
+            row = {"model": name, "b": b, "tp": tp, "status": "timeout", "error": str(e)}
         except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
-            row = {"model": str(model), "b": b, "status": "error", "error": error_text(e)}
+            row = {"model": name, "b": b, "tp": tp, "status": "error", "error": error_text(e)}
         row["wall_s"] = time.perf_counter() - t0
         res["kernels"].append(row)
         save(out, res)
         log(
             out,
-            f"kernels {row['model']} b {b}: {row['status']}"
+            f"kernels {row['model']} b {b} tp {tp}: {row['status']}"
             + (f", fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms" if row["status"] == "ok" else ""),
         )
         if su.device == "cuda":
@@ -530,7 +545,132 @@ def kernels_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
             torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------- phase 5: rank dropout
+# ---------------------------------------------------------------------------- phase 4: split backward
+def _close(a, b) -> float:
+    """max |a − b| / max |b|: a tensor's difference relative to its scale."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def split_backward_check(model, b: int, seq: int, device: str, dtype: str, reps: int = 5) -> dict:
+    """One decoder block of `model` compiled by Inductor with its backward split into B and W
+    (`compile_block(split=True)`, what ZB-H1 runs) and whole (`compile_block`): the gradients of
+    B then W and of the whole compiled backward against eager (max |diff| / max |eager|, the
+    input's and each parameter's), whether B left every parameter's gradient to W, and the median
+    times of the eager and the whole compiled backward, of B and of W (each after a fresh forward)."""
+    import torch
+
+    from mist.models import DecoderBlock
+    from mist.models.collectives import TPGroup
+    from mist.models.compiled import compile_block
+    from mist.models.dtypes import torch_dtype
+    from mist.runtime.zero_bubble import _WeightPass
+    from mist.specs.loading import load_model, load_model_dict
+
+    spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
+    dev, dt = torch.device(device), torch_dtype(dtype)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    blk = DecoderBlock(spec, TPGroup(), True, dt, dev)
+    init_weights(blk)
+    params = list(blk.parameters())
+    x0 = torch.randn(b, seq, spec.hidden_size, device=dev, dtype=dt)
+    g = torch.randn_like(x0)
+
+    def collect(x) -> list:
+        out = [x.grad.detach().clone()] + [q.grad.detach().clone() for q in params]
+        blk.zero_grad(set_to_none=True)
+        return out
+
+    def plain(fn) -> list:
+        x = x0.clone().requires_grad_(True)
+        fn(x).backward(g)
+        return collect(x)
+
+    whole, split = compile_block(blk), compile_block(blk, split=True)
+    row: dict = {"model": spec.name, "b": b, "seq": seq, "params": len(params)}
+    t0 = time.perf_counter()
+    eager = plain(blk)
+    compiled = plain(whole)
+    row["compile_whole_s"] = time.perf_counter() - t0
+    b_left_all, deferred = True, 0
+
+    def b_then_w(timed: dict | None = None) -> list:
+        nonlocal b_left_all, deferred
+        x = x0.clone().requires_grad_(True)
+        y = split(x)
+        wp = _WeightPass(y, x, params)
+        sync()
+        t = time.perf_counter()
+        x.grad = wp.input_grad(g, x)
+        sync()
+        t_b = time.perf_counter() - t
+        deferred = len(wp.deferred)
+        b_left_all = b_left_all and all(q.grad is None for q in params)
+        t = time.perf_counter()
+        wp.weight_grads()
+        sync()
+        if timed is not None:
+            timed["B"].append(t_b)
+            timed["W"].append(time.perf_counter() - t)
+        return collect(x)
+
+    t0 = time.perf_counter()
+    split_grads = b_then_w()
+    row["compile_split_s"] = time.perf_counter() - t0
+    names = ["input"] + [n for n, _ in blk.named_parameters()]
+    row["whole_vs_eager"] = {n: _close(c, e) for n, c, e in zip(names, compiled, eager)}
+    row["split_vs_eager"] = {n: _close(c, e) for n, c, e in zip(names, split_grads, eager)}
+    row["split_vs_whole"] = {n: _close(c, e) for n, c, e in zip(names, split_grads, compiled)}
+    row["b_left_every_weight_gradient_to_w"] = b_left_all
+    row["deferred_w_graphs"] = deferred
+
+    def backward_time(fn) -> float:
+        ys = [fn(x0.clone().requires_grad_(True)) for _ in range(reps + 2)]
+        t = _timed(lambda: ys.pop().backward(g), cuda, reps=reps, warm=2)
+        blk.zero_grad(set_to_none=True)
+        return t
+
+    row["eager_bwd_ms"] = 1e3 * backward_time(blk)
+    row["whole_bwd_ms"] = 1e3 * backward_time(whole)
+    timed: dict = {"B": [], "W": []}
+    for _ in range(reps + 2):
+        b_then_w(timed)
+    row["B_ms"] = 1e3 * statistics.median(timed["B"][2:])
+    row["W_ms"] = 1e3 * statistics.median(timed["W"][2:])
+    return row
+
+
+def split_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
+    t0 = time.perf_counter()
+    try:
+        row = with_time_limit(
+            clock.left(), lambda: split_backward_check(su.model, su.micro_batch, su.seq, su.device, su.dtype)
+        )
+        row["status"] = "ok"
+    except TimeLimit as e:
+        row = {"status": "timeout", "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+        row = {"status": "error", "error": error_text(e)}
+    row["wall_s"] = time.perf_counter() - t0
+    res["split_backward"] = row
+    save(out, res)
+    log(
+        out,
+        f"split backward: {row['status']} in {row['wall_s']:.0f} s"
+        + (
+            f", whole {row['whole_bwd_ms']:.2f} ms, B {row['B_ms']:.2f} ms + W {row['W_ms']:.2f} ms"
+            if row["status"] == "ok"
+            else f": {str(row.get('error', ''))[-300:]}"
+        ),
+    )
+    if su.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- phase 6: rank dropout
 DROPOUT_MODEL = {
     "name": "tiny-gpt-dropout",
     "family": "gpt",
@@ -707,7 +847,7 @@ def run_loop(
     profile_budget_s: float = PROFILE_BUDGET_S,
     skip: frozenset = frozenset(),
 ) -> dict:
-    """The five phases into out/gpu_loop.json (saved after every step); returns the results."""
+    """The six phases into out/gpu_loop.json (saved after every step); returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(budget_s)
     res = {
@@ -721,27 +861,46 @@ def run_loop(
         "plans": [],
         "bare_loop": None,
         "kernels": None,
+        "split_backward": None,
         "dropout": None,
     }
     save(out, res)
     log(out, f"{res['env'].get('device', su.device)} torch {res['env']['torch']}; budget {budget_s:.0f} s")
-    last = 0.0 if "dropout" in skip else DROPOUT_RESERVE_S
-    later = last + (0.0 if "kernels" in skip else KERNELS_RESERVE_S)
-    reserve = later + (0.0 if "bare" in skip else BARE_RESERVE_S)
-    if "profile" not in skip:
-        limit = min(profile_budget_s + PROFILE_GRACE_S, clock.left() - reserve - 2 * MIN_PLAN_S)
-        res["profile"] = {"status": "running", "started": now()}
-        save(out, res)
-        log(out, f"profile: --time-budget {profile_budget_s:g} (stopped after {limit:.0f} s)")
-        res["profile"] = run_profile_phase(out, profile_budget_s, limit, su.device)
-        save(out, res)
-        log(out, f"profile: {res['profile']['status']} in {res['profile']['wall_s']:.0f} s")
+    # each phase runs on what is left less the reserves of the phases after it
+    order = ("plans", "bare", "kernels", "split", "profile", "dropout")
+    reserves = {
+        "plans": 0.0,
+        "bare": BARE_RESERVE_S,
+        "kernels": KERNELS_RESERVE_S,
+        "split": SPLIT_RESERVE_S,
+        "profile": PROFILE_MIN_S + PROFILE_GRACE_S,
+        "dropout": DROPOUT_RESERVE_S,
+    }
+
+    def after(phase: str) -> float:
+        return sum(reserves[q] for q in order[order.index(phase) + 1 :] if q not in skip)
+
     if "plans" not in skip:
-        plans_phase(out, res, su, clock, reserve)
+        plans_phase(out, res, su, clock, after("plans"))
     if "bare" not in skip:
-        bare_phase(out, res, su, clock, later)
+        bare_phase(out, res, su, clock, after("bare"))
     if "kernels" not in skip:
-        kernels_phase(out, res, su, Clock(clock.left() - last))
+        kernels_phase(out, res, su, Clock(clock.left() - after("kernels")))
+    if "split" not in skip:
+        split_phase(out, res, su, Clock(clock.left() - after("split")))
+    if "profile" not in skip:
+        # what is left, less the dropout phase's reserve: the profile's budget and a grace to stop it
+        limit = clock.left() - after("profile")
+        budget = min(profile_budget_s, limit - PROFILE_GRACE_S)
+        if budget < min(profile_budget_s, PROFILE_MIN_S / 2):
+            res["profile"] = {"status": "skipped", "error": f"only {max(0.0, limit):.0f} s left"}
+        else:
+            res["profile"] = {"status": "running", "started": now()}
+            save(out, res)
+            log(out, f"profile: --time-budget {budget:.0f} (stopped after {limit:.0f} s)")
+            res["profile"] = run_profile_phase(out, round(budget), limit, su.device)
+        save(out, res)
+        log(out, f"profile: {res['profile']['status']} in {res['profile'].get('wall_s', 0):.0f} s")
     if "dropout" not in skip:
         dropout_phase(out, res, su, clock)
     res["finished"] = now()
@@ -756,7 +915,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="Seconds for the whole run.")
     ap.add_argument("--profile-budget", type=float, default=PROFILE_BUDGET_S)
     ap.add_argument(
-        "--skip", default="", help="Comma-separated phases to skip: profile, plans, bare, kernels, dropout."
+        "--skip", default="", help="Comma-separated phases to skip: plans, bare, kernels, split, profile, dropout."
     )
     a = ap.parse_args(argv)
 

@@ -247,7 +247,8 @@ def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:
     `profile`'s GEMM table prices that shape at."""
     out = ["## Kernels of single blocks", ""]
     for r in rows:
-        head = f"### {r.get('model')} b {r.get('b')}"
+        tp = r.get("tp", 1)
+        head = f"### {r.get('model')} b {r.get('b')}" + (f", tensor-parallel shard 1 of {tp}" if tp > 1 else "")
         if r.get("status") != "ok":
             out += [head, "", f"{r.get('status')}: {last_line(r.get('error'))}", ""]
             continue

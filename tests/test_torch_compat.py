@@ -31,43 +31,44 @@ def test_every_name_is_there():
         tc.no_such_name  # noqa: B018
 
 
-@pytest.mark.skipif(not tc.HAS_FUSED_ADAM, reason="this PyTorch has no torch._fused_adam_")
-def test_fused_adam_is_one_adamw_step():
-    """Three steps of `fused_adam_` give torch.optim.AdamW's (single-tensor, weight decay 0)."""
+@pytest.mark.skipif(not tc.HAS_FUSED_ADAM, reason="this PyTorch has no torch._fused_adamw_")
+def test_fused_adamw_is_one_adamw_step():
+    """Three steps of `fused_adamw_` over two tensors give torch.optim.AdamW's (single-tensor,
+    unfused): one with weight decay, one without."""
     _check_fused_adam(torch.device("cpu"))
 
 
 @pytest.mark.gpu
-def test_fused_adam_on_cuda_is_one_adamw_step():
+def test_fused_adamw_on_cuda_is_one_adamw_step():
     _check_fused_adam(torch.device("cuda"))
 
 
 def _check_fused_adam(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(257, generator=gen).to(device)
-    grads = [torch.randn(257, generator=gen).to(device) for _ in range(3)]
     hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    for wd, n in ((0.1, 257), (0.0, 31)):
+        p0 = torch.randn(n, generator=gen).to(device)
+        grads = [torch.randn(n, generator=gen).to(device) for _ in range(3)]
+        p, m, v = p0.clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
+        for step, g in enumerate(grads, start=1):
+            tc.fused_adamw_([p], [g], [m], [v], step=step, weight_decay=wd, **hp)
 
-    p, m, v = p0.clone(), torch.zeros(257, device=device), torch.zeros(257, device=device)
-    for step, g in enumerate(grads, start=1):
-        tc.fused_adam_(p, g, m, v, step=step, **hp)
-
-    ref = p0.clone().requires_grad_(True)
-    opt = torch.optim.AdamW(
-        [ref],
-        lr=hp["lr"],
-        betas=(hp["beta1"], hp["beta2"]),
-        eps=hp["eps"],
-        weight_decay=0.0,
-        foreach=False,
-        fused=False,
-    )
-    for g in grads:
-        ref.grad = g.clone()
-        opt.step()
-    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+        ref = p0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW(
+            [ref],
+            lr=hp["lr"],
+            betas=(hp["beta1"], hp["beta2"]),
+            eps=hp["eps"],
+            weight_decay=wd,
+            foreach=False,
+            fused=False,
+        )
+        for g in grads:
+            ref.grad = g.clone()
+            opt.step()
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
 
 
 def test_fake_tensors_with_symbolic_sizes():

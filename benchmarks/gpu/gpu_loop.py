@@ -1,7 +1,7 @@
 """The one-shot GPU loop: one run on a machine with one CUDA GPU (an H200), everything under $OUT.
 
     OUT=/some/folder python benchmarks/gpu/gpu_loop.py [--budget 550] [--profile-budget 240]
-        [--skip plans,bare,kernels,split,profile,dropout]
+        [--skip plans,bare,kernels,split,profile,dropout] [--steps 5] [--plans NAME,...]
 
 Phases, in this order (the plans first: they are what the loop is for); each saves
 $OUT/gpu_loop.json as it goes (a plan in flight is marked "running"), so a run cut short still
@@ -757,6 +757,7 @@ class Setup:
     gpu: str = "h200"  # the plan's cluster.gpu
     device: str = "cuda"
     kernel_blocks: tuple = KERNEL_BLOCKS  # (model, micro-batch) of the kernel phase
+    plans: tuple | None = None  # the names of the PLANS to run (None: all)
 
 
 class Clock:
@@ -776,6 +777,8 @@ def plans_phase(out: Path, res: dict, su: Setup, clock: Clock, reserve_s: float)
         model=su.model, seq=su.seq, global_batch=su.global_batch, micro_batch=su.micro_batch, gpu=su.gpu, dtype=su.dtype
     )
     for name, stage in PLANS:
+        if su.plans is not None and name not in su.plans:
+            continue
         limit = min(PLAN_CAP_S, clock.left() - reserve_s)
         try:
             plan = make_plan(**shape, **stage(spec.num_layers))
@@ -917,7 +920,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--skip", default="", help="Comma-separated phases to skip: plans, bare, kernels, split, profile, dropout."
     )
+    ap.add_argument("--steps", type=int, default=STEPS, help="Training steps per plan (the first one warms up).")
+    ap.add_argument("--plans", default="", help="Comma-separated names of the plans to run (default: all).")
     a = ap.parse_args(argv)
+    names = tuple(n.strip() for n in a.plans.split(",") if n.strip()) or None
+    unknown = sorted(set(names or ()) - {n for n, _ in PLANS})
+    if unknown or a.steps < 2:
+        what = f"unknown plan(s) {', '.join(unknown)}" if unknown else f"--steps {a.steps} (at least 2)"
+        print(f"gpu_loop.py: {what}; the plans are: {', '.join(n for n, _ in PLANS)}.", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -929,7 +940,7 @@ def main(argv=None) -> int:
         return 2
     run_loop(
         Path(os.environ["OUT"]).resolve(),
-        Setup(),
+        Setup(steps=a.steps, plans=names),
         a.budget,
         a.profile_budget,
         frozenset(s.strip() for s in a.skip.split(",") if s.strip()),

@@ -220,7 +220,10 @@ def markdown(
     if profile_summary:
         out += ["", profile_summary]
     if data.get("kernels") and gemm_profile is not None:
-        out += ["", *kernels_section(data["kernels"], gemm_profile)]
+        blocks = [b[0] for b in setup.get("kernel_blocks", ())]
+        out += ["", *kernels_section(data["kernels"], gemm_profile, blocks)]
+    if data.get("split_backward"):
+        out += ["", *split_section(data["split_backward"])]
     if data.get("dropout"):
         out += ["", *dropout_section(data["dropout"])]
     return "\n".join(out) + "\n"
@@ -241,18 +244,39 @@ def dropout_section(row: dict) -> list[str]:
     return out
 
 
-def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:
-    """Phase 4: each block's passes (time, the kernels' device time, the largest kernels) and its
-    linear layers alone: as the block calls them, without bias, with random weights, and what
-    `profile`'s GEMM table prices that shape at."""
+def block_estimate(model, b: int, seq: int, tp: int, profile) -> tuple[float, float] | None:
+    """`mist estimate`'s (forward, backward) compute time in ms of one block of `model` (a preset
+    name or a model mapping) at micro-batch b, as rank 0's shard of `tp`; None where it fails."""
+    from mist.simulate.estimate import estimate
+    from mist.specs.loading import load_model, load_model_dict
+
+    try:
+        spec = load_model(model) if isinstance(model, str) else load_model_dict(model, source="model")
+        lay = estimate(spec, profile, seq, b, tp=tp).layer
+    except Exception:  # noqa: BLE001 - the table says "–"
+        return None
+    return lay.fwd_compute_ms, lay.bwd_compute_ms
+
+
+def kernels_section(rows: list[dict], profile, models=(), top: int = 8) -> list[str]:
+    """Phase 3: each block's passes (time, `mist estimate`'s with `profile` where the block's model
+    is in `models`, the kernels' device time, the largest kernels) and its linear layers alone: as
+    the block calls them, without bias, with random weights, and what `profile`'s GEMM table prices
+    that shape at."""
     out = ["## Kernels of single blocks", ""]
-    for r in rows:
+    for i, r in enumerate(rows):
         tp = r.get("tp", 1)
         head = f"### {r.get('model')} b {r.get('b')}" + (f", tensor-parallel shard 1 of {tp}" if tp > 1 else "")
         if r.get("status") != "ok":
             out += [head, "", f"{r.get('status')}: {last_line(r.get('error'))}", ""]
             continue
         out += [head, ""]
+        est = block_estimate(models[i], r["b"], r["seq"], tp, profile) if i < len(models) else None
+        if est is not None:
+            out.append(
+                f"- `mist estimate` with `{profile.name}`: fwd {est[0]:.3f} ms ({_err(est[0], r['fwd_ms'])}), "
+                f"bwd {est[1]:.3f} ms ({_err(est[1], r['bwd_ms'])})"
+            )
         passes = (("fwd", "fwd"), ("bwd", "bwd"), ("fwd_unit_weights", "fwd with N(0, 1) weight matrices"))
         for ph, label in passes:
             ks = r[ph]
@@ -273,6 +297,31 @@ def kernels_section(rows: list[dict], profile, top: int = 8) -> list[str]:
                 f"{_num(lin['no_bias_ms'], '.4f')} | {lin['random_weights_ms']:.4f} | {table:.4f} |"
             )
         out.append("")
+    return out
+
+
+def split_section(row: dict) -> list[str]:
+    """Phase 4: a block compiled with its backward split into B and W (ZB-H1's compiled path)."""
+    out = ["## A compiled block's backward split into B and W", ""]
+    if row.get("status") != "ok":
+        return out + [f"{row.get('status')}: {last_line(row.get('error'))}"]
+    worst = {k: max(row[k].values()) for k in ("whole_vs_eager", "split_vs_eager", "split_vs_whole")}
+    out += [
+        f"{row['model']}, b {row['b']}, seq {row['seq']}: backward times (median, each after a fresh forward)",
+        "",
+        "| eager | compiled whole | B | W | B + W | B + W vs whole |",
+        "|---|---|---|---|---|---|",
+        f"| {row['eager_bwd_ms']:.3f} ms | {row['whole_bwd_ms']:.3f} ms | {row['B_ms']:.3f} ms | "
+        f"{row['W_ms']:.3f} ms | {row['B_ms'] + row['W_ms']:.3f} ms | "
+        f"{_err(row['B_ms'] + row['W_ms'], row['whole_bwd_ms'])} |",
+        "",
+        f"Gradients, max |diff| / max |reference| over the input's and every parameter's: whole compiled vs "
+        f"eager {worst['whole_vs_eager']:.2e}, B then W vs eager {worst['split_vs_eager']:.2e}, B then W vs "
+        f"whole {worst['split_vs_whole']:.2e}. B left every weight gradient to W: "
+        f"{row['b_left_every_weight_gradient_to_w']}; pending W graphs: {row['deferred_w_graphs']}. "
+        f"First backward (compiling): whole {row['compile_whole_s']:.1f} s with the eager reference, "
+        f"split {row['compile_split_s']:.1f} s.",
+    ]
     return out
 
 

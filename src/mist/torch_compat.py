@@ -5,11 +5,12 @@ them from here, and tests/test_torch_compat.py checks that each one exists and s
 Mist uses it, so a new PyTorch that breaks one fails there, by name, rather than somewhere deep in
 a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that test passed on.
 
-* `fused_adam_` (`torch._fused_adam_`): the fused AdamW kernel behind
+* `fused_adamw_` (`torch._fused_adamw_`): the fused AdamW kernel behind
   `torch.optim.AdamW(fused=True)` (CUDA, and CPU since 2.4) — one pass over parameter, moments
-  and gradient instead of about eight elementwise kernels. `runtime.optimizer` calls it with
-  weight decay 0 (it applies the decoupled decay itself, on the matrices only) and falls back to
-  the same arithmetic in plain tensor ops where `HAS_FUSED_ADAM` is false.
+  and gradient, the decoupled weight decay included, instead of about eight elementwise kernels.
+  `runtime.optimizer` calls it on the matrices' ranges with the weight decay and on the rest
+  without, and falls back to the same arithmetic in plain tensor ops where `HAS_FUSED_ADAM` is
+  false.
 * `FakeTensorMode`, `unset_fake_temporarily` (`torch._subclasses.fake_tensor`): tensors with
   shapes, dtypes and storages but no data; `analysis.tracer` builds and runs a layer under it.
   `unset_fake_temporarily` makes a real tensor while the mode is active. `symbolic_fake_mode`
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
 #: PyTorch releases tests/test_torch_compat.py passed on (version without the local "+cpu" part).
 CHECKED_VERSIONS = ("2.13.0",)
 
-#: whether this PyTorch has the fused Adam kernel
-HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")
+#: whether this PyTorch has the fused AdamW kernel
+HAS_FUSED_ADAM = hasattr(torch, "_fused_adamw_")
 
 _SYMBOLIC_SHAPES = "torch.fx.experimental.symbolic_shapes"
 _LAZY = {
@@ -66,7 +67,7 @@ __all__ = [
     "ShapeEnv",
     "StatelessSymbolicContext",
     "TorchDispatchMode",
-    "fused_adam_",
+    "fused_adamw_",
     "pytree",
     "storage_id",
     "symbolic_fake_mode",
@@ -87,32 +88,35 @@ def torch_release() -> str:
     return torch.__version__.split("+")[0]
 
 
-def fused_adam_(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
+def fused_adamw_(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
     *,
     step: int,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
+    weight_decay: float,
 ) -> None:
-    """One Adam step in place on the fp32 tensors p (parameters), m and v (moments), with gradient
-    g and no weight decay; `step` counts from 1 (it sets the bias corrections)."""
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=p.device)]
-    torch._fused_adam_(
-        [p],
-        [g],
-        [m],
-        [v],
+    """One AdamW step in place on the fp32 tensors ps (parameters), ms and vs (moments), with
+    gradients gs and decoupled weight decay; `step` counts from 1 (it sets the bias corrections)."""
+    if not ps:
+        return
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device) for _ in ps]
+    torch._fused_adamw_(
+        ps,
+        gs,
+        ms,
+        vs,
         [],
         steps,
         lr=lr,
         beta1=beta1,
         beta2=beta2,
-        weight_decay=0.0,
+        weight_decay=weight_decay,
         eps=eps,
         amsgrad=False,
         maximize=False,

@@ -15,10 +15,19 @@ and v of the fused QKV output). So each saved storage is split once, as a whole,
 rebuilds it once and returns each view with its own sizes, strides and offset
 (`mist.analysis.compiled` counts the same storages).
 
-GPU path (run by `benchmarks/gpu/`, not by the CPU tests): the device→host copy runs on a side stream
-after waiting for the compute stream; the device tail is `record_stream`-ed on that stream so the
-caching allocator does not reuse it early, and `unpack` makes the compute stream wait for the copy's
-event before the host→device copy back.
+Backward brings the tails back one block ahead: the first `unpack` of a block's backward restores
+that block's tensors (if they are not back yet) and starts restoring the block below it, of the
+same micro-batch, so that its host→device copies overlap this block's backward, as the simulator
+prices them (`mist.simulate.stage`: a block's backward overlaps its activations' copy back, and
+holds the block below's fetched activations at its peak). Without it, every copy back ran on the
+compute stream before its block's backward: an H200 spent 0.81 s on a step priced at 0.58 s with
+half of a llama-1.3b's activations offloaded (benchmarks/results/gpu_loop.md).
+
+GPU path (run by `benchmarks/gpu/`; the CPU tests run the same bookkeeping with plain copies): the
+device→host copy runs on a side stream after waiting for the compute stream; the device tail is
+`record_stream`-ed on that stream so the caching allocator does not reuse it early. The copy back
+runs on a second side stream: it waits for the compute stream (the memory it writes was allocated
+there) and for the copy out, and the compute stream waits for its event before the tensor is used.
 """
 
 from __future__ import annotations
@@ -33,12 +42,26 @@ from mist.runtime.memory import MemoryAccount
 
 
 class _Offloaded:
-    __slots__ = ("device", "dtype", "event", "head", "restored", "shape", "tail")
+    __slots__ = ("back", "device", "dtype", "event", "group", "head", "restored", "shape", "tail")
 
-    def __init__(self, shape, dtype, device, head, tail, event):
+    def __init__(self, shape, dtype, device, head, tail, event, group: _Group | None):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.head, self.tail, self.event = head, tail, event
+        self.group = group  # the block (of one micro-batch's forward) it was saved in
         self.restored: torch.Tensor | None = None  # a whole storage's, once rebuilt
+        # brought back ahead of its use: (the flat tensor on the device, the copy's CUDA event or None)
+        self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+
+class _Group:
+    """The tensors one block offloaded in one micro-batch's forward, and the block below it."""
+
+    __slots__ = ("below", "fetching", "items")
+
+    def __init__(self, below: _Group | None):
+        self.items: list[_Offloaded] = []
+        self.below = below
+        self.fetching = False
 
 
 class _StorageView:
@@ -62,6 +85,9 @@ class SavedTensorManager:
         self._block_storages: dict[int, tuple[_Offloaded, torch.UntypedStorage]] = {}
         self.cuda = self.device.type == "cuda"
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._group: _Group | None = None  # the running block's, in a forward
+        self._last_group: _Group | None = None  # the micro-batch's block before it
         self._seen: set[int] = set()
         self.offloaded_bytes = 0  # every tail moved to the host so far (cumulative)
         self.host_bytes = 0  # tails in host memory now (until their backward unpacks them)
@@ -72,6 +98,7 @@ class SavedTensorManager:
 
     def new_micro_batch(self) -> None:
         self._seen.clear()
+        self._last_group = None
 
     # ------------------------------------------------------------------ hooks
     def _count(self, nbytes: int, key: int | None) -> None:
@@ -112,11 +139,15 @@ class SavedTensorManager:
         whether they split storage by storage (a compiled block). The storages split in it are
         no longer looked up after it."""
         self.ratio, self.by_storage = ratio, by_storage
+        group = self._group = _Group(self._last_group) if ratio > 0 else None
         try:
             yield
         finally:
             self.ratio, self.by_storage = 0.0, False
             self._block_storages.clear()
+            self._group = None
+            if group is not None and group.items:
+                self._last_group = group
 
     def _offload(self, flat: torch.Tensor, shape) -> _Offloaded:
         """Keep the head of `flat` on the device (a fresh copy) and move its tail to the host."""
@@ -139,7 +170,10 @@ class SavedTensorManager:
         self.offloaded_bytes += nbytes
         self.host_bytes += nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
-        return _Offloaded(shape, flat.dtype, flat.device, head, tail, event)
+        packed = _Offloaded(shape, flat.dtype, flat.device, head, tail, event, self._group)
+        if self._group is not None:
+            self._group.items.append(packed)
+        return packed
 
     def unpack(self, packed):
         if isinstance(packed, _StorageView):
@@ -152,11 +186,52 @@ class SavedTensorManager:
         return self._restore(packed).view(packed.shape)
 
     def _restore(self, packed: _Offloaded) -> torch.Tensor:
-        """The flat tensor `packed` was split from, back on the device in one piece."""
+        """The flat tensor `packed` was split from, back on the device in one piece; starts
+        bringing back the block below its block."""
+        group = packed.group
+        if group is not None and not group.fetching:  # this block's first: it is needed now
+            self._fetch(group)
+        if group is not None and group.below is not None and not group.below.fetching:
+            self._fetch(group.below)
         self.host_bytes -= packed.tail.numel() * packed.tail.element_size()
-        if packed.event is not None:
-            torch.cuda.current_stream(packed.device).wait_event(packed.event)
-        out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype, device=packed.device)
-        out[: packed.head.numel()].copy_(packed.head)
-        out[packed.head.numel() :].copy_(packed.tail, non_blocking=packed.event is not None)
+        if packed.back is None:  # (a tensor saved outside any block)
+            self._copy_back(packed, None)
+        assert packed.back is not None
+        out, event = packed.back
+        packed.back = None
+        if event is not None:
+            torch.cuda.current_stream(packed.device).wait_event(event)
         return out
+
+    def _fetch(self, group: _Group) -> None:
+        """Copy every tensor of `group` back to the device (on CUDA on the copy-back stream)."""
+        group.fetching = True
+        if not self.cuda:
+            for packed in group.items:
+                self._copy_back(packed, None)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.h2d_stream.wait_stream(compute)
+        for packed in group.items:
+            self._copy_back(packed, compute)
+
+    def _copy_back(self, packed: _Offloaded, compute) -> None:
+        """packed.back: its flat tensor, allocated on the compute stream and, with `compute`,
+        filled on the copy-back stream (head and tail; the tail once its copy out is done)."""
+        out = torch.empty(packed.head.numel() + packed.tail.numel(), dtype=packed.dtype, device=packed.device)
+        if compute is None:
+            if packed.event is not None:
+                torch.cuda.current_stream(packed.device).wait_event(packed.event)
+            out[: packed.head.numel()].copy_(packed.head)
+            out[packed.head.numel() :].copy_(packed.tail, non_blocking=packed.event is not None)
+            packed.back = (out, None)
+            return
+        with torch.cuda.stream(self.h2d_stream):
+            if packed.event is not None:
+                self.h2d_stream.wait_event(packed.event)
+            out[: packed.head.numel()].copy_(packed.head)
+            out[packed.head.numel() :].copy_(packed.tail, non_blocking=True)
+            packed.head.record_stream(self.h2d_stream)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        packed.back = (out, event)

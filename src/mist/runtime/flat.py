@@ -80,7 +80,8 @@ def _intersect(ranges, lo, hi):
     return out
 
 
-def _complement(ranges, lo, hi):
+def complement(ranges, lo, hi):
+    """The parts of [lo, hi) outside `ranges` (absolute, any order, may overlap)."""
     out, cur = [], lo
     for a, b in sorted(ranges):
         a, b = max(a, lo), min(b, hi)
@@ -225,7 +226,7 @@ class FlatUnit:
         self.decay_ranges = _intersect(decay, self.opt_lo, self.opt_lo + self.L)
         skip = [i.norm_skip for i in self.infos if i.norm_skip]
         nlo = self.comms.dp_rank * self.shard_len
-        shard = _complement(skip, nlo, nlo + self.shard_len)
+        shard = complement(skip, nlo, nlo + self.shard_len)
         base = self.opt_lo
         self.norm_ranges = [(a - base, b - base) for a, b in shard]
         self.kv_ranges = [i.kv_range for i in self.infos if i.kv_range]
@@ -464,14 +465,15 @@ class FlatUnit:
             target = self.full if self.persistent else None
             if target is not None:
                 target[: m.dev_len].copy_(m.dev)
-                target[m.dev_len :].copy_(m.host)
+                # (from pinned memory, non-blocking: converted on the GPU, not in a host pass)
+                target[m.dev_len :].copy_(m.host, non_blocking=True)
             else:
                 self.store.write(0, m.dev.to(self.dtype))
                 self.store.write(m.dev_len, m.host.to(self.dtype))
         else:
             shard = torch.empty(self.shard_len, dtype=self.dtype, device=self.device)
             shard[: m.dev_len].copy_(m.dev)
-            shard[m.dev_len :].copy_(m.host)
+            shard[m.dev_len :].copy_(m.host, non_blocking=True)
             out = self.full if self.persistent else torch.empty(self.Np, dtype=self.dtype, device=self.device)
             if self.comms.dp_group is None:
                 out.copy_(shard)

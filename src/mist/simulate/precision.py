@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from mist.dtypes import DTYPE_BYTES
 
 OPT_BYTES = 12  # fp32 master + Adam m + v
+MASTER_BYTES = 4  # fp32: a master weight, and the host AdamW's copy of its gradient
 
 
 @dataclass(frozen=True)

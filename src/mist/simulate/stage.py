@@ -48,7 +48,7 @@ from mist.rules.grad_accumulation import accumulates_in_place_by_level
 from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.layer_terms import LayerTerms, analyses, layer_terms
-from mist.simulate.precision import Precision, default_precision
+from mist.simulate.precision import MASTER_BYTES, Precision, default_precision
 from mist.simulate.stage_compose import as_floats, compose
 from mist.simulate.stage_records import (
     ActivationTerms,
@@ -389,8 +389,16 @@ class StageModel:
         pr, host_share = self.prec, k.offload_optimizer
         # first micro-batch: the lazy optimizer step per layer. Its host part: on a CPU device the
         # host is the device, so the same passes at the same rates; on a GPU the host AdamW at
-        # its measured rate (its host-memory passes are not profiled)
+        # its measured rate, its gradient out and its new weights in as fp32 (converted on the
+        # GPU: `runtime.optimizer`; weights written to a ZeRO-3 or offloaded store are converted
+        # on the host, in the parameter dtype)
         p_os = k.P / k.os_
+        w_in = (
+            pr.weight_bytes + 0 * k.zero
+            if self.serial
+            else np.where((k.zero < 3) & (k.offload_weights == 0), MASTER_BYTES, pr.weight_bytes)
+        )
+        g_out = pr.grad_bytes if self.serial else MASTER_BYTES
         opt_cpu = (
             self._device_step(p_os * host_share)
             if self.serial
@@ -400,10 +408,10 @@ class StageModel:
         return _Boundary(
             opt_gpu=self._device_step(p_os * (1 - host_share)),
             opt_cpu=opt_cpu,
-            update_in=self._h2d(pr.weight_bytes * p_os * host_share * (1 - k.offload_weights)),
+            update_in=self._h2d(w_in * p_os * host_share * (1 - k.offload_weights)),
             regather=np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
             final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
-            grads_out=self._d2h(pr.grad_bytes * p_os * host_share * (1 - k.offload_grads)),
+            grads_out=self._d2h(g_out * p_os * host_share * (1 - k.offload_grads)),
         )
 
     def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):

@@ -128,7 +128,7 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
     base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
-    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck)
+    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck, layers)
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
@@ -155,11 +155,14 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     )
 
 
-def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck):
+def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck, layers):
     """Activations live at the forward and at the backward peak on top of the held ones: the
-    stage's last block's (with the other blocks' saved), the head's, the embedding's."""
+    stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
+    below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
+    embedding's."""
     fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
-    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + a.fetched]
+    fetched = a.fetched * np.where(layers >= 2, 2, 1)
+    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + fetched]
     if a.post_fwd is not None:
         fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
         bwd_cands.append(saved_mb + a.post_bwd)

@@ -1,6 +1,8 @@
 """Runtime pieces without processes: TP slices and seeded init, data, buffers, schedule, hooks."""
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -187,6 +189,59 @@ def test_activation_offload_roundtrip():
     assert mgr.offloaded_bytes > 0
     y.backward()
     assert torch.equal(w.grad, want)
+
+
+def test_offloaded_blocks_come_back_one_ahead_and_need_no_garbage_collector():
+    """Backward brings a block's offloaded tensors back at its first unpack and starts on the
+    block below (so its copies overlap this block's backward); with the garbage collector off,
+    every offloaded piece is freed once backward is done with it (no reference cycle holds the
+    device heads or the host tails); the gradients are those of a plain backward."""
+    mem = MemoryAccount()
+    mgr = SavedTensorManager(torch.device("cpu"), mem, lambda t: False)
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    x0 = torch.randn(4, 8)
+
+    def run(ratio: float):
+        x = x0
+        for w in ws:
+            with mgr.layer(ratio, by_storage=False):
+                x = torch.tanh(x @ w) * torch.sigmoid(x @ w)
+        return x.sum()
+
+    run(0.0).backward()
+    want = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    made, order, fetched = [], {}, []
+    offload, fetch = mgr._offload, mgr._fetch
+
+    def spy_offload(flat, shape):
+        packed = offload(flat, shape)
+        made.extend((weakref.ref(packed.head), weakref.ref(packed.tail)))
+        order.setdefault(id(packed.group), len(order))
+        return packed
+
+    def spy_fetch(group):
+        fetched.append(order[id(group)])
+        fetch(group)
+
+    mgr._offload, mgr._fetch = spy_offload, spy_fetch
+    gc.disable()
+    try:
+        mgr.new_micro_batch()
+        with mgr.hooks():
+            y = run(0.5)
+        assert len(order) == 3 and len(made) >= 6
+        y.backward()
+        del y
+        assert fetched == [2, 1, 0]
+        assert [r for r in made if r() is not None] == []
+    finally:
+        gc.enable()
+    for w, g in zip(ws, want):
+        torch.testing.assert_close(w.grad, g)
+    assert mgr.host_bytes == 0
 
 
 def test_model_flops():

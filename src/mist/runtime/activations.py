@@ -188,7 +188,7 @@ class SavedTensorManager:
     def _restore(self, packed: _Offloaded) -> torch.Tensor:
         """The flat tensor `packed` was split from, back on the device in one piece; starts
         bringing back the block below its block."""
-        group = packed.group
+        group, packed.group = packed.group, None
         if group is not None and not group.fetching:  # this block's first: it is needed now
             self._fetch(group)
         if group is not None and group.below is not None and not group.below.fetching:
@@ -204,15 +204,17 @@ class SavedTensorManager:
         return out
 
     def _fetch(self, group: _Group) -> None:
-        """Copy every tensor of `group` back to the device (on CUDA on the copy-back stream)."""
+        """Copy every tensor of `group` back to the device (on CUDA on the copy-back stream). The
+        group lets go of them: a tensor and its group would otherwise hold each other, a cycle
+        that only the garbage collector frees, keeping the device heads and the pinned host tails
+        of every micro-batch alive until it runs (an H200 run with half the activations offloaded
+        reached 70 GiB and 5.7 s steps instead of 31 GiB and 0.68 s)."""
         group.fetching = True
-        if not self.cuda:
-            for packed in group.items:
-                self._copy_back(packed, None)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self.h2d_stream.wait_stream(compute)
-        for packed in group.items:
+        items, group.items = group.items, []
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if compute is not None:
+            self.h2d_stream.wait_stream(compute)
+        for packed in items:
             self._copy_back(packed, compute)
 
     def _copy_back(self, packed: _Offloaded, compute) -> None:

@@ -1,8 +1,8 @@
 """Predictions next to a fetched `gpu_loop.py` run, computed here (CPU torch), not on the device.
 
     PYTHONPATH=src python benchmarks/gpu/report_gpu_loop.py FETCHED_OUT
-        [--md benchmarks/results/gpu_loop.md] [--json benchmarks/results/gpu_loop.json]
-        [--profile-md benchmarks/results/h200_gpu_loop_profile_vs_shipped.md] [--shipped h200]
+        [--md FETCHED_OUT/report.md] [--json FETCHED_OUT/predicted.json]
+        [--profile-md FETCHED_OUT/profile_vs_shipped.md] [--shipped h200] [--profile PATH]
 
 Reads FETCHED_OUT/gpu_loop.json and FETCHED_OUT/h200-profile.json (when the profile phase wrote
 it). Every measured plan is simulated with `simulate_plan` twice: with the shipped profile and
@@ -33,7 +33,6 @@ from gpu_loop import PLAIN, PROFILE, RESULT, error_text  # noqa: E402
 
 import compare_profiles  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 KEYS = ("peak_memory_bytes", "state_bytes", "saved_activation_peak_bytes")
 
 
@@ -359,28 +358,37 @@ def compare_with_shipped(fetched: Path, shipped: str, out_md: Path, min_us: floa
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("fetched", help="The folder gpu_loop.py wrote ($OUT, fetched).")
-    ap.add_argument("--md", default=str(RESULTS / "gpu_loop.md"))
-    ap.add_argument("--json", default=str(RESULTS / "gpu_loop.json"))
-    ap.add_argument("--profile-md", default=str(RESULTS / "h200_gpu_loop_profile_vs_shipped.md"))
+    ap.add_argument("--md", default=None, help="The report (default: FETCHED/report.md).")
+    ap.add_argument("--json", default=None, help="The run with the predictions (default: FETCHED/predicted.json).")
+    ap.add_argument(
+        "--profile-md", default=None, help="The GEMM grid comparison (default: FETCHED/profile_vs_shipped.md)."
+    )
     ap.add_argument("--shipped", default="h200")
+    ap.add_argument(
+        "--profile", default=None, help=f"The measured profile (default: FETCHED/{PROFILE}, where the run wrote one)."
+    )
     a = ap.parse_args(argv)
     from mist.hardware import load_profile
 
     fetched = Path(a.fetched)
+    md = Path(a.md or fetched / "report.md")
+    out_json = Path(a.json or fetched / "predicted.json")
+    profile_md = Path(a.profile_md or fetched / "profile_vs_shipped.md")
     data = json.loads((fetched / RESULT).read_text())
     profiles = {f"shipped {a.shipped}": load_profile(a.shipped)}
     summary = None
-    if (fetched / PROFILE).exists():
+    measured = Path(a.profile) if a.profile else fetched / PROFILE
+    if measured.exists():
         try:
-            profiles[f"measured {PROFILE}"] = load_profile(str(fetched / PROFILE))
-            summary = compare_with_shipped(fetched / PROFILE, a.shipped, Path(a.profile_md))
+            profiles[f"measured {measured.name}"] = load_profile(str(measured))
+            summary = compare_with_shipped(measured, a.shipped, profile_md)
         except Exception as e:  # noqa: BLE001 - the report still covers the shipped profile
             summary = f"The fetched profile could not be used: {error_text(e, 500)}"
     add_predictions(data, profiles)
     outside = {lb: p.outside_allocator_bytes for lb, p in profiles.items()}
     text = markdown(data, list(profiles), summary, profiles[f"shipped {a.shipped}"], outside)
-    Path(a.md).write_text(text)
-    Path(a.json).write_text(json.dumps(data, indent=1))
+    md.write_text(text)
+    out_json.write_text(json.dumps(data, indent=1))
     print(text)
     return 0
 

@@ -486,3 +486,15 @@ def test_shipped_h200_and_h100_profiles_match_a_fresh_build_from_the_repository_
 def test_shipped_profiles_match_a_fresh_build(monkeypatch):
     monkeypatch.syspath_prepend(str(TOOLS))
     _fresh_builds_equal_the_shipped(RAW_DATA)
+
+
+def test_host_passes_stream_at_the_host_adamw_bandwidth():
+    """A host pass over n bytes costs what the fused host AdamW takes per byte it moves: the step
+    over P parameters moves HOST_ADAM_BYTES · P bytes in `adam_time(P, on_cpu=True)`."""
+    from mist.hardware.profile import HOST_ADAM_BYTES
+
+    p = load_profile("h200")
+    n = 3 * 2**20
+    assert float(p.host_pass_time(HOST_ADAM_BYTES * n)) == pytest.approx(float(p.adam_time(n, on_cpu=True)))
+    # the H200 host's, from the runtime's own step measured there: about 124 GB/s
+    assert HOST_ADAM_BYTES / p.adam_cpu_s_per_param == pytest.approx(124e9, rel=0.01)

@@ -29,6 +29,10 @@ from mist.hardware.profile_checks import FORMAT, VERSION, profile_fields
 from mist.hardware.profile_checks import SCALARS as _SCALARS
 from mist.hardware.profile_checks import SECTIONS as _SECTIONS
 
+# bytes of host memory one fused AdamW step moves per parameter: fp32 parameter, gradient, m and v
+# read, parameter, m and v written
+HOST_ADAM_BYTES = 28
+
 
 @dataclass(eq=False)
 class GpuProfile:
@@ -151,6 +155,13 @@ class GpuProfile:
         """Seconds of one fp32 AdamW step over `params` parameters."""
         rate = self.adam_cpu_s_per_param if on_cpu else self.adam_gpu_s_per_param
         return _out(np.asarray(params, dtype=float) * rate)
+
+    def host_pass_time(self, nbytes):
+        """Seconds of streaming passes over `nbytes` of host memory by the host threads the host
+        AdamW runs on, at the bandwidth that fused step reaches: it reads the fp32 parameter,
+        gradient and two moments and writes back three, HOST_ADAM_BYTES per parameter, in one
+        memory-bound pass."""
+        return _out(np.asarray(nbytes, dtype=float) * self.adam_cpu_s_per_param / HOST_ADAM_BYTES)
 
     def summary(self) -> str:
         gib = self.memory_bytes / 2**30

@@ -60,10 +60,15 @@ def adamw_(
     p.addcdiv_(m, denom, value=-step_size)
 
 
-def _host_step(ready, p, m, v, g, decay_ranges, kw: dict) -> None:
-    """The host part of a unit's step (on the optimizer's worker thread), once its gradient is in."""
+def _host_step(first, mult: float, p, m, v, g, decay_ranges, kw: dict) -> None:
+    """The host part of a unit's step (on the optimizer's worker thread): once the gradient's
+    copy from the device is in and its offloaded part converted and scaled (`first`, from
+    `ShardedAdamW._host_grad`), the AdamW step."""
+    ready, fills = first
     if ready is not None:
         ready.synchronize()
+    for dst, src in fills:
+        dst.copy_(src).mul_(mult)
     adamw_(p, m, v, g, decay_ranges=decay_ranges, **kw)
 
 
@@ -189,11 +194,11 @@ class ShardedAdamW:
                 # the offloaded fraction of the optimizer states steps on the CPU, in the background;
                 # its gradient is copied out now (the buffer is reused by the next step)
                 u.finish_update()  # (the last step's host part has read its gradient copy)
-                g_host, ready = self._host_grad(i, g, d, u.L, mult)
+                g_host, first = self._host_grad(i, g, d, u.L, mult)
                 host_grads += g_host.numel() * g_host.element_size()
                 u.opt_grad = None
                 u.defer_update(
-                    self._host_pool().submit(_host_step, ready, m.host, ea.host, es.host, g_host, dec_host, kw)
+                    self._host_pool().submit(_host_step, first, mult, m.host, ea.host, es.host, g_host, dec_host, kw)
                 )
             else:
                 u.update_weights()
@@ -201,29 +206,32 @@ class ShardedAdamW:
         self.host_grad_peak = max(self.host_grad_peak, host_grads)
 
     def _host_grad(self, key: int, g, lo: int, hi: int, mult: float):
-        """(fp32 gradient of elements [lo, hi) of `g` on the host, scaled by `mult`; the CUDA event
-        the host waits for before reading it, or None). On a GPU the device part is converted and
-        scaled there and copied out asynchronously into a pinned buffer kept per unit: no pass over
-        it on the host, whose memory bandwidth the CPU AdamW needs (converting on the host and
-        copying through pageable memory took half of an offloaded step on an H200 machine,
+        """(the fp32 gradient of elements [lo, hi) of `g` on the host for the CPU AdamW, scaled by
+        `mult`; what `_host_step` must do first: (event to wait for or None, [(destination,
+        source)] to convert and scale there)). On a GPU the device part is converted and scaled
+        there and copied out asynchronously into a pinned buffer kept per unit, and an offloaded
+        gradient tail (already on the host) is converted on the optimizer's worker thread: the
+        main thread makes no pass over host memory (converting on the host and copying through
+        pageable memory took most of an offloaded step on an H200 machine,
         benchmarks/results/gpu_loop.md)."""
         if g.device.type != "cuda":
             out = g.read(lo, hi, "cpu", torch.float32)
             if _aliases(out, g):
                 out = out.clone()
-            return out.mul_(mult), None
+            return out.mul_(mult), (None, [])
         buf = self._grad_bufs.get(key)
         if buf is None:
             buf = self._grad_bufs[key] = host_empty(hi - lo, torch.float32)
+        fills = []
         for part, a, b, o in g.pieces(lo, hi):
             src = getattr(g, part)[a:b]
             if part == "dev":
                 buf[o : o + b - a].copy_(src.to(torch.float32, copy=True).mul_(mult), non_blocking=True)
-            else:  # an offloaded gradient tail is on the host already
-                buf[o : o + b - a].copy_(src).mul_(mult)
+            else:
+                fills.append((buf[o : o + b - a], src))
         ready = torch.cuda.Event()
         ready.record()
-        return buf, ready
+        return buf, (ready, fills)
 
     def _host_pool(self):
         if self._host is None:

@@ -399,10 +399,14 @@ class StageModel:
             else np.where((k.zero < 3) & (k.offload_weights == 0), MASTER_BYTES, pr.weight_bytes)
         )
         g_out = pr.grad_bytes if self.serial else MASTER_BYTES
+        # (on a GPU the offloaded gradient tail's share is on the host already: the same threads
+        # convert it to fp32 and scale it before the step, two passes over host memory)
+        host_grads = p_os * host_share * k.offload_grads
         opt_cpu = (
             self._device_step(p_os * host_share)
             if self.serial
             else self.profile.adam_cpu_s_per_param * p_os * host_share
+            + self.profile.host_pass_time(host_grads * (pr.grad_bytes + 3 * MASTER_BYTES))
         )
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
         return _Boundary(

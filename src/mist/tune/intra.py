@@ -213,6 +213,15 @@ class StageTables:
             (z, w, g, o, a)
             for z, (w, g), o, a in itertools.product(zeros, wg, sp.offload_optimizer, sp.offload_activations)
         ]
+        if not self.with_wg and any(g > 0 for g in sp.offload_grads):
+            # the gradients of the optimizer's host share go to the host anyway: offloading them as
+            # far (ZeRO-Offload's pairing) sends them during backward instead of after it, which
+            # is no extra traffic, so it is searched before weight and gradient offload open up
+            rows += [
+                (z, 0.0, o, o, a)
+                for z, o, a in itertools.product(zeros, sp.offload_optimizer, sp.offload_activations)
+                if o > 0 and o in sp.offload_grads
+            ]
         arr = np.array(rows, dtype=np.float64)
         return StrategyGrid(
             zero=arr[:, 0],

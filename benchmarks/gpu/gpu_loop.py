@@ -154,6 +154,20 @@ def with_time_limit(seconds: float, fn):
                 p.join(timeout=5)
 
 
+def part(limit_s: float, fn) -> dict:
+    """fn()'s result (a dict) run under `with_time_limit`, with "status" ("ok", "timeout" or
+    "error", then with "error") and "wall_s": a part that fails is recorded and the loop goes on."""
+    t0 = time.perf_counter()
+    try:
+        row = {**with_time_limit(limit_s, fn), "status": "ok"}
+    except TimeLimit as e:
+        row = {"status": "timeout", "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
+        row = {"status": "error", "error": error_text(e)}
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
 def environment() -> dict:
     import torch
 
@@ -523,15 +537,8 @@ def kernels_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
         if clock.left() < 5:
             res["kernels"].append({"model": name, "b": b, "tp": tp, "status": "skipped", "error": "no time left"})
             continue
-        t0 = time.perf_counter()
-        try:
-            row = with_time_limit(clock.left(), lambda: block_kernels(model, b, su.seq, su.device, su.dtype, tp=tp))
-            row["status"] = "ok"
-        except TimeLimit as e:
-            row = {"model": name, "b": b, "tp": tp, "status": "timeout", "error": str(e)}
-        except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
-            row = {"model": name, "b": b, "tp": tp, "status": "error", "error": error_text(e)}
-        row["wall_s"] = time.perf_counter() - t0
+        row = {"model": name, "b": b, "tp": tp}
+        row.update(part(clock.left(), lambda: block_kernels(model, b, su.seq, su.device, su.dtype, tp=tp)))
         res["kernels"].append(row)
         save(out, res)
         log(
@@ -642,17 +649,7 @@ def split_backward_check(model, b: int, seq: int, device: str, dtype: str, reps:
 
 
 def split_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
-    t0 = time.perf_counter()
-    try:
-        row = with_time_limit(
-            clock.left(), lambda: split_backward_check(su.model, su.micro_batch, su.seq, su.device, su.dtype)
-        )
-        row["status"] = "ok"
-    except TimeLimit as e:
-        row = {"status": "timeout", "error": str(e)}
-    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
-        row = {"status": "error", "error": error_text(e)}
-    row["wall_s"] = time.perf_counter() - t0
+    row = part(clock.left(), lambda: split_backward_check(su.model, su.micro_batch, su.seq, su.device, su.dtype))
     res["split_backward"] = row
     save(out, res)
     log(
@@ -729,15 +726,8 @@ def rank_dropout_check(device: str, dtype: str, b: int = 2, seq: int = 64) -> di
 
 
 def dropout_phase(out: Path, res: dict, su: Setup, clock: Clock) -> None:
-    t0 = time.perf_counter()
-    try:
-        # (fp32: compiled and eager round alike, so a mask that differs stands out)
-        row = {"cases": with_time_limit(clock.left(), lambda: rank_dropout_check(su.device, "fp32")), "status": "ok"}
-    except TimeLimit as e:
-        row = {"status": "timeout", "error": str(e)}
-    except Exception as e:  # noqa: BLE001 - recorded, the loop goes on
-        row = {"status": "error", "error": error_text(e)}
-    row["wall_s"] = time.perf_counter() - t0
+    # (fp32: compiled and eager round alike, so a mask that differs stands out)
+    row = part(clock.left(), lambda: {"cases": rank_dropout_check(su.device, "fp32")})
     res["dropout"] = row
     save(out, res)
     log(out, f"dropout: {row['status']} in {row['wall_s']:.0f} s")

@@ -164,11 +164,13 @@ def test_without_data_parallelism_the_one_offs_are_the_optimizer_step_and_the_gr
         "copy", 2 * SPEC.embedding_params(), True
     )
     assert float(a.delta_breakdown["last_microbatch_reduction_s"][0]) == pytest.approx(float(reset), rel=0.02)
-    # the AdamW kernel plus the runtime's passes around it: gradient to fp32 and scaled, master cast
-    # into the bf16 weights (per unit)
+    # the gradient norm (one reading pass over the bf16 gradients), the AdamW kernel plus the
+    # runtime's passes around it: gradient to fp32 and scaled, master cast into the bf16 weights
+    # (per unit)
     units = [SPEC.block_params()] * 12 + [SPEC.embedding_params()]
     step = sum(
-        prof.memory_op_time("copy", 6 * n, False)
+        prof.memory_op_time("linalg_vector_norm", 2 * n, False)
+        + prof.memory_op_time("copy", 6 * n, False)
         + prof.memory_op_time("mul", 8 * n, False)
         + prof.adam_gpu_s_per_param * n
         + prof.memory_op_time("copy", 6 * n, False)

@@ -140,8 +140,9 @@ class ShardedAdamW:
             g = u.opt_grad
             for lo, hi in u.norm_ranges:
                 for part, a, b, _ in g.pieces(lo, hi):
-                    t = getattr(g, part)[a:b].float()
-                    s = torch.dot(t, t).double()
+                    # the square of the fp32 norm: one reading pass on a GPU, whose reductions
+                    # upcast 16-bit inputs on the fly (a CPU converts them to fp32 first)
+                    s = torch.linalg.vector_norm(getattr(g, part)[a:b], dtype=torch.float32).double().square()
                     if part == "dev":
                         dev += s
                     else:

@@ -255,6 +255,20 @@ class StageModel:
             + prof.memory_op_time("copy", (4 + pr.weight_bytes) * n, False)
         )
 
+    def _grad_norm(self, params, offload_grads):
+        """The gradient-norm pass of a step (`ShardedAdamW._sq_norm`) over `params` gradient
+        elements (a rank's 1/dp share): on a GPU one reading pass over the device part (its
+        reductions upcast 16-bit inputs on the fly) and, for an offloaded tail, a conversion to
+        fp32 and a reading pass on the host; on a CPU the conversion and the reading pass."""
+        prof, gb, n = self.profile, self.prec.grad_bytes, as_floats(params)
+        read32 = (gb + 4 + 4) if gb != 4 else 4  # (an fp32 gradient is read as it is)
+        if self.serial:
+            return prof.memory_op_time("linalg_vector_norm", read32 * n, False)
+        og = as_floats(offload_grads)
+        return prof.memory_op_time("linalg_vector_norm", gb * n * (1 - og), False) + prof.host_pass_time(
+            read32 * n * og
+        )
+
     def _grad_handling(self, grad_bytes, dp, gs, os_, in_place, G: int):
         """(per micro-batch, once per iteration) memory-bound work of the runtime's gradient path
         for one unit (`FlatUnit`), on the compute stream.
@@ -410,7 +424,7 @@ class StageModel:
         )
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
         return _Boundary(
-            opt_gpu=self._device_step(p_os * (1 - host_share)),
+            opt_gpu=self._device_step(p_os * (1 - host_share)) + self._grad_norm(k.P / k.dp, k.offload_grads),
             opt_cpu=opt_cpu,
             update_in=self._h2d(w_in * p_os * host_share * (1 - k.offload_weights)),
             regather=np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
@@ -523,7 +537,11 @@ class StageModel:
         acc["compute"] += f_c + b_c - tpp
         acc["tp"] += tpp
         acc["fwd"] += stable * f_c / np.maximum(f_c + b_c, 1e-30)
-        acc["first"] += self._device_step(Pp / k.os_) + np.where((zero >= 1) & (zero <= 2), agp, 0.0)
+        acc["first"] += (
+            self._device_step(Pp / k.os_)
+            + self._grad_norm(Pp / k.dp, 0.0)
+            + np.where((zero >= 1) & (zero <= 2), agp, 0.0)
+        )
         acc["last"] += np.where(zero == 1, rsp, 0.0) + np.where(zero == 0, arp, 0.0)
         acc["flops"] += lt.flops_fwd[pix] + lt.flops_bwd[pix]
 

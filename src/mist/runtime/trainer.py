@@ -87,14 +87,14 @@ def _param_role(name: str, p: torch.Tensor, spec, tp: int, tp_rank: int) -> Para
 
 
 def settle_garbage_collector() -> None:
-    """After the first step: collect once, then move every object alive to the collector's
-    permanent generation (`gc.freeze`), so that no later collection walks them again. A compiled
-    run holds hundreds of thousands of them after compiling (Dynamo's and Inductor's graphs and
-    code); a full collection then took ~0.2 s here on a CPU, and one step of five of a compiled
+    """After the first step: move every object alive to the garbage collector's permanent
+    generation (`gc.freeze`), so that no later collection walks them again. A compiled run holds
+    hundreds of thousands of them after compiling (Dynamo's and Inductor's graphs and code); a
+    full collection over those took ~0.2 s here on a CPU, and one step of five of a compiled
     llama-1.3b on an H200 took 0.585 s where the others took 0.297 s
-    (benchmarks/results/gpu_loop.md). Objects made later are collected as before; `run`
-    unfreezes them all when training ends."""
-    gc.collect()
+    (benchmarks/results/gpu_loop.md). No collection runs first: it would cost that once per run
+    (many runs in one process add up), and garbage frozen with the rest only waits until `run`
+    unfreezes everything when training ends. Objects made later are collected as before."""
     gc.freeze()
 
 

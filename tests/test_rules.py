@@ -152,6 +152,24 @@ def test_weights_persist_unless_sharded_or_offloaded(zero, wo):
     assert list(flat_units.materializes_weights(np.array([zero]), np.array([wo]))) == [not u.persistent]
 
 
+@pytest.mark.parametrize(
+    "zero,wo,oo", [(0, 0.5, 0.0), (0, 0.3, 0.75), (0, 0.75, 0.25), (3, 0.0, 0.5), (3, 0.5, 0.5), (3, 1.0, 0.1)]
+)
+def test_new_weights_cross_the_host_link_as_the_rule_says(zero, wo, oo):
+    """A step writes the new working weights from the master into a store split between device
+    and host: the elements that cross (the master's device part landing in the store's host tail,
+    and the other way) are `update_crossing`'s, which the simulator prices."""
+    u = _unit(1001, 1, 0, zero, 2, wo=wo, oo=oo)
+    writes, real = [], u.store.write
+    u.store.write = lambda lo, src: (writes.append((lo, src.numel())), real(lo, src))
+    u.update_weights()
+    d = u.master.dev_len
+    out_n = sum(b - a for lo, n in writes if lo < d for part, a, b, _ in u.store.pieces(lo, lo + n) if part == "host")
+    in_n = sum(b - a for lo, n in writes if lo >= d for part, a, b, _ in u.store.pieces(lo, lo + n) if part == "dev")
+    assert sum(n for _, n in writes) == u.store.length
+    assert (out_n, in_n) == tuple(int(x) for x in offload_split.update_crossing(u.store.length, wo, oo))
+
+
 # ------------------------------------------------------------------ gradient accumulation
 @pytest.mark.parametrize("dp,zero,G,go", list(itertools.product([2, 4], [0, 1, 2, 3], [1, 3], [0.0, 0.5])))
 def test_in_place_accumulation_runtime_and_simulator(dp, zero, G, go):

@@ -50,3 +50,13 @@ def offloaded_saved_bytes(numel, elt, ratio):
     """Saved-activation bytes of a block in host memory at `ratio`: the tails of the tensors that
     `kept_saved_bytes` splits (same rows)."""
     return np.where(ratio > 0, np.sum(elt * host_elements(numel, ratio), axis=0), 0.0)
+
+
+def update_crossing(n, weights_ratio, optimizer_ratio):
+    """(out, in): elements that a step writing new weights from a master of `n` elements split at
+    `optimizer_ratio` into a weight store of the same `n` elements split at `weights_ratio` moves
+    across the host link. Both keep their tails on the host, so the device-stepped elements the
+    store keeps on the host go out (device→host), and the host-stepped ones it keeps on the device
+    come in (host→device); the rest stay on their side."""
+    dw, do = device_elements(n, weights_ratio), device_elements(n, optimizer_ratio)
+    return np.maximum(do - dw, 0), np.maximum(dw - do, 0)

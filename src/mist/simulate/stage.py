@@ -12,10 +12,12 @@ Per micro-batch kind (Mist's traffic table, with the optimizer step made explici
 `grads`, `optimizer`, `activations` are the offloaded fractions of `plan.Offload`):
   forward, every micro-batch: AG(W) if weights are sharded; swap-in W·weights; swap-out
       act·activations
-  forward, FIRST micro-batch: + optimizer step of the previous iteration, lazily per layer —
-      GPU Adam on the GPU-resident fraction (1 − optimizer) of the optimizer shard, CPU Adam on
-      the offloaded fraction (host channel), copy-in of the CPU-updated bf16 weights, and
-      re-gather AG(W) of the updated weights when only optimizer states/grads are sharded.
+  forward, FIRST micro-batch: + optimizer step of the previous iteration, per layer — GPU Adam
+      on the GPU-resident fraction (1 − optimizer) of the optimizer shard and the new working
+      weights (the master's host tail in, an offloaded store's share out, the re-gather AG(W)
+      when only optimizer states/grads are sharded), all on the compute stream as the runtime
+      runs them (`FlatUnit.update_weights`: each copy and collective waited for, so nothing of
+      it overlaps); CPU Adam on the offloaded fraction on the host's worker thread, alongside.
   backward, every micro-batch: AG(W) if weights sharded; RS(Gr) if grads sharded; swap-in
       W·weights, Gr·grads and act·activations; swap-out Gr·grads; gradient accumulation (G > 1).
   backward, LAST micro-batch: + RS(Gr) (ZeRO-1) or AR(Gr) (no sharding) over DP; copy-out of
@@ -45,7 +47,13 @@ import numpy as np
 from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
 from mist.rules.grad_accumulation import accumulates_in_place_by_level
-from mist.rules.offload_split import kept_saved_bytes, offloaded_saved_bytes
+from mist.rules.offload_split import (
+    device_elements,
+    host_elements,
+    kept_saved_bytes,
+    offloaded_saved_bytes,
+    update_crossing,
+)
 from mist.rules.pipeline_order import earlier_in_flight
 from mist.simulate.layer_terms import LayerTerms, analyses, layer_terms
 from mist.simulate.precision import MASTER_BYTES, Precision, default_precision
@@ -124,8 +132,7 @@ class _Boundary:
 
     opt_gpu: np.ndarray
     opt_cpu: np.ndarray
-    update_in: np.ndarray
-    regather: np.ndarray
+    update: np.ndarray  # the new working weights: copies, conversions, the ZeRO-1/2 re-gather
     final_reduction: np.ndarray
     grads_out: np.ndarray
 
@@ -401,17 +408,11 @@ class StageModel:
 
     def _boundary_traffic(self, k: _Batch, ag_w, rs_g, ar_g) -> _Boundary:
         pr, host_share = self.prec, k.offload_optimizer
-        # first micro-batch: the lazy optimizer step per layer. Its host part: on a CPU device the
-        # host is the device, so the same passes at the same rates; on a GPU the host AdamW at
-        # its measured rate, its gradient out and its new weights in as fp32 (converted on the
-        # GPU: `runtime.optimizer`; weights written to a ZeRO-3 or offloaded store are converted
-        # on the host, in the parameter dtype)
+        # the optimizer step of the previous iteration. Its host part: on a CPU device the host is
+        # the device, so the same passes at the same rates; on a GPU the host AdamW at its
+        # measured rate (on its worker thread, waited for by the unit's first forward), with its
+        # gradient copied out as fp32 (converted on the GPU: `runtime.optimizer`)
         p_os = k.P / k.os_
-        w_in = (
-            pr.weight_bytes + 0 * k.zero
-            if self.serial
-            else np.where((k.zero < 3) & (k.offload_weights == 0), MASTER_BYTES, pr.weight_bytes)
-        )
         g_out = pr.grad_bytes if self.serial else MASTER_BYTES
         # (on a GPU the offloaded gradient tail's share is on the host already: the same threads
         # convert it to fp32 and scale it before the step, two passes over host memory)
@@ -426,20 +427,48 @@ class StageModel:
         return _Boundary(
             opt_gpu=self._device_step(p_os * (1 - host_share)) + self._grad_norm(k.P / k.dp, k.offload_grads),
             opt_cpu=opt_cpu,
-            update_in=self._h2d(w_in * p_os * host_share * (1 - k.offload_weights)),
-            regather=np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
+            update=self._weight_update(k, p_os) + np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
             final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
             grads_out=self._d2h(g_out * p_os * host_share * (1 - k.offload_grads)),
         )
 
-    def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_c=0.0, extra_g2g=0.0, extra_c2g=0.0):
-        act = tr.saved_ckpt if ck else tr.saved
-        return (
-            self._overlap(
-                tr.fwd + extra_c, tr.g2g_fwd + extra_g2g, tr.c2g_fwd + extra_c2g, self._d2h(act * k.offload_activations)
-            )
-            + tr.tp_fwd
+    def _weight_update(self, k: _Batch, p_os):
+        """Seconds of making a block's new working weights from its stepped master
+        (`FlatUnit.update_weights`), but for the re-gather over dp. The master's host tail (the
+        host-stepped fraction) comes in as fp32 and is converted on the GPU where the working
+        weights are a persistent buffer or a ZeRO-1/2 shard to gather; where they are a store
+        split between device and host (ZeRO 3, or weights offloaded at ZeRO 0), the master is
+        converted on its own side and written into the store, so what crosses the host link is
+        `update_crossing`; a ZeRO-1/2 store of offloaded weights takes the gathered unit, its
+        offloaded tail out to the host."""
+        pr, prof = self.prec, self.profile
+        wb, o, w = pr.weight_bytes, k.offload_optimizer, k.offload_weights
+        n = k.P / k.ws  # the store: the unit, or this rank's shard at ZeRO 3
+        split_store = (k.zero >= 3) | ((k.zero == 0) & (w > 0))
+        gathered_store = (k.zero >= 1) & (k.zero <= 2) & (w > 0)
+        out_n, in_n = update_crossing(n, w, o)
+        host_master = host_elements(n, o)
+        in32 = wb if self.serial else MASTER_BYTES
+        h2d = np.where(split_store, wb * in_n, in32 * host_elements(p_os, o))
+        d2h = np.where(split_store, wb * out_n, np.where(gathered_store, wb * host_elements(n, w), 0.0))
+        # on the host: the master's tail converted, then its part the store keeps on the host copied
+        host = np.where(split_store, (MASTER_BYTES + wb) * host_master + 2 * wb * (host_master - in_n), 0.0)
+        # on the device: the store's device part written from the converted master or the gathered unit
+        dev = np.where(
+            split_store,
+            2 * wb * np.minimum(device_elements(n, o), device_elements(n, w)),
+            np.where(gathered_store, 2 * wb * device_elements(n, w), 0.0),
         )
+        return (
+            self._h2d(h2d)
+            + self._d2h(d2h)
+            + prof.host_pass_time(host)
+            + np.where(dev > 0, prof.memory_op_time("copy", dev, False), 0.0)
+        )
+
+    def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool):
+        act = tr.saved_ckpt if ck else tr.saved
+        return self._overlap(tr.fwd, tr.g2g_fwd, tr.c2g_fwd, self._d2h(act * k.offload_activations)) + tr.tp_fwd
 
     def _layer_bwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
         act = tr.saved_ckpt if ck else tr.saved
@@ -455,9 +484,13 @@ class StageModel:
         )
 
     def _layer_times(self, k: _Batch, tr: _Traffic, bd: _Boundary, ck: bool) -> LayerTimes:
-        first = self._layer_fwd(k, tr, ck, bd.opt_gpu, bd.regather, bd.update_in)
+        fwd = self._layer_fwd(k, tr, ck)
+        # the device step and the new weights run on the compute stream, each collective and copy
+        # waited for, nothing else in flight: at the iteration's end where the whole step is on the
+        # device, else when the unit's forward first needs them (`FlatUnit.finish_update`)
+        first = fwd + bd.opt_gpu + bd.update
         return LayerTimes(
-            fwd=self._layer_fwd(k, tr, ck),
+            fwd=fwd,
             bwd=self._layer_bwd(k, tr, ck),
             first_fwd=first + bd.opt_cpu if self.serial else np.maximum(first, bd.opt_cpu),
             last_bwd=self._layer_bwd(k, tr, ck, bd.final_reduction, bd.grads_out, tr.grad_per_iteration),
@@ -474,7 +507,7 @@ class StageModel:
         return Edges(
             fwd=edge * np.maximum(tr.g2g_fwd, tr.c2g_fwd) + lead_f,
             bwd=edge * np.maximum(tr.g2g_bwd, tr.g2c_bwd) + lead_b,
-            first=edge * np.maximum(np.maximum(tr.g2g_fwd, bd.regather), tr.c2g_fwd + bd.update_in) + lead_f,
+            first=edge * np.maximum(tr.g2g_fwd, tr.c2g_fwd) + lead_f,
             last=edge * np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + lead_b,
             lead=lead_f + lead_b,
         )

@@ -163,6 +163,25 @@ def test_weights_stepped_on_the_device_are_written_back_to_their_offloaded_store
     assert one(off, "D") - one(plain, "D") == pytest.approx(12 * float(per_block), rel=1e-6)
 
 
+def test_a_stream_of_offloading_blocks_exposes_one_block_at_its_ends(l4_model):
+    """Offloaded activations: a backward waits for its first block's copy back, and on the last
+    stage the backward of the same micro-batch waits for the forward's last copy out (its first
+    block's tails), so each phase's stream pays one block beyond its per-block times: the smaller
+    of its compute and its copy. An earlier stage's forward never waits for its copies out."""
+    kw = dict(b=4, dp=1, zero=0)
+    st = stage(offload_activations=0.25, **kw)
+    k = l4_model._batch(st)
+    tr, _ = l4_model._block_traffic(k, st)
+    c_f, c_b = float(tr.fwd[0]), float(tr.bwd[0])
+    x_f, x_b = float(l4_model._d2h(0.25 * tr.saved)[0]), float(l4_model._h2d(0.25 * tr.saved)[0])
+    assert x_f > c_f and x_b < c_b  # a transfer-bound forward, a compute-bound backward
+    for where in (dict(), dict(last=True, index=1)):
+        base = l4_model.components(stage(**kw, **where)).edges
+        off = l4_model.components(stage(offload_activations=0.25, **kw, **where)).edges
+        assert float(off.bwd[0] - base.bwd[0]) == pytest.approx(x_b, rel=1e-9)
+        assert float(off.fwd[0] - base.fwd[0]) == pytest.approx(c_f if where else 0.0, abs=1e-12)
+
+
 def test_earlier_stages_hold_more_micro_batches(l4_model):
     first = l4_model.evaluate(stage(index=0, num_stages=4, first=False))
     later = l4_model.evaluate(stage(index=3, num_stages=4, first=False, last=False))

@@ -335,7 +335,7 @@ class StageModel:
             G=k.G,
             plain=self._layer_times(k, tr, bd, False),
             ckpt=self._layer_times(k, tr, bd, True),
-            edges=self._edges(k, tr, bd),
+            edges=self._edges(k, tr, bd, st.last),
             layer=self._layer_accounts(k, tr),
             ends=self._end_times(k, st, parts),
             p2p=self._p2p(k, st),
@@ -496,7 +496,7 @@ class StageModel:
             last_bwd=self._layer_bwd(k, tr, ck, bd.final_reduction, bd.grads_out, tr.grad_per_iteration),
         )
 
-    def _edges(self, k: _Batch, tr: _Traffic, bd: _Boundary) -> Edges:
+    def _edges(self, k: _Batch, tr: _Traffic, bd: _Boundary, last_stage: bool) -> Edges:
         # the first prefetch and the last reduction / swap-out have nothing to hide behind
         # (none when everything is serial: the layer times already hold all the traffic)
         edge = 0.0 if self.serial else 1.0
@@ -504,11 +504,27 @@ class StageModel:
         # (`layer_cost.stream_of`); backward: the larger of the plain and the checkpointed blocks'
         lead_f = k.g(k.blk.lead_fwd)
         lead_b = np.maximum(k.g(k.blk.lead_bwd), k.g(k.blk.lead_bwd_ckpt))
+        # offloaded activations (`runtime.activations`): a block's copies back start with its
+        # backward, one block ahead, and a block's backward waits for its own, so a backward of n
+        # blocks takes n·max(c, x) + min(c, x): the first copy back before the first backward (or
+        # the last backward after the last copy back). A forward never waits for its copies out,
+        # but on the last stage (or a stage alone) the same micro-batch's backward comes next and
+        # its first block's tails are the last copied out, so there the forward's stream counts
+        # whole too: the first block's forward before the first copy out (or the last copy out
+        # after the last forward). The larger of a plain and a recomputed block's.
+        oa = k.offload_activations
+        act_f = last_stage * np.maximum(
+            np.minimum(tr.fwd, self._d2h(tr.saved * oa)), np.minimum(tr.fwd, self._d2h(tr.saved_ckpt * oa))
+        )
+        act_b = np.maximum(
+            np.minimum(tr.bwd, self._h2d(tr.saved * oa)), np.minimum(tr.bwd_ckpt, self._h2d(tr.saved_ckpt * oa))
+        )
+        fwd = edge * (np.maximum(tr.g2g_fwd, tr.c2g_fwd) + act_f) + lead_f
         return Edges(
-            fwd=edge * np.maximum(tr.g2g_fwd, tr.c2g_fwd) + lead_f,
-            bwd=edge * np.maximum(tr.g2g_bwd, tr.g2c_bwd) + lead_b,
-            first=edge * np.maximum(tr.g2g_fwd, tr.c2g_fwd) + lead_f,
-            last=edge * np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + lead_b,
+            fwd=fwd,
+            bwd=edge * (np.maximum(tr.g2g_bwd, tr.g2c_bwd) + act_b) + lead_b,
+            first=fwd,
+            last=edge * (np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + act_b) + lead_b,
             lead=lead_f + lead_b,
         )
 

@@ -198,3 +198,47 @@ def compiled_plan(plan: Plan) -> Plan:
     return replace(
         plan, cluster=replace(plan.cluster, gpu=CPU_PROFILE), training=replace(plan.training, compile_blocks=True)
     )
+
+
+def on_two_gloo_ranks(fn, timeout: float = 60.0) -> dict:
+    """{rank: fn(rank)} from two forked processes joined by a gloo process group."""
+    import queue as queue_mod
+    import traceback
+
+    import pytest
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from mist.runtime.launch import free_port
+
+    def worker(rank: int, port: int, q) -> None:
+        try:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+            try:
+                out = fn(rank)
+            finally:
+                dist.destroy_process_group()
+            q.put(("ok", rank, out))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            q.put(("error", rank, traceback.format_exc()))
+
+    ctx = mp.get_context("fork")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = {}
+    try:
+        for _ in procs:
+            kind, rank, payload = q.get(timeout=timeout)
+            assert kind == "ok", payload
+            res[rank] = payload
+    except queue_mod.Empty:
+        pytest.fail("a gloo worker did not answer")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return res

@@ -10,8 +10,6 @@ against the simulator's device-resident states.
 
 from __future__ import annotations
 
-import queue as queue_mod
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,12 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from rt_helpers import CFG, SEQ, SPECS, make_plan, reference, run_plan
+from rt_helpers import CFG, SEQ, SPECS, make_plan, on_two_gloo_ranks, reference, run_plan
 from torch import nn
 
 from mist.plan import Offload, Plan, StageStrategy
 from mist.runtime.flat import Comms, FlatUnit
-from mist.runtime.launch import free_port
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.param_role import ParamRole
 from mist.specs.training import ClusterSpec, TrainingSpec
@@ -93,46 +90,15 @@ def _run_unit(rank: int, zero: int, grads: float, grad_dtype) -> dict:
     }
 
 
-def _unit_worker(rank: int, port: int, q) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        try:
-            out = {
-                (z, go, str(gd)): _run_unit(rank, z, go, gd)
-                for z, go in UNIT_CASES
-                for gd in (torch.bfloat16, torch.float32)
-            }
-        finally:
-            dist.destroy_process_group()
-        q.put(("ok", rank, out))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put(("error", rank, traceback.format_exc()))
+def _all_units(rank: int) -> dict:
+    return {
+        (z, go, str(gd)): _run_unit(rank, z, go, gd) for z, go in UNIT_CASES for gd in (torch.bfloat16, torch.float32)
+    }
 
 
 @pytest.fixture(scope="module")
 def unit_results():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_unit_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = {}
-    try:
-        for _ in procs:
-            kind, rank, payload = q.get(timeout=60)
-            assert kind == "ok", payload
-            res[rank] = payload
-    except queue_mod.Empty:
-        pytest.fail("a FlatUnit worker did not answer")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    return res
+    return on_two_gloo_ranks(_all_units)
 
 
 def _reference_flat() -> np.ndarray:

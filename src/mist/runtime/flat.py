@@ -96,11 +96,34 @@ def complement(ranges, lo, hi):
 
 
 class Comms:
-    """The data-parallel and KV groups a unit talks to (None: a group of one rank)."""
+    """The data-parallel and KV groups a stage's units talk to (None: a group of one rank), and
+    the one data-parallel gradient reduction of theirs in flight.
+
+    A unit's reduction is issued asynchronously when its gradients are complete (`issue`), so
+    that on a GPU it runs on the collective stream while the backward goes on to the units below
+    it, as the simulator prices it (a block's reduction overlaps the next block's backward; the
+    last one has nothing to hide behind). What consumes its result runs when it is waited for
+    (`settle`): when the next unit's gradients are complete, before that unit's are flattened, so
+    that at most one flat gradient is held for a reduction at a time, and at the end of every
+    micro-batch's backward."""
 
     def __init__(self, dp: int, dp_rank: int, dp_group, kv_group=None, kv_size: int = 1):
         self.dp, self.dp_rank, self.dp_group = dp, dp_rank, dp_group
         self.kv_group, self.kv_size = kv_group, kv_size
+        self._in_flight: tuple | None = None
+
+    def issue(self, work, then, *held: torch.Tensor) -> None:
+        """A reduction in flight (`work`), what to do once it is done, and the tensors it reads
+        or writes (held until then)."""
+        self.settle()
+        self._in_flight = (work, then, held)
+
+    def settle(self) -> None:
+        """Wait for the reduction in flight, if any, and consume its result."""
+        if self._in_flight is not None:
+            (work, then, _), self._in_flight = self._in_flight, None
+            work.wait()
+            then()
 
 
 class FlatUnit:
@@ -339,13 +362,14 @@ class FlatUnit:
             self.reduce_grads()
 
     def finish_micro_batch(self) -> None:
-        """After the backward: a unit whose hooks did not all fire (no gradient) reduces now."""
+        """After the backward: a unit whose hooks did not all fire (no gradient) reduces now, and
+        the stage's reduction in flight is done with."""
         if self.defer_reduce:
             self._pending = 0
-            return
-        if self._pending > 0:
+        elif self._pending > 0:
             self._pending = 0
             self.reduce_grads()
+        self.comms.settle()
 
     def reduce_deferred(self, tied: list[int], segments, scale: float) -> None:
         """After the step's last backward: sum the tied copies of the parameters with index in
@@ -386,6 +410,7 @@ class FlatUnit:
 
     def reduce_grads(self, flat: torch.Tensor | None = None) -> None:
         """Reduce this micro-batch's gradients (`flat`: already flattened by `_flat_grad`)."""
+        self.comms.settle()  # (the previous unit's reduction, before this unit's gradient is flattened)
         if self.in_place:
             self._reduce_in_place()
             return
@@ -396,37 +421,40 @@ class FlatUnit:
             for a, b in self.kv_ranges:
                 dist.all_reduce(flat[a:b], group=c.kv_group)
         self.release()
-        first = self.micro_batch == 0
+        first, last = self.micro_batch == 0, self.last
         if c.dp > 1:
             flat.div_(c.dp)
         if self.zero >= 2:
-            shard = self._reduce_scatter(flat)
-            if first:
-                self.acc.copy_(shard)
-            else:
-                self.acc.add_(shard)
-            if self.last:
-                self.opt_grad = self.acc
-        else:
-            if not self.last:
+
+            def keep_shard(shard: torch.Tensor) -> None:
                 if first:
-                    self.acc.copy_(flat)
+                    self.acc.copy_(shard)
                 else:
-                    self.acc.add_(flat)
+                    self.acc.add_(shard)
+                if last:
+                    self.opt_grad = self.acc
+                self.memory.add_transient(-self.grad_full_bytes)
+
+            self._dp_reduce(flat, True, keep_shard)
+            return
+        if not last:
+            if first:
+                self.acc.copy_(flat)
             else:
-                if not first:
-                    flat.add_(self.acc.read(0, self.Np, self.device))
-                if self.zero == 1:
-                    red = self._reduce_scatter(flat)
-                else:
-                    if c.dp_group is not None:
-                        dist.all_reduce(flat, group=c.dp_group)
-                    red = flat
-                # the reduced gradient waits for the optimizer with its `grads` fraction on the host,
-                # in the gradient buffer's first L elements
-                self.acc.write(0, red)
-                self.opt_grad = self.acc
-        self.memory.add_transient(-self.grad_full_bytes)
+                self.acc.add_(flat)
+            self.memory.add_transient(-self.grad_full_bytes)
+            return
+        if not first:
+            flat.add_(self.acc.read(0, self.Np, self.device))
+
+        def keep_reduced(red: torch.Tensor) -> None:
+            # the reduced gradient waits for the optimizer with its `grads` fraction on the host,
+            # in the gradient buffer's first L elements
+            self.acc.write(0, red)
+            self.opt_grad = self.acc
+            self.memory.add_transient(-self.grad_full_bytes)
+
+        self._dp_reduce(flat, self.zero == 1, keep_reduced)
 
     def _reduce_in_place(self) -> None:
         """The gradients already sum every micro-batch in the buffer: reduce them after the last."""
@@ -439,19 +467,30 @@ class FlatUnit:
                 dist.all_reduce(buf[a:b], group=c.kv_group)
         if c.dp > 1:
             buf.div_(c.dp)
-        if self.zero == 1:
-            self.acc.write(0, self._reduce_scatter(buf))
-        elif c.dp_group is not None:
-            dist.all_reduce(buf, group=c.dp_group)
-        self.opt_grad = self.acc
+        scatter = self.zero == 1
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        def keep(red: torch.Tensor) -> None:
+            if scatter:
+                self.acc.write(0, red)
+            self.opt_grad = self.acc
+
+        self._dp_reduce(buf, scatter, keep)
+
+    def _dp_reduce(self, flat: torch.Tensor, scatter: bool, then) -> None:
+        """Sum `flat` over dp in place, or reduce-scatter it into this rank's shard (`scatter`),
+        and hand the result to `then`: at once without a dp group, else once the collective,
+        issued asynchronously, is waited for (`Comms.issue`; `flat` is held until then)."""
         c = self.comms
         if c.dp_group is None:
-            return flat
-        out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device)
-        reduce_scatter_flat(out, flat, group=c.dp_group)
-        return out
+            then(flat)
+            return
+        if scatter:
+            out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device)
+            work = reduce_scatter_flat(out, flat, group=c.dp_group, async_op=True)
+        else:
+            out = flat
+            work = dist.all_reduce(flat, group=c.dp_group, async_op=True)
+        c.issue(work, lambda: then(out), flat, out)
 
     # ------------------------------------------------------------ after the optimizer step
     @torch.no_grad()

@@ -153,6 +153,8 @@ class ShardedAdamW:
     def step(self, lr: float, device: torch.device, timer=None) -> StepResult:
         """One step over every unit; `timer` (a PhaseTimer) times the update itself as "opt" —
         not the gradient-norm all-reduce, which also waits for the other stages to finish."""
+        for u in self.units:  # (every gradient reduction done with: the backwards settle theirs)
+            u.comms.settle()
         sq = self._sq_norm(device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq, group=self.norm_group)

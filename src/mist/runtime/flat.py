@@ -233,6 +233,7 @@ class FlatUnit:
         self.acc = SplitBuffer(n, grads, self.grad_dtype, self.device)
         self.opt_grad: SplitBuffer | None = None
         self._update = None  # a deferred optimizer step (see `defer_update`)
+        self._gathering = False  # the re-gather of the new weights is in flight (`update_weights`)
         # When that buffer is the whole flat gradient and lives on the device, every micro-batch is
         # accumulated into it in place and it is reduced once, after the step's last micro-batch
         # (`rules.grad_accumulation`): in the working dtype the parameters' .grad are views of it
@@ -279,15 +280,17 @@ class FlatUnit:
     def storage_ptr(self) -> int:
         return self.full.untyped_storage().data_ptr()
 
-    def defer_update(self, future) -> None:
-        """The optimizer's host part is still running (`future`): update the weights later."""
-        self._update = future
+    def defer_update(self, future=None) -> None:
+        """Make the new working weights when the unit is next used: after the optimizer's host
+        part, still running, is done (`future`), or at once then (None: a step on the device)."""
+        self._update = (future,)
 
     def finish_update(self) -> None:
         """Wait for a deferred optimizer step, then make the new working weights."""
         if self._update is not None:
-            fut, self._update = self._update, None
-            fut.result()
+            (fut,), self._update = self._update, None
+            if fut is not None:
+                fut.result()
             self.update_weights()
 
     def materialize(self, prefetch: bool = False) -> None:
@@ -320,7 +323,10 @@ class FlatUnit:
         self.materialized = True
 
     def wait(self) -> None:
-        """Before using the weights: order the compute stream after a prefetch's copies."""
+        """Before using the weights: order the compute stream after a prefetch's copies, and
+        take the re-gather of new weights if it is still in flight."""
+        if self._gathering:
+            self.comms.settle()
         if self._event is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(self._event)
@@ -516,8 +522,17 @@ class FlatUnit:
             out = self.full if self.persistent else torch.empty(self.Np, dtype=self.dtype, device=self.device)
             if self.comms.dp_group is None:
                 out.copy_(shard)
+            elif self.persistent:
+                # in flight while the unit before this one runs its forward (the first use of
+                # these weights waits for it: `wait`)
+                self._gathering = True
+                work = all_gather_flat(out, shard, group=self.comms.dp_group, async_op=True)
+                self.comms.issue(work, self._gathered, shard, out)
             else:
                 all_gather_flat(out, shard, group=self.comms.dp_group)
             if not self.persistent:
                 self.store.copy_(out)
         self.opt_grad = None
+
+    def _gathered(self) -> None:
+        self._gathering = False

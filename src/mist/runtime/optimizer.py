@@ -6,10 +6,11 @@ m and v kept in host memory — step on the CPU (a CPU Adam, not a round trip th
 The arithmetic is `torch.optim.AdamW`'s (its fused kernel where PyTorch has one), with decoupled
 weight decay on matrices only (not on norms and biases).
 
-The host part runs on a worker thread and is waited for lazily: a unit whose optimizer states are
-partly on the host gets its new working weights (`FlatUnit.update_weights`) only when the next
-forward first needs it (`FlatUnit.finish_update`), so the CPU Adam of later units overlaps the
-device work of earlier ones, as the simulator's first micro-batch assumes. `flush` finishes all.
+The host part runs on a worker thread and is waited for lazily: every unit gets its new working
+weights (`FlatUnit.update_weights`) only when the next forward first needs them
+(`FlatUnit.finish_update`), so the CPU Adam of later units overlaps the device work of earlier
+ones, and a ZeRO-1/2 re-gather the forward of the unit before, as the simulator's first
+micro-batch assumes. `flush` finishes all.
 
 Gradient clipping uses the global norm over every rank's gradient shard: each element is counted
 once (parameters replicated across TP ranks only on TP rank 0, KV-head copies only on the first
@@ -204,7 +205,9 @@ class ShardedAdamW:
                     self._host_pool().submit(_host_step, first, mult, m.host, ea.host, es.host, g_host, dec_host, kw)
                 )
             else:
-                u.update_weights()
+                # the new working weights when the unit is next used (its ZeRO-1/2 re-gather then
+                # overlaps the forward of the unit before it: `FlatUnit.update_weights`)
+                u.defer_update()
         # the copies live until each unit's deferred step ran: all of them at once, at most
         self.host_grad_peak = max(self.host_grad_peak, host_grads)
 
@@ -247,6 +250,8 @@ class ShardedAdamW:
         """Finish every deferred host step and weight update (before reading or saving states)."""
         for u in self.units:
             u.finish_update()
+        for u in self.units:
+            u.comms.settle()
 
     def close(self) -> None:
         self.flush()

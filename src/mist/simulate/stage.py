@@ -13,11 +13,12 @@ Per micro-batch kind (Mist's traffic table, with the optimizer step made explici
   forward, every micro-batch: AG(W) if weights are sharded; swap-in W·weights; swap-out
       act·activations
   forward, FIRST micro-batch: + optimizer step of the previous iteration, per layer — GPU Adam
-      on the GPU-resident fraction (1 − optimizer) of the optimizer shard and the new working
-      weights (the master's host tail in, an offloaded store's share out, the re-gather AG(W)
-      when only optimizer states/grads are sharded), all on the compute stream as the runtime
-      runs them (`FlatUnit.update_weights`: each copy and collective waited for, so nothing of
-      it overlaps); CPU Adam on the offloaded fraction on the host's worker thread, alongside.
+      on the GPU-resident fraction (1 − optimizer) of the optimizer shard (at the iteration's
+      end, nothing in flight) and the new working weights as the runtime makes them when the
+      forward first needs them (`FlatUnit.update_weights`): the master's host tail in and an
+      offloaded store's share out, waited for; the re-gather AG(W) when only optimizer
+      states/grads are sharded, in flight during the forward of the block before; CPU Adam on
+      the offloaded fraction on the host's worker thread, alongside.
   backward, every micro-batch: AG(W) if weights sharded; RS(Gr) if grads sharded; swap-in
       W·weights, Gr·grads and act·activations; swap-out Gr·grads; gradient accumulation (G > 1).
   backward, LAST micro-batch: + RS(Gr) (ZeRO-1) or AR(Gr) (no sharding) over DP; copy-out of
@@ -132,7 +133,8 @@ class _Boundary:
 
     opt_gpu: np.ndarray
     opt_cpu: np.ndarray
-    update: np.ndarray  # the new working weights: copies, conversions, the ZeRO-1/2 re-gather
+    update: np.ndarray  # the new working weights: copies, conversions (and a waited-for re-gather)
+    regather: np.ndarray  # a ZeRO-1/2 re-gather in flight during the forward
     final_reduction: np.ndarray
     grads_out: np.ndarray
 
@@ -423,11 +425,15 @@ class StageModel:
             else self.profile.adam_cpu_s_per_param * p_os * host_share
             + self.profile.host_pass_time(host_grads * (pr.grad_bytes + 3 * MASTER_BYTES))
         )
+        # the re-gather of ZeRO 1/2's new weights: into the persistent working buffer, in flight
+        # while the unit before runs its forward; into an offloaded store, waited for at once
+        gathered = (k.zero >= 1) & (k.zero <= 2)
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
         return _Boundary(
             opt_gpu=self._device_step(p_os * (1 - host_share)) + self._grad_norm(k.P / k.dp, k.offload_grads),
             opt_cpu=opt_cpu,
-            update=self._weight_update(k, p_os) + np.where((k.zero >= 1) & (k.zero <= 2), ag_w, 0.0),
+            update=self._weight_update(k, p_os) + np.where(gathered & (k.offload_weights > 0), ag_w, 0.0),
+            regather=np.where(gathered & (k.offload_weights == 0), ag_w, 0.0),
             final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
             grads_out=self._d2h(g_out * p_os * host_share * (1 - k.offload_grads)),
         )
@@ -466,9 +472,12 @@ class StageModel:
             + np.where(dev > 0, prof.memory_op_time("copy", dev, False), 0.0)
         )
 
-    def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool):
+    def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0):
         act = tr.saved_ckpt if ck else tr.saved
-        return self._overlap(tr.fwd, tr.g2g_fwd, tr.c2g_fwd, self._d2h(act * k.offload_activations)) + tr.tp_fwd
+        return (
+            self._overlap(tr.fwd, tr.g2g_fwd + extra_g2g, tr.c2g_fwd, self._d2h(act * k.offload_activations))
+            + tr.tp_fwd
+        )
 
     def _layer_bwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0, extra_g2c=0.0, extra_c=0.0):
         act = tr.saved_ckpt if ck else tr.saved
@@ -485,10 +494,14 @@ class StageModel:
 
     def _layer_times(self, k: _Batch, tr: _Traffic, bd: _Boundary, ck: bool) -> LayerTimes:
         fwd = self._layer_fwd(k, tr, ck)
-        # the device step and the new weights run on the compute stream, each collective and copy
-        # waited for, nothing else in flight: at the iteration's end where the whole step is on the
-        # device, else when the unit's forward first needs them (`FlatUnit.finish_update`)
-        first = fwd + bd.opt_gpu + bd.update
+        # the device step runs at the iteration's end, nothing else in flight; the new working
+        # weights when the unit's forward first needs them (`FlatUnit.finish_update`), their copies
+        # waited for, a re-gather into the persistent buffer in flight during the unit before
+        first = (
+            self._layer_fwd(k, tr, ck, bd.regather) + bd.opt_gpu + bd.update
+            if not self.serial
+            else fwd + bd.regather + bd.opt_gpu + bd.update
+        )
         return LayerTimes(
             fwd=fwd,
             bwd=self._layer_bwd(k, tr, ck),
@@ -519,11 +532,11 @@ class StageModel:
         act_b = np.maximum(
             np.minimum(tr.bwd, self._h2d(tr.saved * oa)), np.minimum(tr.bwd_ckpt, self._h2d(tr.saved_ckpt * oa))
         )
-        fwd = edge * (np.maximum(tr.g2g_fwd, tr.c2g_fwd) + act_f) + lead_f
         return Edges(
-            fwd=fwd,
+            fwd=edge * (np.maximum(tr.g2g_fwd, tr.c2g_fwd) + act_f) + lead_f,
             bwd=edge * (np.maximum(tr.g2g_bwd, tr.g2c_bwd) + act_b) + lead_b,
-            first=fwd,
+            # (the first unit's re-gather has no forward before it)
+            first=edge * (np.maximum(tr.g2g_fwd + bd.regather, tr.c2g_fwd) + act_f) + lead_f,
             last=edge * (np.maximum(tr.g2g_bwd + bd.final_reduction, tr.g2c_bwd + bd.grads_out) + act_b) + lead_b,
             lead=lead_f + lead_b,
         )

@@ -472,10 +472,23 @@ class StageModel:
             + np.where(dev > 0, prof.memory_op_time("copy", dev, False), 0.0)
         )
 
+    def _kept_copy(self, k: _Batch, act):
+        """Seconds of the device copy that offloading adds per pass (`runtime.activations`): each
+        split tensor's kept head is copied out of its storage in the forward (on the compute
+        stream), and into the rebuilt tensor ahead of its tail in the backward (on the copy-back
+        stream)."""
+        oa = k.offload_activations
+        return np.where(oa > 0, self.profile.memory_op_time("copy", 2 * act * (1 - oa), False), 0.0)
+
     def _layer_fwd(self, k: _Batch, tr: _Traffic, ck: bool, extra_g2g=0.0):
         act = tr.saved_ckpt if ck else tr.saved
         return (
-            self._overlap(tr.fwd, tr.g2g_fwd + extra_g2g, tr.c2g_fwd, self._d2h(act * k.offload_activations))
+            self._overlap(
+                tr.fwd + self._kept_copy(k, act),
+                tr.g2g_fwd + extra_g2g,
+                tr.c2g_fwd,
+                self._d2h(act * k.offload_activations),
+            )
             + tr.tp_fwd
         )
 
@@ -486,7 +499,7 @@ class StageModel:
             self._overlap(
                 comp,
                 tr.g2g_bwd + extra_g2g,
-                self._h2d(tr.c2g_bwd_bytes + act * k.offload_activations),
+                self._h2d(tr.c2g_bwd_bytes + act * k.offload_activations) + self._kept_copy(k, act),
                 tr.g2c_bwd + extra_g2c,
             )
             + tr.tp_bwd
@@ -527,10 +540,13 @@ class StageModel:
         # after the last forward). The larger of a plain and a recomputed block's.
         oa = k.offload_activations
         act_f = last_stage * np.maximum(
-            np.minimum(tr.fwd, self._d2h(tr.saved * oa)), np.minimum(tr.fwd, self._d2h(tr.saved_ckpt * oa))
+            *(np.minimum(tr.fwd + self._kept_copy(k, a), self._d2h(a * oa)) for a in (tr.saved, tr.saved_ckpt))
         )
         act_b = np.maximum(
-            np.minimum(tr.bwd, self._h2d(tr.saved * oa)), np.minimum(tr.bwd_ckpt, self._h2d(tr.saved_ckpt * oa))
+            *(
+                np.minimum(c, self._h2d(a * oa) + self._kept_copy(k, a))
+                for c, a in ((tr.bwd, tr.saved), (tr.bwd_ckpt, tr.saved_ckpt))
+            )
         )
         return Edges(
             fwd=edge * (np.maximum(tr.g2g_fwd, tr.c2g_fwd) + act_f) + lead_f,

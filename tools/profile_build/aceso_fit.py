@@ -294,8 +294,10 @@ def build(
             "hbm_bandwidth": f"datasheet: {sheet.get('sheet', sheet['label'])} {sheet['hbm'] / 1e9:.0f} GB/s",
             "host_link": link["source"],
             "adam": (
-                "scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); H200 host CPU AdamW "
-                "(CPU, host unknown: 16 threads of one process, foreach)"
+                "scaled: H200 fused AdamW x HBM bandwidth ratio (GPU); borrowed: the H200 host's "
+                "measured step of the runtime's fused host AdamW (CPU; this GPU's host unknown; "
+                "one process of 16 threads alone on its host: a node's ranks stepping at once "
+                "share its memory bandwidth, not modelled here)"
             ),
             "gemm": gemm.source,
             "attention": attention.source,

@@ -51,6 +51,12 @@ def shards_optimizer(zero):
     return zero >= 1
 
 
+def regathers_weights(zero):
+    """Whether a step's new weights are gathered over dp: the optimizer states are sharded and the
+    weights are not (ZeRO 1/2)."""
+    return shards_optimizer(zero) & (zero < 3)
+
+
 def materializes_weights(zero, weights_offload):
     """Whether the working weights are materialised before use and freed after (no persistent
     working buffer): they are sharded or partly offloaded."""

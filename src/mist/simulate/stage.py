@@ -47,6 +47,7 @@ import numpy as np
 
 from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
+from mist.rules.flat_units import materializes_weights, regathers_weights
 from mist.rules.grad_accumulation import accumulates_in_place_by_level
 from mist.rules.offload_split import (
     device_elements,
@@ -427,7 +428,7 @@ class StageModel:
         )
         # the re-gather of ZeRO 1/2's new weights: into the persistent working buffer, in flight
         # while the unit before runs its forward; into an offloaded store, waited for at once
-        gathered = (k.zero >= 1) & (k.zero <= 2)
+        gathered = regathers_weights(k.zero)
         # last micro-batch: final gradient reduction + grads of the CPU-stepped fraction out
         return _Boundary(
             opt_gpu=self._device_step(p_os * (1 - host_share)) + self._grad_norm(k.P / k.dp, k.offload_grads),
@@ -450,8 +451,8 @@ class StageModel:
         pr, prof = self.prec, self.profile
         wb, o, w = pr.weight_bytes, k.offload_optimizer, k.offload_weights
         n = k.P / k.ws  # the store: the unit, or this rank's shard at ZeRO 3
-        split_store = (k.zero >= 3) | ((k.zero == 0) & (w > 0))
-        gathered_store = (k.zero >= 1) & (k.zero <= 2) & (w > 0)
+        stored, gathered = materializes_weights(k.zero, w), regathers_weights(k.zero)
+        split_store, gathered_store = stored & ~gathered, stored & gathered
         out_n, in_n = update_crossing(n, w, o)
         host_master = host_elements(n, o)
         in32 = wb if self.serial else MASTER_BYTES
@@ -510,11 +511,7 @@ class StageModel:
         # the device step runs at the iteration's end, nothing else in flight; the new working
         # weights when the unit's forward first needs them (`FlatUnit.finish_update`), their copies
         # waited for, a re-gather into the persistent buffer in flight during the unit before
-        first = (
-            self._layer_fwd(k, tr, ck, bd.regather) + bd.opt_gpu + bd.update
-            if not self.serial
-            else fwd + bd.regather + bd.opt_gpu + bd.update
-        )
+        first = self._layer_fwd(k, tr, ck, bd.regather) + bd.opt_gpu + bd.update
         return LayerTimes(
             fwd=fwd,
             bwd=self._layer_bwd(k, tr, ck),

@@ -1,0 +1,238 @@
+"""How far `mist simulate` and `mist estimate` have moved since an earlier commit, plan by plan.
+
+Measured errors quoted against an earlier version of the cost model (for example real runs that
+are not part of this repository) stay tied to that version. A prediction p_then with error
+e_then = p_then / measured − 1 has, for the same plan today, the error
+(1 + e_then) · p_now / p_then − 1. This script gives the ratio p_now / p_then for:
+
+* every plan stored in the fp16 suite results (`suite-l4-a100-fp16.json`: the paper's cases on
+  L4 and A100, in the original Mist space and the two Megatron-LM spaces) that the earlier
+  version can read (1F1B, one chunk per stage, no sequence or context parallelism, no
+  selective recomputation of the MLP activation);
+* the two plans of the original Mist artifact's smoke test (its README: GPT-1.3B on 2 L4, seq
+  2048, global batch 32, no flash; Mist's plan of 2 stages × 12 layers, G 16, b 2, ZeRO-1, 5 and
+  0 recomputed layers, and Megatron-LM's best plan, dp 2, b 8, G 2, every layer recomputed);
+* the GPT blocks and whole GPT models measured on an H200 in this repository
+  (`results/h200_blocks_measured.json`), with the error of each version against them.
+
+Both versions run through their own command line (`python -m mist … --json`), so nothing of one
+leaks into the other; the earlier one from a temporary `git worktree` of `--base`.
+
+    python benchmarks/prediction_drift.py --base 81dd0dd [--out benchmarks/results/prediction_drift.md]
+        [--json benchmarks/results/prediction_drift.json] [--render]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SUITE = "suite-l4-a100-fp16.json"
+SPACES = ("mist-paper", "megatron", "megatron-paper")
+
+# The original artifact's smoke test (its README), as plan files of this repository.
+_SMOKE_TRAINING = {"seq_len": 2048, "global_batch": 32, "param_dtype": "fp16", "flash_attention": False}
+_SMOKE_STAGE = {"nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1, "tp": 1, "zero": 1}
+SMOKE = {
+    "smoke: Mist plan": {
+        "model": "gpt3-1.3b",
+        "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 2},
+        "training": _SMOKE_TRAINING,
+        "micro_batches": 16,
+        "stages": [
+            {"layers": 12, **_SMOKE_STAGE, "recompute_layers": 5},
+            {"layers": 12, **_SMOKE_STAGE, "recompute_layers": 0},
+        ],
+    },
+    "smoke: Megatron-LM plan": {
+        "model": "gpt3-1.3b",
+        "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 2},
+        "training": _SMOKE_TRAINING,
+        "micro_batches": 2,
+        "stages": [
+            {"layers": 24, **_SMOKE_STAGE, "gpus_per_node": 2, "micro_batch": 8, "dp": 2, "recompute_layers": 24}
+        ],
+    },
+}
+
+
+def readable_then(plan: dict) -> bool:
+    """Whether a version before interleaving, ZB-H1, SP/CP and MLP-activation recomputation reads it."""
+    if plan.get("schedule", "1f1b") != "1f1b" or plan.get("virtual_stages", 1) != 1:
+        return False
+    if plan["training"].get("grad_dtype", plan["training"].get("param_dtype")) == "fp32":
+        return False
+    return not any(
+        s.get("recompute_activation") or s.get("sequence_parallel") or s.get("cp", 1) != 1 for s in plan["stages"]
+    )
+
+
+def then_form(plan: dict) -> dict:
+    """The plan without the fields added since (each at its default value here)."""
+    p = json.loads(json.dumps(plan))
+    p.pop("schedule", None)
+    p.pop("virtual_stages", None)
+    for s in p["stages"]:
+        for k in ("recompute_activation", "sequence_parallel", "cp"):
+            s.pop(k, None)
+    return p
+
+
+def stored_plans() -> dict[str, dict]:
+    out = {}
+    for case in json.loads((RESULTS / SUITE).read_text()):
+        n = case["nodes"] * case["gpus_per_node"]
+        for sp in case["spaces"]:
+            plan = sp.get("plan")
+            if sp["space"] not in SPACES or plan is None or not readable_then(plan):
+                continue
+            flash = "flash" if case["flash_attention"] else "no flash"
+            out[f"{case['model']} {n}×{case['gpu']} {flash} · {sp['space']}"] = then_form(plan)
+    return out
+
+
+def mist(src: Path, cache: Path, *args: str) -> dict | None:
+    env = dict(os.environ, PYTHONPATH=str(src), MIST_CACHE_DIR=str(cache))
+    r = subprocess.run([sys.executable, "-m", "mist", *args, "--json"], env=env, capture_output=True, text=True)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> dict:
+    out: dict = {"plans": {}, "blocks": {}, "models": {}}
+    for name, plan in plans.items():
+        f = tmp / "plan.json"
+        f.write_text(json.dumps(plan))
+        r = mist(src, cache, "simulate", str(f))
+        out["plans"][name] = None if r is None else r["iteration_time_s"]
+    for r in h200["blocks"]:
+        if not r["model"].startswith("gpt") or "error" in r:
+            continue
+        e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]))
+        out["blocks"][f"{r['model']} b{r['b']}"] = (
+            None
+            if e is None
+            else (
+                e["layer"]["fwd_compute_ms"],
+                e["layer"]["bwd_compute_ms"],
+            )
+        )
+    for r in h200["models"]:
+        if not r["model"].startswith("gpt") or "error" in r:
+            continue
+        rc = ["--recompute", "full"] if r["recompute"] else []
+        e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]), *rc)
+        out["models"][f"{r['model']} b{r['b']} {'recompute' if r['recompute'] else 'no recompute'}"] = (
+            None if e is None else e["model"]["fwd_bwd_ms"]
+        )
+    return out
+
+
+def group(name: str) -> str:
+    """ "gpt3-7b 8×l4 no flash · megatron" → "l4 gpt3 no flash"."""
+    model, cluster, *rest = name.split(" · ")[0].split(" ")
+    return f"{cluster.split('×')[1]} {model.split('-')[0]} {' '.join(rest)}"
+
+
+def markdown(base: str, head: str, then: dict, now: dict, h200: dict) -> str:
+    lines = [
+        "# Predictions now against an earlier version of the cost model",
+        "",
+        f"Generated by `python benchmarks/prediction_drift.py --base {base}` at {head}. "
+        f"Ratio = prediction now / prediction at {base}; an error e quoted against {base} is "
+        "(1 + e) · ratio − 1 today for the same plan.",
+        "",
+        "## Plans: `mist simulate` iteration time (s)",
+        "",
+        f"| plan | at {base} | now | ratio |",
+        "|---|---|---|---|",
+    ]
+    ratios: dict[str, list[float]] = {}
+    for name in then["plans"]:
+        a, b = then["plans"][name], now["plans"][name]
+        if a is None or b is None:
+            lines.append(f"| {name} | {a if a is None else f'{a:.2f}'} | {b if b is None else f'{b:.2f}'} | – |")
+            continue
+        lines.append(f"| {name} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
+        if not name.startswith("smoke"):
+            ratios.setdefault(group(name), []).append(b / a)
+    lines += ["", "Per GPU, family and attention (stored plans):", "", "| group | plans | median | min | max |"]
+    lines.append("|---|---|---|---|---|")
+    for g, rs in sorted(ratios.items()):
+        lines.append(f"| {g} | {len(rs)} | {statistics.median(rs):.3f} | {min(rs):.3f} | {max(rs):.3f} |")
+    lines += [
+        "",
+        "## H200 GPT blocks and models: `mist estimate` against this repository's measurements",
+        "",
+        f"| what | measured (ms) | at {base} (ms) | error | now (ms) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    errs: dict[str, list[float]] = {"then": [], "now": []}
+
+    def row(what, m, a, b):
+        ea, eb = a / m - 1, b / m - 1
+        errs["then"].append(abs(ea))
+        errs["now"].append(abs(eb))
+        lines.append(f"| {what} | {m:.3f} | {a:.3f} | {ea:+.1%} | {b:.3f} | {eb:+.1%} |")
+
+    for r in h200["blocks"]:
+        key = f"{r['model']} b{r['b']}"
+        if key in then["blocks"] and then["blocks"][key] and now["blocks"][key]:
+            row(f"{key} block fwd", r["fwd_ms"], then["blocks"][key][0], now["blocks"][key][0])
+            row(f"{key} block bwd", r["bwd_ms"], then["blocks"][key][1], now["blocks"][key][1])
+    for r in h200["models"]:
+        key = f"{r['model']} b{r['b']} {'recompute' if r['recompute'] else 'no recompute'}"
+        if key in then["models"] and then["models"][key] and now["models"][key]:
+            row(f"{key} fwd+bwd", r["fwd_bwd_ms"], then["models"][key], now["models"][key])
+    if errs["now"]:
+        lines += [
+            "",
+            f"Median |error| at {base}: {statistics.median(errs['then']):.1%}; now: "
+            f"{statistics.median(errs['now']):.1%} ({len(errs['now'])} values).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="The earlier commit.")
+    ap.add_argument("--out", default=str(RESULTS / "prediction_drift.md"))
+    ap.add_argument("--json", default=str(RESULTS / "prediction_drift.json"), help="Both versions' predictions.")
+    ap.add_argument("--render", action="store_true", help="Rewrite the table from --json without predicting.")
+    a = ap.parse_args(argv)
+    h200 = json.loads((RESULTS / "h200_blocks_measured.json").read_text())
+    if a.render:
+        d = json.loads(Path(a.json).read_text())
+        text = markdown(d["base"], d["head"], d["then"], d["now"], h200)
+        Path(a.out).write_text(text)
+        print(text)
+        return 0
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    plans = {**SMOKE, **stored_plans()}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        tree = t / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.base], cwd=ROOT, check=True)
+        try:
+            then = predictions(tree / "src", t / "cache-base", plans, h200, t)
+            now = predictions(ROOT / "src", t / "cache-now", plans, h200, t)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
+    Path(a.json).write_text(
+        json.dumps({"base": a.base, "head": head.stdout.strip(), "then": then, "now": now}, indent=1)
+    )
+    text = markdown(a.base, head.stdout.strip(), then, now, h200)
+    Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

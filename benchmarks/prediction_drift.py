@@ -111,7 +111,11 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
         f = tmp / "plan.json"
         f.write_text(json.dumps(plan))
         r = mist(src, cache, "simulate", str(f))
-        out["plans"][name] = None if r is None else r["iteration_time_s"]
+        out["plans"][name] = (
+            None
+            if r is None
+            else {"time": r["iteration_time_s"], "peaks": [s["peak_memory_bytes"] for s in r["stages"]]}
+        )
     for r in h200["blocks"]:
         if not r["model"].startswith("gpt") or "error" in r:
             continue
@@ -151,22 +155,39 @@ def markdown(base: str, head: str, then: dict, now: dict, h200: dict) -> str:
         "",
         "## Plans: `mist simulate` iteration time (s)",
         "",
-        f"| plan | at {base} | now | ratio |",
-        "|---|---|---|---|",
+        f"| plan | at {base} | now | ratio | stage peaks: ratio now / at {base} |",
+        "|---|---|---|---|---|",
     ]
     ratios: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
     for name in then["plans"]:
         a, b = then["plans"][name], now["plans"][name]
         if a is None or b is None:
-            lines.append(f"| {name} | {a if a is None else f'{a:.2f}'} | {b if b is None else f'{b:.2f}'} | – |")
+            shown = ["–" if x is None else f"{x['time']:.2f}" for x in (a, b)]
+            lines.append(f"| {name} | {shown[0]} | {shown[1]} | – | – |")
             continue
-        lines.append(f"| {name} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
+        pr = [q / p for p, q in zip(a["peaks"], b["peaks"])]
+        lines.append(
+            f"| {name} | {a['time']:.2f} | {b['time']:.2f} | {b['time'] / a['time']:.3f} | "
+            + " · ".join(f"{x:.3f}" for x in pr)
+            + " |"
+        )
         if not name.startswith("smoke"):
-            ratios.setdefault(group(name), []).append(b / a)
-    lines += ["", "Per GPU, family and attention (stored plans):", "", "| group | plans | median | min | max |"]
-    lines.append("|---|---|---|---|---|")
+            ratios.setdefault(group(name), []).append(b["time"] / a["time"])
+            peaks.setdefault(group(name), []).extend(pr)
+    lines += [
+        "",
+        "Per GPU, model family and attention (stored plans): ratios of the iteration time and of each stage's peak.",
+        "",
+    ]
+    lines += ["| group | plans | time: median | min | max | stage peaks | median | min | max |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for g, rs in sorted(ratios.items()):
-        lines.append(f"| {g} | {len(rs)} | {statistics.median(rs):.3f} | {min(rs):.3f} | {max(rs):.3f} |")
+        ps = peaks[g]
+        lines.append(
+            f"| {g} | {len(rs)} | {statistics.median(rs):.3f} | {min(rs):.3f} | {max(rs):.3f} | {len(ps)} | "
+            f"{statistics.median(ps):.3f} | {min(ps):.3f} | {max(ps):.3f} |"
+        )
     lines += [
         "",
         "## H200 GPT blocks and models: `mist estimate` against this repository's measurements",

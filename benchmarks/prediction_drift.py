@@ -12,6 +12,8 @@ e_then = p_then / measured − 1 has, for the same plan today, the error
 * the two plans of the original Mist artifact's smoke test (its README: GPT-1.3B on 2 L4, seq
   2048, global batch 32, no flash; Mist's plan of 2 stages × 12 layers, G 16, b 2, ZeRO-1, 5 and
   0 recomputed layers, and Megatron-LM's best plan, dp 2, b 8, G 2, every layer recomputed);
+* any plan files given with `--plans` (for example `results/prediction_drift_plans/`: GPT without
+  flash on 2, 4 and 8 A10G, tuned in the Megatron-LM and original Mist spaces at 0be2886);
 * the GPT blocks and whole GPT models measured on an H200 in this repository
   (`results/h200_blocks_measured.json`), with the error of each version against them.
 
@@ -19,7 +21,7 @@ Both versions run through their own command line (`python -m mist … --json`), 
 leaks into the other; the earlier one from a temporary `git worktree` of `--base`.
 
     python benchmarks/prediction_drift.py --base 81dd0dd [--out benchmarks/results/prediction_drift.md]
-        [--json benchmarks/results/prediction_drift.json] [--render]
+        [--json benchmarks/results/prediction_drift.json] [--render] [--plans DIR ...]
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "prediction_drift.md"))
     ap.add_argument("--json", default=str(RESULTS / "prediction_drift.json"), help="Both versions' predictions.")
     ap.add_argument("--render", action="store_true", help="Rewrite the table from --json without predicting.")
+    ap.add_argument("--plans", nargs="*", default=[], help="Folders of further plan files (JSON) to compare.")
     a = ap.parse_args(argv)
     h200 = json.loads((RESULTS / "h200_blocks_measured.json").read_text())
     if a.render:
@@ -237,6 +240,14 @@ def main(argv=None) -> int:
         return 0
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     plans = {**SMOKE, **stored_plans()}
+    for folder in a.plans:
+        for f in sorted(Path(folder).glob("*.json")):
+            plan = json.loads(f.read_text())
+            if readable_then(plan):
+                c = plan["cluster"]
+                flash = "flash" if plan["training"].get("flash_attention", True) else "no flash"
+                name = f"{plan['model']} {c['nodes'] * c['gpus_per_node']}×{c['gpu']} {flash} · {f.stem}"
+                plans[name] = then_form(plan)
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         tree = t / "base"

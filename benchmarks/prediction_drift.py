@@ -102,9 +102,21 @@ def stored_plans() -> dict[str, dict]:
 
 
 def mist(src: Path, cache: Path, *args: str) -> dict | None:
+    """One command's JSON, or None (its error line printed) where that version refuses it."""
     env = dict(os.environ, PYTHONPATH=str(src), MIST_CACHE_DIR=str(cache))
     r = subprocess.run([sys.executable, "-m", "mist", *args, "--json"], env=env, capture_output=True, text=True)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    if r.returncode != 0:
+        print(f"{src}: mist {' '.join(args)}: {(r.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout)
+
+
+def block_key(r: dict) -> str:
+    return f"{r['model']} b{r['b']}"
+
+
+def model_key(r: dict) -> str:
+    return f"{r['model']} b{r['b']} {'recompute' if r['recompute'] else 'no recompute'}"
 
 
 def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> dict:
@@ -122,7 +134,7 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
         if not r["model"].startswith("gpt") or "error" in r:
             continue
         e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]))
-        out["blocks"][f"{r['model']} b{r['b']}"] = (
+        out["blocks"][block_key(r)] = (
             None
             if e is None
             else (
@@ -135,9 +147,7 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
             continue
         rc = ["--recompute", "full"] if r["recompute"] else []
         e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]), *rc)
-        out["models"][f"{r['model']} b{r['b']} {'recompute' if r['recompute'] else 'no recompute'}"] = (
-            None if e is None else e["model"]["fwd_bwd_ms"]
-        )
+        out["models"][model_key(r)] = None if e is None else e["model"]["fwd_bwd_ms"]
     return out
 
 
@@ -206,12 +216,12 @@ def markdown(base: str, head: str, then: dict, now: dict, h200: dict) -> str:
         lines.append(f"| {what} | {m:.3f} | {a:.3f} | {ea:+.1%} | {b:.3f} | {eb:+.1%} |")
 
     for r in h200["blocks"]:
-        key = f"{r['model']} b{r['b']}"
+        key = block_key(r)
         if key in then["blocks"] and then["blocks"][key] and now["blocks"][key]:
             row(f"{key} block fwd", r["fwd_ms"], then["blocks"][key][0], now["blocks"][key][0])
             row(f"{key} block bwd", r["bwd_ms"], then["blocks"][key][1], now["blocks"][key][1])
     for r in h200["models"]:
-        key = f"{r['model']} b{r['b']} {'recompute' if r['recompute'] else 'no recompute'}"
+        key = model_key(r)
         if key in then["models"] and then["models"][key] and now["models"][key]:
             row(f"{key} fwd+bwd", r["fwd_bwd_ms"], then["models"][key], now["models"][key])
     if errs["now"]:
@@ -225,7 +235,7 @@ def markdown(base: str, head: str, then: dict, now: dict, h200: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="The earlier commit.")
+    ap.add_argument("--base", help="The earlier commit (needed unless --render).")
     ap.add_argument("--out", default=str(RESULTS / "prediction_drift.md"))
     ap.add_argument("--json", default=str(RESULTS / "prediction_drift.json"), help="Both versions' predictions.")
     ap.add_argument("--render", action="store_true", help="Rewrite the table from --json without predicting.")
@@ -238,6 +248,8 @@ def main(argv=None) -> int:
         Path(a.out).write_text(text)
         print(text)
         return 0
+    if not a.base:
+        ap.error("--base is needed to predict (or --render to redraw a stored run)")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     plans = {**SMOKE, **stored_plans()}
     for folder in a.plans:

@@ -11,7 +11,8 @@ e_then = p_then / measured − 1 has, for the same plan today, the error
   selective recomputation of the MLP activation);
 * the two plans of the original Mist artifact's smoke test (its README: GPT-1.3B on 2 L4, seq
   2048, global batch 32, no flash; Mist's plan of 2 stages × 12 layers, G 16, b 2, ZeRO-1, 5 and
-  0 recomputed layers, and Megatron-LM's best plan, dp 2, b 8, G 2, every layer recomputed);
+  0 recomputed layers, and Megatron-LM's best plan, dp 2, b 8, G 2, every layer recomputed:
+  `examples/gpt3-1.3b-2xl4-pp2.json` and `examples/gpt3-1.3b-2xl4-dp2-recompute.json`);
 * any plan files given with `--plans` (for example `results/prediction_drift_plans/`: GPT without
   flash on 2, 4 and 8 A10G, tuned in the Megatron-LM and original Mist spaces at 0be2886);
 * the GPT blocks and whole GPT models measured on an H200 in this repository
@@ -40,29 +41,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 SUITE = "suite-l4-a100-fp16.json"
 SPACES = ("mist-paper", "megatron", "megatron-paper")
 
-# The original artifact's smoke test (its README), as plan files of this repository.
-_SMOKE_TRAINING = {"seq_len": 2048, "global_batch": 32, "param_dtype": "fp16", "flash_attention": False}
-_SMOKE_STAGE = {"nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1, "tp": 1, "zero": 1}
+# The original artifact's smoke test (its README), as this repository's example plans.
 SMOKE = {
-    "smoke: Mist plan": {
-        "model": "gpt3-1.3b",
-        "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 2},
-        "training": _SMOKE_TRAINING,
-        "micro_batches": 16,
-        "stages": [
-            {"layers": 12, **_SMOKE_STAGE, "recompute_layers": 5},
-            {"layers": 12, **_SMOKE_STAGE, "recompute_layers": 0},
-        ],
-    },
-    "smoke: Megatron-LM plan": {
-        "model": "gpt3-1.3b",
-        "cluster": {"gpu": "l4", "nodes": 1, "gpus_per_node": 2},
-        "training": _SMOKE_TRAINING,
-        "micro_batches": 2,
-        "stages": [
-            {"layers": 24, **_SMOKE_STAGE, "gpus_per_node": 2, "micro_batch": 8, "dp": 2, "recompute_layers": 24}
-        ],
-    },
+    "smoke: Mist plan": ROOT / "examples" / "gpt3-1.3b-2xl4-pp2.json",
+    "smoke: Megatron-LM plan": ROOT / "examples" / "gpt3-1.3b-2xl4-dp2-recompute.json",
 }
 
 
@@ -251,7 +233,7 @@ def main(argv=None) -> int:
     if not a.base:
         ap.error("--base is needed to predict (or --render to redraw a stored run)")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    plans = {**SMOKE, **stored_plans()}
+    plans = {name: json.loads(f.read_text()) for name, f in SMOKE.items()} | stored_plans()
     for folder in a.plans:
         for f in sorted(Path(folder).glob("*.json")):
             plan = json.loads(f.read_text())

@@ -93,6 +93,11 @@ def mist(src: Path, cache: Path, *args: str) -> dict | None:
     return json.loads(r.stdout)
 
 
+def gpt_rows(rows: list[dict]) -> list[dict]:
+    """The measured GPT rows (the other families' blocks were measured before the lean kernels)."""
+    return [r for r in rows if r["model"].startswith("gpt") and "error" not in r]
+
+
 def block_key(r: dict) -> str:
     return f"{r['model']} b{r['b']}"
 
@@ -112,9 +117,7 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
             if r is None
             else {"time": r["iteration_time_s"], "peaks": [s["peak_memory_bytes"] for s in r["stages"]]}
         )
-    for r in h200["blocks"]:
-        if not r["model"].startswith("gpt") or "error" in r:
-            continue
+    for r in gpt_rows(h200["blocks"]):
         e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]))
         out["blocks"][block_key(r)] = (
             None
@@ -124,9 +127,7 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
                 e["layer"]["bwd_compute_ms"],
             )
         )
-    for r in h200["models"]:
-        if not r["model"].startswith("gpt") or "error" in r:
-            continue
+    for r in gpt_rows(h200["models"]):
         rc = ["--recompute", "full"] if r["recompute"] else []
         e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]), *rc)
         out["models"][model_key(r)] = None if e is None else e["model"]["fwd_bwd_ms"]
@@ -166,7 +167,7 @@ def markdown(base: str, head: str, then: dict, now: dict, h200: dict) -> str:
             + " · ".join(f"{x:.3f}" for x in pr)
             + " |"
         )
-        if not name.startswith("smoke"):
+        if name not in SMOKE:
             ratios.setdefault(group(name), []).append(b["time"] / a["time"])
             peaks.setdefault(group(name), []).extend(pr)
     lines += [

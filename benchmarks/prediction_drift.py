@@ -93,6 +93,12 @@ def mist(src: Path, cache: Path, *args: str) -> dict | None:
     return json.loads(r.stdout)
 
 
+def eager(src: Path) -> list[str]:
+    """The flag that makes this version's `mist estimate` price eager blocks, as the H200 blocks
+    and models were measured (since 81dd0dd's successors default to compiled blocks on a GPU)."""
+    return ["--no-compile"] if "--no-compile" in (src / "mist" / "cli.py").read_text() else []
+
+
 def gpt_rows(rows: list[dict]) -> list[dict]:
     """The measured GPT rows (the other families' blocks were measured before the lean kernels)."""
     return [r for r in rows if r["model"].startswith("gpt") and "error" not in r]
@@ -118,7 +124,9 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
             else {"time": r["iteration_time_s"], "peaks": [s["peak_memory_bytes"] for s in r["stages"]]}
         )
     for r in gpt_rows(h200["blocks"]):
-        e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]))
+        e = mist(
+            src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]), *eager(src)
+        )
         out["blocks"][block_key(r)] = (
             None
             if e is None
@@ -128,7 +136,7 @@ def predictions(src: Path, cache: Path, plans: dict, h200: dict, tmp: Path) -> d
             )
         )
     for r in gpt_rows(h200["models"]):
-        rc = ["--recompute", "full"] if r["recompute"] else []
+        rc = (["--recompute", "full"] if r["recompute"] else []) + eager(src)
         e = mist(src, cache, "estimate", "--model", r["model"], "--gpu", "h200", "--micro-batch", str(r["b"]), *rc)
         out["models"][model_key(r)] = None if e is None else e["model"]["fwd_bwd_ms"]
     return out

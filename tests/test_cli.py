@@ -48,12 +48,26 @@ def test_estimate_json_has_required_keys_and_breakdown_sums(capsys):
     assert sum(m["time_breakdown"].values()) == pytest.approx(m["fwd_bwd_ms"], rel=1e-9)
     assert r["layer"]["fwd_comm_ms"] == 0 and r["layer"]["bwd_comm_ms"] == 0
     assert 0 < r["layer"]["fwd_compute_ms"] < r["layer"]["bwd_compute_ms"]
+    # a GPU profile prices compiled blocks unless told not to: the backward's pointwise work fused
+    assert r["compiled_blocks"] is True
+    eager = json.loads(
+        run_ok(
+            ["estimate", "--model", "gpt3-1.3b", "--gpu", "h200", "--micro-batch", "2", "--no-compile", "--json"],
+            capsys,
+        )
+    )
+    assert eager["compiled_blocks"] is False
+    assert eager["layer"]["bwd_compute_ms"] > r["layer"]["bwd_compute_ms"]
 
 
 def test_tp_adds_comm_and_recompute_adds_a_forward(capsys):
-    base = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--json"], capsys))
+    base = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--no-compile", "--json"], capsys))
     assert base["layer"]["fwd_comm_ms"] > 0 and base["layer"]["bwd_comm_ms"] > 0
-    full = json.loads(run_ok(["estimate", "--model", "llama-7b", "--tp", "2", "--recompute", "full", "--json"], capsys))
+    full = json.loads(
+        run_ok(
+            ["estimate", "--model", "llama-7b", "--tp", "2", "--recompute", "full", "--no-compile", "--json"], capsys
+        )
+    )
     assert full["model"]["fwd_bwd_ms"] > base["model"]["fwd_bwd_ms"]
     assert full["layer"]["recompute_ms"] > 0
     assert full["model"]["activation_peak_bytes"] < base["model"]["activation_peak_bytes"]
@@ -61,7 +75,7 @@ def test_tp_adds_comm_and_recompute_adds_a_forward(capsys):
 
 
 def test_human_table(capsys):
-    out = run_ok(["estimate", "--model", "falcon-1.3b", "--no-flash"], capsys)
+    out = run_ok(["estimate", "--model", "falcon-1.3b", "--no-flash", "--no-compile"], capsys)
     assert "decoder block" in out and "peak memory" in out
 
 
@@ -171,7 +185,21 @@ def test_output_and_budget_checked_before_the_search(args, needle, tmp_path, cap
 
 def test_timeline_path_checked_before_simulating(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    main(["tune", "--model", "gpt3-1.3b", "--gpu", "l4", "--global-batch", "8", "-o", str(plan), "--json"])
+    main(
+        [
+            "tune",
+            "--model",
+            "gpt3-1.3b",
+            "--gpu",
+            "l4",
+            "--global-batch",
+            "8",
+            "--no-compile",
+            "-o",
+            str(plan),
+            "--json",
+        ]
+    )
     capsys.readouterr()
     for path, needle in (
         (tmp_path / "t.jpgx", "must end with .png, .svg, .pdf"),
@@ -187,5 +215,5 @@ def test_timeline_path_checked_before_simulating(tmp_path, capsys):
 
 def test_tiny_memory_limit_is_not_shown_as_zero(capsys):
     tiny = str(Path(__file__).parent / "data" / "tiny-llama.yaml")
-    code, _, err = run(["tune", "--model", tiny, "--gpu", "l4", "--memory-limit", "1e-6"], capsys)
+    code, _, err = run(["tune", "--model", tiny, "--gpu", "l4", "--memory-limit", "1e-6", "--no-compile"], capsys)
     assert code == 2 and "against the 9.99e-07 GiB of a l4" in err and "0.0 GiB" not in err

@@ -20,7 +20,7 @@ from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces
 from mist.tune.result import budget_words
-from mist.tune.run import ALL_SPACES, TARGET_SPACES, run_space
+from mist.tune.run import ALL_SPACES, TARGET_SPACES, compiles_by_default, run_space
 from mist.tune.space import SPACE_LABELS
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
@@ -73,6 +73,17 @@ GradDtypeOpt = Annotated[
     ),
 ]
 
+CompileOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile-blocks/--no-compile",
+        help="Decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs them, "
+        "or eager (default: compiled on a GPU profile, in the full, mist-paper and torchtitan spaces; "
+        "eager on a CPU profile and in the other spaces).",
+        show_default=False,
+    ),
+]
+
 
 @app.callback()
 def _root() -> None:
@@ -93,11 +104,7 @@ def estimate(
         "only) or attention+activation.",
     ),
     no_flash: bool = typer.Option(False, "--no-flash", help="Materialise attention scores instead of flash attention."),
-    compile_blocks: bool = typer.Option(
-        False,
-        "--compile-blocks",
-        help="Decoder blocks compiled with torch.compile (Inductor), as `mist train` runs them.",
-    ),
+    compile_blocks: CompileOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Cost of one micro-batch of a model on one GPU: layer and model time, memory."""
@@ -111,6 +118,8 @@ def estimate(
     spec = load_model(model)
     spec.check_seq_len(seq)
     profile = load_profile(gpu)
+    if compile_blocks is None:
+        compile_blocks = compiles_by_default("full", profile)
     res = run_estimate(
         spec, profile, seq, micro_batch, tp=tp, recompute=recompute, flash=not no_flash, compiled=compile_blocks
     )
@@ -167,7 +176,6 @@ def _setup(
     dtype=None,
     host_memory=None,
     grad_dtype=None,
-    compile_blocks=False,
 ):
     spec = load_model(model)
     cluster = ClusterSpec(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, host_memory_gib=host_memory)
@@ -179,7 +187,6 @@ def _setup(
         flash_attention=not no_flash,
         param_dtype=dt,
         compute_dtype=dt,
-        compile_blocks=compile_blocks,
     )
     if grad_dtype is not None:
         if grad_dtype not in (dt, "fp32"):
@@ -268,12 +275,7 @@ def tune(
         None, "--memory-limit", help="Plan for at most this many GiB per GPU (less than the profile's capacity)."
     ),
     host_memory: HostMemOpt = None,
-    compile_blocks: bool = typer.Option(
-        False,
-        "--compile-blocks",
-        help="Plan for decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs "
-        "them: the same knobs and schedules as eager blocks.",
-    ),
+    compile_blocks: CompileOpt = None,
     as_json: JsonOpt = False,
 ):
     """Find the fastest plan that fits, write it, and print its prediction."""
@@ -287,8 +289,11 @@ def tune(
     if any(v is not None for v in limits.values()) and space not in ("full", "mist-paper"):
         raise MistInputError(f"--pp and --tp restrict the full and mist-paper spaces, not {space}.")
     spec, cluster, training, profile = _setup(
-        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype, compile_blocks
+        model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
     )
+    if compile_blocks is None:
+        compile_blocks = compiles_by_default(space, profile)
+    training = replace(training, compile_blocks=compile_blocks)
     if memory_limit is not None:
         outside = profile.outside_allocator_bytes or 0  # the limit caps the device: this is in it
         if not outside < memory_limit * GiB <= profile.memory_bytes:
@@ -419,7 +424,7 @@ def _print_estimate(r: Estimate) -> None:
     out.print(
         f"[bold]{r.model_name}[/] on [bold]{r.gpu}[/] — seq {r.seq_len}, micro-batch "
         f"{r.micro_batch}, TP {r.tp}, recompute {r.recompute}, "
-        f"{'flash' if r.flash else 'non-flash'} attention"
+        f"{'flash' if r.flash else 'non-flash'} attention, {'compiled' if r.compiled_blocks else 'eager'} blocks"
     )
     out.print(f"profile: {r.profile}")
     t = Table(title="one decoder block (one TP shard)")

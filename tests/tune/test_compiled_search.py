@@ -16,6 +16,7 @@ from mist.simulate.plan_sim import simulate_plan
 from mist.specs.loading import load_model
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.intra import StageTables
+from mist.tune.run import compiles_by_default
 from mist.tune.search import tune
 from mist.tune.space import get_space
 
@@ -99,3 +100,22 @@ def test_compiled_blocks_search_zero_bubble_priced_as_simulated():
     assert again.iteration_time_s == res.predicted.iteration_time_s
     # the last stage's W (the first stage runs its backward whole at W)
     assert again.stages[-1].weight_grad_time_s > 0
+
+
+def test_gpu_profiles_plan_compiled_blocks_unless_told_not_to(tmp_path, capsys):
+    """Without --compile-blocks or --no-compile, a GPU profile is planned with compiled blocks in
+    the spaces that run them; a CPU profile, and the spaces of frameworks that run their own eager
+    blocks, with eager ones (`mist.tune.run.compiles_by_default`)."""
+    l4, cpu = load_profile("l4"), load_profile(PROFILE)
+    assert all(compiles_by_default(s, l4) for s in ("full", "mist-paper", "torchtitan-0.3"))
+    others = ("megatron", "deepspeed", "aceso", "megatron-paper", "megatron-0.19", "deepspeed-0.19")
+    assert not any(compiles_by_default(s, l4) for s in others)
+    assert not compiles_by_default("full", cpu)
+    tiny = str(ROOT / "tests" / "data" / "tiny-llama.yaml")
+    args = ["tune", "--model", tiny, "--gpu", "l4", "--gpus-per-node", "1", "--seq", "256", "--global-batch", "4"]
+    for extra, compiled in (([], True), (["--no-compile"], False)):
+        out = tmp_path / f"plan{len(extra)}.json"
+        main([*args, *extra, "-o", str(out), "--json"])
+        res = json.loads(capsys.readouterr().out)
+        assert load_plan(str(out)).training.compile_blocks is compiled
+        assert res["plan"]["training"].get("compile_blocks", False) is compiled

@@ -82,6 +82,7 @@ def test_tune_cli_json_and_plan_file(tmp_path, capsys):
             "2",
             "--global-batch",
             "32",
+            "--no-compile",
             "--json",
             "-o",
             str(out),
@@ -97,7 +98,20 @@ def test_tune_cli_json_and_plan_file(tmp_path, capsys):
 
 def test_nothing_fits_exits_2_with_memory_reason(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["tune", "--model", "llama-70b", "--gpu", "l4", "--gpus-per-node", "1", "--global-batch", "4"])
+        main(
+            [
+                "tune",
+                "--model",
+                "llama-70b",
+                "--gpu",
+                "l4",
+                "--gpus-per-node",
+                "1",
+                "--global-batch",
+                "4",
+                "--no-compile",
+            ]
+        )
     assert e.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     # 70B on one 24 GiB L4: either the GPU or (with everything offloaded) the host runs out

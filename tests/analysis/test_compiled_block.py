@@ -413,3 +413,29 @@ def test_a_compile_does_not_depend_on_what_the_process_compiled_before():
         torch._dynamo.reset()
     assert len(symbols) == 2
     assert all(len(s) == 2 for s in symbols) and symbols[0] == symbols[1]
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_a_recomputed_activation_is_one_kernel_with_its_backward(target):
+    """Selective recomputation of GPT's GELU: Inductor's scheduler fuses the re-run (for fc2's
+    weight gradient) with the GELU backward after fc2's input gradient into one kernel, and runs
+    the weight-gradient GEMM after it (the CPU backend's generated code shows that kernel: fc1's
+    output and the gradient read, the activation and its input gradient written;
+    `mist.analysis.inductor_rules`). So the backward's fused kernels are as many as without the
+    recomputation and move one b·s·ffn activation more (the recomputed one, written for the GEMM),
+    not the re-run's fp32 intermediates (x², tanh, 0.5·x) stored and read back. (Without biases:
+    the bias gradients' column sums share the backward's first run with the re-run, which Inductor
+    gives a kernel of its own.)"""
+    spec = replace(SPECS["gpt"], bias=False)
+    plain = analyze_layer(spec, "block", 1, True, "fp16", target, compiled=True)
+    again = analyze_layer(spec, "block", 1, True, "fp16", target, "activation", compiled=True)
+
+    def fused(la):
+        return [r for r in la.ops("bwd") if r.op == "fused"]
+
+    def moved(la):
+        return sympy.expand(sum((r.bytes_read + r.bytes_written for r in fused(la)), sympy.Integer(0)))
+
+    assert len(fused(again)) == len(fused(plain))
+    assert sympy.expand(moved(again) - moved(plain)) == 2 * B * S * spec.ffn_hidden_size
+    assert _fused_work(again, "bwd", "tanh") == _fused_work(plain, "bwd", "tanh") == B * S * spec.ffn_hidden_size

@@ -52,6 +52,7 @@ import sympy
 import torch
 import torch.fx
 
+from mist.analysis.inductor_rules import fuse_runs, recomputed_values
 from mist.analysis.records import (
     ATTENTION,
     COLLECTIVE,
@@ -191,8 +192,8 @@ class _Graphs:
     """Storage identities while the `Trace` of the captured graphs is built: a node's storage is
     its base's (through views), keyed (graph, node name)."""
 
-    def __init__(self, trace: Trace, tp: int):
-        self.trace, self.tp = trace, tp
+    def __init__(self, trace: Trace, tp: int, target: str = "cuda"):
+        self.trace, self.tp, self.target = trace, tp, target
         self.sid: dict[tuple[str, str], int] = {}  # (graph, node name) -> storage id
         self.base: dict[tuple[str, str], tuple[str, str]] = {}
         self.host: set[tuple[str, str]] = set()  # host scalars (a `_HOST` operator's outputs)
@@ -232,12 +233,13 @@ def _outputs(gm) -> list:
     return list(list(gm.graph.nodes)[-1].args[0])
 
 
-def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tuple[Trace, _Expr]:
+def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1, target: str = "cuda") -> tuple[Trace, _Expr]:
     """The `Trace` of a compiled block's graphs (see the module docstring). A checkpointed block
     (`cg.inference`) runs the inference forward, keeps only its input, and re-runs the training
     forward ("recompute") before the backward. `tp`: the size of the tensor-parallel group its
     collectives span; `seq_shards`: the block's input holds 1/seq_shards of the sequence (sequence
-    parallelism)."""
+    parallelism); `target`: the device kind whose Inductor rules decide which values are stored
+    (`mist.analysis.inductor_rules`)."""
     trace = Trace()
     fw_in = _placeholders(cg.fw)
     if len(fw_in) != len(cg.names):
@@ -252,7 +254,7 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1) -> tupl
     for gm in (cg.fw, cg.bw) + ((cg.wgrad,) if cg.wgrad is not None else ()):
         _unwrap_rng_ops(gm, subs)
     ex = _Expr(subs)
-    st = _Graphs(trace, tp)
+    st = _Graphs(trace, tp, target)
     graphs = [("fw", cg.fw, cg.names)] + ([("inf", cg.inference, cg.inference_names)] if cg.inference else [])
     for g, gm, names in graphs:  # the block's inputs: one storage each, whichever graph reads them
         for n, dyn in zip(_placeholders(gm), names):
@@ -404,39 +406,59 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
             isinstance(_val(n), (tuple, list)) and any(isinstance(v, torch.Tensor) for v in _val(n))
         ):
             value.append(n)
-    # consumers of each buffer (through views), in graph order
-    order = {n.name: i for i, n in enumerate(nodes)}
-    users: dict[tuple[str, str], set[str]] = {}
+    users: dict[tuple[str, str], set[str]] = {}  # consumers of each buffer (through views)
     for n in nodes:
         if n.op != "call_function" or _name(n) in _VIEWS or n.target is operator.getitem:
             continue
         for a in _tensor_nodes(n.args) + _tensor_nodes(n.kwargs):
             users.setdefault(st.key(g, a), set()).add(n.name)
     kept = {st.key(g, n) for n in nodes if n.name in keep}
+    # pointwise values Inductor recomputes in each kernel that reads them rather than storing them
+    recomputed = recomputed_values(gm, _name, _VIEWS, _ROW_OPS, st.target)
 
+    # the kernels in graph order: (what, nodes), "run" for a run of pointwise operators between
+    # two kernels of their own, "seeds", "opaque" or a library call's kind
+    items: list[tuple[str, list[torch.fx.Node]]] = []
     group: list[torch.fx.Node] = []
 
     def flush():
         if group:
-            _emit(st, g, list(group), ex, users, kept, order, kind=MEMORY)
+            items.append(("run", list(group)))
             group.clear()
 
     for n in value:
         kind = _library_kind(n)
         if _name(n) == "inductor_seeds":  # the seeds of the graph's random draws: a kernel of its own
             flush()
-            _emit(st, g, [n], ex, users, kept, order, kind=MEMORY)
+            items.append(("seeds", [n]))
         elif _name(n) in _OPAQUE or _name(n) in _HOST:
             flush()
-            _emit(st, g, [n], ex, users, kept, order, kind=MEMORY, opaque=True)
+            items.append(("opaque", [n]))
         elif n.target is operator.getitem and _name(n.args[0]) in _OPAQUE:
             continue  # (its outputs, emitted with it)
         elif kind is not None:
             flush()
-            _emit(st, g, [n], ex, users, kept, order, kind=kind)
+            items.append((kind, [n]))
         elif n.target is not operator.getitem or _library_kind(n.args[0]) is None:
             group.append(n)  # (a library call's getitems are its outputs, emitted with it)
     flush()
+    items = fuse_runs(items, _source)
+    # the position each operator runs at (a use after its own kernel's needs the value stored)
+    order = {n.name: i for i, (_, ns) in enumerate(items) for n in ns}
+    for what, ns in items:
+        if what == "run":
+            _emit(st, g, ns, ex, users, kept, order, kind=MEMORY, recomputed=recomputed)
+        elif what in ("seeds", "opaque"):
+            _emit(st, g, ns, ex, users, kept, order, kind=MEMORY, opaque=what == "opaque")
+        else:
+            _emit(st, g, ns, ex, users, kept, order, kind=what)
+
+
+def _source(n: torch.fx.Node) -> torch.fx.Node:
+    """The node whose buffer `n` is: through views, and from a getitem to the kernel it reads."""
+    while n.args and isinstance(n.args[0], torch.fx.Node) and (_name(n) in _VIEWS or n.target is operator.getitem):
+        n = n.args[0]
+    return n
 
 
 # transcendental operators (after Inductor's decompositions), by the kind a profile times them as
@@ -518,6 +540,24 @@ def _pointwise_work(group: list[torch.fx.Node], ex: _Expr, written: set[str]) ->
     return FusedParams(**{k: sympy.expand(v) for k, v in work.items()})
 
 
+def _recomputed_here(group: list[torch.fx.Node], recomputed: set[str]) -> list[torch.fx.Node]:
+    """The values of earlier kernels that `group` reads and Inductor left unrealized, with the
+    unrealized values they are computed from, in graph order: the run computes them again."""
+    inside = {n.name for n in group}
+    found: dict[str, torch.fx.Node] = {}
+    stack = [a for n in group for a in n.all_input_nodes]
+    while stack:
+        a = stack.pop()
+        while _name(a) in _VIEWS and a.args and isinstance(a.args[0], torch.fx.Node):
+            a = a.args[0]
+        if a.name in recomputed and a.name not in inside and a.name not in found:
+            found[a.name] = a
+            stack.extend(a.all_input_nodes)
+    nodes = list(found.values())
+    graph_order = {n.name: i for i, n in enumerate(nodes[0].graph.nodes)} if nodes else {}
+    return sorted(nodes, key=lambda n: graph_order[n.name])
+
+
 def _library_kind(n: torch.fx.Node) -> str | None:
     """GEMM, ATTENTION or COLLECTIVE for a library call (an extern kernel under Inductor), else
     None."""
@@ -540,13 +580,25 @@ def _reduces_in_place(st: _Graphs, g: str, n: torch.fx.Node, users, kept) -> boo
 
 
 def _emit(
-    st: _Graphs, g: str, group: list[torch.fx.Node], ex: _Expr, users, kept, order, kind: str, opaque: bool = False
+    st: _Graphs,
+    g: str,
+    group: list[torch.fx.Node],
+    ex: _Expr,
+    users,
+    kept,
+    order,
+    kind: str,
+    opaque: bool = False,
+    recomputed: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Append one kernel: an extern kernel (`kind` GEMM, ATTENTION or COLLECTIVE), a fused run
-    (MEMORY) or, `opaque`, one of Mist's own operators (MEMORY, priced as the eager operator)."""
+    (MEMORY) or, `opaque`, one of Mist's own operators (MEMORY, priced as the eager operator). A
+    fused run neither stores the values in `recomputed` nor reads them: where it reads one an
+    earlier kernel computed, it computes it again from what that value was computed from."""
     trace = st.trace
     fused = kind == MEMORY and not opaque  # a run of pointwise operators (else one operator's outputs)
-    inside = {(g, n.name) for n in group}
+    again = _recomputed_here(group, recomputed) if fused else []
+    inside = {(g, n.name) for n in group + again}
     last = max(order[n.name] for n in group)
     # the buffers an extern kernel writes: its tensor outputs (getitems of a multi-output)
     outs: list[tuple[tuple[str, str], object]] = []
@@ -563,11 +615,11 @@ def _emit(
             k = (g, n.name)
             if not isinstance(_val(n), torch.Tensor):
                 continue
-            later = any(order[u] > last for u in users.get(k, ()))
-            if later or k in kept:
+            later = any(order.get(u, last + 1) > last for u in users.get(k, ()))
+            if (later or k in kept) and n.name not in recomputed:
                 outs.append((k, _val(n)))
     ins: list[torch.fx.Node] = []
-    for n in group:
+    for n in again + group:
         for a in _tensor_nodes(n.args) + _tensor_nodes(n.kwargs):
             if st.key(g, a) not in inside and a not in ins:
                 ins.append(a)
@@ -601,7 +653,7 @@ def _emit(
             bytes=read, group=st.tp if op == "all_reduce" else n0.args[1 if op == "all_gather" else 2]
         )
     elif fused:
-        params = _pointwise_work(group, ex, {k[1] for k, _ in outs})
+        params = _pointwise_work(again + group, ex, {k[1] for k, _ in outs})
     elif kind != MEMORY:
         args = tuple(_val(a) if isinstance(a, torch.fx.Node) else a for a in n0.args)
         kwargs = {k: _val(v) if isinstance(v, torch.fx.Node) else v for k, v in n0.kwargs.items()}

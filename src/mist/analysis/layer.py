@@ -322,7 +322,7 @@ def _trace_and_analyze(
         sel = selective_modes(recompute)
         select_parts(m, "attention" in sel, "activation" in sel)
         x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
-        trace, _ = trace_compiled(capture(m, x, recompute is True, split=compiled == SPLIT), tp, shards)
+        trace, _ = trace_compiled(capture(m, x, recompute is True, split=compiled == SPLIT), tp, shards, target)
     else:
         trace, _ = run_trace(
             build_and_hook,

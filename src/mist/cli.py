@@ -20,7 +20,7 @@ from mist.specs.loading import load_model
 from mist.specs.training import MAX_GLOBAL_BATCH, ClusterSpec, TrainingSpec
 from mist.tune.compare import compare_spaces
 from mist.tune.result import budget_words
-from mist.tune.run import ALL_SPACES, TARGET_SPACES, compiles_by_default, run_space
+from mist.tune.run import ALL_SPACES, TARGET_SPACES, compiles_by_default, run_space, run_space_either_blocks
 from mist.tune.space import SPACE_LABELS
 from mist.units import GiB, MiB
 from mist.userfiles import check_output_file
@@ -78,8 +78,9 @@ CompileOpt = Annotated[
     typer.Option(
         "--compile-blocks/--no-compile",
         help="Decoder blocks compiled with torch.compile (Inductor), as `mist train` then runs them, "
-        "or eager (default: compiled on a GPU profile, in the full, mist-paper and torchtitan spaces; "
-        "eager on a CPU profile and in the other spaces).",
+        "or eager (default on a GPU profile, in the full, mist-paper and torchtitan spaces: tune searches "
+        "both and keeps the faster plan, estimate prices compiled blocks; eager on a CPU profile and in "
+        "the other spaces).",
         show_default=False,
     ),
 ]
@@ -291,9 +292,11 @@ def tune(
     spec, cluster, training, profile = _setup(
         model, gpu, nodes, gpus_per_node, seq, global_batch, no_flash, dtype, host_memory, grad_dtype
     )
-    if compile_blocks is None:
-        compile_blocks = compiles_by_default(space, profile)
-    training = replace(training, compile_blocks=compile_blocks)
+    search = run_space
+    if compile_blocks is None and compiles_by_default(space, profile):
+        search = run_space_either_blocks  # the faster of compiled and eager blocks
+    else:
+        training = replace(training, compile_blocks=bool(compile_blocks))
     if memory_limit is not None:
         outside = profile.outside_allocator_bytes or 0  # the limit caps the device: this is in it
         if not outside < memory_limit * GiB <= profile.memory_bytes:
@@ -307,9 +310,9 @@ def tune(
     prog, update = _progress_printer(not as_json)
     if prog is not None:
         with prog:
-            res = run_space(space, spec, cluster, training, profile, time_budget, update, limits)
+            res = search(space, spec, cluster, training, profile, time_budget, update, limits)
     else:
-        res = run_space(space, spec, cluster, training, profile, time_budget, None, limits)
+        res = search(space, spec, cluster, training, profile, time_budget, None, limits)
     if res.plan is None:
         raise MistInputError(res.infeasible_reason or "No plan fits.")
     if output:

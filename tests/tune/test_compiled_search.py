@@ -102,10 +102,11 @@ def test_compiled_blocks_search_zero_bubble_priced_as_simulated():
     assert again.stages[-1].weight_grad_time_s > 0
 
 
-def test_gpu_profiles_plan_compiled_blocks_unless_told_not_to(tmp_path, capsys):
-    """Without --compile-blocks or --no-compile, a GPU profile is planned with compiled blocks in
-    the spaces that run them; a CPU profile, and the spaces of frameworks that run their own eager
-    blocks, with eager ones (`mist.tune.run.compiles_by_default`)."""
+def test_gpu_profiles_search_compiled_and_eager_blocks_unless_told(tmp_path, capsys):
+    """Without --compile-blocks or --no-compile, a GPU profile is searched with compiled and with
+    eager blocks in the spaces that run compiled ones, and the faster plan is kept; a CPU profile,
+    and the spaces of frameworks that run their own eager blocks, are searched with eager ones
+    (`mist.tune.run.compiles_by_default`)."""
     l4, cpu = load_profile("l4"), load_profile(PROFILE)
     assert all(compiles_by_default(s, l4) for s in ("full", "mist-paper", "torchtitan-0.3"))
     others = ("megatron", "deepspeed", "aceso", "megatron-paper", "megatron-0.19", "deepspeed-0.19")
@@ -113,9 +114,13 @@ def test_gpu_profiles_plan_compiled_blocks_unless_told_not_to(tmp_path, capsys):
     assert not compiles_by_default("full", cpu)
     tiny = str(ROOT / "tests" / "data" / "tiny-llama.yaml")
     args = ["tune", "--model", tiny, "--gpu", "l4", "--gpus-per-node", "1", "--seq", "256", "--global-batch", "4"]
-    for extra, compiled in (([], True), (["--no-compile"], False)):
-        out = tmp_path / f"plan{len(extra)}.json"
+    res = {}
+    for extra in ([], ["--compile-blocks"], ["--no-compile"]):
+        out = tmp_path / f"plan{len(extra)}{extra[0] if extra else ''}.json"
         main([*args, *extra, "-o", str(out), "--json"])
-        res = json.loads(capsys.readouterr().out)
-        assert load_plan(str(out)).training.compile_blocks is compiled
-        assert res["plan"]["training"].get("compile_blocks", False) is compiled
+        r = json.loads(capsys.readouterr().out)
+        res[tuple(extra)] = (r["predicted"]["iteration_time_s"], load_plan(str(out)).training.compile_blocks, r)
+    (t, compiled, r), (tc, _, rc), (te, _, re) = res[()], res[("--compile-blocks",)], res[("--no-compile",)]
+    assert res[("--compile-blocks",)][1] is True and res[("--no-compile",)][1] is False
+    assert t == min(tc, te) and compiled is (tc < te)
+    assert r["candidates_evaluated"] == rc["candidates_evaluated"] + re["candidates_evaluated"]

@@ -93,22 +93,23 @@ def _thresholds(target: str) -> tuple[int, int, int]:
     """(operations, reads on reuse, accumulated reads) above which Inductor realizes a value."""
     import torch._inductor.config as cfg  # lazy: Inductor only where blocks are compiled
 
-    cpu = target == "cpu"
-    ops = cfg.realize_opcount_threshold
-    if ops is None:
-        ops = (
-            getattr(cfg, "realize_cpu_opcount_threshold", 50)
-            if cpu
-            else getattr(cfg, "_realize_opcount_threshold_default", 30)
-        )
-    acc = cfg.realize_acc_reads_threshold
-    if acc is None:
-        acc = (
-            getattr(cfg, "realize_cpu_acc_reads_threshold", 12)
-            if cpu
-            else getattr(cfg, "_realize_acc_reads_threshold_default", 8)
-        )
-    return int(ops), int(cfg.realize_reads_threshold), int(acc)
+    def setting(name: str, cpu: tuple[str, int], gpu: tuple[str, int]) -> int:
+        """A threshold the user set, else the device kind's default (the name, its value if absent)."""
+        v = getattr(cfg, name, None)
+        if v is None:
+            attr, fallback = cpu if target == "cpu" else gpu
+            v = getattr(cfg, attr, fallback)
+        return int(v)
+
+    ops = setting(
+        "realize_opcount_threshold", ("realize_cpu_opcount_threshold", 50), ("_realize_opcount_threshold_default", 30)
+    )
+    acc = setting(
+        "realize_acc_reads_threshold",
+        ("realize_cpu_acc_reads_threshold", 12),
+        ("_realize_acc_reads_threshold_default", 8),
+    )
+    return ops, int(cfg.realize_reads_threshold), acc
 
 
 def recomputed_values(gm: torch.fx.GraphModule, name, views: set[str], reductions: set[str], target: str) -> set[str]:

@@ -547,9 +547,7 @@ def _recomputed_here(group: list[torch.fx.Node], recomputed: set[str]) -> list[t
     found: dict[str, torch.fx.Node] = {}
     stack = [a for n in group for a in n.all_input_nodes]
     while stack:
-        a = stack.pop()
-        while _name(a) in _VIEWS and a.args and isinstance(a.args[0], torch.fx.Node):
-            a = a.args[0]
+        a = _source(stack.pop())
         if a.name in recomputed and a.name not in inside and a.name not in found:
             found[a.name] = a
             stack.extend(a.all_input_nodes)

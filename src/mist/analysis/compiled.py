@@ -414,7 +414,7 @@ def _kernels(st: _Graphs, g: str, gm: torch.fx.GraphModule, ex: _Expr, keep: set
             users.setdefault(st.key(g, a), set()).add(n.name)
     kept = {st.key(g, n) for n in nodes if n.name in keep}
     # pointwise values Inductor recomputes in each kernel that reads them rather than storing them
-    recomputed = recomputed_values(gm, _name, _VIEWS, _ROW_OPS, st.target)
+    recomputed = recomputed_values(gm, _name, _VIEWS, _source, _ROW_OPS, st.target)
 
     # the kernels in graph order: (what, nodes), "run" for a run of pointwise operators between
     # two kernels of their own, "seeds", "opaque" or a library call's kind

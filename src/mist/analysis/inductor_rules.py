@@ -112,10 +112,13 @@ def _thresholds(target: str) -> tuple[int, int, int]:
     return ops, int(cfg.realize_reads_threshold), acc
 
 
-def recomputed_values(gm: torch.fx.GraphModule, name, views: set[str], reductions: set[str], target: str) -> set[str]:
+def recomputed_values(
+    gm: torch.fx.GraphModule, name, views: set[str], source, reductions: set[str], target: str
+) -> set[str]:
     """Names of the pointwise nodes of `gm` that Inductor does not realize (see above).
 
     `name(node)`: the operator's name; `views`: operators that alias their first argument;
+    `source(node)`: the node whose buffer an argument is (as for `fuse_runs`);
     `reductions`: the row reductions, which inline their pointwise inputs as pointwise operators
     do. Any other reader (a library call, a collective, a layout operator) takes a buffer."""
     max_ops, max_reuse_reads, max_reads = _thresholds(target)
@@ -123,11 +126,6 @@ def recomputed_values(gm: torch.fx.GraphModule, name, views: set[str], reduction
     for n in gm.graph.nodes:
         if n.op == "output":
             returned |= {a.name for a in n.all_input_nodes}
-
-    def base(n: torch.fx.Node) -> torch.fx.Node:
-        while n.op == "call_function" and name(n) in views and n.args and isinstance(n.args[0], torch.fx.Node):
-            n = n.args[0]
-        return n
 
     def readers(n: torch.fx.Node) -> list[torch.fx.Node]:  # through views
         out = []
@@ -154,7 +152,7 @@ def recomputed_values(gm: torch.fx.GraphModule, name, views: set[str], reduction
         count = 1
         heavy = name(n) in _CPU_HEAVY
         for a in n.all_input_nodes:
-            b = base(a)
+            b = source(a)
             if b.name in inlined:
                 r |= reads[b.name]
                 count += ops[b.name]

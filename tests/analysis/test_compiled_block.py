@@ -13,7 +13,7 @@ import sympy
 import torch
 
 from mist.analysis import analyze_layer
-from mist.analysis.compiled import capture, trace_compiled
+from mist.analysis.compiled import capture, capture_training, trace_compiled
 from mist.analysis.records import COLLECTIVE, B, S
 from mist.models import DecoderBlock, TPGroup, init_weights
 from mist.models.checkpointing import run_block, run_block_as, select_parts
@@ -439,3 +439,74 @@ def test_a_recomputed_activation_is_one_kernel_with_its_backward(target):
     assert len(fused(again)) == len(fused(plain))
     assert sympy.expand(moved(again) - moved(plain)) == 2 * B * S * spec.ffn_hidden_size
     assert _fused_work(again, "bwd", "tanh") == _fused_work(plain, "bwd", "tanh") == B * S * spec.ffn_hidden_size
+
+
+def _runtime_graphs(block, x, recompute: bool, split: bool) -> list[str]:
+    """The code of every graph AOTAutograd hands to Inductor when the runtime runs `block` at x:
+    a checkpointed block's first run without grad, then its re-run with grad, and the backward
+    (as B and W where `split`)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs: list[str] = []
+
+    def inner(gm, example_inputs, **kwargs):  # the graphs run as they are (no code generated)
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        try:
+            run = compile_block(block, inner_compile=inner, split=split)
+            if recompute:
+                with torch.no_grad():
+                    run(x)
+            run(x).backward(torch.ones(x.shape))
+        finally:
+            torch._dynamo.reset()
+    return graphs
+
+
+# (name, flash, GELU recomputed inside the block, spec, b): b = 1 is a graph of its own
+CAPTURES = [("llama", True, False, SPECS["llama"], 1), ("gpt-dropout", False, True, DROPOUT["gpt"], 2)]
+
+
+@pytest.mark.parametrize("name,flash,activation,spec,b", CAPTURES, ids=[c[0] for c in CAPTURES])
+def test_a_captured_variant_is_put_together_from_the_runtime_s_own_graphs(name, flash, activation, spec, b):
+    """`capture` compiles a block's training graphs once and puts the fully recomputed and the
+    split-backward variants together from them (the inference forward captured alone, the
+    backward split by the runtime's `split_backward`): each graph of a checkpointed block with a
+    split backward (all four kinds) is, code for code, the one the runtime's compile of that
+    variant hands to Inductor, with GPT's dropout masks and its GELU recomputed inside the block
+    too."""
+    block = DecoderBlock(spec, TPGroup(), flash, torch.float32)
+    select_parts(block, False, activation)
+    x = torch.zeros(b, 16, spec.hidden_size, requires_grad=True)
+    cg = capture(block, x, recompute=True, split=True, training=capture_training(block, x))
+    assert cg.inference is not None and cg.wgrad is not None
+    ours = [cg.inference.code, cg.fw.code, cg.bw.code, cg.wgrad.code]
+    assert ours == _runtime_graphs(block, x, recompute=True, split=True)
+
+
+def test_a_compiled_block_s_variants_share_one_capture_in_a_worker(monkeypatch, tmp_path):
+    """The prefetch hands a worker a compiled block's plain, fully recomputed and split-backward
+    analyses as one task, and that worker captures the block's training graphs once per example
+    batch (any b, and b = 1); selective recomputation and an eager block are tasks of their own."""
+    from mist.analysis import layer
+    from mist.analysis.layer import AnalysisRequest
+    from mist.analysis.prefetch import _family, _trace
+
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path))
+    base = AnalysisRequest(SPECS["llama"], "block", 1, True, "fp32", "cpu", compiled=True)
+    family = (base, replace(base, recompute=True), replace(base, compiled=SPLIT))
+    others = (replace(base, recompute="activation"), replace(base, compiled=False))
+    assert {_family(r) for r in family} == {base}
+    assert len({_family(r) for r in family + others}) == 3
+    made = []
+    real = layer.capture_training
+    monkeypatch.setattr(layer, "capture_training", lambda *a: made.append(a) or real(*a))
+    layer._analyze.cache_clear()
+    layer._training_graphs.cache_clear()
+    assert _trace(family) == 3 and all(r.on_disk() for r in family)
+    assert len(made) == 2

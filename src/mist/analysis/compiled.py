@@ -67,6 +67,7 @@ from mist.analysis.records import (
 from mist.analysis.tracer import ATTENTION_OPS, GEMM_OPS, Trace, _Expr, library_call
 from mist.hardware.memory_ops import POINTWISE_KINDS
 from mist.models.compiled import compile_block, is_parameter
+from mist.models.weight_split import split_backward
 
 FUSED = "fused"
 # Operators that return a view of their first argument (no kernel, no new storage).
@@ -149,10 +150,23 @@ def _empty_like_outputs(gm: torch.fx.GraphModule):
     return run
 
 
-def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False, split: bool = False) -> CompiledGraphs:
-    """Compile `block` as the runtime does and keep its graphs for one forward and backward at x
-    (with `recompute`, also for the forward without grad that checkpointing runs first; with
-    `split`, the backward as B and W)."""
+@dataclass(frozen=True)
+class TrainingGraphs:
+    """One capture of a block's training forward and backward, and that backward as B and W: what
+    every compiled variant of the block shares (`capture`). The split is taken when the graphs
+    are captured, from the backward as AOTAutograd handed it over, before any trace of it."""
+
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    names: list[str]
+    b: torch.fx.GraphModule  # the backward as B and W (`mist.models.weight_split.split_backward`)
+    w: torch.fx.GraphModule
+
+
+def _compile_once(block: torch.nn.Module, x: torch.Tensor, grad: bool) -> tuple[list, list]:
+    """The graphs AOTAutograd hands to Inductor, and dynamo's input names, for one call of the
+    compiled block at x: with `grad`, its forward and backward; without, its inference forward
+    (the first run of a checkpointed block)."""
     import torch._functorch.config as functorch_config  # lazy: Inductor only where blocks are compiled
     import torch._inductor.config as inductor_config  # lazy: as above
 
@@ -171,21 +185,51 @@ def capture(block: torch.nn.Module, x: torch.Tensor, recompute: bool = False, sp
     # process's compiled blocks compile again when they next run
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         torch._dynamo.reset()
-        run = compile_block(block, inner_compile=inner, on_graph=note_inputs, split=split)
-        if recompute:
+        run = compile_block(block, inner_compile=inner, on_graph=note_inputs)
+        if grad:
+            out = run(x)
+            out.backward(torch.empty_like(out))
+        else:
             with torch.no_grad():
                 run(x)
-        out = run(x)
-        out.backward(torch.empty_like(out))
         torch._dynamo.reset()
-    if len(graphs) != 2 + split + recompute or len(names) != 1 + recompute:
+    if len(graphs) != 1 + grad or len(names) != 1:
         raise RuntimeError(
             f"a compiled block gave {len(graphs)} graphs (a graph break?); Mist prices one forward and one backward"
         )
-    wgrad = graphs[-1] if split else None
-    if recompute:
-        return CompiledGraphs(graphs[1], graphs[2], names[1], graphs[0], names[0], wgrad)
-    return CompiledGraphs(graphs[0], graphs[1], names[0], wgrad=wgrad)
+    return graphs, names[0]
+
+
+def capture_training(block: torch.nn.Module, x: torch.Tensor) -> TrainingGraphs:
+    """Compile `block` as the runtime does and keep its graphs for one forward and backward at x."""
+    (fw, bw), names = _compile_once(block, x, grad=True)
+    split = split_backward(bw, [i for i, name in enumerate(names) if is_parameter(name)])
+    return TrainingGraphs(fw, bw, names, split.b_gm, split.w_gm)
+
+
+def capture(
+    block: torch.nn.Module,
+    x: torch.Tensor,
+    recompute: bool = False,
+    split: bool = False,
+    training: TrainingGraphs | None = None,
+) -> CompiledGraphs:
+    """The graphs of `block` compiled as the runtime compiles it, for one forward and backward at
+    x; with `recompute`, also the forward without grad that checkpointing runs first; with
+    `split`, the backward as B and W. `training`: the training graphs of an equal block at an
+    equal x, captured before (`capture_training`), which the variants share.
+
+    The variants are put together from their parts, as the runtime's compiles produce the same
+    parts (tests/analysis/test_compiled_block.py compares them with the runtime's compiles): a
+    checkpointed block's re-run in the backward compiles the training graphs of the plain block
+    (dynamo compiles the grad-mode call apart from the no-grad one), and the runtime's split
+    compile (`mist.models.compiled.compile_block(split=True)`) hands the plain block's backward
+    to the same `split_backward`."""
+    tg = capture_training(block, x) if training is None else training
+    inference, inference_names = _compile_once(block, x, grad=False) if recompute else ([None], None)
+    return CompiledGraphs(
+        tg.fw, tg.b if split else tg.bw, tg.names, inference[0], inference_names, tg.w if split else None
+    )
 
 
 class _Graphs:

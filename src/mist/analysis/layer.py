@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from mist.analysis import disk_cache
-from mist.analysis.compiled import capture, trace_compiled
+from mist.analysis.compiled import TrainingGraphs, capture, capture_training, trace_compiled
 from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
@@ -256,11 +256,51 @@ def _analyze(
     return la
 
 
+def _group(tp, sp, cp) -> TPGroup:
+    return TPGroup(tp, 0, None, sequence_parallel=sp, cp=CPGroup(cp, 0, None))
+
+
+def _hint_s(spec, shards: int, cp: int) -> int:
+    """The example sequence length a layer is traced at, of its input's 1/`shards` of the sequence."""
+    # the example sequence length must fit the learned positions of a gpt model
+    # (under sequence parallelism, of the whole sequence: the inputs hold 1/tp of it)
+    hint_s = HINT_S if spec.max_position_embeddings > HINT_S * shards else max(2, spec.max_position_embeddings - 1)
+    if shards > 1:
+        hint_s = max(2, hint_s // shards)
+    if hint_s == HINT_B:
+        hint_s = 2
+    if cp > 1:  # the rank's two chunks: an even local length (38, not the 37 of a whole sequence)
+        hint_s = 2 * (hint_s // 2 + 1)
+    return hint_s
+
+
+def _compiled_input(block: DecoderBlock, recompute, unit_batch: bool, hint_s: int, dtype: torch.dtype) -> torch.Tensor:
+    """`block` made ready for a capture with `recompute`'s selective parts, and its example input:
+    real (empty) weights and a small real input, as dynamo compiles what it is given, and the
+    captured graphs run nothing (`mist.analysis.compiled`)."""
+    sel = selective_modes(recompute)
+    select_parts(block, "attention" in sel, "activation" in sel)
+    b = 1 if unit_batch else HINT_B
+    return torch.zeros((b, hint_s, block.spec.hidden_size), dtype=dtype).requires_grad_()
+
+
+@lru_cache(maxsize=16)
+def _training_graphs(spec, tp, flash, dtype, sp, cp, selective, unit_batch) -> TrainingGraphs:
+    """One capture of a compiled block's training graphs, which its plain, fully recomputed and
+    split-backward analyses share (`mist.analysis.compiled.capture`); `selective`: the parts it
+    recomputes itself. `mist.analysis.prefetch` traces such analyses in one worker."""
+    tdtype = torch_dtype(dtype)
+    m = DecoderBlock(spec, _group(tp, sp, cp), flash, tdtype)
+    shards = (tp if sp else 1) * cp
+    x = _compiled_input(m, "+".join(selective) or False, unit_batch, _hint_s(spec, shards, cp), tdtype)
+    return capture_training(m, x)
+
+
 def _trace_and_analyze(
     spec, part, tp, flash, dtype, target, recompute, unit_batch, sp=False, cp=1, compiled=False
 ) -> LayerAnalysis:
     tdtype = torch_dtype(dtype)
-    group = TPGroup(tp, 0, None, sequence_parallel=sp, cp=CPGroup(cp, 0, None))
+    group = _group(tp, sp, cp)
     tp_shards = tp if sp else 1
     shards = tp_shards * cp  # of the whole sequence, in the layer's input
     h = spec.hidden_size
@@ -276,15 +316,7 @@ def _trace_and_analyze(
         holder["m"] = m
         return m
 
-    # the example sequence length must fit the learned positions of a gpt model
-    # (under sequence parallelism, of the whole sequence: the inputs hold 1/tp of it)
-    hint_s = HINT_S if spec.max_position_embeddings > HINT_S * shards else max(2, spec.max_position_embeddings - 1)
-    if shards > 1:
-        hint_s = max(2, hint_s // shards)
-    if hint_s == HINT_B:
-        hint_s = 2
-    if cp > 1:  # the rank's two chunks: an even local length (38, not the 37 of a whole sequence)
-        hint_s = 2 * (hint_s // 2 + 1)
+    hint_s = _hint_s(spec, shards, cp)
     pre_hint = hint_s * tp_shards  # the pre layer's tokens: the rank's positions, whole over tp
 
     def make_inputs(sym):
@@ -316,13 +348,10 @@ def _trace_and_analyze(
         return m
 
     if compiled:
-        # real (empty) weights and a small real input: dynamo compiles what it is given, and the
-        # captured graphs run nothing (`mist.analysis.compiled`)
         m = build()
-        sel = selective_modes(recompute)
-        select_parts(m, "attention" in sel, "activation" in sel)
-        x = torch.zeros((1 if unit_batch else HINT_B, hint_s, h), dtype=tdtype).requires_grad_()
-        trace, _ = trace_compiled(capture(m, x, recompute is True, split=compiled == SPLIT), tp, shards, target)
+        x = _compiled_input(m, recompute, unit_batch, hint_s, tdtype)
+        training = _training_graphs(spec, tp, flash, dtype, sp, cp, selective_modes(recompute), unit_batch)
+        trace, _ = trace_compiled(capture(m, x, recompute is True, compiled == SPLIT, training), tp, shards, target)
     else:
         trace, _ = run_trace(
             build_and_hook,

@@ -1,9 +1,10 @@
 """Trace the layer analyses a search is about to read in worker processes, ahead of it.
 
 A first search of a model traces tens of layer variants (TP degrees, recomputation, sequence and
-context parallelism), each taking a fraction of a second of one core; the search itself then
-reads them from the disk cache. `TracePool.prefetch` traces the missing ones in parallel, one
-variant per task, into that cache, so a first run takes about the trace time over the number of
+context parallelism), each taking a fraction of a second of one core (a compiled block, seconds);
+the search itself then reads them from the disk cache. `TracePool.prefetch` traces the missing
+ones in parallel, one variant per task (the variants of a compiled block that share a capture, one
+task), into that cache, so a first run takes about the trace time over the number of
 cores. The workers are forked (Linux), so they start in milliseconds with the parent's imports
 and need no `if __name__ == "__main__"` guard in a user's script, which spawned workers would
 (each re-imports the main module); each runs torch on one thread, the way forked workers must
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 
 import torch
 
@@ -56,18 +58,32 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _trace(req: AnalysisRequest) -> bool:
-    try:
-        req.run()
-    except Exception:  # noqa: BLE001 - the search traces it again and reports it
-        return False
-    return True
+def _trace(family: tuple[AnalysisRequest, ...]) -> int:
+    """Trace a family of analyses in this worker; the number traced."""
+    done = 0
+    for req in family:
+        try:
+            req.run()
+        except Exception:  # noqa: BLE001 - the search traces it again and reports it
+            continue
+        done += 1
+    return done
 
 
-def _cost(req: AnalysisRequest) -> tuple:
-    # the longest traces first (context parallelism, large TP groups, recomputation), so that the
-    # workers finish together
-    return (-req.cp, -req.tp, req.recompute is not True, req.part != "block")
+def _family(req: AnalysisRequest) -> AnalysisRequest:
+    """What `req` shares a capture with: a compiled block's plain, fully recomputed and
+    split-backward analyses are traced from one capture of its training graphs
+    (`mist.analysis.layer._training_graphs`), so one worker traces them all."""
+    if not req.compiled:
+        return req
+    return replace(req, recompute=req.recompute if isinstance(req.recompute, str) else False, compiled=True)
+
+
+def _cost(family: tuple[AnalysisRequest, ...]) -> tuple:
+    # the longest traces first (context parallelism, large TP groups, compiled families,
+    # recomputation), so that the workers finish together
+    req = family[0]
+    return (-req.cp, -req.tp, -len(family), req.recompute is not True, req.part != "block")
 
 
 class TracePool:
@@ -82,8 +98,12 @@ class TracePool:
         """Trace the requests the disk cache lacks, in parallel; the number traced."""
         if self.workers < 2 or not disk_cache.enabled() or not sys.platform.startswith("linux"):
             return 0
-        todo = sorted((r for r in dict.fromkeys(requests) if not r.on_disk()), key=_cost)
-        if len(todo) < (2 if self._executor is not None else MIN_PARALLEL):
+        families: dict[AnalysisRequest, list[AnalysisRequest]] = {}
+        for r in dict.fromkeys(requests):
+            if not r.on_disk():
+                families.setdefault(_family(r), []).append(r)
+        todo = sorted((tuple(f) for f in families.values()), key=_cost)
+        if sum(map(len, todo)) < (2 if self._executor is not None else MIN_PARALLEL) or len(todo) < 2:
             return 0
         if self._executor is None:
             # the tracing machinery's imports (a ShapeEnv pulls in sympy and torch._dynamo: about

@@ -69,7 +69,10 @@ def test_framework_spaces_refuse_compiled_blocks(capsys):
 
 def test_torchtitan_plans_for_its_compiled_blocks(tmp_path, capsys):
     """torchtitan compiles each decoder block as Mist does: its space is searched with compiled
-    blocks, and the plan exports with torchtitan's compile flags."""
+    blocks, each candidate priced by the framework search's evaluator as `mist simulate` prices
+    it, and the plan exports with torchtitan's compile flags."""
+    from mist.tune.baselines import _Evaluator
+
     out = tmp_path / "plan.json"
     main([*ARGS, "--compile-blocks", "--target", "torchtitan", "-o", str(out), "--json"])
     res = json.loads(capsys.readouterr().out)
@@ -77,6 +80,8 @@ def test_torchtitan_plans_for_its_compiled_blocks(tmp_path, capsys):
     assert plan.training.compile_blocks
     again = simulate_plan(plan, load_profile(PROFILE))
     assert again.iteration_time_s == pytest.approx(res["predicted"]["iteration_time_s"], rel=1e-12)
+    ev = _Evaluator(plan.model, plan.cluster, plan.training, load_profile(PROFILE))
+    assert ev.cost(plan.micro_batches, plan.stages).time == pytest.approx(again.iteration_time_s, rel=1e-12)
     main(["export", str(out), "--to", "torchtitan", "-o", str(tmp_path / "tt"), "--json"])
     args = json.loads(capsys.readouterr().out)["args"]
     assert args[args.index("--compile.enable") + 1 : args.index("--compile.enable") + 3] == [

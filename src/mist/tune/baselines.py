@@ -57,8 +57,11 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from mist.analysis.prefetch import TracePool
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Offload, Plan, StageStrategy
+from mist.rules.compiled_blocks import compile_mode
+from mist.rules.zero_bubble_order import SCHEDULES
 from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence
 from mist.simulate.pipeline import iteration_time
@@ -149,9 +152,10 @@ class _Cost:
 class _Evaluator:
     """Costs (G, stages) candidates exactly as simulate_plan does, memoized per stage."""
 
-    def __init__(self, model, cluster, training, profile, exact: bool = False, model_ref=None):
+    def __init__(self, model, cluster, training, profile, exact: bool = False, model_ref=None, pool=None):
         self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
         self.exact, self.model_ref = exact, model_ref
+        self.pool: TracePool | None = pool  # traces the layers a batch of candidates reads (`warm`)
         self.capacity = float(usable_bytes(profile))
         self.host_cap = node_host_memory(cluster, profile)[0]  # per node (None: not checked)
         self.count = 0
@@ -190,6 +194,8 @@ class _Evaluator:
                 s.recompute_activation,
                 s.sequence_parallel,
                 s.cp,
+                # the blocks as `simulate_plan` prices them: the candidates run 1F1B (`plan`)
+                compile_mode(t.compile_blocks, SCHEDULES[0]),
             )
         return m
 
@@ -244,6 +250,8 @@ class _Evaluator:
         interleaved candidate its chunks first, then its ranks with their in-flight counts."""
         if self.exact:
             return
+        if self.pool is not None:  # the layers these candidates read, traced in parallel first
+            self.pool.prefetch(r for _, stages in candidates for s in stages for r in self._stage_model(s).analyses())
         plain: dict = {}  # row key -> (model, input)
         chunk_jobs: dict = {}  # chunk key -> (model, chunk input)
         ranks = []  # (row key, model, input, stage index, pp, G, chunk keys)
@@ -374,8 +382,9 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     budget = math.inf if time_budget is None else float(time_budget)
     ref = preset_ref(model)
     for exact in (False, True):
-        ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref)
-        best = search(ev, t0, budget)
+        with TracePool() as pool:
+            ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref, pool=pool)
+            best = search(ev, t0, budget)
         if best is None:
             break
         plan = ev.plan(*best)

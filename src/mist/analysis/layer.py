@@ -274,17 +274,18 @@ def _hint_s(spec, shards: int, cp: int) -> int:
     return hint_s
 
 
-def _compiled_input(block: DecoderBlock, recompute, unit_batch: bool, hint_s: int, dtype: torch.dtype) -> torch.Tensor:
-    """`block` made ready for a capture with `recompute`'s selective parts, and its example input:
-    real (empty) weights and a small real input, as dynamo compiles what it is given, and the
-    captured graphs run nothing (`mist.analysis.compiled`)."""
-    sel = selective_modes(recompute)
-    select_parts(block, "attention" in sel, "activation" in sel)
+def _compiled_input(block: DecoderBlock, selective: tuple, unit_batch: bool, hint_s: int, dtype) -> torch.Tensor:
+    """`block` made ready for a capture, recomputing its `selective` parts itself, and its example
+    input: real (empty) weights and a small real input, as dynamo compiles what it is given, and
+    the captured graphs run nothing (`mist.analysis.compiled`)."""
+    select_parts(block, "attention" in selective, "activation" in selective)
     b = 1 if unit_batch else HINT_B
     return torch.zeros((b, hint_s, block.spec.hidden_size), dtype=dtype).requires_grad_()
 
 
-@lru_cache(maxsize=16)
+# (a capture holds 10-25 MiB of graphs and fake tensors at Llama-7B's sizes; a prefetch worker
+# traces a family's analyses one after another, so two entries, any b and b = 1, serve it)
+@lru_cache(maxsize=8)
 def _training_graphs(spec, tp, flash, dtype, sp, cp, selective, unit_batch) -> TrainingGraphs:
     """One capture of a compiled block's training graphs, which its plain, fully recomputed and
     split-backward analyses share (`mist.analysis.compiled.capture`); `selective`: the parts it
@@ -292,7 +293,7 @@ def _training_graphs(spec, tp, flash, dtype, sp, cp, selective, unit_batch) -> T
     tdtype = torch_dtype(dtype)
     m = DecoderBlock(spec, _group(tp, sp, cp), flash, tdtype)
     shards = (tp if sp else 1) * cp
-    x = _compiled_input(m, "+".join(selective) or False, unit_batch, _hint_s(spec, shards, cp), tdtype)
+    x = _compiled_input(m, selective, unit_batch, _hint_s(spec, shards, cp), tdtype)
     return capture_training(m, x)
 
 
@@ -349,8 +350,9 @@ def _trace_and_analyze(
 
     if compiled:
         m = build()
-        x = _compiled_input(m, recompute, unit_batch, hint_s, tdtype)
-        training = _training_graphs(spec, tp, flash, dtype, sp, cp, selective_modes(recompute), unit_batch)
+        selective = selective_modes(recompute)
+        x = _compiled_input(m, selective, unit_batch, hint_s, tdtype)
+        training = _training_graphs(spec, tp, flash, dtype, sp, cp, selective, unit_batch)
         trace, _ = trace_compiled(capture(m, x, recompute is True, compiled == SPLIT, training), tp, shards, target)
     else:
         trace, _ = run_trace(

@@ -224,12 +224,13 @@ def _progress_printer(enabled: bool):
     prog = Progress(console=err, transient=True)
     task = prog.add_task("tuning", total=None)
 
-    def update(done, total, best):
+    def update(done, total, best, label=None):  # label: which search (`run_space_either_blocks`)
+        what = "tuning" + (f", {label}" if label else "")
         prog.update(
             task,
             completed=done,
             total=total,
-            description=f"tuning (best {best * 1e3:.0f} ms)" if best < float("inf") else "tuning",
+            description=f"{what} (best {best * 1e3:.0f} ms)" if best < float("inf") else what,
         )
 
     return prog, update

@@ -16,7 +16,7 @@ from mist.simulate.plan_sim import simulate_plan
 from mist.specs.loading import load_model
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.intra import StageTables
-from mist.tune.run import compiles_by_default
+from mist.tune.run import compiles_by_default, run_space_either_blocks
 from mist.tune.search import tune
 from mist.tune.space import get_space
 
@@ -129,3 +129,21 @@ def test_gpu_profiles_search_compiled_and_eager_blocks_unless_told(tmp_path, cap
     assert res[("--compile-blocks",)][1] is True and res[("--no-compile",)][1] is False
     assert t == min(tc, te) and compiled is (tc < te)
     assert r["candidates_evaluated"] == rc["candidates_evaluated"] + re["candidates_evaluated"]
+
+
+def test_the_default_search_tells_its_progress_which_blocks_it_searches():
+    """`mist tune`'s progress line names the search running (eager blocks, then compiled ones)."""
+    seen: list[tuple] = []
+    run_space_either_blocks(
+        "full",
+        load_model(str(ROOT / "tests" / "data" / "tiny-llama.yaml")),
+        ClusterSpec(gpu="l4", nodes=1, gpus_per_node=1),
+        TrainingSpec(seq_len=256, global_batch=4),
+        load_profile("l4"),
+        progress=lambda *told: seen.append(told),
+    )
+    labels = [told[3] for told in seen]
+    assert labels == ["eager blocks"] * labels.count("eager blocks") + ["compiled blocks"] * labels.count(
+        "compiled blocks"
+    )
+    assert labels.count("eager blocks") > 0 and labels.count("compiled blocks") > 0

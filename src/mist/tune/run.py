@@ -38,15 +38,29 @@ def run_space_either_blocks(
 ) -> TuneResult:
     """The faster plan of `space` searched with eager blocks and then, in what is left of
     `time_budget`, with compiled ones (`compiles_by_default`); its tuning time, candidates and
-    budget flag cover both searches."""
+    budget flag cover both searches. `progress`, when given, is also told which search is running
+    (its fourth argument: "eager blocks", then "compiled blocks")."""
+
+    def told(label: str):
+        return None if progress is None else lambda done, total, best: progress(done, total, best, label)
+
     t0 = time.perf_counter()
     eager = run_space(
-        space, model, cluster, replace(training, compile_blocks=False), profile, time_budget, progress, limits
+        space,
+        model,
+        cluster,
+        replace(training, compile_blocks=False),
+        profile,
+        time_budget,
+        told("eager blocks"),
+        limits,
     )
     left = None if time_budget is None else time_budget - (time.perf_counter() - t0)
     if left is not None and left <= 0:
         return replace(eager, budget_ran_out=True)
-    compiled = run_space(space, model, cluster, replace(training, compile_blocks=True), profile, left, progress, limits)
+    compiled = run_space(
+        space, model, cluster, replace(training, compile_blocks=True), profile, left, told("compiled blocks"), limits
+    )
     found = [r for r in (eager, compiled) if r.plan is not None]
     best = min(found, key=lambda r: r.iteration_time_s or 0.0) if found else eager
     return replace(

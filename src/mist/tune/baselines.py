@@ -194,7 +194,8 @@ class _Evaluator:
                 s.recompute_activation,
                 s.sequence_parallel,
                 s.cp,
-                # the blocks as `simulate_plan` prices them: the candidates run 1F1B (`plan`)
+                # the blocks as `simulate_plan` prices them: the candidates run 1F1B, plain or
+                # interleaved (`plan`), never ZB-H1
                 compile_mode(t.compile_blocks, SCHEDULES[0]),
             )
         return m

@@ -224,7 +224,8 @@ def _progress_printer(enabled: bool):
     prog = Progress(console=err, transient=True)
     task = prog.add_task("tuning", total=None)
 
-    def update(done, total, best, label=None):  # label: which search (`run_space_either_blocks`)
+    # label: which search runs (`run_space_either_blocks`) and whether its layers are being traced
+    def update(done, total, best, label=None):
         what = "tuning" + (f", {label}" if label else "")
         prog.update(
             task,

@@ -46,9 +46,13 @@ def test_prefetched_analyses_leave_the_search_nothing_to_trace(monkeypatch, tmp_
         (2, False, True),
     }
     made = _count_traces(monkeypatch)
+    told: list[tuple[int, int]] = []
     with TracePool(workers=2) as pool:
-        traced = pool.prefetch(requests)
+        traced = pool.prefetch(requests, lambda done, total: told.append((done, total)))
     assert traced == len(set(requests)) and all(r.on_disk() for r in requests)
+    # progress as each task ends, in analyses, up to all of them
+    assert len(told) > 1 and {t for _, t in told} == {traced} and told[-1][0] == traced
+    assert [d for d, _ in told] == sorted({d for d, _ in told})
     assert made == []  # the workers traced, not this process
     b = [1, 2]
     for tdb, sel in tables.stage_choices():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mist.analysis import prefetch
 from mist.cli import main
 from mist.hardware import load_profile
 from mist.plan import load_plan
@@ -16,6 +17,7 @@ from mist.simulate.plan_sim import simulate_plan
 from mist.specs.loading import load_model
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.intra import StageTables
+from mist.tune.result import TRACING
 from mist.tune.run import compiles_by_default, run_space_either_blocks
 from mist.tune.search import tune
 from mist.tune.space import get_space
@@ -131,8 +133,13 @@ def test_gpu_profiles_search_compiled_and_eager_blocks_unless_told(tmp_path, cap
     assert r["candidates_evaluated"] == rc["candidates_evaluated"] + re["candidates_evaluated"]
 
 
-def test_the_default_search_tells_its_progress_which_blocks_it_searches():
-    """`mist tune`'s progress line names the search running (eager blocks, then compiled ones)."""
+def test_the_default_search_tells_its_progress_which_blocks_it_searches(monkeypatch, tmp_path):
+    """`mist tune`'s progress line names the search running (eager blocks, then compiled ones),
+    and says when the layers of each are traced: an empty trace cache here, and worker processes
+    for as few as two missing traces (the compiled block's family and the head)."""
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MIST_TRACE_WORKERS", "2")
+    monkeypatch.setattr(prefetch, "MIN_PARALLEL", 2)
     seen: list[tuple] = []
     run_space_either_blocks(
         "full",
@@ -143,7 +150,9 @@ def test_the_default_search_tells_its_progress_which_blocks_it_searches():
         progress=lambda *told: seen.append(told),
     )
     labels = [told[3] for told in seen]
-    assert labels == ["eager blocks"] * labels.count("eager blocks") + ["compiled blocks"] * labels.count(
-        "compiled blocks"
-    )
-    assert labels.count("eager blocks") > 0 and labels.count("compiled blocks") > 0
+    order = ["eager blocks: " + TRACING, "eager blocks", "compiled blocks: " + TRACING, "compiled blocks"]
+    assert labels == [label for label in order for _ in range(labels.count(label))]
+    assert all(labels.count(label) > 0 for label in order[1:])
+    # while tracing: variants done of those missing, and no plan yet
+    tracing = [told for told in seen if told[3].endswith(TRACING)]
+    assert all(0 < done <= total and best == float("inf") for done, total, best, _ in tracing)

@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 
@@ -94,8 +94,10 @@ class TracePool:
         self.traced = 0  # analyses traced by the workers so far
         self._executor: ProcessPoolExecutor | None = None
 
-    def prefetch(self, requests: Iterable[AnalysisRequest]) -> int:
-        """Trace the requests the disk cache lacks, in parallel; the number traced."""
+    def prefetch(self, requests: Iterable[AnalysisRequest], progress=None) -> int:
+        """Trace the requests the disk cache lacks, in parallel; the number traced.
+        `progress(done, total)`, when given, is called as each task ends (in analyses: `total` is
+        the number missing from the cache)."""
         if self.workers < 2 or not disk_cache.enabled() or not sys.platform.startswith("linux"):
             return 0
         families: dict[AnalysisRequest, list[AnalysisRequest]] = {}
@@ -115,8 +117,14 @@ class TracePool:
                 mp_context=multiprocessing.get_context("fork"),
                 initializer=_one_thread,
             )
+        total, ended, done = sum(map(len, todo)), 0, 0
         try:
-            done = sum(self._executor.map(_trace, todo))
+            tasks = {self._executor.submit(_trace, family): len(family) for family in todo}
+            for task in as_completed(tasks):
+                done += task.result()
+                ended += tasks[task]
+                if progress is not None:
+                    progress(ended, total)
         except BrokenProcessPool:  # a worker died (killed, out of memory): trace in the process
             self.close()
             self.workers = 0

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from mist.plan import Plan
 from mist.simulate.prediction import Prediction
 
+# what a search's progress is told while worker processes trace the layer variants it will read
+TRACING = "tracing layer variants"
+
 
 def _the_budget(time_budget: float | None) -> str:
     return "The time budget" + (

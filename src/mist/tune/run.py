@@ -39,10 +39,15 @@ def run_space_either_blocks(
     """The faster plan of `space` searched with eager blocks and then, in what is left of
     `time_budget`, with compiled ones (`compiles_by_default`); its tuning time, candidates and
     budget flag cover both searches. `progress`, when given, is also told which search is running
-    (its fourth argument: "eager blocks", then "compiled blocks")."""
+    (its fourth argument: "eager blocks", then "compiled blocks"; while a search's layers are
+    traced, "eager blocks: " + `result.TRACING`, and so on)."""
 
     def told(label: str):
-        return None if progress is None else lambda done, total, best: progress(done, total, best, label)
+        if progress is None:
+            return None
+        return lambda done, total, best, what=None: progress(
+            done, total, best, label if what is None else f"{label}: {what}"
+        )
 
     t0 = time.perf_counter()
     eager = run_space(

@@ -34,7 +34,7 @@ from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.inter import best_split
 from mist.tune.interleaved import best_interleaved, chunk_counts
 from mist.tune.intra import StageTables
-from mist.tune.result import TuneResult, no_plan_in_budget_words
+from mist.tune.result import TRACING, TuneResult, no_plan_in_budget_words
 from mist.tune.space import MAX_UNIFORM_TP, SearchSpace, get_space, tp_degrees
 from mist.tune.zero_bubble import as_zero_bubble, best_zero_bubble, zb_analyses
 
@@ -97,7 +97,9 @@ def tune(
     progress=None,
 ) -> TuneResult:
     """Search the space for the fastest plan that fits. `progress(done, total, best_s)` is
-    called after every (pp, G) pair when given."""
+    called after every (pp, G) pair when given, and, while the worker processes trace the layer
+    variants the search will read, `progress(done, total, inf, TRACING)` (`done` of `total`
+    variants: what a first search of a model spends most of its time on)."""
     with TracePool() as pool:
         return _tune(model, cluster, training, profile, space, time_budget, progress, pool)
 
@@ -145,7 +147,7 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
     """Search every (pp, G) pair with context parallelism cp, first without weight/gradient
     offload, then with it if nothing fit; True when the time budget ran out."""
     t0, budget = state.t0, state.time_budget
-    _prefetch(state, sp, combos, cp, model, cluster, training, profile)
+    _prefetch(state, sp, combos, cp, model, cluster, training, profile, progress)
     for with_wg in phases:
         done = 0
         for (pp, nodes, gpn), G in combos:
@@ -168,7 +170,9 @@ def _search_phases(state, sp, phases, combos, cp, model, cluster, training, prof
     return False
 
 
-def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, cluster, training, profile) -> None:
+def _prefetch(
+    state: _Search, sp: SearchSpace, combos: list, cp: int, model, cluster, training, profile, progress=None
+) -> None:
     """Trace every layer analysis the (pp, G) pairs' stage tables will read, in parallel worker
     processes (`mist.analysis.prefetch`), before the search reads them one by one."""
     if state.pool is None:
@@ -182,7 +186,8 @@ def _prefetch(state: _Search, sp: SearchSpace, combos: list, cp: int, model, clu
         zb = _zero_bubble_tables(tables, sp, mesh, G, False, None, cp, model, cluster, training, profile)
         if zb is not tables:  # (the same tables' analyses are requested above)
             requests += [r for tp in _tp_loop(sp, model, mesh[2]) for r in zb_analyses(zb, tp)]
-    state.pool.prefetch(requests)
+    told = None if progress is None else lambda done, total: progress(done, total, float("inf"), TRACING)
+    state.pool.prefetch(requests, told)
 
 
 def _stage_tables(

@@ -324,12 +324,16 @@ def tune(
         d.pop("infeasible_reason", None)
         print(json.dumps(d, indent=1))
         return
+    traced = (
+        f"; {res.tracing_time_s:.1f} s of it tracing layer variants, now cached" if res.tracing_time_s >= 0.05 else ""
+    )
     out.print(
         f"searched the {res.space} space in {res.tuning_time_s:.1f} s "
-        f"({res.candidates_evaluated:,} candidates evaluated)" + (f"; plan written to {output}" if output else "")
+        f"({res.candidates_evaluated:,} candidates evaluated{traced})"
+        + (f"; plan written to {output}" if output else "")
     )
     if res.budget_ran_out:
-        out.print(budget_words(time_budget))
+        out.print(budget_words(time_budget, res.tracing_time_s))
     assert res.predicted is not None  # a plan comes with its prediction
     _print_simulation(res.plan, res.predicted)
 

@@ -2,6 +2,7 @@
 a search that went through its whole space does not, however long it took."""
 
 import json
+import re
 
 import pytest
 
@@ -52,15 +53,24 @@ def test_a_space_searched_through_in_one_batch_is_not_cut(prof):
     assert res.plan is not None and not res.budget_ran_out
 
 
-def test_the_cli_tells_the_user_and_the_json_records_it(capsys):
+def test_the_cli_tells_the_user_and_the_json_records_it(capsys, monkeypatch, tmp_path):
     args = ["--model", "gpt3-1.3b", "--gpu", "l4", "--gpus-per-node", "4", "--global-batch", "64"]
-    # the whole search first: it also traces the layers, which a budget of 0.3 s would otherwise
-    # spend before it costed a single plan (a cold trace cache, as when this test runs alone)
+    # an empty trace cache: tracing the layers spends the budget before a plan is costed, and the
+    # user is told so, and that a rerun reads the traces from disk
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MIST_TRACE_WORKERS", "2")
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", *args, "--no-compile", "--time-budget", "0.3"])
+    said = " ".join(capsys.readouterr().err.split())
+    assert exit_.value.code == 2 and "The time budget of 0.3 s ran out before any fitting plan was found." in said
+    assert re.search(r"Tracing the model's layer variants took \d+\.\d s of it; they are cached on disk now", said)
     main(["tune", *args, "--no-compile", "--json"])
-    assert json.loads(capsys.readouterr().out)["budget_ran_out"] is False
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["budget_ran_out"] is False and whole["tracing_time_s"] < whole["tuning_time_s"]
     main(["tune", *args, "--no-compile", "--time-budget", "0.3"])
-    out = capsys.readouterr().out
-    assert "The time budget of 0.3 s ran out before the search was complete" in " ".join(out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The time budget of 0.3 s ran out before the search was complete" in out
+    assert "Tracing" not in out and "tracing layer variants" not in out
     main(["compare", *args, "--time-budget", "0.3", "--json"])
     rows = json.loads(capsys.readouterr().out)["spaces"]
     assert next(r for r in rows if r["space"] == "full")["budget_ran_out"] is True

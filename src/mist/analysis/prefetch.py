@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -92,6 +93,7 @@ class TracePool:
     def __init__(self, workers: int | None = None):
         self.workers = default_workers() if workers is None else workers
         self.traced = 0  # analyses traced by the workers so far
+        self.seconds = 0.0  # wall time spent waiting for them (what a warm disk cache saves)
         self._executor: ProcessPoolExecutor | None = None
 
     def prefetch(self, requests: Iterable[AnalysisRequest], progress=None) -> int:
@@ -107,6 +109,7 @@ class TracePool:
         todo = sorted((tuple(f) for f in families.values()), key=_cost)
         if sum(map(len, todo)) < (2 if self._executor is not None else MIN_PARALLEL) or len(todo) < 2:
             return 0
+        t0 = time.perf_counter()
         if self._executor is None:
             # the tracing machinery's imports (a ShapeEnv pulls in sympy and torch._dynamo: about
             # 1.4 s of one core) happen here once, and every forked worker inherits them, rather
@@ -130,6 +133,7 @@ class TracePool:
             self.workers = 0
             return 0
         self.traced += done
+        self.seconds += time.perf_counter() - t0
         return done
 
     def close(self) -> None:

@@ -382,10 +382,12 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
     t0 = time.monotonic()
     budget = math.inf if time_budget is None else float(time_budget)
     ref = preset_ref(model)
+    traced = 0.0  # wall seconds the pools' workers spent tracing
     for exact in (False, True):
         with TracePool() as pool:
             ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref, pool=pool)
             best = search(ev, t0, budget)
+        traced += pool.seconds
         if best is None:
             break
         plan = ev.plan(*best)
@@ -402,9 +404,10 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
                 candidates_evaluated=ev.count,
                 infeasible_reason=None if sim.fits else "; ".join(sim.memory_problems),
                 budget_ran_out=ev.cut_short,
+                tracing_time_s=traced,
             )
     if ev.cut_short:
-        reason = no_plan_in_budget_words(budget, space)
+        reason = no_plan_in_budget_words(budget, space, traced)
     elif ev.count == 0:
         reason = (
             f"No {space} candidate exists for {model.name or 'the model'} on "
@@ -429,6 +432,7 @@ def _run(space: str, search, model, cluster, training, profile, time_budget, non
         candidates_evaluated=ev.count,
         infeasible_reason=reason,
         budget_ran_out=ev.cut_short,
+        tracing_time_s=traced,
     )
 
 

@@ -17,17 +17,30 @@ def _the_budget(time_budget: float | None) -> str:
     )
 
 
-def budget_words(time_budget: float | None) -> str:
-    """The sentence that tells a user a plan comes from a search its time budget cut short."""
+def _tracing_words(time_budget: float | None, tracing_s: float) -> str:
+    # said where tracing took a tenth of the budget or more: a rerun reads the traces from disk
+    if time_budget is None or tracing_s < 0.1 * time_budget:
+        return ""
     return (
-        f"{_the_budget(time_budget)} ran out before the search was complete: this is the best plan of the "
-        "part it searched; a larger --time-budget may find a faster one."
+        f" Tracing the model's layer variants took {tracing_s:.1f} s of it; they are cached on disk now, "
+        "and a rerun reads them instead."
     )
 
 
-def no_plan_in_budget_words(time_budget: float | None, space: str = "") -> str:
+def budget_words(time_budget: float | None, tracing_s: float = 0.0) -> str:
+    """The sentence that tells a user a plan comes from a search its time budget cut short (and,
+    where tracing the layers took a good share of that budget, that a rerun will not)."""
+    return (
+        f"{_the_budget(time_budget)} ran out before the search was complete: this is the best plan of the "
+        "part it searched; a larger --time-budget may find a faster one." + _tracing_words(time_budget, tracing_s)
+    )
+
+
+def no_plan_in_budget_words(time_budget: float | None, space: str = "", tracing_s: float = 0.0) -> str:
     """The reason a search its time budget cut short gives when it found no fitting plan."""
-    return f"{_the_budget(time_budget)} ran out before any fitting {space + ' ' if space else ''}plan was found."
+    return f"{_the_budget(time_budget)} ran out before any fitting {space + ' ' if space else ''}plan was found." + (
+        _tracing_words(time_budget, tracing_s)
+    )
 
 
 @dataclass
@@ -41,6 +54,9 @@ class TuneResult:
     # the time budget ran out before the space was searched through: `plan` is the best of what
     # was searched, which a longer budget may beat (`BUDGET_WORDS` says so to the user)
     budget_ran_out: bool = False
+    # of tuning_time_s, the wall time the worker processes spent tracing layer variants into the
+    # disk cache (`mist.analysis.prefetch`): a rerun of the same model reads them instead
+    tracing_time_s: float = 0.0
 
     @property
     def iteration_time_s(self) -> float | None:
@@ -55,4 +71,5 @@ class TuneResult:
             "candidates_evaluated": self.candidates_evaluated,
             "infeasible_reason": self.infeasible_reason,
             "budget_ran_out": self.budget_ran_out,
+            "tracing_time_s": self.tracing_time_s,
         }

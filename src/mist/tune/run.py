@@ -73,6 +73,7 @@ def run_space_either_blocks(
         tuning_time_s=eager.tuning_time_s + compiled.tuning_time_s,
         candidates_evaluated=eager.candidates_evaluated + compiled.candidates_evaluated,
         budget_ran_out=eager.budget_ran_out or compiled.budget_ran_out,
+        tracing_time_s=eager.tracing_time_s + compiled.tracing_time_s,
     )
 
 

@@ -133,14 +133,15 @@ def _tune(model, cluster, training, profile, space, time_budget, progress, pool:
         if budget_hit:
             break
     elapsed = time.perf_counter() - t0
+    traced = 0.0 if pool is None else pool.seconds
     if state.best.plan is None:
         reason = _infeasible(state.min_peak, state.min_host, profile, host_cap, host_source, L)
         if budget_hit:
-            reason = no_plan_in_budget_words(time_budget)
-        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason, budget_ran_out=budget_hit)
+            reason = no_plan_in_budget_words(time_budget, tracing_s=traced)
+        return TuneResult(sp.name, None, None, elapsed, state.evaluated, reason, budget_hit, traced)
     plan = state.best.plan
     predicted = simulate_plan(plan, profile)
-    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None, budget_ran_out=budget_hit)
+    return TuneResult(sp.name, plan, predicted, elapsed, state.evaluated, None, budget_hit, traced)
 
 
 def _search_phases(state, sp, phases, combos, cp, model, cluster, training, profile, host_cap, progress) -> bool:

@@ -76,8 +76,10 @@ def test_baseline_returns_a_valid_plan_that_resimulates(name, results, prof):
         "candidates_evaluated",
         "infeasible_reason",
         "budget_ran_out",
+        "tracing_time_s",
     }
     assert d["budget_ran_out"] is False  # no budget: the whole space was searched
+    assert 0 <= d["tracing_time_s"] <= d["tuning_time_s"]
     assert plan_from_dict(d["plan"]) == r.plan
 
 

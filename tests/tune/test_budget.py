@@ -74,3 +74,4 @@ def test_the_cli_tells_the_user_and_the_json_records_it(capsys, monkeypatch, tmp
     main(["compare", *args, "--time-budget", "0.3", "--json"])
     rows = json.loads(capsys.readouterr().out)["spaces"]
     assert next(r for r in rows if r["space"] == "full")["budget_ran_out"] is True
+    assert all(0 <= r["tracing_time_s"] <= r["tuning_time_s"] for r in rows)

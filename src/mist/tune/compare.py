@@ -82,6 +82,7 @@ class SpaceOutcome:
     iteration_time_s: float | None  # None: no plan fits
     throughput_samples_per_s: float | None
     tuning_time_s: float
+    tracing_time_s: float  # of tuning_time_s, tracing layer variants (`TuneResult.tracing_time_s`)
     candidates_evaluated: int
     speedup_of_full: float | None  # this space's time / Mist's full space's
     plan: Plan | None
@@ -97,6 +98,7 @@ class SpaceOutcome:
             "iteration_time_s": self.iteration_time_s,
             "throughput_samples_per_s": self.throughput_samples_per_s,
             "tuning_time_s": self.tuning_time_s,
+            "tracing_time_s": self.tracing_time_s,
             "candidates_evaluated": self.candidates_evaluated,
             "speedup_of_full": self.speedup_of_full,
             "plan": self.plan.to_dict() if self.plan is not None else None,
@@ -154,6 +156,7 @@ def compare_spaces(model, cluster, training, profile, time_budget=None, spaces=A
                 iteration_time_s=it,
                 throughput_samples_per_s=training.global_batch / it if it else None,
                 tuning_time_s=r.tuning_time_s,
+                tracing_time_s=r.tracing_time_s,
                 candidates_evaluated=r.candidates_evaluated,
                 speedup_of_full=(it / ours_t) if (it and ours_t) else None,
                 plan=r.plan,

@@ -52,7 +52,7 @@ class TuneResult:
     candidates_evaluated: int  # plans (or strategies) whose cost was evaluated
     infeasible_reason: str | None  # one sentence when plan is None
     # the time budget ran out before the space was searched through: `plan` is the best of what
-    # was searched, which a longer budget may beat (`BUDGET_WORDS` says so to the user)
+    # was searched, which a longer budget may beat (`budget_words` says so to the user)
     budget_ran_out: bool = False
     # of tuning_time_s, the wall time the worker processes spent tracing layer variants into the
     # disk cache (`mist.analysis.prefetch`): a rerun of the same model reads them instead

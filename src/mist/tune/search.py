@@ -113,7 +113,7 @@ def _tune(model, cluster, training, profile, space, time_budget, progress, pool:
     node_host, host_source = node_host_memory(cluster, profile)
     host_cap = None if node_host is None else node_host / cluster.gpus_per_node
     if sp.seed_space:
-        _seed(state, sp.seed_space, sp, model, cluster, training, profile, time_budget)
+        _seed(state, sp.seed_space, sp, model, cluster, training, profile, time_budget, progress)
     combos = _combos(cluster, sp, L, B)
     phases = (True,) if sp.wg_policy == "always" else (False, True)
     if all(v == 0 for v in sp.offload_weights) and all(v == 0 for v in sp.offload_grads):
@@ -273,12 +273,16 @@ def _activation_bound(plan: Plan) -> bool:
     )
 
 
-def _seed(state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile, time_budget) -> None:
+def _seed(
+    state: _Search, seed_space: str, sp: SearchSpace, model, cluster, training, profile, time_budget, progress=None
+) -> None:
     """A quick search of a sub-space first: its plan is a plan of this space too, and its time is
     an incumbent that prunes most of the larger search (under this space's limits on the
-    pipeline depth and TP degrees)."""
+    pipeline depth and TP degrees). Its tracing is told to `progress` (the layers it traces are
+    most of what the larger search reads); its (pp, G) pairs are not, being another space's."""
     sub = replace(get_space(seed_space), pp_values=sp.pp_values, tp_values=sp.tp_values)
-    seed = _tune(model, cluster, training, profile, sub, time_budget, None, state.pool)
+    told = None if progress is None else lambda *a: a[3:] == (TRACING,) and progress(*a)
+    seed = _tune(model, cluster, training, profile, sub, time_budget, told, state.pool)
     state.evaluated += seed.candidates_evaluated
     if seed.plan is not None and seed.iteration_time_s is not None:  # (a plan comes with its time)
         state.best = _Best(seed.iteration_time_s, seed.plan)

@@ -98,3 +98,22 @@ def test_a_worker_that_dies_leaves_the_tracing_to_the_process(monkeypatch, tmp_p
         assert pool.prefetch(requests) == 0 and pool.workers == 0
         assert pool.prefetch(requests) == 0
     assert not any(r.on_disk() for r in requests)
+
+
+def test_what_this_process_holds_in_memory_is_still_written_to_the_cache_folder(monkeypatch, tmp_path):
+    """Analyses this process read under one cache folder, prefetched under another (empty): the
+    forked workers do not take them from the memory they inherit, they trace them into the new
+    folder, so a next search there finds them on disk and traces nothing."""
+    spec = get_preset("gpt3-1.3b")
+    requests = [layer.AnalysisRequest(spec, part, 1, True, "bf16", "cuda") for part in ("pre", "block", "post")]
+    requests += [layer.AnalysisRequest(spec, "block", tp, True, "bf16", "cuda", rc) for tp in (2, 4) for rc in (False, True)]
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path / "first"))
+    for r in requests:
+        r.run()  # in this process's memory now
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path / "second"))
+    assert not any(r.on_disk() for r in requests)
+    with TracePool(workers=2) as pool:
+        assert pool.prefetch(requests) == len(requests)
+    assert all(r.on_disk() for r in requests)
+    with TracePool(workers=2) as pool:
+        assert pool.prefetch(requests) == 0 and pool.seconds == 0.0

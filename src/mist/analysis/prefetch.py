@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from mist.analysis import disk_cache
+from mist.analysis import disk_cache, layer
 from mist.analysis.layer import AnalysisRequest
 from mist.torch_compat import symbolic_fake_mode
 
@@ -55,8 +55,14 @@ def default_workers() -> int:
     return min(cpus, 8)
 
 
-def _one_thread() -> None:
+def _start_worker() -> None:
+    """A forked worker runs torch on one thread, and forgets the analyses its parent holds in
+    memory: a task then reads its analysis from the disk cache or traces it and writes it there.
+    (A parent's analysis that is not on disk, read while another cache folder was set, would
+    otherwise come back from memory and never be written: the next search would trace it again.)"""
     torch.set_num_threads(1)
+    layer._analyze.cache_clear()
+    layer._training_graphs.cache_clear()
 
 
 def _trace(family: tuple[AnalysisRequest, ...]) -> int:
@@ -118,7 +124,7 @@ class TracePool:
             self._executor = ProcessPoolExecutor(
                 max_workers=min(self.workers, len(todo)),
                 mp_context=multiprocessing.get_context("fork"),
-                initializer=_one_thread,
+                initializer=_start_worker,
             )
         total, ended, done = sum(map(len, todo)), 0, 0
         try:

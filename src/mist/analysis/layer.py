@@ -15,10 +15,10 @@ import numpy as np
 import sympy
 import torch
 
-from mist.analysis import disk_cache
+from mist.analysis import disk_cache, lambdified
 from mist.analysis.compiled import TrainingGraphs, capture, capture_training, trace_compiled
 from mist.analysis.liveness import live_bytes
-from mist.analysis.records import ATTENTION, UNCOSTED, B, OpRecord, OpValues, S
+from mist.analysis.records import ATTENTION, UNCOSTED, OpRecord, OpValues
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, select_parts, selective_modes
@@ -71,6 +71,9 @@ class LayerAnalysis:
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
+    # the source of each evaluator in `_fns` (`mist.analysis.lambdified`): pickled with the
+    # analysis, so that a process reading it from the disk cache need not print it again
+    _sources: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------ evaluation
     def __getstate__(self):
@@ -81,9 +84,26 @@ class LayerAnalysis:
 
     def _fn(self, key: str, exprs):
         if key not in self._fns:
-            # (docstring_limit=0: no docstring, which would print every expression once more)
-            self._fns[key] = sympy.lambdify((B, S), list(exprs), modules="numpy", docstring_limit=0)
+            source = self._sources.get(key)
+            if source is not None:
+                self._fns[key] = lambdified.load(source)
+            else:
+                self._fns[key], source = lambdified.make(exprs)
+                if source is not None:
+                    self._sources[key] = source
         return self._fns[key]
+
+    def prepare(self) -> LayerAnalysis:
+        """Make every evaluator the simulator reads (and with them their sources, which the disk
+        cache then keeps); itself."""
+        one = np.ones(1)
+        for read in (self.saved, self.saved_split, self.output, self.fwd_peak, self.bwd_peak):
+            read(one, one)
+        for phase in ("fwd", "bwd", "recompute"):
+            self.op_values(phase, one, one)
+        for phase in ("fwd", "bwd"):
+            self.flops_of(phase, one, one)
+        return self
 
     def _eval(self, key: str, exprs, b, s) -> np.ndarray:
         b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
@@ -252,7 +272,7 @@ def _analyze(
     if hit is not None:
         return hit
     la = _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp, compiled)
-    disk_cache.store(key, la)
+    disk_cache.store(key, la.prepare())
     return la
 
 

@@ -244,3 +244,27 @@ def test_many_candidates_at_once(l4_model):
     l4_model.evaluate(st)  # warm the traces
     r = l4_model.evaluate(st)
     assert r.T.shape == (n,)
+
+
+def test_terms_computed_for_every_micro_batch_size_at_once_are_the_same():
+    """A tuner's stage model computes each layer's terms at all the micro-batch sizes its stages
+    may take, once (`batch_sizes`): each size's times and memory are those of a model that
+    computes that size alone, bit for bit, with selective recomputation, activation offload and
+    b = 1 (its own trace) among them, and a size outside the set is computed alone."""
+    prof = load_profile("l4")
+    kw = dict(tp=2, flash=False, seq=2048, recompute_attention=True, sequence_parallel=True)
+    alone = StageModel(SPEC, prof, **kw)
+    together = StageModel(SPEC, prof, **kw, batch_sizes=(1, 2, 4, 8, 16))
+    rng = np.random.default_rng(1)
+    for b in (1, 2, 8, 3):
+        st = stage(
+            b=np.full(6, b),
+            tp=2,
+            zero=rng.integers(0, 4, 6),
+            offload_activations=rng.random(6),
+            recompute=rng.integers(0, 13, 6),
+        )
+        one_size, all_sizes = alone.evaluate(st), together.evaluate(st)
+        for name in ("T", "D", "peak", "saved_peak", "fwd"):
+            np.testing.assert_array_equal(getattr(one_size, name), getattr(all_sizes, name), err_msg=f"{name}, b {b}")
+        np.testing.assert_array_equal(one_size.host["peak_bytes"], all_sizes.host["peak_bytes"])

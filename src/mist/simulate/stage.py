@@ -174,8 +174,13 @@ class StageModel:
         sequence_parallel: bool = False,
         cp: int = 1,
         compiled: bool | str = False,
+        batch_sizes: tuple[int, ...] = (),
     ):
         self.spec, self.profile, self.tp, self.flash, self.seq = spec, profile, tp, flash, seq
+        # the micro-batch sizes its stages may be asked for (a tuner's), whose layer terms are
+        # computed together, once, when any of them is asked for: one evaluation of each
+        # layer's operators at every size, not one per size
+        self.batch_sizes = np.unique(np.asarray(batch_sizes, dtype=np.float64))
         # the blocks compiled by `mist.models.compiled`, how the plan runs them
         # (`mist.rules.compiled_blocks.compile_mode`)
         self.compiled = compiled
@@ -213,7 +218,10 @@ class StageModel:
 
     # ------------------------------------------------------------------ helpers
     def _terms(self, part, b):
-        ub, inv = np.unique(b, return_inverse=True)
+        """(the layer terms of `part` at sizes ub, the index into ub of each of `b`'s sizes)."""
+        ub = np.unique(b)
+        if self.batch_sizes.size and np.isin(ub, self.batch_sizes).all():
+            ub = self.batch_sizes
         lt = layer_terms(
             self.spec,
             self.profile,
@@ -229,7 +237,7 @@ class StageModel:
             self.cp,
             self.compiled,
         )
-        return lt, inv.reshape(np.shape(b))
+        return lt, np.searchsorted(ub, b)
 
     def _coll(self, op, nbytes, dp, st: StageInput):
         """DP-group collective; the group spans the stage's nodes (TP ranks are node-local)."""

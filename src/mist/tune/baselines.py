@@ -71,6 +71,7 @@ from mist.simulate.stage import StageModel
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
+from mist.tune.intra import micro_batch_sizes
 from mist.tune.result import TuneResult, no_plan_in_budget_words
 from mist.tune.space import tp_degrees
 from mist.units import GiB
@@ -197,6 +198,7 @@ class _Evaluator:
                 # the blocks as `simulate_plan` prices them: the candidates run 1F1B, plain or
                 # interleaved (`plan`), never ZB-H1
                 compile_mode(t.compile_blocks, SCHEDULES[0]),
+                batch_sizes=micro_batch_sizes(t.global_batch, t.global_batch),
             )
         return m
 

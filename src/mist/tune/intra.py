@@ -100,6 +100,12 @@ def sample_frontier(idx: np.ndarray, k: int, also: int | None = None) -> np.ndar
     return idx[np.unique(pick)]
 
 
+def micro_batch_sizes(global_batch: int, most: int) -> tuple[int, ...]:
+    """The micro-batch sizes up to `most` that a plan of `global_batch` may run (its divisors:
+    global batch = G · dp · b)."""
+    return tuple(b for b in range(1, min(global_batch, most) + 1) if global_batch % b == 0)
+
+
 class StageTables:
     """Components per (tp, b, dp, stage kind) for one (model, GPU, seq, pp, G, mesh), cached."""
 
@@ -128,6 +134,10 @@ class StageTables:
         self.compiled = compiled
         self.pp, self.G, self.nodes, self.gpn, self.cluster_gpn = pp, G, nodes, gpn, cluster_gpn
         self.B, self.with_wg, self.precision = global_batch, with_wg, precision
+        # every micro-batch size the space allows for this global batch (with any G and dp)
+        self.batch_sizes = tuple(
+            b for b in micro_batch_sizes(global_batch, space.b_max) if space.b_values is None or b in space.b_values
+        )
         # host RAM per GPU: the node's over its GPUs, so that any stages sharing a node fit it
         self.host_cap = host_cap
         self.cp = cp  # context parallelism of every stage (its ranks count as replicas below)
@@ -151,6 +161,7 @@ class StageTables:
                 sequence_parallel=len(sel) > 2 and bool(sel[2]),
                 cp=self.cp,
                 compiled=self.compiled,
+                batch_sizes=self.batch_sizes,
             )
         return self._models[tp, sel]
 

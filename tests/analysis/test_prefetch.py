@@ -106,7 +106,9 @@ def test_what_this_process_holds_in_memory_is_still_written_to_the_cache_folder(
     folder, so a next search there finds them on disk and traces nothing."""
     spec = get_preset("gpt3-1.3b")
     requests = [layer.AnalysisRequest(spec, part, 1, True, "bf16", "cuda") for part in ("pre", "block", "post")]
-    requests += [layer.AnalysisRequest(spec, "block", tp, True, "bf16", "cuda", rc) for tp in (2, 4) for rc in (False, True)]
+    requests += [
+        layer.AnalysisRequest(spec, "block", tp, True, "bf16", "cuda", rc) for tp in (2, 4) for rc in (False, True)
+    ]
     monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path / "first"))
     for r in requests:
         r.run()  # in this process's memory now

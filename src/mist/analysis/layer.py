@@ -272,7 +272,8 @@ def _analyze(
     if hit is not None:
         return hit
     la = _trace_and_analyze(spec, part, tp, flash, dtype, target, recompute, unit_batch, sp, cp, compiled)
-    disk_cache.store(key, la.prepare())
+    if disk_cache.enabled():  # (its evaluators made now, their sources kept with it)
+        disk_cache.store(key, la.prepare())
     return la
 
 

@@ -39,9 +39,9 @@ CASES = {
 MODES = {"eager": ["--no-compile"], "compiled": ["--compile-blocks"], "default": []}
 
 
-def run_tune(src: Path, args: list[str], caches: Path) -> dict:
-    """One `mist tune` in a fresh process with the caches in `caches`: its wall time, the
-    predicted iteration of its plan and whether the plan compiles its blocks."""
+def tune_process(src, args: list[str], caches: Path) -> tuple[float, dict]:
+    """(wall seconds, the --json result) of one `mist tune` in a fresh process with the code in
+    `src` and the caches in `caches`."""
     env = dict(
         os.environ,
         PYTHONPATH=str(src),
@@ -57,8 +57,13 @@ def run_tune(src: Path, args: list[str], caches: Path) -> dict:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    wall = time.perf_counter() - t0
-    res = json.loads(done.stdout)
+    return time.perf_counter() - t0, json.loads(done.stdout)
+
+
+def run_tune(src: Path, args: list[str], caches: Path) -> dict:
+    """One `mist tune` in a fresh process with the caches in `caches`: its wall time, the
+    predicted iteration of its plan and whether the plan compiles its blocks."""
+    wall, res = tune_process(src, args, caches)
     return {
         "wall_s": round(wall, 1),
         "iteration_s": res["predicted"]["iteration_time_s"],

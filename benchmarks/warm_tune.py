@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from cold_tune import tune_process  # (this folder is on the path of a script run from it)
 
 # (name, `mist tune` arguments): the README's quick start (compiled and eager blocks searched,
 # the faster kept), its long-sequence example, and the eager blocks of the first
@@ -35,26 +34,6 @@ CASES = {
         "--no-compile",
     ],
 }
-
-
-def run_tune(src: str, args: list[str], caches: Path) -> tuple[float, dict]:
-    """(wall seconds, the --json result) of one `mist tune` in a fresh process."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=src,
-        MIST_CACHE_DIR=str(caches / "mist"),
-        TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
-    )
-    t0 = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "-m", "mist", "tune", *args, "--json"],
-        env=env,
-        check=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    ).stdout
-    return time.perf_counter() - t0, json.loads(out)
 
 
 def main(argv=None) -> int:
@@ -73,13 +52,13 @@ def main(argv=None) -> int:
         for case, args in CASES.items():
             caches = Path(tmp) / case.replace(" ", "_")
             for src in a.src:
-                run_tune(src, args, caches)  # fills the disk cache
+                tune_process(src, args, caches)  # fills the disk cache
             walls: dict = {s: [] for s in a.src}
             tuning: dict = {s: [] for s in a.src}
             results = set()
             for _ in range(a.repeats):
                 for src in a.src:
-                    wall, res = run_tune(src, args, caches)
+                    wall, res = tune_process(src, args, caches)
                     walls[src].append(wall)
                     tuning[src].append(res["tuning_time_s"])
                     results.add((json.dumps(res["plan"], sort_keys=True), res["predicted"]["iteration_time_s"]))

@@ -73,7 +73,7 @@ from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
 from mist.tune.intra import micro_batch_sizes
 from mist.tune.result import TuneResult, no_plan_in_budget_words
-from mist.tune.space import tp_degrees
+from mist.tune.space import SearchSpace, tp_degrees
 from mist.units import GiB
 
 MEGATRON_MICRO_BATCHES = (1, 2, 4, 8)
@@ -198,7 +198,8 @@ class _Evaluator:
                 # the blocks as `simulate_plan` prices them: the candidates run 1F1B, plain or
                 # interleaved (`plan`), never ZB-H1
                 compile_mode(t.compile_blocks, SCHEDULES[0]),
-                batch_sizes=micro_batch_sizes(t.global_batch, t.global_batch),
+                # (a larger micro-batch, which a space seldom costs, is computed on its own)
+                batch_sizes=micro_batch_sizes(t.global_batch, SearchSpace.b_max),
             )
         return m
 

@@ -363,7 +363,7 @@ def compare(
         print(json.dumps(res.to_json(), indent=1))
         return
     t = Table(title=f"{spec.name} on {nodes}×{gpus_per_node} {profile.name}, seq {seq}, batch {global_batch}")
-    for col in ("space", "iteration (ms)", "samples/s", "Mist full speedup", "tuning (s)", "plan"):
+    for col in ("space", "iteration (ms)", "samples/s", "Mist full speedup", "tuning (tracing) s", "plan"):
         t.add_column(col, justify="right" if col != "plan" else "left")
     for r in res.spaces:
         it = r.iteration_time_s
@@ -372,12 +372,14 @@ def compare(
             f"{it * 1e3:.1f}" if it else "no fit",
             f"{r.throughput_samples_per_s:.2f}" if it else "-",
             f"{r.speedup_of_full:.3f}×" if r.speedup_of_full else "-",
-            f"{r.tuning_time_s:.1f}" + ("*" if r.budget_ran_out else ""),
+            f"{r.tuning_time_s:.1f} ({r.tracing_time_s:.1f})" + ("*" if r.budget_ran_out else ""),
             r.plan_summary or r.infeasible_reason or "",
         )
     out.print(t)
     if any(r.budget_ran_out for r in res.spaces):
         out.print("* " + budget_words(time_budget))
+    if any(r.tracing_time_s >= 0.05 for r in res.spaces):
+        out.print("(tracing): of a space's tuning time, what tracing layer variants took; they are cached on disk now.")
     out.print("Spaces: " + "; ".join(f"{r.space}: {SPACE_LABELS[r.space]}" for r in res.spaces) + ".")
     needs = [(r.space, r.full_plan_needs) for r in res.spaces if r.full_plan_needs]
     if needs:

@@ -75,3 +75,8 @@ def test_the_cli_tells_the_user_and_the_json_records_it(capsys, monkeypatch, tmp
     rows = json.loads(capsys.readouterr().out)["spaces"]
     assert next(r for r in rows if r["space"] == "full")["budget_ran_out"] is True
     assert all(0 <= r["tracing_time_s"] <= r["tuning_time_s"] for r in rows)
+    # the table shows each space's tracing time beside its tuning time (none now: all cached)
+    main(["compare", *args, "--time-budget", "0.3"])
+    table = capsys.readouterr().out
+    assert "(tracing)" in table and re.search(r"│ +full │.*│ +\d+\.\d \(0\.0\)\*? │", table), table
+    assert "what tracing layer variants took" not in " ".join(table.split())

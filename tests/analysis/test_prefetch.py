@@ -119,3 +119,25 @@ def test_what_this_process_holds_in_memory_is_still_written_to_the_cache_folder(
     assert all(r.on_disk() for r in requests)
     with TracePool(workers=2) as pool:
         assert pool.prefetch(requests) == 0 and pool.seconds == 0.0
+
+
+def test_too_few_traces_for_workers_are_traced_here_told_and_timed(monkeypatch, tmp_path):
+    """Fewer missing traces than `MIN_PARALLEL` start no workers: this process traces them at
+    once, tells each as it ends and counts their time, as it does the workers' (what `mist tune`
+    shows as tracing); a second call finds them all on disk."""
+    from mist.analysis import prefetch
+
+    monkeypatch.setenv("MIST_CACHE_DIR", str(tmp_path))
+    spec = get_preset("gpt3-1.3b")
+    requests = [layer.AnalysisRequest(spec, part, 1, True, "bf16", "cuda") for part in ("pre", "block", "post")]
+    assert len(requests) < prefetch.MIN_PARALLEL
+    made = _count_traces(monkeypatch)
+    told: list[tuple[int, int]] = []
+    with TracePool(workers=2) as pool:
+        assert pool.prefetch(requests, lambda done, total: told.append((done, total))) == 3
+        assert pool._executor is None and pool.traced == 3 and pool.seconds > 0
+    assert told == [(1, 3), (2, 3), (3, 3)]
+    assert len(made) == 6 and all(r.on_disk() for r in requests)  # (b symbolic and b = 1, each)
+    with TracePool(workers=2) as pool:
+        assert pool.prefetch(requests) == 0 and pool.seconds == 0.0
+    assert len(made) == 6

@@ -11,8 +11,9 @@ and need no `if __name__ == "__main__"` guard in a user's script, which spawned 
 when the parent may have started torch's thread pool. They live as long as the pool.
 
 Nothing is prefetched without a disk cache (the workers hand their traces back through it), with
-one core, off Linux, or for fewer than `MIN_PARALLEL` missing traces. MIST_TRACE_WORKERS sets the number of
-workers (0 or 1: trace in the process, as without this module). A trace that fails in a worker is
+one core or off Linux. Fewer than `MIN_PARALLEL` missing traces are traced in this process, ahead
+of the search all the same (told and timed as the workers' are). MIST_TRACE_WORKERS sets the number
+of workers (0 or 1: trace in the process when the search reads a layer, as without this module). A trace that fails in a worker is
 left to the search, which traces it again in its own process and reports the error there; a
 worker that dies (killed, out of memory) ends the prefetching, and the search traces in-process.
 """
@@ -113,8 +114,10 @@ class TracePool:
             if not r.on_disk():
                 families.setdefault(_family(r), []).append(r)
         todo = sorted((tuple(f) for f in families.values()), key=_cost)
-        if sum(map(len, todo)) < (2 if self._executor is not None else MIN_PARALLEL) or len(todo) < 2:
+        if not todo:
             return 0
+        if sum(map(len, todo)) < (2 if self._executor is not None else MIN_PARALLEL) or len(todo) < 2:
+            return self._trace_here(todo, progress)
         t0 = time.perf_counter()
         if self._executor is None:
             # the tracing machinery's imports (a ShapeEnv pulls in sympy and torch._dynamo: about
@@ -138,6 +141,20 @@ class TracePool:
             self.close()
             self.workers = 0
             return 0
+        self.traced += done
+        self.seconds += time.perf_counter() - t0
+        return done
+
+    def _trace_here(self, todo: list[tuple[AnalysisRequest, ...]], progress) -> int:
+        """Too few traces to start workers for: trace them in this process, now rather than when
+        the search reads them, so that their time is told (`progress`) and counted (`seconds`)
+        as the workers' is."""
+        t0, total, ended, done = time.perf_counter(), sum(map(len, todo)), 0, 0
+        for family in todo:
+            done += _trace(family)
+            ended += len(family)
+            if progress is not None:
+                progress(ended, total)
         self.traced += done
         self.seconds += time.perf_counter() - t0
         return done

@@ -12,10 +12,11 @@ when the parent may have started torch's thread pool. They live as long as the p
 
 Nothing is prefetched without a disk cache (the workers hand their traces back through it), with
 one core or off Linux. Fewer than `MIN_PARALLEL` missing traces are traced in this process, ahead
-of the search all the same (told and timed as the workers' are). MIST_TRACE_WORKERS sets the number
-of workers (0 or 1: trace in the process when the search reads a layer, as without this module). A trace that fails in a worker is
-left to the search, which traces it again in its own process and reports the error there; a
-worker that dies (killed, out of memory) ends the prefetching, and the search traces in-process.
+of the search all the same (told and timed as the workers' are). MIST_TRACE_WORKERS sets the
+number of workers (0 or 1: trace in the process when the search reads a layer, as without this
+module). A trace that fails (in a worker or ahead in this process) is left to the search, which
+traces it again and reports the error there; a worker that dies (killed, out of memory) ends the
+prefetching, and the search traces in-process.
 """
 
 from __future__ import annotations

@@ -586,14 +586,21 @@ def validate(
     drift: bool = typer.Option(
         True, "--drift/--no-drift", help="Re-measure a few of the profile's own micro-benchmarks."
     ),
+    trace_memory: bool = typer.Option(
+        False,
+        "--trace-memory",
+        help="On CPU worker processes, also measure each stage's peak from the allocator's events "
+        "(operator temporaries included) over the first 2 steps, which are then not timed "
+        "(needs --steps 3 or more). A GPU reports its allocator's peak anyway.",
+    ),
     as_json: JsonOpt = False,
 ):
     """Run a plan and print predicted vs measured time and memory with signed relative errors."""
-    from mist.validate import STAGE_ERRORS, run_and_validate  # lazy: keeps torch out of start-up
+    from mist.validate import STAGE_ERRORS, allocator_prediction, run_and_validate  # lazy: torch
 
     p = load_plan(plan)
     profile = load_profile(gpu or p.cluster.gpu)
-    r = run_and_validate(plan, profile, steps, local, drift)
+    r = run_and_validate(plan, profile, steps, local, drift, trace_memory)
     if r is None:
         return
     if as_json:
@@ -627,6 +634,13 @@ def validate(
                 "-" if pv is None else f"{pv / unit:.3f}",
                 "-" if mv is None else f"{mv / unit:.3f}",
                 fmt(err[name][i]),
+            )
+        if ms.get("allocator_peak_bytes") is not None:
+            t.add_row(
+                f"stage {i} CPU allocator peak (MiB)",
+                f"{allocator_prediction(ps) / MiB:.3f}",
+                f"{ms['allocator_peak_bytes'] / MiB:.3f}",
+                fmt(err["allocator_peak"][i]),
             )
     out.print(t)
     for w in r.warnings:

@@ -28,6 +28,11 @@ a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that t
 * `pytree` (`torch.utils._pytree`): `tree_leaves` flattens an aten call's nested arguments.
 * `storage_id` (`UntypedStorage._cdata`): the address of a tensor's storage object, which the
   tracer uses to tell buffers apart (views share it, fake tensors have one each).
+* `allocation_events` (`_KinetoResults.experimental_event_tree`, `_EventType.Allocation`): the
+  allocator's events that `torch.profiler` recorded with `profile_memory=True`, with the address
+  of each block, which the public event list does not give; `runtime.allocator_trace` pairs each
+  release with its allocation by it. `marked_time` finds a `record_function` range in the same
+  tree, on the same clock.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ _LAZY = {
 __all__ = [
     "CHECKED_VERSIONS",
     "HAS_FUSED_ADAM",
+    "allocation_events",
+    "marked_time",
     "DimDynamic",
     "FakeTensorMode",
     "FloorDiv",
@@ -136,3 +143,33 @@ def storage_id(t: torch.Tensor) -> int:
     """An identifier of the storage `t` lives in: equal for views of one buffer, distinct for
     buffers alive at the same time."""
     return t.untyped_storage()._cdata
+
+
+def _event_nodes(prof: torch.profiler.profile):
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        yield node
+
+
+def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+    """The allocations and releases a stopped `torch.profiler.profile(profile_memory=True)`
+    recorded, in time order: (time in ns, block address, bytes: positive when allocated, negative
+    when released)."""
+    from torch._C._profiler import _EventType
+
+    out = []
+    for node in _event_nodes(prof):
+        if node.typed[0] == _EventType.Allocation:
+            f = node.typed[1]
+            out.append((node.start_time_ns, f.ptr, f.alloc_size))
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def marked_time(prof: torch.profiler.profile, name: str) -> int | None:
+    """When the first `torch.profiler.record_function(name)` range a stopped profiler recorded
+    began, on the clock of `allocation_events` (None when there is none)."""
+    times = [node.start_time_ns for node in _event_nodes(prof) if node.name == name]
+    return min(times) if times else None

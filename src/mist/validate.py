@@ -13,6 +13,7 @@ from mist.checks import is_int
 from mist.errors import MistInputError
 from mist.plan import Plan, load_plan
 from mist.profiling.drift import check as drift_check
+from mist.runtime.allocator_trace import TRACED_STEPS
 from mist.runtime.config import TrainConfig
 from mist.runtime.launch import train_command
 from mist.simulate.plan_sim import simulate_plan
@@ -32,6 +33,13 @@ STAGE_ERRORS = (
     ("host_activations", "host_activation_peak_bytes"),
     ("host_optimizer_grads", "host_optimizer_grad_bytes"),
 )
+
+
+def allocator_prediction(stage) -> int:
+    """What a traced CPU run's allocator peak is compared with: the stage's device peak plus its
+    host peak, since on a CPU both live in one memory (equal to the device peak without offload;
+    with it an upper bound, as the two peaks need not fall at one moment)."""
+    return stage.peak_memory_bytes + stage.host_peak_bytes
 
 
 def _rel(pred, meas):
@@ -72,6 +80,8 @@ def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> V
     errors = {
         "step_time": _rel(pred.iteration_time_s, metrics.get("step_time_s")),
         **{name: [_rel(getattr(ps, key), ms.get(key)) for ps, ms in pairs] for name, key in STAGE_ERRORS},
+        # traced CPU runs only (None elsewhere)
+        "allocator_peak": [_rel(allocator_prediction(ps), ms.get("allocator_peak_bytes")) for ps, ms in pairs],
     }
     return Validation(pred, metrics, errors, tuple(mismatch(plan, profile)), drift)
 
@@ -88,19 +98,29 @@ def mismatch(plan: Plan, profile) -> list[str]:
     return []
 
 
-def run_and_validate(plan_path: str, profile, steps: int, local: bool, check_drift: bool) -> Validation | None:
-    """`validate` of a run of the plan file (None on a rank of a torchrun launch other than 0)."""
-    if not is_int(steps) or steps < MIN_STEPS:
+def run_and_validate(
+    plan_path: str, profile, steps: int, local: bool, check_drift: bool, trace_memory: bool = False
+) -> Validation | None:
+    """`validate` of a run of the plan file (None on a rank of a torchrun launch other than 0);
+    `trace_memory`: a CPU run also measures its allocator peak over its first TRACED_STEPS steps,
+    which are then not timed."""
+    least = TRACED_STEPS + 1 if trace_memory else MIN_STEPS
+    if not is_int(steps) or steps < least:
+        why = (
+            f"the first {TRACED_STEPS} steps run under the memory trace"
+            if trace_memory
+            else "the first step is warm-up"
+        )
         raise MistInputError(
-            f"mist validate needs --steps of at least {MIN_STEPS}, because the first step "
-            f"is warm-up and only the later ones are measured, got {steps!r}."
+            f"mist validate needs --steps of at least {least}, because {why} and only the later ones "
+            f"are measured, got {steps!r}."
         )
     plan = load_plan(plan_path)
     drift = None
     fp = getattr(profile, "fingerprint", None) or {}
     if check_drift and fp.get("device_kind"):
         drift = drift_check(profile, quick=True)
-    metrics = train_command(plan_path, TrainConfig(steps=steps, log=False), local)
+    metrics = train_command(plan_path, TrainConfig(steps=steps, log=False, trace_memory=trace_memory), local)
     if metrics is None:  # a non-zero rank under torchrun
         return None
     return validate(plan, profile, metrics, drift)

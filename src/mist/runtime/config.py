@@ -47,6 +47,9 @@ class TrainConfig:
     # logs (runtime/step_log.py)
     log_jsonl: str | None = None  # one JSON line of metrics per step
     tensorboard: str | None = None  # a folder for TensorBoard event files
+    # CPU runs: each rank's allocator peak over its first steps, which are then not timed
+    # (runtime/allocator_trace.py); a GPU reports its allocator's peak anyway
+    trace_memory: bool = False
 
     def __post_init__(self) -> None:
         if not is_int(self.steps) or self.steps < 1:

@@ -25,6 +25,7 @@ from mist.cpu_workers import setup_cpu_worker, setup_gpu_rank, threads_per_worke
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import Plan, load_plan
+from mist.runtime.allocator_trace import AllocatorTrace
 from mist.runtime.checkpoint import check_resume, latest_checkpoint
 from mist.runtime.config import TrainConfig
 from mist.runtime.datasets import prepared
@@ -92,7 +93,9 @@ def run_rank(
     )
     try:
         groups = build_groups(plan, rank, world)
-        trainer = Trainer(plan, cfg, groups, device)
+        # (before the trainer: its states are among what the allocator holds)
+        allocator = AllocatorTrace() if cfg.trace_memory and device.type == "cpu" else None
+        trainer = Trainer(plan, cfg, groups, device, allocator)
         if ckpt is not None:
             trainer.resume_from(ckpt[0])
         metrics = trainer.run()

@@ -26,6 +26,7 @@ from mist.rules.compiled_blocks import compile_mode
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.runtime import checkpoint, hf_weights
 from mist.runtime.activations import SavedTensorManager
+from mist.runtime.allocator_trace import TRACED_STEPS, AllocatorTrace
 from mist.runtime.config import TrainConfig
 from mist.runtime.data import split_micro_batches
 from mist.runtime.datasets import build_data, tokenizer_path
@@ -99,8 +100,16 @@ def settle_garbage_collector() -> None:
 
 
 class Trainer:
-    def __init__(self, plan: Plan, cfg: TrainConfig, groups: RankGroups, device: torch.device):
+    def __init__(
+        self,
+        plan: Plan,
+        cfg: TrainConfig,
+        groups: RankGroups,
+        device: torch.device,
+        allocator: AllocatorTrace | None = None,
+    ):
         self.plan, self.cfg, self.groups = plan, cfg, groups
+        self.allocator = allocator  # recording since before this trainer was built (a traced CPU run)
         self.device = torch.device(device)
         spec, t = plan.model, plan.training
         lay = groups.stage
@@ -380,11 +389,15 @@ class Trainer:
         )
         per_step_memory = bool(cfg.log_jsonl or cfg.tensorboard)  # a collective: every rank or none
         flops, peak_flops = model_flops_per_step(self.plan), self._peak_flops()
+        if self.allocator is not None:
+            self.allocator.mark()
         try:
             for step in range(self.start_step, end):
                 rec = self.train_step(step)
                 if step == self.start_step:
                     settle_garbage_collector()
+                if self.allocator is not None and step + 1 - self.start_step == TRACED_STEPS:
+                    self.allocator.stop()
                 # held-out loss every eval_every steps and at the end of the schedule
                 if self.eval_batches and (
                     (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
@@ -469,7 +482,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         tokens = t.global_batch * t.seq_len
         times = [r["time_s"] for r in self.history]
-        steady = self.history[1:] if len(self.history) > 1 else self.history  # the first step warms up
+        # the first step warms up; a traced run's traced steps ran under the profiler
+        skip = TRACED_STEPS if self.allocator is not None else 1
+        steady = self.history[skip:] if len(self.history) > skip else self.history[-1:]
         step_time, T, D = (sum(r[k] for r in steady) / len(steady) for k in ("time_s", "stable_time_s", "delta_time_s"))
         ws = [r["weight_grad_time_s"] for r in steady if r.get("weight_grad_time_s") is not None]
         W = sum(ws) / len(ws) if ws else -1.0  # (-1: this rank runs no W of its own)
@@ -491,9 +506,12 @@ class Trainer:
         )
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.memory.peak
         reserved, outside = self._allocator_bytes()
+        traced = self.allocator.stop() if self.allocator is not None else None
         per_stage = self.stage_maxima(
             [
                 peak,
+                traced.peak_bytes if traced else -1,
+                traced.unseen_releases if traced else -1,
                 reserved,
                 outside,
                 self.host_bytes(),
@@ -533,6 +551,11 @@ class Trainer:
                     # GPU runs: the allocator's peak reserved bytes, and the device bytes in use
                     # outside it (CUDA context, NCCL, libraries) after the last step (None on a CPU)
                     "peak_reserved_bytes": r if cuda else None,
+                    # traced CPU runs (`TrainConfig.trace_memory`): the most bytes the CPU allocator
+                    # held at once, operator temporaries and any host tails included (one memory),
+                    # over the traced steps, and the blocks released unseen (runtime/allocator_trace.py)
+                    "allocator_peak_bytes": ap if ap >= 0 else None,
+                    "allocator_unseen_releases": au if au >= 0 else None,
                     "outside_allocator_bytes": o if cuda else None,
                     "host_state_bytes": h,
                     "activation_bytes_offloaded": a,
@@ -544,7 +567,7 @@ class Trainer:
                     "delta_time_s": d,
                     "weight_grad_time_s": w if w >= 0 else None,
                 }
-                for (p, r, o, h, a, st, sa, hp, hg), (t, d, w) in per_stage
+                for (p, ap, au, r, o, h, a, st, sa, hp, hg), (t, d, w) in per_stage
             ],
         }
 

@@ -1,0 +1,87 @@
+"""A CPU run's allocator peak: the most bytes PyTorch's CPU allocator held at once.
+
+On a GPU the runtime reports `torch.cuda.max_memory_allocated`, which counts every tensor, operator
+temporaries included. PyTorch keeps no such statistic for its CPU allocator, so a CPU run reports
+only what it accounts tensor by tensor (`runtime.memory`), without the temporaries — and the
+simulator's peak, whose largest term is a phase's transient, went unchecked there.
+
+With `TrainConfig.trace_memory`, a CPU rank records its allocator's events with `torch.profiler`
+(`profile_memory=True`) from before its model and states are built to the end of its first
+`TRACED_STEPS` steps (the second one runs what the first set up: the deferred optimizer work, the
+lazy weight updates), and takes the most bytes live at once from the first step on (`mark`):
+building the stage holds the modules' initial fp32 parameters while it copies them into the flat
+units, and on a GPU those live in host memory, not on the device. The profiler records every
+operator as well, so the traced steps are not timed (`Trainer.metrics` leaves them out).
+
+Releases on another thread: the profiler sees allocations and releases only on the threads it
+profiles, and gloo's worker threads are not among them. A tensor whose last reference a gloo work
+object drops is released there, unseen. Such a block is noticed when its address is handed out
+again, and counted as live until then, so the peak is an upper bound by at most those blocks;
+`AllocatorPeak.unseen_releases` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mist.torch_compat import allocation_events, marked_time
+
+TRACED_STEPS = 2
+_MARK = "mist::allocator_trace::steps"
+
+
+@dataclass(frozen=True)
+class AllocatorPeak:
+    peak_bytes: int  # the most bytes live at once
+    unseen_releases: int  # blocks released on an unprofiled thread, found by their address's reuse
+
+
+def peak_of(events: list[tuple[int, int, int]], since: int | None = None) -> AllocatorPeak:
+    """The peak of (time, address, ±bytes) events in time order, over those at or after time
+    `since` (all by default; the bytes live before it count). The profiler reports no release of
+    a block allocated before it started, so every release it reports has its allocation."""
+    live: dict[int, int] = {}
+    total = peak = unseen = 0
+    for t, addr, nbytes in events:
+        if since is not None and t >= since:
+            peak, since = max(peak, total), None
+        if nbytes > 0:
+            if addr in live:  # released unseen (module docstring) before being handed out again
+                total -= live.pop(addr)
+                unseen += 1
+            live[addr] = nbytes
+            total += nbytes
+            if since is None:
+                peak = max(peak, total)
+        elif addr in live:
+            total -= live.pop(addr)
+    if since is not None:  # (nothing happened after it)
+        peak = total
+    return AllocatorPeak(peak, unseen)
+
+
+class AllocatorTrace:
+    """Started on construction; `stop` ends the recording and keeps its `result`."""
+
+    def __init__(self) -> None:
+        self._prof: torch.profiler.profile | None = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self._prof.start()
+        self.result: AllocatorPeak | None = None
+
+    def mark(self) -> None:
+        """The first step starts: the peak is taken from here on."""
+        with torch.profiler.record_function(_MARK):
+            pass
+
+    def stop(self) -> AllocatorPeak:
+        if self._prof is not None:
+            self._prof.stop()
+            since = marked_time(self._prof, _MARK)
+            self.result = peak_of(allocation_events(self._prof), since)
+            self._prof = None
+        assert self.result is not None
+        return self.result

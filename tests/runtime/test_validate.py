@@ -169,7 +169,7 @@ def test_a_traced_cpu_run_puts_its_allocator_peak_next_to_the_predicted_peak(tmp
     assert abs(predicted - measured) < 0.005 * measured
     # the account has no temporaries: not the loss's fp32 logits gradient, b·s·V·4 bytes
     assert measured - m["peak_memory_bytes"] > 2 * 256 * plan.model.vocab_size * 4
-    assert len(m["step_times_s"]) == 3  # (the first two, traced, are not in step_time_s)
+    assert len(out["measured"]["step_times_s"]) == 3  # (the first two, traced, are not in step_time_s)
     r = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == (
         "error: mist validate needs --steps of at least 3, because the first 2 steps run under the "

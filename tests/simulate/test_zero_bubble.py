@@ -12,10 +12,16 @@ from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan, plan_from_dict
 from mist.rules.pipeline_order import earlier_in_flight, one_f_one_b
-from mist.rules.zero_bubble_order import deferred_weights, held_after_forwards, zb_h1
+from mist.rules.zero_bubble_order import deferred_weights, held_after_forwards, held_at_weight_passes, zb_h1
 from mist.simulate.pipeline import event_schedule
 from mist.simulate.plan_sim import simulate_with_timeline
-from mist.simulate.zero_bubble import zb_event_schedule, zb_held, zb_iteration_time, zb_recurrence
+from mist.simulate.zero_bubble import (
+    StageWeightGrad,
+    zb_event_schedule,
+    zb_held,
+    zb_iteration_time,
+    zb_recurrence,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -53,8 +59,25 @@ def test_memory_holds_what_stage_0_holds_under_1f1b(S, G):
         assert most_waiting <= i and (most_waiting == i or G < S)
         assert all(w <= e for e, w in pairs)
     # the pair that holds the most bytes: activations 10, 1 more per micro-batch waiting for W
-    earlier, waiting = zb_held(S - 1, S, G, np.array([10.0]), np.array([1.0]))
-    assert earlier[0] == min(S, G) - 1 and waiting[0] == min(S - 1, G - 1)
+    one = np.array([1.0])
+    wg = StageWeightGrad(seconds=one, grad_bytes=one, head_saved_bytes=0 * one, transient_bytes=5 * one)
+    earlier, held = zb_held(S - 1, S, G, np.array([10.0]), wg)
+    assert earlier[0] == min(S, G) - 1 and held.micro_batches[0] == min(S - 1, G - 1)
+    # when its first W starts, the last stage holds min(S, G) micro-batches, all past their B:
+    # its W's are deferred by S − 1 (F B F B … W)
+    assert held.w_held[0] == held.w_waiting[0] == min(S, G) and held.w_transient[0] == 5
+
+
+@pytest.mark.parametrize("S,G", [(2, 4), (4, 8), (4, 3), (6, 16)])
+def test_a_w_starts_with_at_most_stage_0s_count_held(S, G):
+    """When a W starts (the one in W counted) a stage holds at most min(S, G) micro-batches, of
+    them at least the one in W past its B; the first stage, whose W is its whole backward, has
+    no pairs of its own."""
+    assert held_at_weight_passes(0, S, G) == ()
+    for i in range(1, S):
+        pairs = held_at_weight_passes(i, S, G)
+        assert max(h for h, _ in pairs) <= min(S, G)
+        assert all(1 <= w <= h for h, w in pairs)
 
 
 def _random_pipelines(n, seed=0):

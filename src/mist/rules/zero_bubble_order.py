@@ -87,6 +87,26 @@ def held_after_forwards(stage: int, stages: int, micro_batches: int) -> tuple[tu
     return tuple(seen)
 
 
+def held_at_weight_passes(stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
+    """The distinct (micro-batches held, of them past their B) when each W of the stage's order
+    starts, the one whose W it is included in both: every micro-batch whose forward has run and
+    whose W has not is held. None on the first stage, whose B runs nothing (its W is its whole
+    backward, the peak of a plain backward)."""
+    if stage == 0:
+        return ()
+    fwd = bwd = wgt = 0
+    seen: dict[tuple[int, int], None] = {}
+    for kind, _ in zb_h1(stage, stages, micro_batches):
+        if kind == FORWARD:
+            fwd += 1
+        elif kind == INPUT_GRAD:
+            bwd += 1
+        else:
+            seen[(fwd - wgt, bwd - wgt)] = None
+            wgt += 1
+    return tuple(seen)
+
+
 def zb_h1_problem(
     zero: int,
     offload_weights: float,

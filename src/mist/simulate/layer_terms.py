@@ -17,7 +17,7 @@ from mist.analysis.layer import AnalysisRequest
 from mist.analysis.records import B, S
 from mist.rules.compiled_blocks import SPLIT
 from mist.simulate.layer_cost import phase_time
-from mist.simulate.weight_grad import held_gradient_bytes, weight_grad_fraction
+from mist.simulate.weight_grad import held_gradient_bytes, weight_grad_fraction, weight_grad_output_bytes
 
 
 @dataclass
@@ -58,6 +58,7 @@ class LayerTerms:
     # the backward's kernels, no TP collectives) and the output gradients it keeps from B to W
     wgrad: np.ndarray | None = None
     wgrad_held: np.ndarray | None = None
+    wgrad_out: np.ndarray | None = None  # the largest weight gradient W makes (before it is added)
 
 
 def _split(la, b, s):
@@ -176,6 +177,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     held = sympy.lambdify((B, S), held_gradient_bytes(la), modules="numpy", docstring_limit=0)(b, s)
+    w_out = float(weight_grad_output_bytes(la))
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -205,4 +207,5 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         split_whole_ckpt=split_ck[2],
         wgrad=(bw.compute - lead(bw)) * weight_grad_fraction(profile, la, b, s),
         wgrad_held=np.broadcast_to(np.asarray(held, dtype=np.float64), b.shape),
+        wgrad_out=np.full(b.shape, w_out),
     )

@@ -35,7 +35,7 @@ from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
 from mist.simulate.prediction import HostMemory, Prediction, StagePrediction
 from mist.simulate.stage import StageModel
-from mist.simulate.stage_records import StageDetail, StageInput, ZeroBubbleHeld
+from mist.simulate.stage_records import StageDetail, StageInput
 from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_event_schedule, zb_held, zb_recurrence
 
 
@@ -204,8 +204,7 @@ def _zero_bubble_results(plan: Plan, models: list, inputs: list) -> tuple[list, 
     for i, (m, st) in enumerate(zip(models, inputs)):
         wg = stage_weight_grad(m, st.b, st.layers, st.recompute, st.first, st.last)
         saved = m.evaluate(st).saved_per_microbatch
-        earlier, waiting = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg.waiting_bytes)
-        held = ZeroBubbleHeld(waiting, wg.grad_bytes)
+        earlier, held = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg)
         results.append(m.evaluate(replace(st, in_flight=earlier, waiting=held)))
         w.append(float(wg.with_grad_handling(results[-1].grads_per_microbatch)[0]))
     return results, _WeightGrads(np.array(w))

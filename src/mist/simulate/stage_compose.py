@@ -131,6 +131,15 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck, layers)
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
+    if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
+        w_act = (
+            waiting.w_held * saved_mb
+            + waiting.w_waiting * (a.post_saved + waiting.grad_bytes)
+            + a.p2p_buffers
+            + np.where(waiting.w_held > 0, waiting.w_transient, 0.0)
+        )
+        bwd_act = np.maximum(bwd_act, w_act - base_act)
+        bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
 
     def breakdown() -> dict:

@@ -44,10 +44,15 @@ class StageInput:
 @dataclass(frozen=True)
 class ZeroBubbleHeld:
     """Of a stage's earlier micro-batches held, those waiting for their weight-gradient pass
-    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the output-gradient bytes each keeps."""
+    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the output-gradient bytes each keeps; and
+    when a W starts (stages after the first), the micro-batches held, of them past their B (the
+    one in W included), and the largest weight gradient W makes on top of them."""
 
     micro_batches: float | np.ndarray
     grad_bytes: float | np.ndarray
+    w_held: float | np.ndarray = 0.0
+    w_waiting: float | np.ndarray = 0.0
+    w_transient: float | np.ndarray = 0.0
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,14 @@ def held_gradient_bytes(la) -> sympy.Expr:
     return sympy.expand(total)
 
 
+def weight_grad_output_bytes(la) -> sympy.Expr:
+    """The largest weight gradient a layer's W makes: the output of its biggest weight-gradient
+    GEMM (parameter-shaped, so free of b and s), alive until autograd adds it into the
+    parameter's gradient — a W's transient on top of what the micro-batches hold."""
+    sizes = [r.bytes_written for r in weight_grad_records(la.records) if r.kind == GEMM]
+    return sympy.Max(*sizes) if sizes else sympy.Integer(0)
+
+
 def weight_grad_fraction(profile, la, b, s) -> np.ndarray:
     """W's share of the layer's backward kernel time at (b, s) arrays (0 when it has none)."""
     b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))

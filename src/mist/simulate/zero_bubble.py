@@ -31,9 +31,17 @@ from functools import lru_cache
 
 import numpy as np
 
-from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, depends_on, held_after_forwards, zb_h1
+from mist.rules.zero_bubble_order import (
+    FORWARD,
+    INPUT_GRAD,
+    depends_on,
+    held_after_forwards,
+    held_at_weight_passes,
+    zb_h1,
+)
 from mist.simulate.op_program import dependency_order, play_stages, stage_key, stage_waits
 from mist.simulate.pipeline import iteration_time
+from mist.simulate.stage_records import ZeroBubbleHeld
 
 
 def zb_event_schedule(f, b, w, X, Y, G: int):
@@ -108,20 +116,30 @@ def zb_iteration_time(f, b, w, X, Y, G: int):
 
 
 @lru_cache(maxsize=256)
-def _held(stage: int, stages: int, G: int) -> np.ndarray:
-    return np.array(held_after_forwards(stage, stages, G), dtype=np.float64)
+def _held(stage: int, stages: int, G: int, at_w: bool) -> np.ndarray:
+    pairs = (held_at_weight_passes if at_w else held_after_forwards)(stage, stages, G)
+    return np.array(pairs, dtype=np.float64).reshape(-1, 2)
 
 
-def zb_held(stage: int, stages: int, G: int, saved, waiting_bytes):
-    """(earlier micro-batches held, of them waiting for their W) at stage `stage`'s peak under
-    ZB-H1: the pair of `held_after_forwards` that holds the most bytes, with `saved` the saved
-    activations of one micro-batch and `waiting_bytes` what one waiting for its W holds on top
-    (`StageWeightGrad.waiting_bytes`), vectorized over candidates."""
-    saved, extra = np.broadcast_arrays(np.asarray(saved, dtype=np.float64), np.asarray(waiting_bytes, dtype=np.float64))
-    pairs = _held(stage, stages, G)  # (n, 2)
+def _most(pairs: np.ndarray, saved, extra):
+    """The pair (held, waiting) of `pairs` that holds the most bytes, per candidate."""
+    saved, extra = np.broadcast_arrays(np.asarray(saved, dtype=np.float64), np.asarray(extra, dtype=np.float64))
+    if len(pairs) == 0:
+        return np.zeros(saved.shape), np.zeros(saved.shape)
     total = saved[..., None] * pairs[:, 0] + extra[..., None] * pairs[:, 1]
     k = np.argmax(total, axis=-1)
     return pairs[k, 0], pairs[k, 1]
+
+
+def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tuple[np.ndarray, ZeroBubbleHeld]:
+    """What stage `stage` holds under ZB-H1, with `saved` the saved activations of one
+    micro-batch and `wg` its W (`stage_weight_grad`), vectorized over candidates: (earlier
+    micro-batches held at its forward peak, a `ZeroBubbleHeld`). At a forward the pair of
+    `held_after_forwards` that holds the most bytes; at a W the pair of `held_at_weight_passes`
+    (the micro-batch in W counted, no forward running), with W's largest weight gradient on top."""
+    earlier, waiting = _most(_held(stage, stages, G, False), saved, wg.waiting_bytes)
+    w_held, w_waiting = _most(_held(stage, stages, G, True), saved, wg.waiting_bytes)
+    return earlier, ZeroBubbleHeld(waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,7 @@ class StageWeightGrad:
     seconds: np.ndarray
     grad_bytes: np.ndarray
     head_saved_bytes: np.ndarray
+    transient_bytes: np.ndarray  # the largest weight gradient it makes (`weight_grad_output_bytes`)
 
     @property
     def waiting_bytes(self) -> np.ndarray:
@@ -156,15 +175,17 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
     w = plain * blk.wgrad[ix]
     held = plain * blk.wgrad_held[ix]
+    out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
     head = np.zeros_like(w)
     for part, on in (("pre", first), ("post", last)):
         if on:
             lt, jx = model._terms(part, b)
             w = w + lt.wgrad[jx]
             held = held + lt.wgrad_held[jx]
+            out = np.maximum(out, lt.wgrad_out[jx])
             if part == "post":
                 head = head + lt.saved[jx]
-    return StageWeightGrad(w, held, head)
+    return StageWeightGrad(w, held, head, out)
 
 
 def split_backward(T, fwd, w):

@@ -27,7 +27,6 @@ from mist.plan import Plan
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.stage_compose import compose
-from mist.simulate.stage_records import ZeroBubbleHeld
 from mist.simulate.zero_bubble import stage_weight_grad, zb_held, zb_recurrence
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier
@@ -80,8 +79,8 @@ def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptio
         grid, comp = tables.components(tp, dp, b, first, last, sel)
         wg = stage_weight_grad(tables.model(tp, sel), np.array([float(b)]), layers, 0, first, last)
         saved = compose(comp, layers, np.zeros((1, 1)), 0, G).saved_per_microbatch
-        earlier, waiting = zb_held(i, pp, G, saved, wg.waiting_bytes[0])
-        r = compose(comp, layers, np.zeros((1, 1)), earlier, G, ZeroBubbleHeld(waiting, wg.grad_bytes[0]))
+        earlier, held = zb_held(i, pp, G, saved, wg)
+        r = compose(comp, layers, np.zeros((1, 1)), earlier, G, held)
         tables.evaluated += r.T.size
         ok = fits_gpu(r.peak, tables.profile) & _runnable(grid)[:, None]
         if tables.host_cap is not None and ok.any():

@@ -695,7 +695,16 @@ class StageModel:
             pre_peaks=(pre.terms.fwd_peak[pre.ix], pre.terms.bwd_peak[pre.ix]) if pre else None,
             p2p_buffers=(2 * x_in) if st.num_stages > 1 else z,
             post_saved=post.terms.saved[post.ix] if post else z,
+            tied_grad=self._shared_table_grad(pre, post, z),
         )
+
+    def _shared_table_grad(self, pre, post, zero):
+        """The head's weight gradient when the stage holds the embedding and a head sharing its
+        word table (`ActivationTerms.tied_grad`); `zero` otherwise."""
+        if not (pre and post and self.spec.tie_embeddings):
+            return zero
+        assert post.terms.wgrad_out is not None
+        return post.terms.wgrad_out[post.ix]
 
     def _host_terms(self, k: _Batch) -> HostTerms:
         blk, oa = k.blk, k.offload_activations

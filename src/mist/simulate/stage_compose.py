@@ -171,13 +171,15 @@ def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck, layers):
     embedding's."""
     fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
-    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + fetched]
+    # with a shared word table the head's weight gradient waits through the blocks' backward for
+    # the embedding's, and autograd sums the two into a third tensor before accumulating them
+    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + fetched + a.tied_grad]
     if a.post_fwd is not None:
         fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
         bwd_cands.append(saved_mb + a.post_bwd)
     if a.pre_peaks is not None:
         fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
-        bwd_cands.append(a.pre_peaks[1] + 0 * saved_mb)
+        bwd_cands.append(a.pre_peaks[1] + 2 * a.tied_grad + 0 * saved_mb)
     # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
     return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
 

@@ -206,6 +206,9 @@ class ActivationTerms:
     pre_peaks: tuple | None  # the embedding's (forward, backward) peaks (first stage)
     p2p_buffers: np.ndarray  # received activations / gradients at the stage boundaries
     post_saved: np.ndarray  # kept by the head
+    # a stage with the embedding and a head that shares its word table: the head's weight
+    # gradient, which autograd keeps from the head's backward until the embedding's adds to it
+    tied_grad: np.ndarray | float = 0.0
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]
     """The allocations and releases a stopped `torch.profiler.profile(profile_memory=True)`
     recorded, in time order: (time in ns, block address, bytes: positive when allocated, negative
     when released)."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _EventType  # lazy: only a traced CPU run reads the profiler
 
     out = []
     for node in _event_nodes(prof):

@@ -1,8 +1,11 @@
 """Memory of a traced layer from the lifetimes of its storages.
 
 A storage lives from the operator that creates it to its last use, unless autograd keeps it for
-backward (then until its last use in backward) or it is the layer's output. Parameters and their
-gradients are model state, not activations, and are left out. The live total at each operator is
+backward (then until its last use in backward) or it is the layer's output. In the backward a
+storage last used inside an autograd node lives until that node is done: the engine releases a
+node's saved tensors, and the gradients handed to it, when its function returns (a linear's
+saved input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM
+runs), unless the node re-runs a forward (a checkpoint's). Parameters and their gradients are model state, not activations, and are left out. The live total at each operator is
 a sympy polynomial in (b, s); the peak is the maximum of those polynomials.
 """
 
@@ -30,18 +33,30 @@ def live_bytes(trace: Trace) -> tuple[list, list]:
     skip = trace.param_sids | trace.grad_sids
     keep_fwd = set(trace.saved) | trace.output_sids
 
+    # the last record of the autograd node each backward record runs in; not for a node that
+    # re-runs a forward inside (a checkpoint's backward: it runs a whole backward of its own, of
+    # nodes made then, which the trace does not see begin and end)
+    node_last: dict[int, int] = {}
+    for first, end in trace.node_spans:
+        if all(trace.records[i].phase == "bwd" for i in range(first, end)):
+            for i in range(first, end):
+                node_last[i] = end - 1
+
     def run(ops, live: dict, keep: set) -> list:
         last = {}
         for i, ins, _ in ops:
             for sid in ins:
-                last[sid] = i
+                last[sid] = node_last.get(i, i) if trace.records[i].phase == "bwd" else i
+        ends: dict[int, list] = {}
+        for sid, i in last.items():
+            ends.setdefault(i, []).append(sid)
         totals = []
         for i, ins, outs in ops:
             for sid in outs:
                 if sid not in skip and sid not in live and sid in trace.storage_bytes:
                     live[sid] = trace.storage_bytes[sid]
             totals.append(sum(live.values(), sympy.Integer(0)))
-            for sid in set(ins) | set(outs):
+            for sid in set(ins) | set(outs) | set(ends.get(i, ())):
                 if sid in live and sid not in keep and last.get(sid, i) <= i and trace.producer.get(sid, -1) <= i:
                     del live[sid]
         return totals

@@ -156,6 +156,9 @@ class Trace:
         # activations, where the trace knows them (a compiled block's split backward); None: the
         # weight-gradient operators' records say (`mist.simulate.weight_grad`)
         self.weight_grad_held: sympy.Expr | None = None
+        # the backward's autograd nodes as [first, end) ranges of record indices (an eager trace):
+        # a node releases what it saved, and its gradient inputs, when it is done
+        self.node_spans: list[tuple[int, int]] = []
         # Every tensor seen is kept alive for the whole trace: storage addresses identify
         # buffers, and a freed address would otherwise be reused by a later, different buffer.
         self.keep: list = []
@@ -371,7 +374,12 @@ def run_trace(
                 out = forward(module, inputs)
             trace.output_sids.add(storage_id(out))
             trace.phase = "bwd"
-            backward(out, inputs)
+            handles = _mark_nodes(out, trace)
+            try:
+                backward(out, inputs)
+            finally:
+                for h in handles:
+                    h.remove()
         for t in list(module.parameters()) + list(inputs):
             if t.grad is not None:
                 trace.grad_sids.add(storage_id(t.grad))
@@ -382,6 +390,31 @@ def run_trace(
         if rec.phase != "fwd" and outs and set(outs) <= trace.grad_sids:
             trace.records[idx] = replace(rec, kind=GRAD_ACCUM)
     return trace, ex
+
+
+def _mark_nodes(out: torch.Tensor, trace: Trace) -> list:
+    """Hooks on every autograd node behind `out` that append the records each one runs to
+    `trace.node_spans` when it is done; their handles."""
+    handles: list = []
+    if out.grad_fn is None:
+        return handles
+    starts: dict = {}
+    seen, todo = {out.grad_fn}, [out.grad_fn]
+    while todo:
+        node = todo.pop()
+
+        def pre(grad_outputs, node=node):
+            starts[node] = len(trace.records)
+
+        def post(grad_inputs, grad_outputs, node=node):
+            trace.node_spans.append((starts.pop(node, len(trace.records)), len(trace.records)))
+
+        handles += [node.register_prehook(pre), node.register_hook(post)]
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return handles
 
 
 def label_recompute(trace: Trace, module: torch.nn.Module) -> None:

@@ -3,10 +3,11 @@
 A storage lives from the operator that creates it to its last use, unless autograd keeps it for
 backward (then until its last use in backward) or it is the layer's output. In the backward a
 storage last used inside an autograd node lives until that node is done: the engine releases a
-node's saved tensors, and the gradients handed to it, when its function returns (a linear's
-saved input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM
-runs), unless the node re-runs a forward (a checkpoint's). Parameters and their gradients are model state, not activations, and are left out. The live total at each operator is
-a sympy polynomial in (b, s); the peak is the maximum of those polynomials.
+node's saved tensors, and the gradients handed to it, when its function returns (a linear's saved
+input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM runs),
+unless the node re-runs a forward (a checkpoint's). Parameters and their gradients are model
+state, not activations, and are left out. The live total at each operator is a sympy polynomial
+in (b, s); the peak is the maximum of those polynomials.
 """
 
 from __future__ import annotations

@@ -69,21 +69,23 @@ def depends_on(kind: str, stage: int, m: int, stages: int) -> tuple[str, int, in
     return None
 
 
+def _held_along(stage: int, stages: int, micro_batches: int):
+    """Along the stage's order: (kind, micro-batches whose forward has run and whose W has not,
+    of them past their B), counted before the operation runs."""
+    fwd = bwd = wgt = 0
+    for kind, _ in zb_h1(stage, stages, micro_batches):
+        yield kind, fwd - wgt, bwd - wgt
+        fwd += kind == FORWARD
+        bwd += kind == INPUT_GRAD
+        wgt += kind not in (FORWARD, INPUT_GRAD)
+
+
 def held_after_forwards(stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
     """The distinct (earlier micro-batches held, of them waiting for their W) right after each
     forward of the stage's order (where saved activations peak): "earlier" excludes the one just
     run, as `pipeline_order.earlier_in_flight` counts. Every micro-batch whose W has not run is
     held; the ones past their B hold their output gradients too."""
-    fwd = bwd = wgt = 0
-    seen: dict[tuple[int, int], None] = {}
-    for kind, _ in zb_h1(stage, stages, micro_batches):
-        if kind == FORWARD:
-            fwd += 1
-            seen[(fwd - wgt - 1, bwd - wgt)] = None
-        elif kind == INPUT_GRAD:
-            bwd += 1
-        else:
-            wgt += 1
+    seen = {(held, past_b): None for kind, held, past_b in _held_along(stage, stages, micro_batches) if kind == FORWARD}
     return tuple(seen)
 
 
@@ -94,17 +96,8 @@ def held_at_weight_passes(stage: int, stages: int, micro_batches: int) -> tuple[
     backward, the peak of a plain backward)."""
     if stage == 0:
         return ()
-    fwd = bwd = wgt = 0
-    seen: dict[tuple[int, int], None] = {}
-    for kind, _ in zb_h1(stage, stages, micro_batches):
-        if kind == FORWARD:
-            fwd += 1
-        elif kind == INPUT_GRAD:
-            bwd += 1
-        else:
-            seen[(fwd - wgt, bwd - wgt)] = None
-            wgt += 1
-    return tuple(seen)
+    held = _held_along(stage, stages, micro_batches)
+    return tuple({(h, b): None for kind, h, b in held if kind not in (FORWARD, INPUT_GRAD)})
 
 
 def zb_h1_problem(

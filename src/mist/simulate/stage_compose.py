@@ -129,8 +129,6 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
     base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
     fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck, layers)
-    fwd_peak = states + base_act + fwd_act
-    bwd_peak = states + base_act + bwd_act
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         w_act = (
             waiting.w_held * saved_mb
@@ -139,7 +137,8 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
             + np.where(waiting.w_held > 0, waiting.w_transient, 0.0)
         )
         bwd_act = np.maximum(bwd_act, w_act - base_act)
-        bwd_peak = states + base_act + bwd_act
+    fwd_peak = states + base_act + fwd_act
+    bwd_peak = states + base_act + bwd_act
     peak = np.maximum(fwd_peak, bwd_peak)
 
     def breakdown() -> dict:

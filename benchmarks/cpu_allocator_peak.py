@@ -10,7 +10,7 @@ offloading the prediction is an upper bound). Blocks that a gloo thread released
 when their address is handed out again ("unseen"), so where there are some the measurement is an
 upper bound too.
 
-    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout|zero] [--out benchmarks/results]
 
 Writes OUT/cpu_allocator_peak.md.
 """
@@ -18,6 +18,7 @@ Writes OUT/cpu_allocator_peak.md.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import subprocess
@@ -31,14 +32,35 @@ from cpu_loop import CASES, ROOT, SETS, _json, mist, plan_summary, tune, tune_li
 
 PROFILE = ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"
 STEPS = 3  # two traced, one timed (`mist validate` needs one)
+# the gradient path of each ZeRO level (`mist tune` chooses none of them for these plans): the
+# tuned "gpt dp2" plan with its stage's ZeRO level (and micro-batches) set
+ZERO_CASES = [
+    (f"gpt dp2 zero {z}, G {G}", "loop-gpt", ["--pp", "1", "--tp", "1"], {"zero": z, "G": G})
+    for z in (1, 2, 3)
+    for G in (1, 2)
+]
 
 
-def run_case(name: str, model: str, extra: list[str], tmp: Path) -> dict:
-    plan_path = tmp / (name.replace(" ", "-") + ".json")
+def _with(plan_path: Path, edits: dict) -> dict:
+    """The plan at `plan_path` with its one stage's ZeRO level and its micro-batch count set
+    (the micro-batch size follows), written back; the plan."""
+    plan = json.loads(plan_path.read_text())
+    (stage,) = plan["stages"]
+    batch = stage["micro_batch"] * plan["micro_batches"]
+    plan["micro_batches"] = edits["G"]
+    stage["micro_batch"], stage["zero"] = batch // edits["G"], edits["zero"]
+    plan_path.write_text(json.dumps(plan))
+    return plan
+
+
+def run_case(name: str, model: str, extra: list[str], tmp: Path, edits: dict | None = None) -> dict:
+    plan_path = tmp / (name.replace(" ", "-").replace(",", "") + ".json")
     if "limit" in extra:
         res, extra = tune_limited(model, str(PROFILE), [a for a in extra if a != "limit"], plan_path)
     else:
         res = tune(model, str(PROFILE), extra, plan_path)
+    if edits:
+        res = {**res, "plan": _with(plan_path, edits)}
     val = _json(
         mist(
             "validate", str(plan_path), "--gpu", str(PROFILE), "--local", "--steps", str(STEPS), "--no-drift",
@@ -99,15 +121,16 @@ def _torch_version() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", choices=("all", *SETS), default="all")
+    ap.add_argument("--cases", choices=("all", *SETS, "zero"), default="all")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
     rows = []
+    cases = [(*c, None) for c in CASES if a.cases == "all" or c[0] in SETS.get(a.cases, ())]
+    cases += ZERO_CASES if a.cases in ("all", "zero") else []
     with tempfile.TemporaryDirectory() as d:
-        for name, model, extra in CASES:
-            if a.cases == "all" or name in SETS[a.cases]:
-                rows.append(run_case(name, model, extra, Path(d)))
-                print(name, [f"{s['error']:+.2%}" for s in rows[-1]["stages"]], file=sys.stderr)
+        for name, model, extra, edits in cases:
+            rows.append(run_case(name, model, extra, Path(d), edits))
+            print(name, [f"{s['error']:+.2%}" for s in rows[-1]["stages"]], file=sys.stderr)
     text = markdown(rows)
     (Path(a.out) / "cpu_allocator_peak.md").write_text(text)
     print(text)

@@ -285,6 +285,7 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1, target:
     parallelism); `target`: the device kind whose Inductor rules decide which values are stored
     (`mist.analysis.inductor_rules`)."""
     trace = Trace()
+    trace.grads_at_end = True  # (the backward graph's outputs: `mist.analysis.liveness`)
     fw_in = _placeholders(cg.fw)
     if len(fw_in) != len(cg.names):
         raise RuntimeError("the compiled forward's inputs do not match dynamo's graph inputs")
@@ -358,7 +359,11 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1, target:
     for o, dyn in zip(_outputs(cg.bw), cg.names):
         if isinstance(o, torch.fx.Node):
             sid = st.sid[st.key("bw", o)]
-            (trace.grad_sids if is_parameter(dyn) else trace.keep_bwd).add(sid)
+            if is_parameter(dyn):
+                trace.grad_sids.add(sid)
+                trace.param_grad_sids.add(sid)
+            else:
+                trace.keep_bwd.add(sid)
     return trace, ex
 
 
@@ -381,6 +386,7 @@ def _weight_graph(st: _Graphs, cg: CompiledGraphs, ex: _Expr) -> None:
     for o in _outputs(cg.wgrad):
         if isinstance(o, torch.fx.Node):
             trace.grad_sids.add(st.sid[st.key("w", o)])
+            trace.param_grad_sids.add(st.sid[st.key("w", o)])
 
 
 def _generator_state():

@@ -58,6 +58,8 @@ class LayerAnalysis:
     output_bytes: sympy.Expr
     fwd_live: list  # live activation bytes at each forward op (peak = max)
     bwd_live: list  # ... at each backward / recompute op
+    # ... with the parameters' gradients held to the end of the backward (`liveness.live_bytes`)
+    bwd_live_held: list = field(default_factory=list)
     flops: dict = field(default_factory=dict)  # phase -> sympy FLOPs
     # per-tensor view of the saved activations (see `saved_split`): numels and element sizes of
     # the tensors an offloading pack hook splits, and the storages it keeps whole (numel < 2)
@@ -97,7 +99,7 @@ class LayerAnalysis:
         """Make every evaluator the simulator reads (and with them their sources, which the disk
         cache then keeps); itself."""
         one = np.ones(1)
-        for read in (self.saved, self.saved_split, self.output, self.fwd_peak, self.bwd_peak):
+        for read in (self.saved, self.saved_split, self.output, self.fwd_peak, self.bwd_peak, self.bwd_peak_held):
             read(one, one)
         for phase in ("fwd", "bwd", "recompute"):
             self.op_values(phase, one, one)
@@ -138,6 +140,11 @@ class LayerAnalysis:
 
     def bwd_peak(self, b, s) -> np.ndarray:
         return self._mem("bwd_live", lambda a: a.bwd_live, b, s)
+
+    def bwd_peak_held(self, b, s) -> np.ndarray:
+        """The backward's peak where the runtime keeps each parameter gradient as autograd makes
+        it until the layer's backward is done (then flattens them: `rules.grad_accumulation`)."""
+        return self._mem("bwd_live_held", lambda a: a.bwd_live_held, b, s)
 
     def flops_of(self, phase: str, b, s) -> np.ndarray:
         return self._eval("flops_" + phase, [self.flops.get(phase, sympy.Integer(0))], b, s)[0]
@@ -400,6 +407,7 @@ def _trace_and_analyze(
     whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < MIN_SPLIT_NUMEL}
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
     fwd_live, bwd_live = live_bytes(trace)
+    bwd_live_held = live_bytes(trace, hold_grads=True)[1]
     flops = {}
     for r in records:
         flops[r.phase] = flops.get(r.phase, sympy.Integer(0)) + r.flops
@@ -420,6 +428,7 @@ def _trace_and_analyze(
         output_bytes=out_bytes,
         fwd_live=fwd_live,
         bwd_live=bwd_live,
+        bwd_live_held=bwd_live_held,
         flops={k: sympy.expand(v) for k, v in flops.items()},
         saved_numels=[sympy.expand(n) for n, _ in split],
         saved_elts=[e for _, e in split],

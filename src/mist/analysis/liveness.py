@@ -5,9 +5,14 @@ backward (then until its last use in backward) or it is the layer's output. In t
 storage last used inside an autograd node lives until that node is done: the engine releases a
 node's saved tensors, and the gradients handed to it, when its function returns (a linear's saved
 input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM runs),
-unless the node re-runs a forward (a checkpoint's). Parameters and their gradients are model
-state, not activations, and are left out. The live total at each operator is a sympy polynomial
-in (b, s); the peak is the maximum of those polynomials.
+unless the node re-runs a forward (a checkpoint's). Parameters are model state, not
+activations, and are left out; so are their gradients where the runtime adds each one into its
+gradient buffer as it is made. Where it does not (a unit that flattens its gradients after its
+backward: `mist.rules.grad_accumulation`), a parameter's gradient stays from the operator that
+makes it to the end of the layer's backward: `live_bytes(..., hold_grads=True)`. A compiled
+block's backward graph returns its gradients together, so they stay to its end either way
+(`Trace.grads_at_end`). The live total at each operator is a sympy polynomial in (b, s); the peak
+is the maximum of those polynomials.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ def _dedupe(exprs: list) -> list:
     return out or [sympy.Integer(0)]
 
 
-def live_bytes(trace: Trace) -> tuple[list, list]:
-    """Live activation bytes at each forward op, and at each backward/recompute op."""
+def live_bytes(trace: Trace, hold_grads: bool = False) -> tuple[list, list]:
+    """Live activation bytes at each forward op, and at each backward/recompute op (with the
+    parameters' gradients held from where they are made to the end: `hold_grads`)."""
     fwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase == "fwd"]
     bwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase != "fwd"]
-    skip = trace.param_sids | trace.grad_sids
+    hold = trace.param_grad_sids if (hold_grads or trace.grads_at_end) else set()
+    skip = trace.param_sids | (trace.grad_sids - hold)
     keep_fwd = set(trace.saved) | trace.output_sids
 
     # the last record of the autograd node each backward record runs in; not for a node that
@@ -70,5 +77,5 @@ def live_bytes(trace: Trace) -> tuple[list, list]:
     bwd_keep = set(trace.keep_bwd)
     if bwd and not bwd_keep:
         bwd_keep = {sid for sid in bwd[-1][2]}
-    bwd_totals = run(bwd, bwd_live, bwd_keep)
+    bwd_totals = run(bwd, bwd_live, bwd_keep | hold)
     return _dedupe(fwd_totals), _dedupe(bwd_totals)

@@ -147,7 +147,11 @@ class Trace:
         # call: (numel, element size, sid) — what a per-tensor activation offload splits
         self.saved_calls: list[tuple[sympy.Expr, int, int]] = []
         self.param_sids: set[int] = set()
-        self.grad_sids: set[int] = set()
+        self.grad_sids: set[int] = set()  # the gradients of the parameters and the inputs
+        self.param_grad_sids: set[int] = set()  # ... of the parameters
+        # the parameters' gradients are returned together at the end of the backward (a compiled
+        # graph's outputs), not each handed to its accumulation as it is made
+        self.grads_at_end = False
         self.input_sids: set[int] = set()
         self.output_sids: set[int] = set()
         # the input gradients handed to the previous layer (empty: the last backward op's outputs)
@@ -383,6 +387,7 @@ def run_trace(
         for t in list(module.parameters()) + list(inputs):
             if t.grad is not None:
                 trace.grad_sids.add(storage_id(t.grad))
+        trace.param_grad_sids = {storage_id(p.grad) for p in module.parameters() if p.grad is not None}
     # Writing a gradient into a leaf's .grad is gradient accumulation, which the schedule
     # accounts for once per micro-batch and parameter, not a cost of the layer.
     for idx, _, outs in trace.uses:

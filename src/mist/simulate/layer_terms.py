@@ -39,6 +39,10 @@ class LayerTerms:
     fwd_peak: np.ndarray  # transient live bytes in forward (excluding the input)
     bwd_peak: np.ndarray  # live bytes in backward (incl. its own saved activations)
     bwd_peak_ckpt: np.ndarray
+    # ... where the runtime keeps the layer's parameter gradients until its backward is done
+    # (a unit that does not accumulate in place: `mist.rules.grad_accumulation`)
+    bwd_peak_held: np.ndarray
+    bwd_peak_ckpt_held: np.ndarray
     fwd_peak_ckpt: np.ndarray  # a checkpointed block's forward runs without autograd: less is live
     output: np.ndarray  # output bytes (p2p message at a stage boundary)
     flops_fwd: np.ndarray
@@ -170,10 +174,12 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         ck = reads[-1]
         rc = phase_time(profile, links, ck, "recompute", b, s)
         recompute, saved_ck, bwd_ck, fwd_ck = per(rc), ck.saved(b, s), ck.bwd_peak(b, s), ck.fwd_peak(b, s)
+        bwd_ck_held = ck.bwd_peak_held(b, s)
         lead_ck = np.maximum(rc.lead, plain.lead)
     else:
         ck = la
         recompute, saved_ck, bwd_ck, fwd_ck = np.zeros_like(b), la.saved(b, s), la.bwd_peak(b, s), la.fwd_peak(b, s)
+        bwd_ck_held = la.bwd_peak_held(b, s)
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     held = sympy.lambdify((B, S), held_gradient_bytes(la), modules="numpy", docstring_limit=0)(b, s)
@@ -195,6 +201,8 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         fwd_peak=la.fwd_peak(b, s),
         bwd_peak=la.bwd_peak(b, s),
         bwd_peak_ckpt=bwd_ck,
+        bwd_peak_held=la.bwd_peak_held(b, s),
+        bwd_peak_ckpt_held=bwd_ck_held,
         fwd_peak_ckpt=fwd_ck,
         output=la.output(b, s),
         flops_fwd=la.flops_of("fwd", b, s),

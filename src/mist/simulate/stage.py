@@ -48,7 +48,7 @@ import numpy as np
 from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
 from mist.rules.flat_units import materializes_weights, regathers_weights
-from mist.rules.grad_accumulation import accumulates_in_place_by_level
+from mist.rules.grad_accumulation import accumulates_in_place_by_level, flattening_bytes, reduction_in_flight_bytes
 from mist.rules.offload_split import (
     device_elements,
     host_elements,
@@ -64,6 +64,7 @@ from mist.simulate.stage_records import (
     ActivationTerms,
     Edges,
     EndTerms,
+    GradPathTerms,
     HostTerms,
     LayerAccounts,
     LayerChannels,
@@ -647,19 +648,15 @@ class StageModel:
         )
         z = np.zeros(k.shape)
         end_w, end_g, end_o = z.copy(), z.copy(), z.copy()
-        w_max, g_max = k.W, k.Gr
+        w_max = k.W
         for e in parts:
             # the embedding / head are not offloaded (their fractions are 0)
             uw, ug, uo = unit_states(e.params, k.dp, k.zero, 0.0, 0.0, 0.0, k.G, pr)
             end_w, end_g, end_o = end_w + uw, end_g + ug, end_o + uo
-            w_max, g_max = max(w_max, pr.weight_bytes * e.params), max(g_max, pr.grad_bytes * e.params)
-        # double buffers of gathered / fetched weights; unless gradients accumulate in place,
-        # the runtime flattens each unit's into one transient buffer (plus a second when they
-        # are sharded or offloaded)
-        buffers = (
-            2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))
-            + g_max * ((~k.in_place).astype(np.float64) + ((k.zero >= 2) | (k.offload_grads > 0)).astype(np.float64))
-        ).astype(np.float64)
+            w_max = max(w_max, pr.weight_bytes * e.params)
+        # double buffers of gathered / fetched weights (the gradient path's transient buffers
+        # depend on the phase: `ActivationTerms`)
+        buffers = (2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))).astype(np.float64)
         return StateTerms(
             layer_weights=layer_w,
             layer_grads=layer_g,
@@ -678,6 +675,10 @@ class StageModel:
         ends = {e.part: e for e in parts}
         pre, post = ends.get("pre"), ends.get("post")
         x_in = g(blk.output)
+        # a unit that does not accumulate its gradients in place keeps them until its backward is
+        # done (the embedding and the head are never offloaded: their own rule)
+        ends_in_place = _in_place_grads(k.zero, 0.0, k.G)
+        held = _held_grads_peak
         return ActivationTerms(
             saved=_kept_saved(tr.saved, blk.split_numel, blk.split_elt, blk.split_whole, k.ix, oa),
             saved_ckpt=_kept_saved(
@@ -687,15 +688,42 @@ class StageModel:
             x_in=x_in,
             fwd_peak=g(blk.fwd_peak),
             fwd_peak_ckpt=g(blk.fwd_peak_ckpt),
-            bwd_peak=g(blk.bwd_peak),
-            bwd_peak_ckpt=g(blk.bwd_peak_ckpt),
+            bwd_peak=held(k.in_place, g(blk.bwd_peak), g(blk.bwd_peak_held)),
+            bwd_peak_ckpt=held(k.in_place, g(blk.bwd_peak_ckpt), g(blk.bwd_peak_ckpt_held)),
             fetched=tr.saved * oa,
             post_fwd=post.terms.fwd_peak[post.ix] if post else None,
-            post_bwd=post.terms.bwd_peak[post.ix] if post else None,
-            pre_peaks=(pre.terms.fwd_peak[pre.ix], pre.terms.bwd_peak[pre.ix]) if pre else None,
+            post_bwd=held(ends_in_place, post.terms.bwd_peak[post.ix], post.terms.bwd_peak_held[post.ix])
+            if post
+            else None,
+            pre_peaks=(
+                pre.terms.fwd_peak[pre.ix],
+                held(ends_in_place, pre.terms.bwd_peak[pre.ix], pre.terms.bwd_peak_held[pre.ix]),
+            )
+            if pre
+            else None,
             p2p_buffers=(2 * x_in) if st.num_stages > 1 else z,
             post_saved=post.terms.saved[post.ix] if post else z,
             tied_grad=self._shared_table_grad(pre, post, z),
+            grads=self._grad_path(k, pre, post, ends_in_place),
+        )
+
+    def _grad_path(self, k: _Batch, pre, post, ends_in_place) -> GradPathTerms:
+        """The gradient path's transient bytes of the stage's units (`GradPathTerms`)."""
+        wb, gb, z = self.prec.weight_bytes, self.prec.grad_bytes, np.zeros(k.shape)
+
+        def in_flight(n, in_place) -> np.ndarray:
+            return reduction_in_flight_bytes(n, k.dp, k.zero, in_place, gb) + z
+
+        def flattened(n, in_place) -> np.ndarray:
+            return flattening_bytes(n, k.dp, in_place, wb, gb) + z
+
+        return GradPathTerms(
+            block_held=np.where(k.in_place, 0.0, wb * k.P),
+            block_in_flight=in_flight(k.P, k.in_place),
+            block_flattened=flattened(k.P, k.in_place),
+            post_in_flight=in_flight(post.params, ends_in_place) if post else z,
+            post_flattened=flattened(post.params, ends_in_place) if post else z,
+            pre_flattened=flattened(pre.params, ends_in_place) if pre else z,
         )
 
     def _shared_table_grad(self, pre, post, zero):
@@ -718,6 +746,12 @@ class StageModel:
             saved_ckpt=_offloaded_saved(blk.split_numel_ckpt, blk.split_elt_ckpt, k.ix, oa),
             optimizer_offloadable=self.prec.opt_bytes * k.P / k.os_,
         )
+
+
+def _held_grads_peak(in_place, plain: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """A backward's peak: `plain` where the unit accumulates its gradients in place, else `kept`
+    (its parameters' .grad held to the end of its backward)."""
+    return np.where(in_place, plain, kept)
 
 
 def _in_place_grads(zero, offload_grads, G: int):

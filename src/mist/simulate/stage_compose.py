@@ -128,13 +128,15 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
     base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
-    fwd_act, bwd_act = _transient_peaks(a, saved_mb, saved_mb - A_last, ck, layers)
+    fwd_act, bwd_act = _transient_peaks(a, saved_mb, A_last, ck, layers)
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
+        gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
+        w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)
         w_act = (
             waiting.w_held * saved_mb
             + waiting.w_waiting * (a.post_saved + waiting.grad_bytes)
             + a.p2p_buffers
-            + np.where(waiting.w_held > 0, waiting.w_transient, 0.0)
+            + np.where(waiting.w_held > 0, waiting.w_transient + w_grads, 0.0)
         )
         bwd_act = np.maximum(bwd_act, w_act - base_act)
     fwd_peak = states + base_act + fwd_act
@@ -163,22 +165,34 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     )
 
 
-def _transient_peaks(a: ActivationTerms, saved_mb, cur_before_last, ck, layers):
+def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers):
     """Activations live at the forward and at the backward peak on top of the held ones: the
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
     below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
-    embedding's."""
+    embedding's, and the gradient path's at each (`A_last`: the last block's saved bytes)."""
+    cur_before_last = saved_mb - A_last
     fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
+    gp = a.grads
     # with a shared word table the head's weight gradient waits through the blocks' backward for
     # the embedding's, and autograd sums the two into a third tensor before accumulating them
-    bwd_cands = [cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + fetched + a.tied_grad]
+    last_bwd = cur_before_last + np.where(ck, a.bwd_peak_ckpt, a.bwd_peak) + fetched + a.tied_grad
+    # the gradient path (`GradPathTerms`): the last block's backward runs while the head's
+    # reduction is in flight, a block below it while the block above's is; a block flattens its
+    # gradients once its backward is done (its saved activations gone, its input gradient made)
+    bwd_cands = [
+        last_bwd + gp.post_in_flight,
+        np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0),
+        cur_before_last + a.x_in + gp.block_flattened + a.tied_grad,
+    ]
     if a.post_fwd is not None:
         fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
         bwd_cands.append(saved_mb + a.post_bwd)
+        bwd_cands.append(saved_mb + a.x_in + gp.post_flattened)
     if a.pre_peaks is not None:
         fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
-        bwd_cands.append(a.pre_peaks[1] + 2 * a.tied_grad + 0 * saved_mb)
+        bwd_cands.append(a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + 0 * saved_mb)
+        bwd_cands.append(gp.pre_flattened + 0 * saved_mb)
     # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
     return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
 

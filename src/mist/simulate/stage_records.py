@@ -185,7 +185,20 @@ class StateTerms:
     end_weights: np.ndarray  # the embedding and the head together
     end_grads: np.ndarray
     end_optimizer: np.ndarray
-    buffers: np.ndarray  # gathered / fetched weights, flattened gradients
+    buffers: np.ndarray  # gathered / fetched weights
+
+
+@dataclass(frozen=True)
+class GradPathTerms:
+    """Device bytes the data-parallel gradient path holds beyond the gradient buffers, by phase
+    (`mist.rules.grad_accumulation`): none in a forward, nor in the head's backward."""
+
+    block_held: np.ndarray  # a block's .grad at the end of its backward (not in place)
+    block_in_flight: np.ndarray  # a block's reduction, while the unit below runs its backward
+    block_flattened: np.ndarray  # a block's .grad and flat gradient when it flattens them
+    post_in_flight: np.ndarray  # the head's reduction, while the last block runs its backward
+    post_flattened: np.ndarray
+    pre_flattened: np.ndarray  # the embedding's, after its backward
 
 
 @dataclass(frozen=True)
@@ -198,7 +211,7 @@ class ActivationTerms:
     x_in: np.ndarray  # a block's input (= output) bytes
     fwd_peak: np.ndarray  # the transient peaks of a plain block
     fwd_peak_ckpt: np.ndarray  # ... and of a block recomputed whole
-    bwd_peak: np.ndarray
+    bwd_peak: np.ndarray  # (where the gradients are not accumulated in place: with them held)
     bwd_peak_ckpt: np.ndarray
     fetched: np.ndarray  # a plain block's offloaded activations, back for its backward
     post_fwd: np.ndarray | None  # the head's peaks (last stage)
@@ -206,6 +219,7 @@ class ActivationTerms:
     pre_peaks: tuple | None  # the embedding's (forward, backward) peaks (first stage)
     p2p_buffers: np.ndarray  # received activations / gradients at the stage boundaries
     post_saved: np.ndarray  # kept by the head
+    grads: GradPathTerms
     # a stage with the embedding and a head that shares its word table: the head's weight
     # gradient, which autograd keeps from the head's backward until the embedding's adds to it
     tied_grad: np.ndarray | float = 0.0

@@ -4,15 +4,20 @@ A storage lives from the operator that creates it to its last use, unless autogr
 backward (then until its last use in backward) or it is the layer's output. In the backward a
 storage last used inside an autograd node lives until that node is done: the engine releases a
 node's saved tensors, and the gradients handed to it, when its function returns (a linear's saved
-input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM runs),
-unless the node re-runs a forward (a checkpoint's). Parameters are model state, not
-activations, and are left out; so are their gradients where the runtime adds each one into its
-gradient buffer as it is made. Where it does not (a unit that flattens its gradients after its
-backward: `mist.rules.grad_accumulation`), a parameter's gradient stays from the operator that
-makes it to the end of the layer's backward: `live_bytes(..., hold_grads=True)`. A compiled
-block's backward graph returns its gradients together, so they stay to its end either way
-(`Trace.grads_at_end`). The live total at each operator is a sympy polynomial in (b, s); the peak
-is the maximum of those polynomials.
+input, read by its weight-gradient GEMM, is still there while its input-gradient GEMM runs). A
+reentrant checkpoint's node re-runs a forward and then a backward of its own: the rule holds for
+the nodes of that inner backward, and the re-run's outputs stay until it returns
+(`Trace.held_until`).
+
+Left out: parameters (model state, not activations) and a process-wide cache's tensors (the
+rotary tables); and the parameters' gradients where the runtime adds each into its gradient
+buffer as it is made. Where it does not (a unit that flattens its gradients after its backward:
+`mist.rules.grad_accumulation`), a parameter's gradient stays from the operator that makes it to
+the end of the layer's backward: `live_bytes(..., hold_grads=True)`. A compiled block's backward
+graph returns its gradients together, so they stay to its end either way (`Trace.grads_at_end`).
+
+The live total at each operator is a sympy polynomial in (b, s); the peak is the maximum of those
+polynomials.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def live_bytes(trace: Trace, hold_grads: bool = False) -> tuple[list, list]:
     fwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase == "fwd"]
     bwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase != "fwd"]
     hold = trace.param_grad_sids if (hold_grads or trace.grads_at_end) else set()
-    skip = trace.param_sids | (trace.grad_sids - hold)
+    skip = trace.param_sids | trace.cache_sids | (trace.grad_sids - hold)
     keep_fwd = set(trace.saved) | trace.output_sids
 
     # the last record of the autograd node each backward record runs in; not for a node that
@@ -55,6 +60,10 @@ def live_bytes(trace: Trace, hold_grads: bool = False) -> tuple[list, list]:
         for i, ins, _ in ops:
             for sid in ins:
                 last[sid] = node_last.get(i, i) if trace.records[i].phase == "bwd" else i
+        indices = {i for i, _, _ in ops}
+        for sid, end in trace.held_until:
+            if end - 1 in indices:
+                last[sid] = max(last.get(sid, end - 1), end - 1)
         ends: dict[int, list] = {}
         for sid, i in last.items():
             ends.setdefault(i, []).append(sid)

@@ -9,7 +9,7 @@ records the TP collectives where they are issued. Nothing here knows about GPUs.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 
 import sympy
@@ -147,8 +147,12 @@ class Trace:
         # call: (numel, element size, sid) — what a per-tensor activation offload splits
         self.saved_calls: list[tuple[sympy.Expr, int, int]] = []
         self.param_sids: set[int] = set()
+        self.cache_sids: set[int] = set()  # a per-process cache's tensors (`_CACHED_OPS`)
         self.grad_sids: set[int] = set()  # the gradients of the parameters and the inputs
         self.param_grad_sids: set[int] = set()  # ... of the parameters
+        # (storage, record index): held until that record, whatever its last use (a reentrant
+        # checkpoint's re-run outputs, until its inner backward returns)
+        self.held_until: list[tuple[int, int]] = []
         # the parameters' gradients are returned together at the end of the backward (a compiled
         # graph's outputs), not each handed to its accumulation as it is made
         self.grads_at_end = False
@@ -201,6 +205,8 @@ class _Recorder(TorchDispatchMode):
         for t, sid in new:
             tr.storage_bytes[sid] = ex.storage_bytes(t)
             tr.producer[sid] = idx
+        if name in _CACHED_OPS:
+            tr.cache_sids.update(out_sids)
         read = written = flops = sympy.Integer(0)
         params = None
         if kind != VIEW:
@@ -226,6 +232,10 @@ class _Recorder(TorchDispatchMode):
         tr.uses.append((idx, in_sids, out_sids))
         return out
 
+
+# Operators that return a per-process cache's tensors (the rotary tables, made once per key and
+# kept: not a layer's activations, whichever run of the layer first asked for them).
+_CACHED_OPS = {"rotary_tables"}
 
 # Indexing operators touch only the selected elements of their large operand.
 _GATHERS = {"gather", "embedding", "index_select", "index"}
@@ -380,7 +390,8 @@ def run_trace(
             trace.phase = "bwd"
             handles = _mark_nodes(out, trace)
             try:
-                backward(out, inputs)
+                with _marking_inner_backwards(trace):
+                    backward(out, inputs)
             finally:
                 for h in handles:
                     h.remove()
@@ -420,6 +431,34 @@ def _mark_nodes(out: torch.Tensor, trace: Trace) -> list:
                 seen.add(nxt)
                 todo.append(nxt)
     return handles
+
+
+@contextmanager
+def _marking_inner_backwards(trace: Trace):
+    """A reentrant checkpoint's backward re-runs its forward and then runs a backward of its own
+    (`torch.autograd.backward`) over the nodes that re-run made, which `_mark_nodes` could not hook
+    beforehand: inside the traced backward, hook those as each such backward starts."""
+    outer, depth = torch.autograd.backward, [0]
+
+    def backward(tensors, *args, **kwargs):
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        # (the traced backward's own call: its nodes are hooked already)
+        handles = [h for t in roots for h in _mark_nodes(t, trace)] if depth[0] else []
+        depth[0] += 1
+        try:
+            return outer(tensors, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+            for h in handles:
+                h.remove()
+            if handles:  # the checkpoint holds the re-run's outputs until its backward returns
+                trace.held_until += [(storage_id(t), len(trace.records)) for t in roots]
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = outer
 
 
 def label_recompute(trace: Trace, module: torch.nn.Module) -> None:

@@ -10,7 +10,7 @@ offloading the prediction is an upper bound). Blocks that a gloo thread released
 when their address is handed out again ("unseen"), so where there are some the measurement is an
 upper bound too.
 
-    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout|zero] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout|edited] [--out benchmarks/results]
 
 Writes OUT/cpu_allocator_peak.md.
 """
@@ -32,23 +32,28 @@ from cpu_loop import CASES, ROOT, SETS, _json, mist, plan_summary, tune, tune_li
 
 PROFILE = ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json"
 STEPS = 3  # two traced, one timed (`mist validate` needs one)
-# the gradient path of each ZeRO level (`mist tune` chooses none of them for these plans): the
-# tuned "gpt dp2" plan with its stage's ZeRO level (and micro-batches) set
-ZERO_CASES = [
-    (f"gpt dp2 zero {z}, G {G}", "loop-gpt", ["--pp", "1", "--tp", "1"], {"zero": z, "G": G})
-    for z in (1, 2, 3)
-    for G in (1, 2)
+# what `mist tune` chooses for none of these plans: the tuned data-parallel plans with their
+# stage's ZeRO level (the gradient path of each) or its whole-block recomputation (the reentrant
+# checkpoint's backward) set, and the micro-batch count
+_DP = ["--pp", "1", "--tp", "1"]
+EDITED_CASES = [
+    (f"gpt dp2 zero {z}, G {G}", "loop-gpt", _DP, {"zero": z, "G": G}) for z in (1, 2, 3) for G in (1, 2)
+] + [
+    (f"{m} dp2 {n} of 4 recomputed, G 2", f"loop-{m}", _DP, {"recompute_layers": n, "G": 2})
+    for m in ("gpt", "llama")
+    for n in (2, 4)
 ]
 
 
 def _with(plan_path: Path, edits: dict) -> dict:
-    """The plan at `plan_path` with its one stage's ZeRO level and its micro-batch count set
-    (the micro-batch size follows), written back; the plan."""
+    """The plan at `plan_path` with its micro-batch count `G` (the micro-batch size follows) and
+    its one stage's other `edits` set, written back; the plan."""
     plan = json.loads(plan_path.read_text())
     (stage,) = plan["stages"]
     batch = stage["micro_batch"] * plan["micro_batches"]
     plan["micro_batches"] = edits["G"]
-    stage["micro_batch"], stage["zero"] = batch // edits["G"], edits["zero"]
+    stage["micro_batch"] = batch // edits["G"]
+    stage.update({k: v for k, v in edits.items() if k != "G"})
     plan_path.write_text(json.dumps(plan))
     return plan
 
@@ -121,12 +126,12 @@ def _torch_version() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", choices=("all", *SETS, "zero"), default="all")
+    ap.add_argument("--cases", choices=("all", *SETS, "edited"), default="all")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
     rows = []
     cases = [(*c, None) for c in CASES if a.cases == "all" or c[0] in SETS.get(a.cases, ())]
-    cases += ZERO_CASES if a.cases in ("all", "zero") else []
+    cases += EDITED_CASES if a.cases in ("all", "edited") else []
     with tempfile.TemporaryDirectory() as d:
         for name, model, extra, edits in cases:
             rows.append(run_case(name, model, extra, Path(d), edits))

@@ -180,19 +180,23 @@ def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers):
     # the gradient path (`GradPathTerms`): the last block's backward runs while the head's
     # reduction is in flight, a block below it while the block above's is; a block flattens its
     # gradients once its backward is done (its saved activations gone, its input gradient made)
-    bwd_cands = [
-        last_bwd + gp.post_in_flight,
-        np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0),
-        cur_before_last + a.x_in + gp.block_flattened + a.tied_grad,
-    ]
+    # (a term that is 0 for every candidate adds no candidate: in place, none of them exists)
+    on = lambda x: bool(np.any(x))  # noqa: E731
+    bwd_cands = [last_bwd + gp.post_in_flight if on(gp.post_in_flight) else last_bwd]
+    if on(gp.block_in_flight):
+        bwd_cands.append(np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0))
+    if on(gp.block_flattened):
+        bwd_cands.append(cur_before_last + a.x_in + gp.block_flattened + a.tied_grad)
     if a.post_fwd is not None:
         fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
         bwd_cands.append(saved_mb + a.post_bwd)
-        bwd_cands.append(saved_mb + a.x_in + gp.post_flattened)
+        if on(gp.post_flattened):
+            bwd_cands.append(saved_mb + a.x_in + gp.post_flattened)
     if a.pre_peaks is not None:
         fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
         bwd_cands.append(a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + 0 * saved_mb)
-        bwd_cands.append(gp.pre_flattened + 0 * saved_mb)
+        if on(gp.pre_flattened):
+            bwd_cands.append(gp.pre_flattened + 0 * saved_mb)
     # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
     return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
 

@@ -72,6 +72,7 @@ class LayerAnalysis:
     compiled: bool | str = False  # a block as `mist.models.compiled` compiles it (`analyze_layer`)
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
+    weight_grad_saved: sympy.Expr | None = None  # the forward-saved bytes W reads (`Trace`)
     _fns: dict = field(default_factory=dict, repr=False)
     # the source of each evaluator in `_fns` (`mist.analysis.lambdified`): pickled with the
     # analysis, so that a process reading it from the disk cache need not print it again
@@ -437,6 +438,7 @@ def _trace_and_analyze(
         cp=cp,
         compiled=compiled,
         weight_grad_held=trace.weight_grad_held,
+        weight_grad_saved=trace.weight_grad_saved,
     )
 
 

@@ -17,7 +17,12 @@ from mist.analysis.layer import AnalysisRequest
 from mist.analysis.records import B, S
 from mist.rules.compiled_blocks import SPLIT
 from mist.simulate.layer_cost import phase_time
-from mist.simulate.weight_grad import held_gradient_bytes, weight_grad_fraction, weight_grad_output_bytes
+from mist.simulate.weight_grad import (
+    held_gradient_bytes,
+    kept_without_graph_bytes,
+    weight_grad_fraction,
+    weight_grad_output_bytes,
+)
 
 
 @dataclass
@@ -63,6 +68,8 @@ class LayerTerms:
     wgrad: np.ndarray | None = None
     wgrad_held: np.ndarray | None = None
     wgrad_out: np.ndarray | None = None  # the largest weight gradient W makes (before it is added)
+    # what a compiled block keeps from B to W where the graph is not kept (None: eager)
+    wgrad_kept_alone: np.ndarray | None = None
 
 
 def _split(la, b, s):
@@ -184,6 +191,15 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     held = sympy.lambdify((B, S), held_gradient_bytes(la), modules="numpy", docstring_limit=0)(b, s)
     w_out = float(weight_grad_output_bytes(la))
+    alone = kept_without_graph_bytes(la)
+    kept_alone = (
+        None
+        if alone is None
+        else np.broadcast_to(
+            np.asarray(sympy.lambdify((B, S), alone, modules="numpy", docstring_limit=0)(b, s), dtype=np.float64),
+            b.shape,
+        )
+    )
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -216,4 +232,5 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad=(bw.compute - lead(bw)) * weight_grad_fraction(profile, la, b, s),
         wgrad_held=np.broadcast_to(np.asarray(held, dtype=np.float64), b.shape),
         wgrad_out=np.full(b.shape, w_out),
+        wgrad_kept_alone=kept_alone,
     )

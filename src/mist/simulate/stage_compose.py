@@ -128,7 +128,10 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
     base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
-    fwd_act, bwd_act = _transient_peaks(a, saved_mb, A_last, ck, layers)
+    b_pass = None
+    if waiting is not None and waiting.b_above is not None:
+        b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
+    fwd_act, bwd_act = _transient_peaks(a, saved_mb, A_last, ck, layers, b_pass)
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)
@@ -165,11 +168,14 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     )
 
 
-def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers):
+def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, b_pass=None):
     """Activations live at the forward and at the backward peak on top of the held ones: the
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
     below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
-    embedding's, and the gradient path's at each (`A_last`: the last block's saved bytes)."""
+    embedding's, and the gradient path's at each (`A_last`: the last block's saved bytes).
+    Under ZB-H1 (`b_pass`: what each block above keeps beyond its saved activations once its B is
+    done, and what the head keeps) a block's B runs with the B of those above it done: the last
+    block's with the head's, the lowest with every other block's."""
     cur_before_last = saved_mb - A_last
     fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
@@ -187,6 +193,9 @@ def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers):
         bwd_cands.append(np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0))
     if on(gp.block_flattened):
         bwd_cands.append(cur_before_last + a.x_in + gp.block_flattened + a.tied_grad)
+    if b_pass is not None:
+        above, head = b_pass
+        bwd_cands.append(last_bwd + head + np.maximum((layers - 1) * above, 0.0))
     if a.post_fwd is not None:
         fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
         bwd_cands.append(saved_mb + a.post_bwd)

@@ -53,6 +53,12 @@ class ZeroBubbleHeld:
     w_held: float | np.ndarray = 0.0
     w_waiting: float | np.ndarray = 0.0
     w_transient: float | np.ndarray = 0.0
+    # the current micro-batch's B going down the stage: what each block above the one in its B
+    # keeps (None: nothing beyond a plain backward's), in place of its saved activations
+    # (`b_above_instead`) or beside them; and what the head keeps from its B (last stage)
+    b_above: float | np.ndarray | None = None
+    b_above_instead: bool = False
+    b_head: float | np.ndarray = 0.0
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,12 @@ def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tupl
     (the micro-batch in W counted, no forward running), with W's largest weight gradient on top."""
     earlier, waiting = _most(_held(stage, stages, G, False), saved, wg.waiting_bytes)
     w_held, w_waiting = _most(_held(stage, stages, G, True), saved, wg.waiting_bytes)
-    return earlier, ZeroBubbleHeld(waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes)
+    # the first stage runs its backward whole (`runtime.zero_bubble`): only compiled blocks split it
+    whole = stage == 0
+    above = wg.block_kept_alone if whole else wg.block_held
+    return earlier, ZeroBubbleHeld(
+        waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes, above, whole, wg.head_held
+    )
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,13 @@ class StageWeightGrad:
     grad_bytes: np.ndarray
     head_saved_bytes: np.ndarray
     transient_bytes: np.ndarray  # the largest weight gradient it makes (`weight_grad_output_bytes`)
+    # through the blocks' B: what one block keeps once its own B is done, beside its saved
+    # activations (the graph kept: a later stage), or instead of them (compiled blocks on the
+    # first stage: `weight_grad.kept_without_graph_bytes`; None for eager ones, not split there);
+    # and what the head keeps from its B (its saved activations and output gradients)
+    block_held: np.ndarray | None = None
+    block_kept_alone: np.ndarray | None = None
+    head_held: np.ndarray | float = 0.0
 
     @property
     def waiting_bytes(self) -> np.ndarray:
@@ -177,6 +189,7 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     held = plain * blk.wgrad_held[ix]
     out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
     head = np.zeros_like(w)
+    head_held = np.zeros_like(w)
     for part, on in (("pre", first), ("post", last)):
         if on:
             lt, jx = model._terms(part, b)
@@ -185,7 +198,9 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
             out = np.maximum(out, lt.wgrad_out[jx])
             if part == "post":
                 head = head + lt.saved[jx]
-    return StageWeightGrad(w, held, head, out)
+                head_held = lt.saved[jx] + lt.wgrad_held[jx]
+    alone = None if blk.wgrad_kept_alone is None else blk.wgrad_kept_alone[ix]
+    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], alone, head_held)
 
 
 def split_backward(T, fwd, w):

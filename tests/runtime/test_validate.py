@@ -204,9 +204,14 @@ def test_the_gradient_paths_buffers_are_not_in_the_heads_backward(tmp_path, zero
     its own after its backward and reduce-scatters it, so no flat gradient exists yet while the
     head's backward runs, where this plan peaks (the loss's fp32 logits gradient). The simulator
     used to add the largest unit's flat buffers (the word table's) to every phase: +4.5 % (ZeRO 1)
-    and +9.1 % (ZeRO 2) above the allocator's peak."""
+    and +9.1 % (ZeRO 2) above the allocator's peak. Gloo's reduce-scatter copies its input and a
+    gloo thread may free the copy where the profiler does not see it; the measurement is then an
+    upper bound (`allocator_unseen_releases`), by up to a unit's flat gradient (−3 % measured once
+    on a busy machine), and only the prediction's side is held tight."""
     _, path = _loop_gpt_plan(tmp_path, G=1, b=4, zero=zero)
     r = _traced(path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
-    assert abs(out["errors"]["allocator_peak"][0]) < 0.005
+    err, unseen = out["errors"]["allocator_peak"][0], out["measured"]["stages"][0]["allocator_unseen_releases"]
+    assert err < 0.005
+    assert err > (-0.05 if unseen else -0.005)

@@ -359,11 +359,8 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1, target:
     for o, dyn in zip(_outputs(cg.bw), cg.names):
         if isinstance(o, torch.fx.Node):
             sid = st.sid[st.key("bw", o)]
-            if is_parameter(dyn):
-                trace.grad_sids.add(sid)
-                trace.param_grad_sids.add(sid)
-            else:
-                trace.keep_bwd.add(sid)
+            (trace.grad_sids if is_parameter(dyn) else trace.keep_bwd).add(sid)
+    trace.param_grad_sids = set(trace.grad_sids)  # (the input's gradient is in keep_bwd)
     return trace, ex
 
 
@@ -389,7 +386,6 @@ def _weight_graph(st: _Graphs, cg: CompiledGraphs, ex: _Expr) -> None:
     for o in _outputs(cg.wgrad):
         if isinstance(o, torch.fx.Node):
             trace.grad_sids.add(st.sid[st.key("w", o)])
-            trace.param_grad_sids.add(st.sid[st.key("w", o)])
 
 
 def _generator_state():

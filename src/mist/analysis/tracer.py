@@ -397,10 +397,8 @@ def run_trace(
             finally:
                 for h in handles:
                     h.remove()
-        for t in list(module.parameters()) + list(inputs):
-            if t.grad is not None:
-                trace.grad_sids.add(storage_id(t.grad))
         trace.param_grad_sids = {storage_id(p.grad) for p in module.parameters() if p.grad is not None}
+        trace.grad_sids |= trace.param_grad_sids | {storage_id(t.grad) for t in inputs if t.grad is not None}
     # Writing a gradient into a leaf's .grad is gradient accumulation, which the schedule
     # accounts for once per micro-batch and parameter, not a cost of the layer.
     for idx, _, outs in trace.uses:

@@ -72,6 +72,12 @@ class LayerTerms:
     wgrad_kept_alone: np.ndarray | None = None
 
 
+def _at_sizes(expr, b, s) -> np.ndarray:
+    """A sympy expression in (b, s) at the micro-batch sizes' (b, s) arrays."""
+    v = sympy.lambdify((B, S), expr, modules="numpy", docstring_limit=0)(b, s)
+    return np.broadcast_to(np.asarray(v, dtype=np.float64), b.shape)
+
+
 def _split(la, b, s):
     """`saved_split` per micro-batch size (each size its own trace: b = 1 is exact), padded."""
     parts = [la.saved_split(np.array([bi]), np.array([si])) for bi, si in zip(b, s)]
@@ -189,17 +195,8 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         bwd_ck_held = la.bwd_peak_held(b, s)
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
-    held = sympy.lambdify((B, S), held_gradient_bytes(la), modules="numpy", docstring_limit=0)(b, s)
     w_out = float(weight_grad_output_bytes(la))
     alone = kept_without_graph_bytes(la)
-    kept_alone = (
-        None
-        if alone is None
-        else np.broadcast_to(
-            np.asarray(sympy.lambdify((B, S), alone, modules="numpy", docstring_limit=0)(b, s), dtype=np.float64),
-            b.shape,
-        )
-    )
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -230,7 +227,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         split_elt_ckpt=split_ck[1],
         split_whole_ckpt=split_ck[2],
         wgrad=(bw.compute - lead(bw)) * weight_grad_fraction(profile, la, b, s),
-        wgrad_held=np.broadcast_to(np.asarray(held, dtype=np.float64), b.shape),
+        wgrad_held=_at_sizes(held_gradient_bytes(la), b, s),
         wgrad_out=np.full(b.shape, w_out),
-        wgrad_kept_alone=kept_alone,
+        wgrad_kept_alone=None if alone is None else _at_sizes(alone, b, s),
     )

@@ -678,7 +678,6 @@ class StageModel:
         # a unit that does not accumulate its gradients in place keeps them until its backward is
         # done (the embedding and the head are never offloaded: their own rule)
         ends_in_place = _in_place_grads(k.zero, 0.0, k.G)
-        held = _held_grads_peak
         return ActivationTerms(
             saved=_kept_saved(tr.saved, blk.split_numel, blk.split_elt, blk.split_whole, k.ix, oa),
             saved_ckpt=_kept_saved(
@@ -688,16 +687,16 @@ class StageModel:
             x_in=x_in,
             fwd_peak=g(blk.fwd_peak),
             fwd_peak_ckpt=g(blk.fwd_peak_ckpt),
-            bwd_peak=held(k.in_place, g(blk.bwd_peak), g(blk.bwd_peak_held)),
-            bwd_peak_ckpt=held(k.in_place, g(blk.bwd_peak_ckpt), g(blk.bwd_peak_ckpt_held)),
+            bwd_peak=_held_grads_peak(k.in_place, g(blk.bwd_peak), g(blk.bwd_peak_held)),
+            bwd_peak_ckpt=_held_grads_peak(k.in_place, g(blk.bwd_peak_ckpt), g(blk.bwd_peak_ckpt_held)),
             fetched=tr.saved * oa,
             post_fwd=post.terms.fwd_peak[post.ix] if post else None,
-            post_bwd=held(ends_in_place, post.terms.bwd_peak[post.ix], post.terms.bwd_peak_held[post.ix])
+            post_bwd=_held_grads_peak(ends_in_place, post.terms.bwd_peak[post.ix], post.terms.bwd_peak_held[post.ix])
             if post
             else None,
             pre_peaks=(
                 pre.terms.fwd_peak[pre.ix],
-                held(ends_in_place, pre.terms.bwd_peak[pre.ix], pre.terms.bwd_peak_held[pre.ix]),
+                _held_grads_peak(ends_in_place, pre.terms.bwd_peak[pre.ix], pre.terms.bwd_peak_held[pre.ix]),
             )
             if pre
             else None,

@@ -18,9 +18,10 @@ from mist.rules import (
     grad_accumulation,
     init_seeds,
     offload_split,
+    optimizer_step,
     pipeline_order,
 )
-from mist.runtime import activations, sharding
+from mist.runtime import activations, optimizer, sharding
 from mist.runtime.buffers import SplitBuffer, split_point
 from mist.runtime.flat import Comms, FlatUnit
 from mist.runtime.memory import MemoryAccount
@@ -110,14 +111,14 @@ def test_flat_unit_lengths_on_ints_and_arrays():
         assert flat_units.padded_len(ni, dpi) == shard * dpi >= ni > (shard - 1) * dpi
 
 
-def _unit(n, dp, rank, zero, G, wo=0.0, go=0.0, oo=0.0):
-    lin = nn.Linear(n, 1, bias=False)
+def _unit(n, dp, rank, zero, G, wo=0.0, go=0.0, oo=0.0, dtype=torch.float32):
+    lin = nn.Linear(n, 1, bias=False, dtype=dtype)
     params = [("w", lin.weight, [(lin, "weight")])]
     return FlatUnit(
         "u",
         params,
         [ParamRole(True)],
-        dtype=torch.float32,
+        dtype=dtype,
         device="cpu",
         comms=Comms(dp, rank, None),
         zero=zero,
@@ -168,6 +169,52 @@ def test_new_weights_cross_the_host_link_as_the_rule_says(zero, wo, oo):
     in_n = sum(b - a for lo, n in writes if lo >= d for part, a, b, _ in u.store.pieces(lo, lo + n) if part == "dev")
     assert sum(n for _, n in writes) == u.store.length
     assert (out_n, in_n) == tuple(int(x) for x in offload_split.update_crossing(u.store.length, wo, oo))
+
+
+@pytest.mark.parametrize(
+    "dtype,zero,go,oo",
+    [
+        (torch.float32, 0, 0.0, 0.0),
+        (torch.float32, 0, 0.5, 0.25),
+        (torch.float32, 0, 0.7, 0.1),
+        (torch.float32, 0, 0.42, 0.4),  # the first piece read beyond the head: 25 elements
+        (torch.float32, 1, 0.25, 0.5),
+        (torch.bfloat16, 0, 0.0, 0.0),
+        (torch.bfloat16, 2, 0.3, 0.6),
+    ],
+)
+def test_the_steps_fp32_gradient_pieces_are_the_rules(monkeypatch, dtype, zero, go, oo):
+    """The device AdamW reads a unit's gradient piece by piece: the fp32 pieces it allocates (the
+    reads that are not views of the buffer) are at most `update_read_elements` long, and one that
+    long exists; the simulator's step piece is 4 bytes each (a CPU's host AdamW converts in host
+    memory: no device piece beyond d)."""
+    monkeypatch.setattr(optimizer_step, "STEP_CHUNK", 64)
+    u = _unit(1001, 1, 0, zero, 2, go=go, oo=oo, dtype=dtype)
+    u.opt_grad = u.acc
+    reads, real = [], u.acc.read
+
+    def read(lo, hi, where, dt=None):
+        out = real(lo, hi, where, dt)
+        view = out.untyped_storage().data_ptr() in (
+            u.acc.dev.untyped_storage().data_ptr(),
+            u.acc.host.untyped_storage().data_ptr(),
+        )
+        reads.append((lo, hi, view))
+        return out
+
+    u.acc.read = read
+    opt = optimizer.ShardedAdamW([u])
+    opt._update(1.0, dict(step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1))
+    opt.close()
+    d, g_dev = u.master.dev_len, u.acc.dev_len
+    device_reads = [(lo, hi, view) for lo, hi, view in reads if lo < d]
+    assert [(lo, hi) for lo, hi, _ in device_reads] == optimizer_step.chunks(0, d)
+    largest = max((hi - lo for lo, hi, view in device_reads if not view), default=0)
+    assert largest == optimizer_step.update_read_elements(d, g_dev, dtype == torch.float32)
+    prec = Precision(weight_bytes=dtype.itemsize, grad_bytes=dtype.itemsize, target="cpu")
+    assert float(states.unit_step_piece(1001.0, 1, zero, go, oo, 2, prec)) == 4 * largest
+    arr = optimizer_step.update_read_elements(np.array([d, d]), np.array([g_dev, g_dev]), dtype == torch.float32)
+    assert list(arr) == [largest, largest]
 
 
 # ------------------------------------------------------------------ gradient accumulation
@@ -283,3 +330,5 @@ def test_both_sides_import_each_rule():
     assert stage.accumulates_in_place_by_level is grad_accumulation.accumulates_in_place_by_level
     assert pipeline.one_f_one_b is pipeline_order.one_f_one_b
     assert states.unit_lengths is flat_units.unit_lengths
+    assert optimizer.chunks is optimizer_step.chunks
+    assert states.update_read_elements is optimizer_step.update_read_elements

@@ -9,6 +9,8 @@ whole array of candidate strategies, with the same arithmetic in the same order:
 - `flat_units`: the padded and shard lengths of a flat unit, and the length of its weight,
   gradient and optimizer buffers at each ZeRO level;
 - `grad_accumulation`: when a unit accumulates its micro-batches' gradients in place;
+- `optimizer_step`: the pieces an optimizer step reads a unit's gradient in, and the largest fp32
+  piece it allocates on the device;
 - `pipeline_order`: the non-interleaved 1F1B order of a pipeline stage's forwards and backwards;
 - `init_seeds`: which parameters the seeded initialisation draws from the normal distribution
   and the constants the others get;

@@ -16,8 +16,9 @@ Gradient clipping uses the global norm over every rank's gradient shard: each el
 once (parameters replicated across TP ranks only on TP rank 0, KV-head copies only on the first
 rank of their KV group, ZeRO-0 full gradients only over this dp rank's 1/dp slice), summed over
 the whole world. fp16 uses dynamic loss scaling; a non-finite norm skips the step. The gradient
-buffers are in the gradient dtype (16-bit, or fp32); the update reads them as fp32 (an fp32 buffer
-on the device without a copy).
+buffers are in the gradient dtype (16-bit, or fp32); the update reads them as fp32, piece by piece
+(`mist.rules.optimizer_step`: an fp32 buffer on the device without a copy, else one fp32 piece at
+a time, so that a step adds at most one piece to the states).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mist.rules.optimizer_step import chunks
 from mist.runtime.buffers import host_empty
 from mist.runtime.flat import FlatUnit, complement
 from mist.torch_compat import HAS_FUSED_ADAM, fused_adamw_
@@ -190,10 +192,14 @@ class ShardedAdamW:
             d = m.dev_len
             dec_dev = [(a, min(b, d)) for a, b in u.decay_ranges if a < d]
             dec_host = [(max(a, d) - d, b - d) for a, b in u.decay_ranges if b > d]
-            # (an fp32 gradient buffer is scaled in place: nothing reads it again before the next
-            # step overwrites it)
-            g_dev = g.read(0, d, m.device, torch.float32).mul_(mult)
-            adamw_(m.dev, ea.dev, es.dev, g_dev, decay_ranges=dec_dev, **kw)
+            # piece by piece, each piece's fp32 gradient dropped before the next is read
+            # (`mist.rules.optimizer_step`; an fp32 gradient buffer is read and scaled in place:
+            # nothing reads it again before the next step overwrites it)
+            for a, b in chunks(0, d):
+                g_dev = g.read(a, b, m.device, torch.float32).mul_(mult)
+                dec = [(max(x, a) - a, min(y, b) - a) for x, y in dec_dev if x < b and y > a]
+                adamw_(m.dev[a:b], ea.dev[a:b], es.dev[a:b], g_dev, decay_ranges=dec, **kw)
+                del g_dev
             if m.host.numel():
                 # the offloaded fraction of the optimizer states steps on the CPU, in the background;
                 # its gradient is copied out now (the buffer is reused by the next step)
@@ -231,8 +237,9 @@ class ShardedAdamW:
         fills = []
         for part, a, b, o in g.pieces(lo, hi):
             src = getattr(g, part)[a:b]
-            if part == "dev":
-                buf[o : o + b - a].copy_(src.to(torch.float32, copy=True).mul_(mult), non_blocking=True)
+            if part == "dev":  # (converted piece by piece: `mist.rules.optimizer_step`)
+                for c, e in chunks(0, b - a):
+                    buf[o + c : o + e].copy_(src[c:e].to(torch.float32, copy=True).mul_(mult), non_blocking=True)
             else:
                 fills.append((buf[o : o + b - a], src))
         ready = torch.cuda.Event()

@@ -277,6 +277,7 @@ def _stage_prediction(i: int, r, capacity: float, profile) -> tuple[StagePredict
         peak_memory_bytes=int(round(peak)),
         fwd_peak_bytes=int(round(float(r.fwd_peak[0]))),
         bwd_peak_bytes=int(round(float(r.bwd_peak[0]))),
+        step_peak_bytes=int(round(float(r.step_peak[0]))),
         memory_breakdown=memory,
         # the two terms the runtime accounts tensor by tensor (see `mist.runtime.memory`)
         state_bytes=int(

@@ -19,9 +19,10 @@ class StagePrediction:
     delta_time_s: float  # D: the once-per-iteration extra (first + last micro-batch)
     first_microbatch_extra_s: float
     last_microbatch_extra_s: float
-    peak_memory_bytes: int  # the larger of the forward and backward peaks
+    peak_memory_bytes: int  # the largest of the forward, backward and optimizer-step peaks
     fwd_peak_bytes: int
     bwd_peak_bytes: int
+    step_peak_bytes: int  # the states and the optimizer step's largest fp32 gradient piece
     memory_breakdown: Mapping[str, int]  # named terms of the peak
     state_bytes: int  # weights + gradients + optimizer states on the device
     saved_activation_peak_bytes: int  # saved activations on the device at most

@@ -74,7 +74,7 @@ from mist.simulate.stage_records import (
     StageResult,
     StateTerms,
 )
-from mist.simulate.states import unit_host_states, unit_states
+from mist.simulate.states import unit_host_states, unit_states, unit_step_piece
 
 
 @dataclass(frozen=True)
@@ -649,11 +649,13 @@ class StageModel:
         z = np.zeros(k.shape)
         end_w, end_g, end_o = z.copy(), z.copy(), z.copy()
         w_max = k.W
+        piece = unit_step_piece(k.P, k.dp, k.zero, k.offload_grads, k.offload_optimizer, k.G, pr)
         for e in parts:
             # the embedding / head are not offloaded (their fractions are 0)
             uw, ug, uo = unit_states(e.params, k.dp, k.zero, 0.0, 0.0, 0.0, k.G, pr)
             end_w, end_g, end_o = end_w + uw, end_g + ug, end_o + uo
             w_max = max(w_max, pr.weight_bytes * e.params)
+            piece = np.maximum(piece, unit_step_piece(e.params, k.dp, k.zero, 0.0, 0.0, k.G, pr))
         # double buffers of gathered / fetched weights (the gradient path's transient buffers
         # depend on the phase: `ActivationTerms`)
         buffers = (2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))).astype(np.float64)
@@ -665,6 +667,7 @@ class StageModel:
             end_grads=end_g,
             end_optimizer=end_o,
             buffers=buffers,
+            step_piece=piece + 0 * z,
         )
 
     def _activation_terms(

@@ -69,6 +69,7 @@ def compose(
         delta_breakdown={"first_microbatch_optimizer_s": X, "last_microbatch_reduction_s": Y},
         fwd_peak=mem.fwd_peak,
         bwd_peak=mem.bwd_peak,
+        step_peak=mem.step_peak,
         peak=mem.peak,
         fwd=np.minimum(fwd_part, T),
         first_extra=X,
@@ -105,6 +106,7 @@ def _times(comp: StageComponents, n_ck, n_no, G: int):
 class _Memory:
     fwd_peak: np.ndarray
     bwd_peak: np.ndarray
+    step_peak: np.ndarray
     peak: np.ndarray
     breakdown: Callable[[], dict]  # sums to peak (built when read)
     host: dict
@@ -144,10 +146,14 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
         bwd_act = np.maximum(bwd_act, w_act - base_act)
     fwd_peak = states + base_act + fwd_act
     bwd_peak = states + base_act + bwd_act
-    peak = np.maximum(fwd_peak, bwd_peak)
+    # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
+    # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
+    step_peak = weights + grads + opt + s.step_piece
+    peak = np.maximum(np.maximum(fwd_peak, bwd_peak), step_peak)
 
     def breakdown() -> dict:
-        act_held = base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act))
+        at_step = step_peak > np.maximum(fwd_peak, bwd_peak)
+        act_held = np.where(at_step, 0.0, base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act)))
         return {
             "weights_bytes": weights + 0 * peak,
             "grads_bytes": grads + 0 * peak,
@@ -160,6 +166,7 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     return _Memory(
         fwd_peak=fwd_peak,
         bwd_peak=bwd_peak,
+        step_peak=step_peak,
         peak=peak,
         breakdown=breakdown,
         host=_host_memory(comp.host, layers, n_ck, in_flight),

@@ -80,6 +80,7 @@ class StageResult:
     delta_breakdown: dict  # sums to D
     fwd_peak: np.ndarray
     bwd_peak: np.ndarray
+    step_peak: np.ndarray  # the optimizer step's: the states and its largest fp32 gradient piece
     peak: np.ndarray
     fwd: np.ndarray  # stable forward part of T (the rest is backward)
     first_extra: np.ndarray  # the first micro-batch's extra forward time
@@ -192,6 +193,7 @@ class StateTerms:
     end_grads: np.ndarray
     end_optimizer: np.ndarray
     buffers: np.ndarray  # gathered / fetched weights
+    step_piece: np.ndarray  # the optimizer step's largest fp32 gradient piece over the units
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import numpy as np
 
 from mist.rules.flat_units import unit_lengths
 from mist.rules.offload_split import device_elements, host_elements
-
-MASTER_BYTES = 4  # fp32: the master weights, and the gradient copy the CPU AdamW steps with
+from mist.rules.optimizer_step import GRAD_COPY_BYTES, host_bound_elements, update_read_elements
+from mist.rules.values import maximum
+from mist.simulate.precision import MASTER_BYTES
 
 
 def _unit_sizes(params: float, dp, zero, G: int) -> tuple:
@@ -48,3 +49,15 @@ def unit_host_states(params: float, dp, zero, offload_weights, offload_grads, of
         prec.opt_bytes * o_host,
         MASTER_BYTES * o_host,
     )
+
+
+def unit_step_piece(params: float, dp, zero, offload_grads, offload_optimizer, G: int, prec) -> np.ndarray:
+    """Device bytes of the largest fp32 gradient piece the optimizer step of the same unit works
+    in (`mist.rules.optimizer_step`; 0 where it reads its gradient in place)."""
+    _, n_g, n_o = _unit_sizes(params, dp, zero, G)
+    d = device_elements(n_o, np.asarray(offload_optimizer, dtype=np.float64))
+    g_dev = device_elements(n_g, np.asarray(offload_grads, dtype=np.float64))
+    piece = update_read_elements(d, g_dev, prec.grad_bytes == GRAD_COPY_BYTES)
+    if prec.target == "cuda":  # (a CPU converts the host AdamW's gradient in host memory)
+        piece = maximum(piece, host_bound_elements(d, g_dev, n_o))
+    return GRAD_COPY_BYTES * piece

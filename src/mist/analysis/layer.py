@@ -407,8 +407,8 @@ def _trace_and_analyze(
     split = [(n, e) for n, e, _ in trace.saved_calls if not (n.is_number and n < MIN_SPLIT_NUMEL)]
     whole = {sid: trace.saved[sid] for n, _, sid in trace.saved_calls if n.is_number and n < MIN_SPLIT_NUMEL}
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
-    fwd_live, bwd_live = live_bytes(trace)
-    bwd_live_held = live_bytes(trace, hold_grads=True)[1]
+    fwd_live, bwd_live = live_bytes(trace, cpu=target == "cpu")
+    bwd_live_held = live_bytes(trace, hold_grads=True, cpu=target == "cpu")[1]
     flops = {}
     for r in records:
         flops[r.phase] = flops.get(r.phase, sympy.Integer(0)) + r.flops

@@ -169,6 +169,11 @@ class Trace:
         # the backward's autograd nodes as [first, end) ranges of record indices (an eager trace):
         # a node releases what it saved, and its gradient inputs, when it is done
         self.node_spans: list[tuple[int, int]] = []
+        # record index -> bytes a CPU kernel allocates for the operator's duration: an out=
+        # argument of another dtype than the operator computes in is written through a temporary
+        # of the computing dtype on a CPU (PyTorch's TensorIterator; a GPU kernel converts as it
+        # writes): `cpu_out_scratch`
+        self.cpu_scratch: dict[int, sympy.Expr] = {}
         # Every tensor seen is kept alive for the whole trace: storage addresses identify
         # buffers, and a freed address would otherwise be reused by a later, different buffer.
         self.keep: list = []
@@ -215,6 +220,9 @@ class _Recorder(TorchDispatchMode):
             # the out= arguments of an out variant are written, not read
             out_args = [kwargs[a.name] for a in func._schema.arguments if a.is_out and _is_tensor(kwargs.get(a.name))]
             read, written = _traffic(name, args, [t for t in ins if not any(t is o for o in out_args)], outs, ex)
+            scratch = cpu_out_scratch([t for t in ins if not any(t is o for o in out_args)], out_args, ex)
+            if scratch != 0:
+                tr.cpu_scratch[idx] = scratch
         if kind in (GEMM, ATTENTION):
             params, flops = library_call(kind, func, name, ins, args, kwargs, ex)
         tr.records.append(
@@ -233,6 +241,20 @@ class _Recorder(TorchDispatchMode):
         )
         tr.uses.append((idx, in_sids, out_sids))
         return out
+
+
+def cpu_out_scratch(ins: list, out_args: list, ex: _Expr) -> sympy.Expr:
+    """Bytes of the temporaries a CPU kernel writes an operator's out= arguments through: one of
+    the computing dtype (the inputs' promoted type; a 0-dimensional tensor promotes only where no
+    other input has dimensions) per out= argument of another dtype."""
+    if not ins or not out_args:
+        return sympy.Integer(0)
+    dims = [t for t in ins if t.dim() > 0] or ins
+    common = dims[0].dtype
+    for t in dims[1:]:
+        common = torch.promote_types(common, t.dtype)
+    elt = torch.empty((), dtype=common).element_size()
+    return sum((ex.numel(o) * elt for o in out_args if o.dtype != common), sympy.Integer(0))
 
 
 # Operators that return a per-process cache's tensors (the rotary tables, made once per key and

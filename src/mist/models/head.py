@@ -49,6 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss / d logit = (softmax − onehot)·scale = (exp − Σexp·onehot)·scale/Σexp
         hit = (~outside).to(exp.dtype) * sum_exp
         exp.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
+        del hit  # (not held through the product below)
         grad = torch.empty_like(exp, dtype=ctx.logits_dtype)
         torch.mul(exp, (scale / sum_exp).unsqueeze(-1), out=grad)
         return grad, None, None, None

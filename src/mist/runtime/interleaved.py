@@ -185,7 +185,9 @@ class InterleavedSchedule:
     ) -> list[torch.Tensor]:
         G = self.G
         span = _spans(timer)
-        pending: list = []
+        # (the last rank's activations wrap around to the first: ranks can wait on each other, so
+        # the gradients are held to the end of the step)
+        sends = p2p.Sends(hold_gradients=True)
         inflight: dict[tuple[int, int], tuple] = {}
         losses: list[torch.Tensor] = []
 
@@ -201,7 +203,7 @@ class InterleavedSchedule:
             if dst < 0:
                 losses.append(out.detach())
             else:
-                self._send_act(out, links.next_out, g, dst - 1, pending)
+                self._send_act(out, links.next_out, g, dst - 1, sends.activation_list((g, c)))
             inflight[g, c] = (x, out, act)
 
         def backward(g: int, c: int) -> None:
@@ -209,6 +211,7 @@ class InterleavedSchedule:
             runner = runners[c]
             x, out, act = inflight.pop((g, c))
             grad = None if dst < 0 else self._recv_grad(links, out, g, dst - 1)
+            sends.release_activation((g, c))
             with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if dst < 0:
@@ -217,12 +220,13 @@ class InterleavedSchedule:
                     torch.autograd.backward(out, grad)
                 runner.end_backward(act)
             if src >= 0:
-                self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), links, g, src, pending)
+                self._send_grad(
+                    x.grad if x.grad is not None else torch.zeros_like(x), links, g, src, sends.gradient_list()
+                )
 
         for kind, g, c in interleaved_one_f_one_b(self.i, self.stages, self.v, G):
             (forward if kind == FORWARD else backward)(g, c)
-        for work, _ in pending:
-            work.wait()
+        sends.finish()
         return losses
 
     @torch.no_grad()

@@ -4,8 +4,8 @@ positions of this rank's tensor). Used by the plain and the interleaved 1F1B sch
 
 An activation piece goes with a header (its shape and dtype) so that the receiver can allocate
 the tensor before the data arrives; a gradient has the shape of the activation it belongs to.
-Sends are non-blocking (appended to `pending`, waited for at the end of the step); receives
-block, piece by piece in row order.
+Sends are non-blocking (appended to a list of (work, tensor)); receives block, piece by piece in
+row order. A send's tensor is held until its work is waited for: `Sends` says when.
 """
 
 from __future__ import annotations
@@ -82,3 +82,47 @@ def send_gradient(gx: torch.Tensor, pieces, tag: Tag, pending: list) -> None:
     for p in pieces:
         part = _part(gx, p)
         pending.append((dist.isend(part, p.rank, tag=tag(GRADIENT)), part))
+
+
+class Sends:
+    """The sends of one step that are still held, by micro-batch (and chunk).
+
+    A micro-batch's activation pieces are released (waited for: at once, its receivers have used
+    them) when its gradient has come back (`release_activation`). A gradient's pieces are released
+    when the stage sends its next gradient (`gradient_list`): a stage then holds at most one sent
+    gradient besides the one it sends, instead of every micro-batch's until the end of the step.
+    The previous stage takes that gradient in its next backward, which waits for nothing more from
+    this stage (a chain of stages: no cycle), so the wait can delay but not block. The rest is
+    waited for at the end of the step (`finish`)."""
+
+    def __init__(self, hold_gradients: bool = False):
+        # hold_gradients: keep every gradient to the end of the step (a schedule whose neighbours
+        # can wait on each other, such as interleaved 1F1B's wrap-around from the last rank)
+        self.hold_gradients = hold_gradients
+        self._activations: dict = {}
+        self._gradient: list = []
+        self._held: list = []
+
+    def activation_list(self, key) -> list:
+        """The list that micro-batch `key`'s activation pieces go in."""
+        return self._activations.setdefault(key, [])
+
+    def release_activation(self, key) -> None:
+        for work, _ in self._activations.pop(key, ()):
+            work.wait()
+
+    def gradient_list(self) -> list:
+        """The list that the next gradient's pieces go in; the last one's are released first."""
+        if self.hold_gradients:
+            self._held += self._gradient
+        else:
+            for work, _ in self._gradient:
+                work.wait()
+        self._gradient = []
+        return self._gradient
+
+    def finish(self) -> None:
+        for works in [*self._activations.values(), self._gradient, self._held]:
+            for work, _ in works:
+                work.wait()
+        self._activations, self._gradient, self._held = {}, [], []

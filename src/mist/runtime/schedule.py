@@ -91,8 +91,8 @@ class PipelineSchedule:
     activation piece goes to its rank of the next stage and each piece of the input's gradient
     back to its rank of the previous stage (`links`), tagged by
     micro-batch and kind (a pair of ranks exchanges at most one piece per micro-batch and
-    direction). Sends are non-blocking (`isend`, waited for at the end of the step) so that no two
-    neighbours can block on each other's sends; receives block, piece by piece in row order. Every
+    direction). Sends are non-blocking (`isend`), so that no two neighbours can block on each
+    other's sends, and held as `p2p.Sends` says; receives block, piece by piece in row order. Every
     rank of a stage runs the same order of forwards and backwards, so the waits form the same
     acyclic pattern as between single-rank stages. The loss exists on the last stage only (its
     list; [] elsewhere).
@@ -125,16 +125,17 @@ class PipelineSchedule:
     ) -> list[torch.Tensor]:
         G, first, last = self.G, self.i == 0, self.i == self.stages - 1
         span = _spans(timer)
-        pending: list = []
+        sends = p2p.Sends()
         inflight: dict[int, tuple] = {}
         losses: list[torch.Tensor] = []
 
         def forward(g: int) -> None:
-            self._forward(runner, micro_batches, g, span, pending, inflight, losses)
+            self._forward(runner, micro_batches, g, span, sends.activation_list(g), inflight, losses)
 
         def backward(g: int) -> None:
             x, out, act = inflight.pop(g)
             grad = None if last else self._recv_grad(out, g)
+            sends.release_activation(g)
             with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if last:
@@ -143,12 +144,11 @@ class PipelineSchedule:
                     torch.autograd.backward(out, grad)
                 runner.end_backward(act)
             if not first:
-                self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, pending)
+                self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, sends.gradient_list())
 
         for kind, g in one_f_one_b(self.i, self.stages, G):
             (forward if kind == FORWARD else backward)(g)
-        for work, _ in pending:
-            work.wait()
+        sends.finish()
         return losses
 
     def _forward(self, runner: StageRunner, micro_batches, g: int, span, pending: list, inflight: dict, losses: list):

@@ -43,6 +43,7 @@ from torch.autograd.graph import GradientEdge
 
 from mist.models import weight_split
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, zb_h1
+from mist.runtime import p2p
 from mist.runtime.phase_timer import PhaseTimer
 from mist.runtime.schedule import PipelineSchedule, _spans
 from mist.runtime.stage_runner import StageRunner
@@ -233,18 +234,19 @@ class ZeroBubbleSchedule(PipelineSchedule):
     ) -> list[torch.Tensor]:
         G, first, last = self.G, self.i == 0, self.i == self.stages - 1
         span = _spans(timer)
-        pending: list = []
+        sends = p2p.Sends()
         inflight: dict[int, tuple] = {}
         waiting: dict[int, tuple] = {}
         losses: list[torch.Tensor] = []
         params = [p for u in runner.units for p in u.params]
 
         def forward(g: int) -> None:
-            self._forward(runner, micro_batches, g, span, pending, inflight, losses)
+            self._forward(runner, micro_batches, g, span, sends.activation_list(g), inflight, losses)
 
         def input_grad(g: int) -> None:
             x, out, act = inflight.pop(g)
             grad = None if last else self._recv_grad(out, g)
+            sends.release_activation(g)
             root = out * (loss_scale / G) if last else out
             if first:  # nothing upstream: the whole backward runs at W, right after
                 waiting[g] = (root, grad, None, act)
@@ -252,7 +254,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
             with span("bwd", g):
                 wp = _WeightPass(root, x, params)
                 gx = wp.input_grad(grad, x)
-            self._send_grad(gx, g, pending)
+            self._send_grad(gx, g, sends.gradient_list())
             waiting[g] = (root, grad, wp, act)
 
         def weight_grads(g: int) -> None:
@@ -270,6 +272,5 @@ class ZeroBubbleSchedule(PipelineSchedule):
         run = {FORWARD: forward, INPUT_GRAD: input_grad}
         for kind, g in zb_h1(self.i, self.stages, G):
             run.get(kind, weight_grads)(g)
-        for work, _ in pending:
-            work.wait()
+        sends.finish()
         return losses

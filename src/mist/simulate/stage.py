@@ -703,7 +703,8 @@ class StageModel:
             )
             if pre
             else None,
-            p2p_buffers=(2 * x_in) if st.num_stages > 1 else z,
+            p2p_output=z if st.last else x_in,
+            p2p_sent=z if st.first else x_in,
             post_saved=post.terms.saved[post.ix] if post else z,
             tied_grad=self._shared_table_grad(pre, post, z),
             grads=self._grad_path(k, pre, post, ends_in_place),

@@ -129,7 +129,10 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     # runs the last stage's backward right after its forward) and its output gradients
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
-    base_act = in_flight * saved_mb + held_post + held_grads + a.p2p_buffers
+    # the earlier micro-batches' outputs, and the input gradient sent last (the current
+    # micro-batch's output joins them in its backward)
+    p2p = in_flight * a.p2p_output + a.p2p_sent
+    base_act = in_flight * saved_mb + held_post + held_grads + p2p
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
@@ -140,12 +143,12 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
         w_act = (
             waiting.w_held * saved_mb
             + waiting.w_waiting * (a.post_saved + waiting.grad_bytes)
-            + a.p2p_buffers
+            + p2p
             + np.where(waiting.w_held > 0, waiting.w_transient + w_grads, 0.0)
         )
         bwd_act = np.maximum(bwd_act, w_act - base_act)
     fwd_peak = states + base_act + fwd_act
-    bwd_peak = states + base_act + bwd_act
+    bwd_peak = states + base_act + a.p2p_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
     step_peak = weights + grads + opt + s.step_piece

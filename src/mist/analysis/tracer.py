@@ -219,8 +219,9 @@ class _Recorder(TorchDispatchMode):
         if kind != VIEW:
             # the out= arguments of an out variant are written, not read
             out_args = [kwargs[a.name] for a in func._schema.arguments if a.is_out and _is_tensor(kwargs.get(a.name))]
-            read, written = _traffic(name, args, [t for t in ins if not any(t is o for o in out_args)], outs, ex)
-            scratch = cpu_out_scratch([t for t in ins if not any(t is o for o in out_args)], out_args, ex)
+            read_args = [t for t in ins if not any(t is o for o in out_args)]
+            read, written = _traffic(name, args, read_args, outs, ex)
+            scratch = cpu_out_scratch(read_args, out_args, ex)
             if scratch != 0:
                 tr.cpu_scratch[idx] = scratch
         if kind in (GEMM, ATTENTION):

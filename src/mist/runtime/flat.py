@@ -70,7 +70,7 @@ def _shift(rng, offset):
     return None if rng is None else (offset + rng[0], offset + rng[1])
 
 
-def _intersect(ranges, lo, hi):
+def intersect(ranges, lo, hi):
     """Pieces of `ranges` (absolute) inside [lo, hi), shifted to start at lo."""
     out = []
     for a, b in ranges:
@@ -247,7 +247,7 @@ class FlatUnit:
         """Ranges (in optimizer coordinates) for weight decay and for the gradient norm, and the
         local ranges of KV-head copies."""
         decay = [(i.offset, i.offset + i.numel) for i in self.infos if i.decay]
-        self.decay_ranges = _intersect(decay, self.opt_lo, self.opt_lo + self.L)
+        self.decay_ranges = intersect(decay, self.opt_lo, self.opt_lo + self.L)
         skip = [i.norm_skip for i in self.infos if i.norm_skip]
         nlo = self.comms.dp_rank * self.shard_len
         shard = complement(skip, nlo, nlo + self.shard_len)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mist.rules.optimizer_step import chunks
 from mist.runtime.buffers import host_empty
-from mist.runtime.flat import FlatUnit, complement
+from mist.runtime.flat import FlatUnit, complement, intersect
 from mist.torch_compat import HAS_FUSED_ADAM, fused_adamw_
 
 
@@ -190,15 +190,13 @@ class ShardedAdamW:
         for i, u in enumerate(self.units):
             m, ea, es, g = u.master, u.exp_avg, u.exp_avg_sq, u.opt_grad
             d = m.dev_len
-            dec_dev = [(a, min(b, d)) for a, b in u.decay_ranges if a < d]
-            dec_host = [(max(a, d) - d, b - d) for a, b in u.decay_ranges if b > d]
+            dec_host = intersect(u.decay_ranges, d, u.L)
             # piece by piece, each piece's fp32 gradient dropped before the next is read
             # (`mist.rules.optimizer_step`; an fp32 gradient buffer is read and scaled in place:
             # nothing reads it again before the next step overwrites it)
             for a, b in chunks(0, d):
                 g_dev = g.read(a, b, m.device, torch.float32).mul_(mult)
-                dec = [(max(x, a) - a, min(y, b) - a) for x, y in dec_dev if x < b and y > a]
-                adamw_(m.dev[a:b], ea.dev[a:b], es.dev[a:b], g_dev, decay_ranges=dec, **kw)
+                adamw_(m.dev[a:b], ea.dev[a:b], es.dev[a:b], g_dev, decay_ranges=intersect(u.decay_ranges, a, b), **kw)
                 del g_dev
             if m.host.numel():
                 # the offloaded fraction of the optimizer states steps on the CPU, in the background;

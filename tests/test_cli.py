@@ -217,3 +217,19 @@ def test_tiny_memory_limit_is_not_shown_as_zero(capsys):
     tiny = str(Path(__file__).parent / "data" / "tiny-llama.yaml")
     code, _, err = run(["tune", "--model", tiny, "--gpu", "l4", "--memory-limit", "1e-6", "--no-compile"], capsys)
     assert code == 2 and "against the 9.99e-07 GiB of a l4" in err and "0.0 GiB" not in err
+
+
+def test_estimate_peaks_at_the_optimizer_steps_gradient_piece_when_activations_are_small(capsys):
+    # the CPU loop's Llama at 8 tokens: its largest unit, the head (final RMSNorm and an untied
+    # 8192 x 512 output layer), is under a piece (2^25 elements), so with bf16 gradients the step
+    # reads all of it as one fp32 copy, more than the activations of 8 tokens
+    model = str(ROOT / "benchmarks" / "models" / "loop-llama.yaml")
+    args = ["estimate", "--model", model, "--gpu", "h200", "--seq", "8", "--micro-batch", "1", "--json"]
+    m = json.loads(run_ok(args, capsys))["model"]
+    assert m["activation_peak_at"].startswith("optimizer step")
+    assert m["activation_peak_bytes"] == 4 * (8192 * 512 + 512)
+    # fp32 gradients (a CPU profile trains in fp32) are read in place: the activations' peak again
+    cpu = str(ROOT / "benchmarks" / "results" / "profiles" / "cpu-loop.json")
+    m32 = json.loads(run_ok([*args, "--gpu", cpu], capsys))["model"]
+    assert not m32["activation_peak_at"].startswith("optimizer step")
+    assert m32["activation_peak_at"] == "head backward"

@@ -4,7 +4,8 @@ Time: embedding + all blocks + head and loss, forward and backward (and the reco
 of checkpointed blocks, or of the parts named by `recompute="attention"`, `"activation"` or
 `"attention+activation"`). Memory: weights and gradients in `dtype` (default: the dtype the profile
 was measured in, bf16 for GPUs), fp32 master weights and Adam moments (12 bytes per parameter) plus the activation peak of the micro-batch, found by
-walking the layers forward and back with the traced live bytes of each.
+walking the layers forward and back with the traced live bytes of each, or, where it is larger,
+the optimizer step's fp32 gradient piece (`mist.rules.optimizer_step`; none for fp32 gradients).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from mist.analysis import analyze_layer
+from mist.rules.optimizer_step import GRAD_COPY_BYTES, update_read_elements
 from mist.simulate.gpu_fit import fits_gpu, usable_bytes
 from mist.simulate.layer_cost import phase_time, stream_of
 from mist.simulate.precision import default_precision
@@ -135,6 +137,12 @@ def estimate(
     t, fwd_bwd, time_breakdown = _times(profile, links, (pre, blk, post), L, b, s, ckpt)
     params = pre.params + L * blk.params + post.params
     peak_act, where = activation_peak(pre, blk, post, L, b, s)
+    # the step holds no activation, only the fp32 piece of a 16-bit gradient it reads (each of the
+    # embedding, the blocks and the head is one unit, read in pieces)
+    unit = max(pre.params, blk.params, post.params)
+    piece = GRAD_COPY_BYTES * int(update_read_elements(unit, unit, pr.grad_bytes == GRAD_COPY_BYTES))
+    if piece > peak_act:
+        peak_act, where = piece, "optimizer step (an fp32 gradient piece)"
     mem = {
         "weights_bytes": params * pr.weight_bytes,
         "grads_bytes": params * pr.grad_bytes,

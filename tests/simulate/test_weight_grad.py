@@ -53,3 +53,24 @@ def test_w_share_of_a_block_backward_on_l4():
     assert np.all((share > 0.25) & (share < 0.6))
     assert lt.wgrad[1] > 3 * lt.wgrad[0]  # it scales with the tokens
     assert np.all(lt.wgrad_held > 0)
+
+
+def test_w_releases_the_linears_inputs_that_b_does_not_read():
+    """GPT block in bf16, as the ZB-H1 runtime runs its W (the linears in forward order, each
+    node's saved tensors released once it has run): the inputs of qkv (the first norm's output),
+    fc1 (the second norm's) and fc2 (GeLU's output) are read by their weight-gradient GEMM alone,
+    and go as it is done; the attention output is also attention's saved output, read by B, and
+    stays. So W's largest addition over its start is a weight gradient less what went before it."""
+    from mist.analysis.records import B as b
+    from mist.analysis.records import S as s
+
+    la = analyze_layer(GPT, "block")
+    h = GPT.hidden_size
+    tokens = b * s
+    assert sympy.expand(la.weight_pass_freed - (h + h + 4 * h) * 2 * tokens) == 0
+    norm_out = h * 2 * tokens
+    qkv, proj, fc1, fc2 = (n * h * h * 2 for n in (3, 1, 4, 4))
+    want = [qkv, proj - norm_out, fc1 - norm_out, fc2 - 2 * norm_out]
+    assert [sympy.expand(c - w) for c, w in zip(la.weight_pass_peak, want)] == [0, 0, 0, 0]
+    # a compiled block's W graph returns its gradients together: none of this
+    assert analyze_layer(GPT, "block", compiled=True).weight_pass_peak is None

@@ -20,6 +20,7 @@ from mist.analysis.compiled import TrainingGraphs, capture, capture_training, tr
 from mist.analysis.liveness import live_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, OpRecord, OpValues
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
+from mist.analysis.weight_pass import weight_pass_bytes
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, select_parts, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
@@ -73,6 +74,11 @@ class LayerAnalysis:
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
     weight_grad_saved: sympy.Expr | None = None  # the forward-saved bytes W reads (`Trace`)
+    # an eager layer's W as the ZB-H1 runtime runs it (`weight_pass.weight_pass_bytes`): the
+    # candidates for the most it adds over what it starts with, and the saved bytes it releases;
+    # None for a compiled block (split, its W graph returns its gradients together)
+    weight_pass_peak: list | None = None
+    weight_pass_freed: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
     # the source of each evaluator in `_fns` (`mist.analysis.lambdified`): pickled with the
     # analysis, so that a process reading it from the disk cache need not print it again
@@ -409,6 +415,7 @@ def _trace_and_analyze(
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
     fwd_live, bwd_live = live_bytes(trace, cpu=target == "cpu")
     bwd_live_held = live_bytes(trace, hold_grads=True, cpu=target == "cpu")[1]
+    w_peak, w_freed = (None, None) if compiled else weight_pass_bytes(trace, records)
     flops = {}
     for r in records:
         flops[r.phase] = flops.get(r.phase, sympy.Integer(0)) + r.flops
@@ -439,6 +446,8 @@ def _trace_and_analyze(
         compiled=compiled,
         weight_grad_held=trace.weight_grad_held,
         weight_grad_saved=trace.weight_grad_saved,
+        weight_pass_peak=w_peak,
+        weight_pass_freed=w_freed,
     )
 
 

@@ -122,6 +122,10 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
+# the norm modules: under ZB-H1 their parameters' gradients are computed in B (`runtime.zero_bubble`)
+NORMS = (RMSNorm, LayerNorm)
+
+
 def make_norm(
     family: str, hidden: int, eps: float, dtype: torch.dtype, device=None, tp: TPGroup | None = None
 ) -> nn.Module:

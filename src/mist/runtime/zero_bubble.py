@@ -13,7 +13,9 @@ autograd does not compute it again (with every parameter requested from every no
 input-gradient chain below each frontier node, the whole backward once more). Frontier nodes
 that share a parameter run in one call. A frontier node that computed its weight-side gradients
 in B anyway (a custom autograd.Function: RMSNorm's fused backward returns both) is not run again:
-W starts below it, from those gradients (`_WeightPass._producer`). Autograd's
+W starts below it, from those gradients (`_WeightPass._producer`). B makes every norm compute
+its parameters' gradients so (it requests their edges): a norm's backward yields both in one
+pass, and left to W it would run again from an output gradient held from B to W. Autograd's
 `AccumulateGrad` writes the parameters' .grad and fires their post-accumulate hooks, so the flat
 units (`runtime.flat`) accumulate and reduce exactly as they do after a plain backward — their
 per-micro-batch state is opened at W's start and closed at its end, in micro-batch order. Each
@@ -39,9 +41,10 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from mist.models import weight_split
+from mist.models.norms import NORMS
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, zb_h1
 from mist.runtime import p2p
 from mist.runtime.phase_timer import PhaseTimer
@@ -119,7 +122,13 @@ class _WeightPass:
     """What one micro-batch's W needs: the frontier nodes, the gradients B recorded at them, the
     graph (kept alive through `root`) and the parameters."""
 
-    def __init__(self, root: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        root: torch.Tensor,
+        x: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        in_b: Sequence[torch.Tensor] = (),
+    ):
         self.root: torch.Tensor | None = root
         self.params = list(params)
         rev = _parents(root.grad_fn)
@@ -130,6 +139,17 @@ class _WeightPass:
                 owned[node].append(p)
         self.nodes = list(owned)
         self.groups = _share_groups(self.nodes, owned)
+        # the weight-side edges of the frontier nodes that own only `in_b` parameters: B requests
+        # them, so those nodes compute their parameters' gradients in B, once, from the
+        # gradient they already have (a norm's backward), and W does not hold that gradient
+        b_ids = {id(p) for p in in_b}
+        self.b_edges = [
+            GradientEdge(nxt, nr)
+            for node in self.nodes
+            if all(id(p) in b_ids for p in owned[node])
+            for nxt, nr in node.next_functions
+            if nxt is not None and nxt not in path
+        ]
         self.grads: dict = {}
         # frontier node -> [(its weight-side edge, the gradient B already computed for it)]
         self.produced: dict = {}
@@ -170,7 +190,8 @@ class _WeightPass:
         assert self.root is not None, "B runs once, before W"
         try:
             with weight_split.deferring_weights():
-                (gx,) = torch.autograd.grad(self.root, [x], grad, retain_graph=True, allow_unused=True)
+                inputs = [get_gradient_edge(x), *self.b_edges]
+                gx, *_ = torch.autograd.grad(self.root, inputs, grad, retain_graph=True, allow_unused=True)
         finally:
             for h in self.handles:
                 h.remove()
@@ -239,6 +260,8 @@ class ZeroBubbleSchedule(PipelineSchedule):
         waiting: dict[int, tuple] = {}
         losses: list[torch.Tensor] = []
         params = [p for u in runner.units for p in u.params]
+        norm_ids = {id(p) for m in runner.module.modules() if isinstance(m, NORMS) for p in m.parameters(False)}
+        in_b = [p for p in params if id(p) in norm_ids]
 
         def forward(g: int) -> None:
             self._forward(runner, micro_batches, g, span, sends.activation_list(g), inflight, losses)
@@ -252,7 +275,7 @@ class ZeroBubbleSchedule(PipelineSchedule):
                 waiting[g] = (root, grad, None, act)
                 return
             with span("bwd", g):
-                wp = _WeightPass(root, x, params)
+                wp = _WeightPass(root, x, params, in_b)
                 gx = wp.input_grad(grad, x)
             self._send_grad(gx, g, sends.gradient_list())
             waiting[g] = (root, grad, wp, act)

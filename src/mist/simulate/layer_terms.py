@@ -68,6 +68,10 @@ class LayerTerms:
     wgrad: np.ndarray | None = None
     wgrad_held: np.ndarray | None = None
     wgrad_out: np.ndarray | None = None  # the largest weight gradient W makes (before it is added)
+    # the most W adds at once over what it starts with, and the saved bytes it releases as it
+    # goes (`analysis.weight_pass`; a compiled block: its largest weight gradient, and none)
+    wgrad_peak: np.ndarray | None = None
+    wgrad_freed: np.ndarray | None = None
     # what a compiled block keeps from B to W where the graph is not kept (None: eager)
     wgrad_kept_alone: np.ndarray | None = None
 
@@ -196,6 +200,11 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         lead_ck = np.zeros_like(b)
     split, split_ck = _split(la, b, s), _split(ck, b, s)
     w_out = float(weight_grad_output_bytes(la))
+    if la.weight_pass_peak is None:
+        w_peak, w_freed = np.full(b.shape, w_out), np.zeros(b.shape)
+    else:
+        w_peak = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak], axis=0)
+        w_freed = _at_sizes(la.weight_pass_freed, b, s)
     alone = kept_without_graph_bytes(la)
     return LayerTerms(
         params=la.params,
@@ -229,5 +238,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad=(bw.compute - lead(bw)) * weight_grad_fraction(profile, la, b, s),
         wgrad_held=_at_sizes(held_gradient_bytes(la), b, s),
         wgrad_out=np.full(b.shape, w_out),
+        wgrad_peak=w_peak,
+        wgrad_freed=w_freed,
         wgrad_kept_alone=None if alone is None else _at_sizes(alone, b, s),
     )

@@ -1,17 +1,12 @@
 """The split of a traced layer's backward into B (input gradient) and W (weight gradients), for
 the zero-bubble schedule (`simulate.zero_bubble`).
 
-From the symbolic trace's records (`mist.analysis.layer.LayerAnalysis.records`): a backward
-operator is a weight-gradient operator when it reduces over the tokens to a parameter-shaped
-result — every output's shape is free of b and s (and not a scalar) while an input's is not.
-That is the weight-gradient GEMM of every linear (dW = dYᵀ·X, (out × b·s)·(b·s × in)) and a
-bias gradient's reduction over the tokens (an embedding's dense backward too). Everything else
-in "bwd" — input-gradient GEMMs, attention, norms (whose fused backward yields the input and the
-weight gradient at once), elementwise and the TP collectives — is B. (The copies of a gradient
-into a leaf's .grad are `GRAD_ACCUM` records, priced by the schedule, not the layer.)
-
-A compiled block's backward runs as two graphs, B and W (`mist.models.weight_split`): its
-records say which they belong to (`OpRecord.weight_grad`), and its trace what B hands to W.
+From the symbolic trace's records (`mist.analysis.layer.LayerAnalysis.records`), W's records
+by `mist.analysis.weight_pass.is_weight_grad` (the weight-gradient GEMMs and the bias
+reductions). (The copies of a gradient into a leaf's .grad are `GRAD_ACCUM` records, priced by the
+schedule, not the layer.) A compiled block's backward runs as two graphs, B and W
+(`mist.models.weight_split`): its records say which they belong to, and its trace what B hands
+to W.
 
 W's time is its share of the layer's backward kernel time applied to the backward's stream time
 (without the TP collectives, which B waits for); B is the rest. What W needs beyond what B needs
@@ -26,27 +21,9 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
-from mist.analysis.records import COLLECTIVE, GEMM, MEMORY, B, OpRecord, S
+from mist.analysis.records import COLLECTIVE, GEMM
+from mist.analysis.weight_pass import is_weight_grad, weight_grad_records
 from mist.simulate.layer_cost import kernel_time
-
-
-def _symbolic(shape) -> bool:
-    return any(sympy.sympify(d).free_symbols & {B, S} for d in shape)
-
-
-def is_weight_grad(rec: OpRecord) -> bool:
-    """Whether a traced record is part of W (see the module docstring)."""
-    if rec.weight_grad is not None:
-        return rec.weight_grad
-    if rec.phase != "bwd" or rec.kind not in (GEMM, MEMORY) or not rec.shapes_out:
-        return False
-    outs_fixed = all(len(s) > 0 and not _symbolic(s) for s in rec.shapes_out)
-    return outs_fixed and any(_symbolic(s) for s in rec.shapes_in)
-
-
-def weight_grad_records(records) -> list[OpRecord]:
-    """The W records of a layer, in trace order."""
-    return [r for r in records if is_weight_grad(r)]
 
 
 def held_gradient_bytes(la) -> sympy.Expr:

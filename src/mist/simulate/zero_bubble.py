@@ -156,7 +156,7 @@ class StageWeightGrad:
     seconds: np.ndarray
     grad_bytes: np.ndarray
     head_saved_bytes: np.ndarray
-    transient_bytes: np.ndarray  # the largest weight gradient it makes (`weight_grad_output_bytes`)
+    transient_bytes: np.ndarray  # the most it adds at once over what it starts with (`stage_weight_grad`)
     # through the blocks' B: what one block keeps once its own B is done, beside its saved
     # activations (the graph kept: a later stage), or instead of them (compiled blocks on the
     # first stage: `weight_grad.kept_without_graph_bytes`; None for eager ones, not split there);
@@ -187,7 +187,15 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
     w = plain * blk.wgrad[ix]
     held = plain * blk.wgrad_held[ix]
-    out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
+    # the most W adds at once: on a later stage W runs node by node, the blocks' in order and then
+    # the head's, each releasing its linears' saved inputs that B does not read
+    # (`analysis.weight_pass`); the first stage runs its backward whole (`runtime.zero_bubble`),
+    # so there its largest weight gradient with nothing released
+    if first:
+        out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
+    else:
+        out = np.where(plain > 0, blk.wgrad_peak[ix], 0.0)
+        released = plain * blk.wgrad_freed[ix]
     head = np.zeros_like(w)
     head_held = np.zeros_like(w)
     for part, on in (("pre", first), ("post", last)):
@@ -195,7 +203,7 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
             lt, jx = model._terms(part, b)
             w = w + lt.wgrad[jx]
             held = held + lt.wgrad_held[jx]
-            out = np.maximum(out, lt.wgrad_out[jx])
+            out = np.maximum(out, lt.wgrad_out[jx] if first else lt.wgrad_peak[jx] - released)
             if part == "post":
                 head = head + lt.saved[jx]
                 head_held = lt.saved[jx] + lt.wgrad_held[jx]

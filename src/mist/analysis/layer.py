@@ -75,8 +75,8 @@ class LayerAnalysis:
     weight_grad_held: sympy.Expr | None = None
     weight_grad_saved: sympy.Expr | None = None  # the forward-saved bytes W reads (`Trace`)
     # an eager layer's W as the ZB-H1 runtime runs it (`weight_pass.weight_pass_bytes`): the
-    # candidates for the most it adds over what it starts with, and the saved bytes it releases;
-    # None for a compiled block (split, its W graph returns its gradients together)
+    # candidates for the most it adds over what it starts with, and the bytes it releases (None:
+    # a compiled block not split into B and W)
     weight_pass_peak: list | None = None
     weight_pass_freed: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
@@ -415,13 +415,21 @@ def _trace_and_analyze(
     out_bytes = sympy.expand(sum((trace.storage_bytes[sid] for sid in trace.output_sids), sympy.Integer(0)))
     fwd_live, bwd_live = live_bytes(trace, cpu=target == "cpu")
     bwd_live_held = live_bytes(trace, hold_grads=True, cpu=target == "cpu")[1]
-    w_peak, w_freed = (None, None) if compiled else weight_pass_bytes(trace, records)
     flops = {}
     for r in records:
         flops[r.phase] = flops.get(r.phase, sympy.Integer(0)) + r.flops
     params = sum(p.numel() for p in holder["m"].parameters())
     if part == "post" and spec.tie_embeddings:
         params -= holder["m"].weight.numel()  # the tied table is the embedding's
+    if not compiled:
+        w_peak, w_freed = weight_pass_bytes(trace, records)
+    elif trace.weight_grad_held is not None:
+        # a compiled block's W graph returns all its parameters' gradients together, and the
+        # values B handed it go once it has run (the forward-saved ones stay with the graph)
+        w_peak = [sympy.Integer(params * torch_dtype(dtype).itemsize)]
+        w_freed = trace.weight_grad_held
+    else:
+        w_peak, w_freed = None, None
     return LayerAnalysis(
         spec=spec,
         part=part,

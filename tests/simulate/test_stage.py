@@ -268,3 +268,30 @@ def test_terms_computed_for_every_micro_batch_size_at_once_are_the_same():
         for name in ("T", "D", "peak", "saved_peak", "fwd"):
             np.testing.assert_array_equal(getattr(one_size, name), getattr(all_sizes, name), err_msg=f"{name}, b {b}")
         np.testing.assert_array_equal(one_size.host["peak_bytes"], all_sizes.host["peak_bytes"])
+
+
+def test_whole_weights_held_where_each_peak_lies():
+    """`states.gathered_weights`, as the runtime's units gather their weights (ZeRO-3) or fetch
+    them (offloaded weights): a unit's around its use with the next one's on their way, the
+    embedding kept through the step when the head on the stage shares its table, and a stage's
+    last unit kept from its forward to its backward while a pipeline's warm-up forwards run. The
+    former rule, twice the largest unit everywhere, missed the kept table (GPT-3 7B with ZeRO-3 on
+    one stage: its table and two blocks, 0.38 GB more in bf16) and the kept last block."""
+    from mist.simulate.states import gathered_weights
+
+    b, e, h = 10.0, 7.0, 1.0  # a block's, the embedding's, the (tied) head's whole weights
+    one_stage = gathered_weights(np.array([4]), b, e, h, keep_pre=True, keep_last=0)
+    assert float(one_stage.block_bwd[0]) == 2 * b + e  # two blocks and the kept table
+    assert float(one_stage.block_fwd[0]) == 2 * b + e
+    assert float(one_stage.head_bwd[0]) == h + b + e  # the head, the last block on its way, the table
+    assert float(one_stage.head_fwd[0]) == h + e
+    assert float(one_stage.pre_bwd[0]) == e
+    # a first pipeline stage in its warm-up keeps its last block (no head, untied)
+    warm = gathered_weights(np.array([3]), b, e, None, keep_pre=False, keep_last=1)
+    assert float(warm.block_fwd[0]) == 3 * b and float(warm.block_bwd[0]) == 2 * b
+    assert float(warm.pre_fwd[0]) == e + 2 * b
+    steady = gathered_weights(np.array([3]), b, e, None, keep_pre=False, keep_last=0)
+    assert float(steady.block_fwd[0]) == 2 * b
+    # offloaded weights only: the embedding and the head keep theirs (0), blocks fetch
+    off = gathered_weights(np.array([2]), b, 0.0, 0.0, keep_pre=False, keep_last=0)
+    assert float(off.block_bwd[0]) == 2 * b and float(off.head_bwd[0]) == b and float(off.pre_fwd[0]) == b

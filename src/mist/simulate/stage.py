@@ -47,7 +47,7 @@ import numpy as np
 
 from mist.hardware.interference import overlap_time
 from mist.models.checkpointing import selective_name
-from mist.rules.flat_units import materializes_weights, regathers_weights
+from mist.rules.flat_units import materializes_weights, regathers_weights, unit_lengths
 from mist.rules.grad_accumulation import accumulates_in_place_by_level, flattening_bytes, reduction_in_flight_bytes
 from mist.rules.offload_split import (
     device_elements,
@@ -648,17 +648,21 @@ class StageModel:
         )
         z = np.zeros(k.shape)
         end_w, end_g, end_o = z.copy(), z.copy(), z.copy()
-        w_max = k.W
         piece = unit_step_piece(k.P, k.dp, k.zero, k.offload_grads, k.offload_optimizer, k.G, pr)
+        # a unit's whole weights where it gathers (ZeRO-3) or fetches (offloaded weights) them
+        # around its use: the padded flat buffer (the embedding and the head are never offloaded)
+        whole = lambda params: pr.weight_bytes * unit_lengths(params, np.asarray(k.dp, dtype=np.float64), z, k.G)[0]  # noqa: E731
+        gathered = {"block": np.where((k.zero >= 3) | (k.offload_weights > 0), whole(k.P), 0.0) + z}
         for e in parts:
             # the embedding / head are not offloaded (their fractions are 0)
             uw, ug, uo = unit_states(e.params, k.dp, k.zero, 0.0, 0.0, 0.0, k.G, pr)
             end_w, end_g, end_o = end_w + uw, end_g + ug, end_o + uo
-            w_max = max(w_max, pr.weight_bytes * e.params)
             piece = np.maximum(piece, unit_step_piece(e.params, k.dp, k.zero, 0.0, 0.0, k.G, pr))
-        # double buffers of gathered / fetched weights (the gradient path's transient buffers
-        # depend on the phase: `ActivationTerms`)
-        buffers = (2 * w_max * ((k.zero >= 3) | (k.offload_weights > 0))).astype(np.float64)
+            gathered[e.part] = np.where(k.zero >= 3, whole(e.params), 0.0) + z
+        # the runtime keeps a word table shared with the head on the same stage gathered from the
+        # embedding's forward to its backward (`Trainer`: one stage holds both)
+        names = {e.part for e in parts}
+        keep_pre = bool(self.spec.tie_embeddings and names == {"pre", "post"})
         return StateTerms(
             layer_weights=layer_w,
             layer_grads=layer_g,
@@ -666,7 +670,10 @@ class StageModel:
             end_weights=end_w,
             end_grads=end_g,
             end_optimizer=end_o,
-            buffers=buffers,
+            gathered_block=gathered["block"],
+            gathered_pre=gathered.get("pre"),
+            gathered_post=gathered.get("post"),
+            keep_pre=keep_pre,
             step_piece=piece + 0 * z,
         )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import reduce
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from mist.simulate.stage_records import (
     StageResult,
     ZeroBubbleHeld,
 )
+from mist.simulate.states import Gathered, gathered_weights
 
 
 def as_floats(x):
@@ -119,12 +119,17 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     weights = layers * s.layer_weights + s.end_weights
     grads = layers * s.layer_grads + s.end_grads
     opt = layers * s.layer_optimizer + s.end_optimizer
-    buffers = s.buffers
     ck = n_ck >= 1  # the last block is checkpointed whenever any is
     blocks_saved = (layers - n_ck) * a.saved + n_ck * a.saved_ckpt
     A_last = np.where(ck, a.saved_ckpt, a.saved)
     saved_mb = blocks_saved + a.pre_saved
-    states = weights + grads + opt + buffers
+    # whole unit weights gathered or fetched around their use, where each peak can lie; the
+    # stage's last unit is also kept from a forward to its backward while the next micro-batch's
+    # forward runs (earlier ones held)
+    buf = gathered_weights(
+        layers, s.gathered_block, s.gathered_pre, s.gathered_post, s.keep_pre, np.asarray(in_flight) >= 1
+    )
+    states = weights + grads + opt
     # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
     # runs the last stage's backward right after its forward) and its output gradients
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
@@ -136,7 +141,7 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
-    fwd_act, bwd_act = _transient_peaks(a, saved_mb, A_last, ck, layers, b_pass)
+    fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(a, saved_mb, A_last, ck, layers, buf, b_pass)
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)
@@ -156,14 +161,16 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
 
     def breakdown() -> dict:
         at_step = step_peak > np.maximum(fwd_peak, bwd_peak)
-        act_held = np.where(at_step, 0.0, base_act + np.minimum(saved_mb, np.maximum(fwd_act, bwd_act)))
+        buffers = np.where(at_step, 0.0, np.where(fwd_peak >= bwd_peak, buffers_fwd, buffers_bwd)) + 0 * peak
+        act = np.maximum(fwd_act - buffers_fwd, bwd_act - buffers_bwd)
+        act_held = np.where(at_step, 0.0, base_act + np.minimum(saved_mb, act))
         return {
             "weights_bytes": weights + 0 * peak,
             "grads_bytes": grads + 0 * peak,
             "optimizer_bytes": opt + 0 * peak,
-            "buffers_bytes": buffers + 0 * peak,
+            "buffers_bytes": buffers,
             "activations_bytes": act_held,
-            "transient_bytes": peak - states - act_held,
+            "transient_bytes": peak - states - buffers - act_held,
         }
 
     return _Memory(
@@ -178,16 +185,18 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     )
 
 
-def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, b_pass=None):
+def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gathered, b_pass=None):
     """Activations live at the forward and at the backward peak on top of the held ones: the
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
     below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
     embedding's, and the gradient path's at each (`A_last`: the last block's saved bytes).
     Under ZB-H1 (`b_pass`: what each block above keeps beyond its saved activations once its B is
     done, and what the head keeps) a block's B runs with the B of those above it done: the last
-    block's with the head's, the lowest with every other block's."""
+    block's with the head's, the lowest with every other block's. Each candidate has the whole
+    unit weights held where it lies (`buf`: `states.gathered_weights`) on top; returned: the
+    forward's and the backward's peak, and the weights held at each."""
     cur_before_last = saved_mb - A_last
-    fwd_cands = [cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak)]
+    fwd_cands = [(cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak), buf.block_fwd)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
     gp = a.grads
     # with a shared word table the head's weight gradient waits through the blocks' backward for
@@ -198,26 +207,39 @@ def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, b_pass=No
     # gradients once its backward is done (its saved activations gone, its input gradient made)
     # (a term that is 0 for every candidate adds no candidate: in place, none of them exists)
     on = lambda x: bool(np.any(x))  # noqa: E731
-    bwd_cands = [last_bwd + gp.post_in_flight if on(gp.post_in_flight) else last_bwd]
+    blk = buf.block_bwd
+    bwd_cands = [(last_bwd + gp.post_in_flight if on(gp.post_in_flight) else last_bwd, blk)]
     if on(gp.block_in_flight):
-        bwd_cands.append(np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0))
+        bwd_cands.append((np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0), blk))
     if on(gp.block_flattened):
-        bwd_cands.append(cur_before_last + a.x_in + gp.block_flattened + a.tied_grad)
+        bwd_cands.append((cur_before_last + a.x_in + gp.block_flattened + a.tied_grad, blk))
     if b_pass is not None:
         above, head = b_pass
-        bwd_cands.append(last_bwd + head + np.maximum((layers - 1) * above, 0.0))
+        bwd_cands.append((last_bwd + head + np.maximum((layers - 1) * above, 0.0), blk))
     if a.post_fwd is not None:
-        fwd_cands.append(saved_mb + a.x_in + a.post_fwd)
-        bwd_cands.append(saved_mb + a.post_bwd)
+        fwd_cands.append((saved_mb + a.x_in + a.post_fwd, buf.head_fwd))
+        bwd_cands.append((saved_mb + a.post_bwd, buf.head_bwd))
         if on(gp.post_flattened):
-            bwd_cands.append(saved_mb + a.x_in + gp.post_flattened)
+            bwd_cands.append((saved_mb + a.x_in + gp.post_flattened, buf.head_bwd))
     if a.pre_peaks is not None:
-        fwd_cands.append(a.pre_peaks[0] + 0 * saved_mb)
-        bwd_cands.append(a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + 0 * saved_mb)
+        fwd_cands.append((a.pre_peaks[0] + 0 * saved_mb, buf.pre_fwd))
+        bwd_cands.append((a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + 0 * saved_mb, buf.pre_bwd))
         if on(gp.pre_flattened):
-            bwd_cands.append(gp.pre_flattened + 0 * saved_mb)
-    # (pairwise maxima broadcast as they go: no stacked copy of every candidate)
-    return reduce(np.maximum, fwd_cands), reduce(np.maximum, bwd_cands)
+            bwd_cands.append((gp.pre_flattened + 0 * saved_mb, buf.pre_bwd))
+    fwd, fwd_w = _with_weights(fwd_cands)
+    bwd, bwd_w = _with_weights(bwd_cands)
+    return fwd, bwd, fwd_w, bwd_w
+
+
+def _with_weights(cands) -> tuple[np.ndarray, np.ndarray]:
+    """The largest of (activations, whole weights held) candidates counted together, and the
+    weights held at it (pairwise maxima broadcast as they go: no stacked copy of every candidate)."""
+    best, held = cands[0][0] + cands[0][1], cands[0][1] + 0 * cands[0][0]
+    for act, w in cands[1:]:
+        total = act + w
+        held = np.where(total > best, w, held)
+        best = np.maximum(best, total)
+    return best, held
 
 
 def _host_memory(h: HostTerms, layers, n_ck, in_flight) -> dict:

@@ -192,7 +192,14 @@ class StateTerms:
     end_weights: np.ndarray  # the embedding and the head together
     end_grads: np.ndarray
     end_optimizer: np.ndarray
-    buffers: np.ndarray  # gathered / fetched weights
+    # whole unit weights gathered (ZeRO-3) or fetched (offloaded weights) around their use:
+    # a block's, the embedding's and the head's (0 where the unit keeps its weights; None where the
+    # stage has no such unit), and whether the embedding stays gathered from its forward to its
+    # backward (a word table shared with the head on the stage): `states.gathered_weights`
+    gathered_block: np.ndarray
+    gathered_pre: np.ndarray | None
+    gathered_post: np.ndarray | None
+    keep_pre: bool
     step_piece: np.ndarray  # the optimizer step's largest fp32 gradient piece over the units
 
 

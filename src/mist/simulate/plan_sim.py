@@ -186,7 +186,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | 
     for r, (m, st, cs) in enumerate(zip(models, inputs, per_chunk)):
         saved = np.array([float(c.saved_per_microbatch[0]) for c in cs])
         held = float(interleaved_in_flight(r, plan.num_stages, plan.micro_batches, saved))
-        results.append(m.evaluate(replace(st, in_flight=held)))
+        results.append(m.evaluate(replace(st, in_flight=held, chunks=plan.virtual_stages)))
     chunks = _Chunks(
         *(
             np.array([[float(getattr(c, k)[0]) for c in cs] for cs in per_chunk])

@@ -29,15 +29,22 @@ def as_floats(x):
 
 
 def compose(
-    comp: StageComponents, layers, recompute, in_flight, G: int, waiting: ZeroBubbleHeld | None = None
+    comp: StageComponents,
+    layers,
+    recompute,
+    in_flight,
+    G: int,
+    waiting: ZeroBubbleHeld | None = None,
+    chunks: int = 1,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
-    `components` (all arrays broadcast against each other)."""
+    `components` (all arrays broadcast against each other); `chunks`: the model chunks an
+    interleaved rank runs (for its memory: each keeps its last unit through the warm-up)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -114,7 +121,9 @@ class _Memory:
     saved_peak: np.ndarray
 
 
-def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleHeld | None = None) -> _Memory:
+def _memory(
+    comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleHeld | None = None, chunks: int = 1
+) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
     grads = layers * s.layer_grads + s.end_grads
@@ -125,10 +134,10 @@ def _memory(comp: StageComponents, layers, n_ck, in_flight, waiting: ZeroBubbleH
     saved_mb = blocks_saved + a.pre_saved
     # whole unit weights gathered or fetched around their use, where each peak can lie; the
     # stage's last unit is also kept from a forward to its backward while the next micro-batch's
-    # forward runs (earlier ones held)
-    buf = gathered_weights(
-        layers, s.gathered_block, s.gathered_pre, s.gathered_post, s.keep_pre, np.asarray(in_flight) >= 1
-    )
+    # forward runs (earlier ones held): an interleaved rank's every chunk's, counted as that many
+    # (a bound: one of them may be in the pair already)
+    kept_last = chunks * (np.asarray(in_flight) >= 1)
+    buf = gathered_weights(layers, s.gathered_block, s.gathered_pre, s.gathered_post, s.keep_pre, kept_last)
     states = weights + grads + opt
     # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
     # runs the last stage's backward right after its forward) and its output gradients

@@ -39,6 +39,7 @@ class StageInput:
     # ZB-H1 (`simulate.zero_bubble`): how many of those wait for their weight-gradient pass W, and
     # the output gradients each keeps for it; they also keep the head's saved activations
     waiting: ZeroBubbleHeld | None = None
+    chunks: int = 1  # model chunks of an interleaved rank evaluated whole (its memory)
 
 
 @dataclass(frozen=True)

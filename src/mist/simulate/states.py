@@ -87,8 +87,9 @@ def gathered_weights(layers, block, pre, post, keep_pre: bool, keep_last) -> Gat
 
     - `keep_pre`: the embedding, whose word table the head on the same stage also uses, from its
       forward to its backward (`FlatUnit.keep_until_backward`);
-    - `keep_last` (0/1, per candidate): the stage's last unit, kept from its forward to its
-      backward while later micro-batches' forwards run (a pipeline's warm-up); none in a backward.
+    - `keep_last` (per candidate: how many): the stage's last unit, kept from its forward to its
+      backward while later micro-batches' forwards run (a pipeline's warm-up; an interleaved
+      rank's chunks each keep theirs); none in a backward.
 
     `block`, `pre`, `post`: a unit's whole weights in bytes where it gathers or fetches them, else
     0 (`pre`/`post` None on a stage without the embedding / the head). A block's forward takes the

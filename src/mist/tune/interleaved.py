@@ -81,7 +81,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         res = {kind: compose(tables.components(tp, dp, b, *kind, sel)[1], lc, ks[None, :], 0, G) for kind in set(kinds)}
         shape = np.broadcast_shapes(*(x.T.shape for x in res.values()))
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
-        mem = compose(comp, lc * v, v * ks[None, :], interleaved_in_flight(r, pp, G, saved), G)
+        mem = compose(comp, lc * v, v * ks[None, :], interleaved_in_flight(r, pp, G, saved), G, chunks=v)
         tables.evaluated += mem.T.size
         ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()
         if tables.host_cap is not None and ok.any():

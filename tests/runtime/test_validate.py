@@ -251,14 +251,21 @@ def test_a_pipelines_sends_are_released_as_they_are_used(tmp_path, layers, G):
     back, and a sent gradient once the next one is sent (`runtime.p2p.Sends`); the simulator
     holds each earlier in-flight micro-batch's output on a stage with a next stage, and one sent
     gradient on a stage with a previous one (measured within 0.12 %)."""
+    errors = _pipeline_allocator_errors(tmp_path, "1f1b", layers, G, b=1)
+    assert all(abs(e) < 0.003 for e in errors), errors
+
+
+def _pipeline_allocator_errors(tmp_path, schedule: str, layers, G: int, b: int, model: str = "loop-gpt") -> list:
+    """A CPU loop model over one worker per stage (`layers` blocks each), traced: each stage's
+    allocator-peak error."""
     from dataclasses import replace
 
-    plan, _ = _loop_gpt_plan(tmp_path, G=G, b=1)
+    plan, _ = _loop_gpt_plan(tmp_path, G=G, b=b, model=model)
     stage = replace(plan.stages[0], gpus_per_node=1, dp=1)
     plan = replace(
         plan,
-        schedule="1f1b",
-        training=replace(plan.training, global_batch=G),
+        schedule=schedule,
+        training=replace(plan.training, global_batch=G * b),
         cluster=replace(plan.cluster, gpus_per_node=len(layers)),
         stages=[replace(stage, layers=n) for n in layers],
     )
@@ -267,7 +274,7 @@ def test_a_pipelines_sends_are_released_as_they_are_used(tmp_path, layers, G):
     r = _traced(path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
-    assert all(abs(e) < 0.003 for e in out["errors"]["allocator_peak"]), out["errors"]["allocator_peak"]
+    return out["errors"]["allocator_peak"]
 
 
 @pytest.mark.parametrize("model", ["loop-gpt", "loop-llama"])
@@ -280,23 +287,8 @@ def test_a_zero_bubble_last_stages_weight_pass_peak_is_the_predicted_one(tmp_pat
     LayerNorm's weight gradient was made in W from an output gradient that B recorded and W held,
     3·b·s·h of them a micro-batch (GPT bf16 −0.80 %). B now makes the norms' weight gradients
     (`runtime.zero_bubble`) and the simulator releases what W does (`analysis.weight_pass`)."""
-    from dataclasses import replace
-
-    plan, _ = _loop_gpt_plan(tmp_path, G=4, b=2, model=model)
-    stage = replace(plan.stages[0], gpus_per_node=1, dp=1)
-    plan = replace(
-        plan,
-        schedule="zb-h1",
-        training=replace(plan.training, global_batch=8),
-        cluster=replace(plan.cluster, gpus_per_node=2),
-        stages=[replace(stage, layers=3), replace(stage, layers=1)],
-    )
-    path = tmp_path / "zb.json"
-    plan.save(path)
-    r = _traced(path)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout[r.stdout.index("{") :])
-    assert all(abs(e) < 0.003 for e in out["errors"]["allocator_peak"]), out["errors"]["allocator_peak"]
+    errors = _pipeline_allocator_errors(tmp_path, "zb-h1", (3, 1), G=4, b=2, model=model)
+    assert all(abs(e) < 0.003 for e in errors), errors
 
 
 def test_zero_3_holds_the_shared_table_and_two_blocks_where_the_head_backward_peaks(tmp_path):

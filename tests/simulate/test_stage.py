@@ -276,7 +276,8 @@ def test_whole_weights_held_where_each_peak_lies():
     embedding kept through the step when the head on the stage shares its table, and a stage's
     last unit kept from its forward to its backward while a pipeline's warm-up forwards run. The
     former rule, twice the largest unit everywhere, missed the kept table (GPT-3 7B with ZeRO-3 on
-    one stage: its table and two blocks, 0.38 GB more in bf16) and the kept last block."""
+    one stage, at a block's backward: its table and two blocks, 0.38 GB more in bf16) and the kept
+    last block."""
     from mist.simulate.states import gathered_weights
 
     b, e, h = 10.0, 7.0, 1.0  # a block's, the embedding's, the (tied) head's whole weights

@@ -114,11 +114,11 @@ def gathered_weights(layers, block, pre, post, keep_pre: bool, keep_last) -> Gat
     # released its weights once its gradients were reduced)
     after = np.where(one, b, q)
     last_is_after = (L == 0) | ((L == 1) & (not has_post))
-    pre_fwd = (p + after + np.where(last_is_after, 0.0, kl * last)) if has_pre else 0.0 * b
-    pre_bwd = p + 0.0 * b if has_pre else 0.0 * b
+    pre_fwd = p + after + np.where(last_is_after, 0.0, kl * last) if has_pre else 0.0
+    pre_bwd = p if has_pre else 0.0
     # the head's forward alone (the block before released once it ran); its backward with the
     # block below on its way
-    head_fwd = (q + np.where(one, kp, 0.0)) + 0.0 * b if has_post else 0.0 * b
-    head_bwd = (q + np.where(one, b + kp, p)) if has_post else 0.0 * b
-    z = 0.0 * L * b
+    head_fwd = q + np.where(one, kp, 0.0) if has_post else 0.0
+    head_bwd = q + np.where(one, b + kp, p) if has_post else 0.0
+    z = 0.0 * L * b  # (every field broadcast to the candidates)
     return Gathered(*(x + z for x in (block_fwd, block_bwd, head_fwd, head_bwd, pre_fwd, pre_bwd)))

@@ -247,10 +247,12 @@ def test_a_pipelines_sends_are_released_as_they_are_used(tmp_path, layers, G):
     sent tensors (a stage with a next stage its outputs, one with a previous stage its input
     gradients) to the end of the step, so its peak grew with the micro-batches: −0.9 % and −1.5 %
     against the prediction over 2 stages with G 8; −0.8 %, −4.7 % (the middle stage, which sends
-    both) and −0.9 % over 3 with G 6. A micro-batch's output is now released once its gradient is
-    back, and a sent gradient once the next one is sent (`runtime.p2p.Sends`); the simulator
-    holds each earlier in-flight micro-batch's output on a stage with a next stage, and one sent
-    gradient on a stage with a previous one (measured within 0.12 %)."""
+    both) and −0.9 % over 3 with G 6. A sent gradient is now released once the next one is sent
+    (`runtime.p2p.Sends`), and a micro-batch's output once its receivers have it (its backward runs
+    from its autograd edge, `runtime.p2p.SentOutput`): the simulator holds one sent gradient on a
+    stage with a previous stage and no output on one with a next stage (measured within 0.12 %;
+    a runtime that kept the outputs to their backward fails here: +0.5 % on the first of 2
+    stages, +1.1 % on the middle of 3)."""
     errors = _pipeline_allocator_errors(tmp_path, "1f1b", layers, G, b=1)
     assert all(abs(e) < 0.003 for e in errors), errors
 

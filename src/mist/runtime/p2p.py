@@ -6,14 +6,23 @@ An activation piece goes with a header (its shape and dtype) so that the receive
 the tensor before the data arrives; a gradient has the shape of the activation it belongs to.
 Sends are non-blocking (appended to a list of (work, tensor)); receives block, piece by piece in
 row order. A send's tensor is held until its work is waited for: `Sends` says when.
+
+A stage's output is needed only as the root of its backward once its receivers have it: the
+non-interleaved schedules wait for its pieces right after sending them and keep its autograd edge
+instead (`SentOutput`), so that its data is freed then, not at its gradient's return, as Megatron-LM
+deallocates its pipeline outputs. On a GPU the wait orders the compute stream after the send and
+blocks nothing; on gloo it returns when the next stage has posted the receive, which a 1F1B or
+ZB-H1 stage's next blocking receive would wait for anyway (the order's waits stay acyclic).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from mist.runtime.handoff import Piece
 
@@ -68,7 +77,21 @@ def recv_activation(pieces, rows: int, tag: Tag, device) -> torch.Tensor:
     return x.requires_grad_(x.is_floating_point())
 
 
-def recv_gradient(out: torch.Tensor, pieces, tag: Tag, device, scale: float = 1.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class SentOutput:
+    """A sent output without its data: the edge its backward runs from, its shape and dtype (what
+    its gradient is received as). Its storage is freed with the tensor unless autograd saved it."""
+
+    edge: GradientEdge
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, out: torch.Tensor) -> SentOutput:
+        return cls(get_gradient_edge(out), out.shape, out.dtype)
+
+
+def recv_gradient(out: torch.Tensor | SentOutput, pieces, tag: Tag, device, scale: float = 1.0) -> torch.Tensor:
     """The gradient of this rank's output `out`, from the next stage's ranks, times `scale`."""
     grad = torch.empty(out.shape, dtype=out.dtype, device=device)
     for p in pieces:
@@ -110,6 +133,12 @@ class Sends:
     def release_activation(self, key) -> None:
         for work, _ in self._activations.pop(key, ()):
             work.wait()
+
+    def delivered(self, key, out: torch.Tensor) -> SentOutput:
+        """Micro-batch `key`'s output, sent: its pieces waited for now and released, the output
+        kept as its edge (the caller drops the tensor, and with it the data)."""
+        self.release_activation(key)
+        return SentOutput.of(out)
 
     def gradient_list(self) -> list:
         """The list that the next gradient's pieces go in; the last one's are released first."""

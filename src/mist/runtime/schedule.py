@@ -130,18 +130,17 @@ class PipelineSchedule:
         losses: list[torch.Tensor] = []
 
         def forward(g: int) -> None:
-            self._forward(runner, micro_batches, g, span, sends.activation_list(g), inflight, losses)
+            self._forward(runner, micro_batches, g, span, sends, inflight, losses)
 
         def backward(g: int) -> None:
             x, out, act = inflight.pop(g)
             grad = None if last else self._recv_grad(out, g)
-            sends.release_activation(g)
             with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if last:
                     (out * (loss_scale / G)).backward()
                 else:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out.edge, grad)
                 runner.end_backward(act)
             if not first:
                 self._send_grad(x.grad if x.grad is not None else torch.zeros_like(x), g, sends.gradient_list())
@@ -151,9 +150,12 @@ class PipelineSchedule:
         sends.finish()
         return losses
 
-    def _forward(self, runner: StageRunner, micro_batches, g: int, span, pending: list, inflight: dict, losses: list):
+    def _forward(
+        self, runner: StageRunner, micro_batches, g: int, span, sends: p2p.Sends, inflight: dict, losses: list
+    ):
         """Micro-batch g's forward: its input received (or its tokens), its output sent on (or its
-        loss kept); `inflight[g]` = (input, output, the activation bytes it saved)."""
+        loss kept); `inflight[g]` = (input, output — once sent, a `p2p.SentOutput` — the activation
+        bytes it saved)."""
         first, last = self.i == 0, self.i == self.stages - 1
         tokens, targets = micro_batches[g]
         x = tokens if first else self._recv_act(g)
@@ -163,9 +165,10 @@ class PipelineSchedule:
             act = runner.saved.memory.activations - before
         if last:
             losses.append(out.detach())
+            inflight[g] = (x, out, act)
         else:
-            self._send_act(out, g, pending)
-        inflight[g] = (x, out, act)
+            self._send_act(out, g, sends.activation_list(g))
+            inflight[g] = (x, sends.delivered(g, out), act)
 
     @torch.no_grad()
     def forward_only(self, runner: StageRunner, micro_batches) -> list[torch.Tensor]:

@@ -124,14 +124,15 @@ class _WeightPass:
 
     def __init__(
         self,
-        root: torch.Tensor,
+        root: torch.Tensor | GradientEdge,
         x: torch.Tensor,
         params: Sequence[torch.Tensor],
         in_b: Sequence[torch.Tensor] = (),
     ):
-        self.root: torch.Tensor | None = root
+        # (a stage's output is kept as its edge once sent: `p2p.SentOutput`)
+        self.root: torch.Tensor | GradientEdge | None = root
         self.params = list(params)
-        rev = _parents(root.grad_fn)
+        rev = _parents(root.node if isinstance(root, GradientEdge) else root.grad_fn)
         path, _ = _upward(_accumulator(x), rev, set())
         owned: dict = defaultdict(list)  # frontier node -> the parameters it reaches off the path
         for p in self.params:
@@ -264,13 +265,12 @@ class ZeroBubbleSchedule(PipelineSchedule):
         in_b = [p for p in params if id(p) in norm_ids]
 
         def forward(g: int) -> None:
-            self._forward(runner, micro_batches, g, span, sends.activation_list(g), inflight, losses)
+            self._forward(runner, micro_batches, g, span, sends, inflight, losses)
 
         def input_grad(g: int) -> None:
             x, out, act = inflight.pop(g)
             grad = None if last else self._recv_grad(out, g)
-            sends.release_activation(g)
-            root = out * (loss_scale / G) if last else out
+            root = out * (loss_scale / G) if last else out.edge
             if first:  # nothing upstream: the whole backward runs at W, right after
                 waiting[g] = (root, grad, None, act)
                 return

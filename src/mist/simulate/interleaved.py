@@ -26,6 +26,7 @@ imbalanced pipelines.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -186,3 +187,11 @@ def interleaved_in_flight(rank: int, ranks: int, G: int, saved):
     equal = np.full(total.shape, chunks_in_flight(rank, ranks, v, G) / v)
     held = np.divide(held_saved_peak(rank, ranks, G, saved), total, out=equal, where=total > 0)
     return held - 1
+
+
+def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
+    """An interleaved rank's `StageInput` from its plain one `st`: its in-flight count and its
+    chunks (v, the last axis of its chunks' `saved` per micro-batch), which set what it holds
+    beside its saved activations (each chunk's last unit, every in-flight output)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    return replace(st, in_flight=float(interleaved_in_flight(rank, ranks, G, saved)), chunks=saved.shape[-1])

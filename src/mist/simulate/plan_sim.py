@@ -30,7 +30,7 @@ from mist.rules.compiled_blocks import compile_mode
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
-from mist.simulate.interleaved import interleaved_event_schedule, interleaved_in_flight, interleaved_recurrence
+from mist.simulate.interleaved import interleaved_event_schedule, interleaved_rank_input, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
 from mist.simulate.precision import precision_for
 from mist.simulate.prediction import HostMemory, Prediction, StagePrediction
@@ -185,8 +185,7 @@ def _stage_results(plan: Plan, profile) -> tuple[list, _Chunks | _WeightGrads | 
     results = []
     for r, (m, st, cs) in enumerate(zip(models, inputs, per_chunk)):
         saved = np.array([float(c.saved_per_microbatch[0]) for c in cs])
-        held = float(interleaved_in_flight(r, plan.num_stages, plan.micro_batches, saved))
-        results.append(m.evaluate(replace(st, in_flight=held, chunks=plan.virtual_stages)))
+        results.append(m.evaluate(interleaved_rank_input(st, r, plan.num_stages, plan.micro_batches, saved)))
     chunks = _Chunks(
         *(
             np.array([[float(getattr(c, k)[0]) for c in cs] for cs in per_chunk])

@@ -233,9 +233,10 @@ class ActivationTerms:
     post_fwd: np.ndarray | None  # the head's peaks (last stage)
     post_bwd: np.ndarray | None
     pre_peaks: tuple | None  # the embedding's (forward, backward) peaks (first stage)
-    # a stage with a next stage: a micro-batch's output, kept from its forward to the end of its
-    # backward (the runtime runs the backward from it); a stage with a previous stage: the input
-    # gradient it sent last, kept until it sends the next one (`runtime.p2p.Sends`)
+    # a stage with a next stage: a micro-batch's output, which an interleaved rank keeps from its
+    # forward to the end of its backward (1F1B and ZB-H1 free it once sent); a stage with a
+    # previous stage: the input gradient it sent last, kept until it sends the next one
+    # (`runtime.p2p.Sends`)
     p2p_output: np.ndarray
     p2p_sent: np.ndarray
     post_saved: np.ndarray  # kept by the head

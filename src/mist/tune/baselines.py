@@ -63,7 +63,7 @@ from mist.plan import Offload, Plan, StageStrategy
 from mist.rules.compiled_blocks import compile_mode
 from mist.rules.zero_bubble_order import SCHEDULES
 from mist.simulate.gpu_fit import NEED_WORDS, need_bytes, outside_words, usable_bytes
-from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence
+from mist.simulate.interleaved import interleaved_rank_input, interleaved_recurrence
 from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import chunk_inputs, simulate_plan, stage_inputs
 from mist.simulate.precision import precision_for
@@ -286,7 +286,7 @@ class _Evaluator:
         jobs = []
         for _, m, st, i, pp, G, cks in ranks:
             saved = np.array([self._stage[ck][0] for ck in cks])
-            jobs.append((m, replace(st, in_flight=float(interleaved_in_flight(i, pp, G, saved)))))
+            jobs.append((m, interleaved_rank_input(st, i, pp, G, saved)))
         for (key, *_, cks), (peak, host) in zip(ranks, _evaluate_many(jobs, ("peak", "host_peak"))):
             self._stage[key] = _interleaved_row([self._stage[ck] for ck in cks], peak, host)
 
@@ -299,7 +299,7 @@ class _Evaluator:
             return _evaluate_many([(m, st)], _ROW_COLS)[0]
         cs = [self._chunk(m, s, c) for c in chunks]
         saved = np.array([c[0] for c in cs])
-        r = m.evaluate(replace(st, in_flight=float(interleaved_in_flight(i, pp, G, saved))))
+        r = m.evaluate(interleaved_rank_input(st, i, pp, G, saved))
         return _interleaved_row(cs, float(r.peak[0]), float(r.host["peak_bytes"][0]))
 
     def _chunk(self, m: StageModel, s: StageStrategy, c) -> tuple:

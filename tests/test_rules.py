@@ -261,7 +261,7 @@ class _Recorder:
 def _runtime_order(i, stages, G):
     sched = PipelineSchedule(G, i, stages, Links(), "cpu")
     sched._recv_act = lambda g: torch.tensor(float(g), requires_grad=True)
-    sched._recv_grad = lambda out, g: torch.ones_like(out)
+    sched._recv_grad = lambda out, g: torch.ones(out.shape, dtype=out.dtype)  # (out: a sent output)
     sched._send_act = sched._send_grad = lambda *a: None
     runner = _Recorder()
     sched.run(runner, [(torch.tensor(float(g)), None) for g in range(G)])

@@ -147,8 +147,8 @@ def _memory(
     # outputs, whose sends it waits for only when their gradients are back, and in a backward
     # the current one's (1F1B and ZB-H1 keep a sent output as its autograd edge, its data freed:
     # `runtime.p2p.SentOutput`; the gradient received for it is in the block's backward peak)
-    interleaved = chunks > 1
-    p2p = (in_flight if interleaved else 0) * a.p2p_output + a.p2p_sent
+    held_output = a.p2p_output if chunks > 1 else 0.0
+    p2p = in_flight * held_output + a.p2p_sent
     base_act = in_flight * saved_mb + held_post + held_grads + p2p
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
@@ -165,7 +165,7 @@ def _memory(
         )
         bwd_act = np.maximum(bwd_act, w_act - base_act)
     fwd_peak = states + base_act + fwd_act
-    bwd_peak = states + base_act + (a.p2p_output if interleaved else 0.0) + bwd_act
+    bwd_peak = states + base_act + held_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
     step_peak = weights + grads + opt + s.step_piece

@@ -679,7 +679,8 @@ def export(
         out.print(f"wrote {', '.join(done.files)} to {out_dir} for {to}")
     if approximate and ran != p:
         profile = load_profile(p.cluster.gpu)
-        a, b = simulate_plan(p, profile), simulate_plan(ran, profile)
+        # the nearest plan as the framework runs it (`Plan.engine`)
+        a, b = simulate_plan(p, profile), simulate_plan(replace(ran, engine=to), profile)
         err.print(
             f"approximated: the plan predicts {a.iteration_time_s:.3f} s per iteration "
             f"(fits: {a.fits}); the exported nearest plan {b.iteration_time_s:.3f} s (fits: {b.fits})"

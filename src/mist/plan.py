@@ -18,6 +18,11 @@ A plan without the two fields is a plain 1F1B plan (v = 1), and is written witho
 `schedule` "zb-h1" (written only when set) runs the zero-bubble ZB-H1 schedule instead of 1F1B:
 every backward split into its input-gradient and its weight-gradient pass, the latter deferred
 into the bubble (`mist.rules.zero_bubble_order`).
+
+`engine` (written only when not "mist") names what runs the plan: Mist's runtime, or the framework
+(`megatron`, `deepspeed`, `torchtitan`) a target space tuned it for. It prices what that engine keeps
+of a pipeline's sent outputs (`mist.rules.pipeline_outputs`); `mist train` runs any plan on Mist's
+runtime and `mist validate` predicts it as Mist's runtime runs it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import yaml
 
 from mist.checks import is_int, is_number
 from mist.errors import MistInputError
+from mist.rules.pipeline_outputs import ENGINES
 from mist.rules.zero_bubble_order import SCHEDULES, ZB_H1, zb_h1_problem
 from mist.specs.loading import load_model, load_model_dict
 from mist.specs.model import ModelSpec
@@ -40,7 +46,7 @@ from mist.userfiles import YAML_SUFFIXES, parse_json, parse_yaml, read_user_text
 
 OFFLOAD_KINDS = ("weights", "grads", "optimizer", "activations")
 PLAN_FIELDS = ("model", "cluster", "training", "micro_batches", "stages")
-OPTIONAL_PLAN_FIELDS = ("virtual_stages", "schedule")
+OPTIONAL_PLAN_FIELDS = ("virtual_stages", "schedule", "engine")
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,9 @@ class Plan:
     virtual_stages: int = 1  # model chunks per stage (v); ≥ 2 runs interleaved 1F1B
     # the pipeline schedule: "1f1b", or "zb-h1" (`rules.zero_bubble_order`: B and W split)
     schedule: str = SCHEDULES[0]
+    # what runs the plan and so sets the memory it is priced with (`rules.pipeline_outputs`):
+    # "mist" (Mist's runtime), or the framework a target space tuned it for
+    engine: str = ENGINES[0]
 
     def __post_init__(self) -> None:
         check_plan(self)
@@ -128,6 +137,8 @@ class Plan:
             d["virtual_stages"] = self.virtual_stages
         if self.schedule != SCHEDULES[0]:
             d["schedule"] = self.schedule
+        if self.engine != ENGINES[0]:
+            d["engine"] = self.engine
         d["stages"] = [s.to_dict() for s in self.stages]
         return d
 
@@ -156,6 +167,7 @@ class Plan:
             + (f", interleaved 1F1B with {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else "")
             + (", zero-bubble ZB-H1 schedule" if self.schedule == ZB_H1 else "")
             + (", compiled blocks" if t.compile_blocks else "")
+            + (f", priced as {self.engine} runs it" if self.engine != ENGINES[0] else "")
         ]
         for i, s in enumerate(self.stages):
             off = ", ".join(f"{k} {v:g}" for k, v in zip(OFFLOAD_KINDS, s.offload.as_tuple()) if v)
@@ -191,6 +203,8 @@ def check_plan(p: Plan) -> None:
     stages' batches, meshes and layers adding up to the model's and the cluster's."""
     if not p.stages:
         raise MistInputError("The plan has no stages.")
+    if p.engine not in ENGINES:
+        raise MistInputError(f"engine must be one of {', '.join(ENGINES)}, got {p.engine!r}.")
     _int("micro_batches", p.micro_batches)
     B = p.training.global_batch
     for i, s in enumerate(p.stages):
@@ -429,6 +443,7 @@ def plan_from_dict(d: dict, source: str = "plan") -> Plan:
         model_ref=ref,
         virtual_stages=d.get("virtual_stages", 1),
         schedule=d.get("schedule", SCHEDULES[0]),
+        engine=d.get("engine", ENGINES[0]),
     )
 
 

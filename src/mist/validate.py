@@ -7,7 +7,7 @@ micro-benchmarks tells whether the machine has drifted (> 10 %) since the profil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mist.checks import is_int
 from mist.errors import MistInputError
@@ -73,8 +73,9 @@ class Validation:
 
 
 def validate(plan: Plan, profile, metrics: dict, drift: dict | None = None) -> Validation:
-    """Combine a simulation of `plan` on `profile` with the runtime's `metrics`."""
-    pred = simulate_plan(plan, profile)
+    """Combine a simulation of `plan` on `profile` with the runtime's `metrics`: the plan as Mist's
+    runtime ran it (`Plan.engine` "mist", whatever framework it was tuned for)."""
+    pred = simulate_plan(replace(plan, engine="mist"), profile)
     # the runtime's step is one iteration: G micro-batches, the optimizer step included
     pairs = list(zip(pred.stages, metrics.get("stages", [])))
     errors = {

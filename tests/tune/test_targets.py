@@ -68,6 +68,7 @@ def test_tuned_plan_exports_and_full_space_is_no_slower(target, m, gpu, n, tmp_p
     res = tuned(TARGET_SPACES[target], m, gpu, n)
     assert res.plan is not None, res.infeasible_reason
     assert res.predicted.fits
+    assert res.plan.engine == target  # priced as the framework's runtime keeps sent outputs
     exporter = importlib.import_module(f"mist.export.{target}")
     assert exporter.problems(res.plan) == []
     rec = exporter.write(res.plan, tmp_path)
@@ -135,11 +136,11 @@ def test_megatron_and_torchtitan_search_virtual_stages():
     from mist.simulate.plan_sim import simulate_plan
     from mist.tune.baselines import _Evaluator
 
-    ev = _Evaluator(spec, cluster, training, profile)
+    ev = _Evaluator(spec, cluster, training, profile, engine="megatron")
     inter = [(G, st) for G, st in megatron_candidates(spec, cluster, training) if st[0].chunk_layers]
     for G, st in inter[:: max(1, len(inter) // 12)]:
         plan = ev.plan(G, st)
-        assert plan.virtual_stages == len(st[0].chunk_layers)
+        assert plan.virtual_stages == len(st[0].chunk_layers) and plan.engine == "megatron"
         c, sim = ev.cost(G, st), simulate_plan(plan, profile)
         assert c.time == pytest.approx(sim.iteration_time_s, rel=1e-12) and c.fits == sim.fits
         needs = [s.peak_memory_bytes * (1 + ALLOCATOR_MARGIN) for s in sim.stages]

@@ -12,6 +12,7 @@ whole array of candidate strategies, with the same arithmetic in the same order:
 - `optimizer_step`: the pieces an optimizer step reads a unit's gradient in, and the largest fp32
   piece it allocates on the device;
 - `pipeline_order`: the non-interleaved 1F1B order of a pipeline stage's forwards and backwards;
+- `pipeline_outputs`: whether a stage keeps the outputs it sent, by the engine that runs the plan;
 - `init_seeds`: which parameters the seeded initialisation draws from the normal distribution
   and the constants the others get;
 - `values`: the scalar-or-array arithmetic (rounding, ceiling, selection) the rules are written in.

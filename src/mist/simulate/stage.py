@@ -335,7 +335,16 @@ class StageModel:
     def evaluate(self, st: StageInput) -> StageResult:
         in_flight = earlier_in_flight(st.index, st.num_stages, st.G) if st.in_flight is None else st.in_flight
         comp = self.components(st)
-        return compose(comp, as_floats(st.layers), as_floats(st.recompute), in_flight, st.G, st.waiting, st.chunks)
+        return compose(
+            comp,
+            as_floats(st.layers),
+            as_floats(st.recompute),
+            in_flight,
+            st.G,
+            st.waiting,
+            st.chunks,
+            st.keeps_outputs,
+        )
 
     def components(self, st: StageInput) -> StageComponents:
         """Everything independent of layers, recomputed blocks and in-flight micro-batches."""

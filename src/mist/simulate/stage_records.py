@@ -40,6 +40,8 @@ class StageInput:
     # the output gradients each keeps for it; they also keep the head's saved activations
     waiting: ZeroBubbleHeld | None = None
     chunks: int = 1  # model chunks of an interleaved rank evaluated whole (its memory)
+    # whether the stage keeps its in-flight micro-batches' sent outputs (`rules.pipeline_outputs`)
+    keeps_outputs: bool = False
 
 
 @dataclass(frozen=True)

@@ -153,9 +153,12 @@ class _Cost:
 class _Evaluator:
     """Costs (G, stages) candidates exactly as simulate_plan does, memoized per stage."""
 
-    def __init__(self, model, cluster, training, profile, exact: bool = False, model_ref=None, pool=None):
+    def __init__(
+        self, model, cluster, training, profile, exact: bool = False, model_ref=None, pool=None, engine: str = "mist"
+    ):
         self.model, self.cluster, self.training, self.profile = model, cluster, training, profile
         self.exact, self.model_ref = exact, model_ref
+        self.engine = engine  # what runs the candidates (`Plan.engine`)
         self.pool: TracePool | None = pool  # traces the layers a batch of candidates reads (`warm`)
         self.capacity = float(usable_bytes(profile))
         self.host_cap = node_host_memory(cluster, profile)[0]  # per node (None: not checked)
@@ -177,6 +180,7 @@ class _Evaluator:
             stages=tuple(stages),
             model_ref=self.model_ref,
             virtual_stages=len(chunks) if chunks else 1,
+            engine=self.engine,
         )
 
     def _stage_model(self, s: StageStrategy) -> StageModel:
@@ -381,14 +385,17 @@ def _best_of(ev: _Evaluator, candidates, deadline: float):
     return best
 
 
-def _run(space: str, search, model, cluster, training, profile, time_budget, none_reason: str) -> TuneResult:
+def _run(
+    space: str, search, model, cluster, training, profile, time_budget, none_reason: str, engine: str = "mist"
+) -> TuneResult:
+    """The fastest plan that fits of the space `search` walks, its candidates run by `engine`."""
     t0 = time.monotonic()
     budget = math.inf if time_budget is None else float(time_budget)
     ref = preset_ref(model)
     traced = 0.0  # wall seconds the pools' workers spent tracing
     for exact in (False, True):
         with TracePool() as pool:
-            ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref, pool=pool)
+            ev = _Evaluator(model, cluster, training, profile, exact=exact, model_ref=ref, pool=pool, engine=engine)
             best = search(ev, t0, budget)
         traced += pool.seconds
         if best is None:

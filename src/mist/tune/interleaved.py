@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mist.plan import StageStrategy
+from mist.rules.pipeline_outputs import keeps_sent_outputs
 from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence, rank_summary
 from mist.simulate.stage_compose import compose
@@ -81,7 +82,9 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         res = {kind: compose(tables.components(tp, dp, b, *kind, sel)[1], lc, ks[None, :], 0, G) for kind in set(kinds)}
         shape = np.broadcast_shapes(*(x.T.shape for x in res.values()))
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
-        mem = compose(comp, lc * v, v * ks[None, :], interleaved_in_flight(r, pp, G, saved), G, chunks=v)
+        # the full space plans for Mist's runtime (`rules.pipeline_outputs`)
+        held = interleaved_in_flight(r, pp, G, saved)
+        mem = compose(comp, lc * v, v * ks[None, :], held, G, chunks=v, keeps_outputs=keeps_sent_outputs("mist", v))
         tables.evaluated += mem.T.size
         ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()
         if tables.host_cap is not None and ok.any():

@@ -290,7 +290,8 @@ def tune_target(
         found = _exportable(ev, enumerate_(model, cluster, training), problems, refused)
         return _best_of(ev, found, t0 + budget)
 
-    res = _run(TARGET_SPACES[target], search, model, cluster, training, profile, time_budget, "")
+    # costed as the framework's own runtime keeps a pipeline's sent outputs (`Plan.engine`)
+    res = _run(TARGET_SPACES[target], search, model, cluster, training, profile, time_budget, "", engine=target)
     if res.plan is None and res.candidates_evaluated == 0:
         why = refused[0] if refused else "no uniform power-of-two mesh and micro-batch divides the batch"
         res = replace(

@@ -1,0 +1,36 @@
+"""Whether a pipeline stage keeps the outputs it has sent until their gradients come back.
+
+A stage that is not the last sends each micro-batch's output to the next stage, and its backward
+starts from that output with the gradient the next stage returns. What the engine that runs the
+plan does with the sent tensor in between differs, and it is memory on every stage but the last:
+one b·s·h tensor per micro-batch in flight.
+
+- Mist's runtime (`runtime.p2p.SentOutput`): under 1F1B and ZB-H1 it waits for an output's sends
+  at once and keeps only its autograd edge (the data is freed); an interleaved rank waits for its
+  sends only when their gradients are back (its sends wrap around from the last rank to the first,
+  so a wait at once could close a cycle on a blocking backend), and keeps them until then.
+- Megatron-LM frees the data of every sent output in both of its schedules
+  (`deallocate_output_tensor`, with `deallocate_pipeline_outputs` set by its training loop).
+- torchtitan's schedules (`torch.distributed.pipelining`) keep each forward's outputs in the
+  stage's `fwd_cache` until its backward, and DeepSpeed's pipeline engine keeps them in its
+  `pipe_buffers["outputs"]` until its backward.
+
+The plan names its engine (`Plan.engine`): "mist" for Mist's runtime, or the framework a target
+space tuned it for, whose runtime then sets this rule.
+"""
+
+from __future__ import annotations
+
+ENGINES = ("mist", "megatron", "deepspeed", "torchtitan")
+
+
+def keeps_sent_outputs(engine: str, virtual_stages: int) -> bool:
+    """Whether a stage of a plan run by `engine` with `virtual_stages` model chunks per stage keeps
+    its in-flight micro-batches' sent outputs (and, in a backward, the current one's)."""
+    if engine == "mist":
+        return virtual_stages > 1
+    if engine == "megatron":
+        return False
+    if engine in ("deepspeed", "torchtitan"):
+        return True
+    raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")

@@ -1,0 +1,78 @@
+"""What a pipeline stage keeps of the outputs it sent depends on the engine that runs the plan
+(`mist.rules.pipeline_outputs`, `Plan.engine`): Mist's runtime and Megatron-LM free a 1F1B
+stage's sent outputs, DeepSpeed's pipeline engine and torchtitan's schedules keep every in-flight
+one until its backward; on an interleaved rank Mist's runtime keeps them and Megatron-LM frees
+them. The simulator prices exactly that difference: one stage input (b·s·h in the compute dtype)
+per kept output, on every stage but the last."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mist.errors import MistInputError
+from mist.hardware import load_profile
+from mist.plan import load_plan, plan_from_dict
+from mist.rules.pipeline_outputs import ENGINES, keeps_sent_outputs
+from mist.simulate.plan_sim import simulate_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_the_rule_per_engine():
+    assert ENGINES == ("mist", "megatron", "deepspeed", "torchtitan")
+    assert [keeps_sent_outputs(e, 1) for e in ENGINES] == [False, False, True, True]
+    assert [keeps_sent_outputs(e, 2) for e in ENGINES] == [True, False, True, True]
+    with pytest.raises(ValueError, match="unknown engine"):
+        keeps_sent_outputs("jax", 1)
+
+
+def _peaks(plan, prof):
+    return [s.peak_memory_bytes for s in simulate_plan(plan, prof).stages]
+
+
+def test_a_1f1b_stage_s_peak_grows_by_the_outputs_its_engine_keeps():
+    """llama-7b on 8 L4 (fp16), four stages, G 32: the first three stages (b 2, tp 1) hold 3, 2
+    and 1 earlier micro-batches; an engine that keeps sent outputs adds one 2·2048·4096·2-byte
+    output per held micro-batch to the forward's peak and one more (the current one's) to the
+    backward's, so each of those stages' peak grows by one of the two; the last stage sends
+    nothing."""
+    plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
+    prof = load_profile(plan.cluster.gpu)
+    mist = _peaks(plan, prof)
+    assert _peaks(replace(plan, engine="megatron"), prof) == mist
+    x = 2 * 2048 * 4096 * 2
+    for engine in ("deepspeed", "torchtitan"):
+        kept = _peaks(replace(plan, engine=engine), prof)
+        assert kept[-1] == mist[-1]
+        for i, held in enumerate((3, 2, 1)):
+            assert kept[i] - mist[i] in (held * x, (held + 1) * x), (engine, i)
+
+
+def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
+    """A 2-rank plan with 2 chunks per rank: Mist's runtime keeps an interleaved rank's sent
+    outputs, Megatron-LM frees them, so the first rank needs more under Mist's runtime: at most one
+    output per micro-batch chunk it holds in its warm-up, (pp − r − 1)·2 + (v − 1)·pp = 4, and the
+    current one's (the peak may lie in another phase without them, so the difference need not be
+    whole outputs). (The last rank's outputs are priced as a last stage's: none.)"""
+    d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
+    d["virtual_stages"] = 2
+    for s in d["stages"]:
+        s["chunk_layers"] = [s["layers"] // 2] * 2
+    plan = plan_from_dict(d)
+    prof = load_profile("l4")
+    mist, megatron = _peaks(plan, prof), _peaks(replace(plan, engine="megatron"), prof)
+    x = 2 * 2048 * 2048 * 2  # b 2, seq 2048, hidden 2048, fp16
+    assert 0 < mist[0] - megatron[0] <= 5 * x
+    assert mist[1] == megatron[1]
+
+
+def test_the_engine_is_written_only_when_not_mist_and_checked():
+    plan = load_plan(EXAMPLES / "gpt3-1.3b-2xl4-pp2.json")
+    assert "engine" not in plan.to_dict()
+    d = replace(plan, engine="torchtitan").to_dict()
+    assert d["engine"] == "torchtitan" and plan_from_dict(d).engine == "torchtitan"
+    assert "priced as torchtitan runs it" in plan_from_dict(d).summary()
+    with pytest.raises(MistInputError, match="engine must be one of mist, megatron, deepspeed, torchtitan, got 'jax'"):
+        plan_from_dict({**d, "engine": "jax"})

@@ -51,11 +51,12 @@ def test_a_1f1b_stage_s_peak_grows_by_the_outputs_its_engine_keeps():
 
 
 def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
-    """A 2-rank plan with 2 chunks per rank: Mist's runtime keeps an interleaved rank's sent
-    outputs, Megatron-LM frees them, so the first rank needs more under Mist's runtime: at most one
-    output per micro-batch chunk it holds in its warm-up, (pp − r − 1)·2 + (v − 1)·pp = 4, and the
+    """A 2-rank plan with 2 chunks per rank: every rank sends outputs (the last rank from its
+    first chunk, to the first rank's second). Mist's runtime keeps an interleaved rank's sent
+    outputs, Megatron-LM frees them, so each rank needs more under Mist's runtime: at most one
+    output per micro-batch chunk it holds in its warm-up, (pp − r − 1)·2 + (v − 1)·pp ≤ 4, and the
     current one's (the peak may lie in another phase without them, so the difference need not be
-    whole outputs). (The last rank's outputs are priced as a last stage's: none.)"""
+    whole outputs)."""
     d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
     d["virtual_stages"] = 2
     for s in d["stages"]:
@@ -64,8 +65,8 @@ def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     prof = load_profile("l4")
     mist, megatron = _peaks(plan, prof), _peaks(replace(plan, engine="megatron"), prof)
     x = 2 * 2048 * 2048 * 2  # b 2, seq 2048, hidden 2048, fp16
-    assert 0 < mist[0] - megatron[0] <= 5 * x
-    assert mist[1] == megatron[1]
+    for a, b in zip(mist, megatron):
+        assert 0 < a - b <= 5 * x
 
 
 def test_the_engine_is_written_only_when_not_mist_and_checked():

@@ -719,8 +719,11 @@ class StageModel:
             )
             if pre
             else None,
-            p2p_output=z if st.last else x_in,
-            p2p_sent=z if st.first else x_in,
+            # an interleaved rank (chunks > 1) sends outputs from every chunk but the model's last
+            # and input gradients from every chunk but the model's first, so also the last and
+            # the first rank
+            p2p_output=z if st.last and st.chunks == 1 else x_in,
+            p2p_sent=z if st.first and st.chunks == 1 else x_in,
             post_saved=post.terms.saved[post.ix] if post else z,
             tied_grad=self._shared_table_grad(pre, post, z),
             grads=self._grad_path(k, pre, post, ends_in_place),

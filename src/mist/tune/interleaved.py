@@ -77,7 +77,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
     kinds = [(r == 0 and c == 0, r == pp - 1 and c == v - 1) for c in range(v)]
     parts: list = []
     for (tp, dp, b), sel in tables.stage_choices(tp_fixed):
-        grid, comp = tables.components(tp, dp, b, r == 0, r == pp - 1, sel)
+        grid, comp = tables.components(tp, dp, b, r == 0, r == pp - 1, sel, chunks=v)
         # every chunk kind's times and saved activations (strategies × recompute)
         res = {kind: compose(tables.components(tp, dp, b, *kind, sel)[1], lc, ks[None, :], 0, G) for kind in set(kinds)}
         shape = np.broadcast_shapes(*(x.T.shape for x in res.values()))

@@ -243,9 +243,11 @@ class StageTables:
         )
 
     def components(
-        self, tp: int, dp: int, b: int, first: bool, last: bool, sel: tuple = (False, False)
+        self, tp: int, dp: int, b: int, first: bool, last: bool, sel: tuple = (False, False), chunks: int = 1
     ) -> tuple[StrategyGrid, StageComponents]:
-        key = (tp, dp, b, first, last, sel)
+        """A stage's components over the strategy grid; `chunks`: those of an interleaved rank
+        evaluated whole (`StageInput.chunks`)."""
+        key = (tp, dp, b, first, last, sel, chunks)
         if key not in self._comps:
             grid = self.strategy_grid(dp * self.cp)
             n = len(grid)
@@ -268,6 +270,7 @@ class StageTables:
                 nodes=self.nodes,
                 gpus_per_node=self.gpn,
                 cluster_gpus_per_node=self.cluster_gpn,
+                chunks=chunks,
             )
             comp = self.model(tp, sel).components(st)
             self._comps[key] = (grid, _expand(comp))

@@ -14,6 +14,7 @@ import pytest
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan, plan_from_dict
+from mist.rules.interleaved_order import gradients_sent_by_peak
 from mist.rules.pipeline_outputs import ENGINES, keeps_sent_outputs
 from mist.simulate.plan_sim import simulate_plan
 
@@ -56,7 +57,7 @@ def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     outputs, Megatron-LM frees them, so each rank needs more under Mist's runtime: at most one
     output per micro-batch chunk it holds in its warm-up, (pp − r − 1)·2 + (v − 1)·pp ≤ 4, and the
     current one's (the peak may lie in another phase without them, so the difference need not be
-    whole outputs)."""
+    whole outputs); and Mist's runtime holds the input gradients it sent as well."""
     d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
     d["virtual_stages"] = 2
     for s in d["stages"]:
@@ -65,8 +66,9 @@ def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     prof = load_profile("l4")
     mist, megatron = _peaks(plan, prof), _peaks(replace(plan, engine="megatron"), prof)
     x = 2 * 2048 * 2048 * 2  # b 2, seq 2048, hidden 2048, fp16
-    for a, b in zip(mist, megatron):
-        assert 0 < a - b <= 5 * x
+    for r, (a, b) in enumerate(zip(mist, megatron)):
+        # (Mist's runtime also holds the input gradients it sent: `gradients_sent_by_peak`)
+        assert 0 < a - b <= (5 + gradients_sent_by_peak(r, 2, 2, plan.micro_batches)) * x
 
 
 def test_the_engine_is_written_only_when_not_mist_and_checked():
@@ -77,3 +79,24 @@ def test_the_engine_is_written_only_when_not_mist_and_checked():
     assert "priced as torchtitan runs it" in plan_from_dict(d).summary()
     with pytest.raises(MistInputError, match="engine must be one of mist, megatron, deepspeed, torchtitan, got 'jax'"):
         plan_from_dict({**d, "engine": "jax"})
+
+
+@pytest.mark.parametrize("ranks,chunks,G", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (3, 3, 6)])
+def test_an_interleaved_rank_s_held_gradients_follow_its_order(ranks, chunks, G):
+    """The input gradients a rank has sent when it runs its last steady-state backward (the one
+    right after its last forward), played through its order (`interleaved_one_f_one_b`): the
+    backwards before it, but those of the model's first chunk (rank 0, chunk 0), which sends
+    none. Mist's runtime holds them all on an interleaved rank; the frameworks hold one."""
+    from mist.rules.interleaved_order import gradients_sent_by_peak, interleaved_one_f_one_b
+    from mist.rules.pipeline_order import FORWARD
+    from mist.rules.pipeline_outputs import holds_sent_gradients
+
+    for r in range(ranks):
+        order = interleaved_one_f_one_b(r, ranks, chunks, G)
+        last_forward = max(i for i, (kind, *_) in enumerate(order) if kind == FORWARD)
+        sent = sum(1 for kind, _, c in order[:last_forward] if kind != FORWARD and (r > 0 or c > 0))
+        if last_forward == len(order) - 1 or order[last_forward + 1][0] == FORWARD:
+            sent = 0  # no steady state: the peak comes before any backward
+        assert gradients_sent_by_peak(r, ranks, chunks, G) == sent, r
+    assert [holds_sent_gradients(e, 2) for e in ENGINES] == [True, False, False, False]
+    assert not holds_sent_gradients("mist", 1)

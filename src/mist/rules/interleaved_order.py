@@ -78,6 +78,19 @@ def interleaved_one_f_one_b(rank: int, ranks: int, chunks: int, micro_batches: i
     return tuple(ops)
 
 
+def gradients_sent_by_peak(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
+    """Input gradients rank `rank` has sent when it runs its last steady-state backward: the
+    backwards before it, less those of the model's first chunk (rank 0, chunk 0), which sends
+    none. Through the steady state a forward follows each backward, so the micro-batches in flight
+    stay at their peak while the sent gradients grow; a runtime that keeps its sent gradients to
+    the end of the step (Mist's on an interleaved rank, `runtime.p2p.Sends`) holds these then.
+    0 without a steady state."""
+    total = micro_batches * chunks
+    steady = total - interleaved_warmup(rank, ranks, chunks, micro_batches)
+    backwards = (chunk_of(i, ranks, chunks, False)[1] for i in range(max(steady - 1, 0)))
+    return sum(1 for c in backwards if rank > 0 or c > 0)
+
+
 def chunk_recompute(recompute_layers: int, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:
     """Blocks recomputed whole in each chunk of a rank that recomputes `recompute_layers` of its
     blocks: spread as evenly as the chunks allow (the last blocks of each chunk), the remainder

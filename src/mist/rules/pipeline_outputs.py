@@ -1,4 +1,5 @@
-"""Whether a pipeline stage keeps the outputs it has sent until their gradients come back.
+"""Whether a pipeline stage keeps the outputs it has sent until their gradients come back, and
+the input gradients it has sent until the end of the step.
 
 A stage that is not the last sends each micro-batch's output to the next stage, and its backward
 starts from that output with the gradient the next stage returns. What the engine that runs the
@@ -14,6 +15,12 @@ one b·s·h tensor per micro-batch in flight.
 - torchtitan's schedules (`torch.distributed.pipelining`) keep each forward's outputs in the
   stage's `fwd_cache` until its backward, and DeepSpeed's pipeline engine keeps them in its
   `pipe_buffers["outputs"]` until its backward.
+
+Input gradients: Mist's runtime waits for each one when it sends the next (it holds one besides
+the one it sends), except on an interleaved rank, which holds them all to the end of the step
+(its waits could otherwise close a cycle across the wrap-around), so its held gradients grow
+through the steady state (`rules.interleaved_order.gradients_sent_by_peak`). The frameworks are
+priced as holding one.
 
 The plan names its engine (`Plan.engine`): "mist" for Mist's runtime, or the framework a target
 space tuned it for, whose runtime then sets this rule.
@@ -34,3 +41,11 @@ def keeps_sent_outputs(engine: str, virtual_stages: int) -> bool:
     if engine in ("deepspeed", "torchtitan"):
         return True
     raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+
+
+def holds_sent_gradients(engine: str, virtual_stages: int) -> bool:
+    """Whether a stage of a plan run by `engine` keeps every input gradient it sent to the end of
+    the step (rather than the one it sent last)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+    return engine == "mist" and virtual_stages > 1

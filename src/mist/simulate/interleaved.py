@@ -31,7 +31,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from mist.rules.interleaved_order import chunks_in_flight, depends_on, held_after_forwards, interleaved_one_f_one_b
+from mist.rules.interleaved_order import (
+    chunks_in_flight,
+    depends_on,
+    gradients_sent_by_peak,
+    held_after_forwards,
+    interleaved_one_f_one_b,
+)
 from mist.rules.pipeline_order import FORWARD
 from mist.simulate.op_program import dependency_order
 from mist.simulate.pipeline import iteration_time
@@ -192,6 +198,19 @@ def interleaved_in_flight(rank: int, ranks: int, G: int, saved):
 def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
     """An interleaved rank's `StageInput` from its plain one `st`: its in-flight count and its
     chunks (v, the last axis of its chunks' `saved` per micro-batch), which set what it holds
-    beside its saved activations (each chunk's last unit, every in-flight output)."""
+    beside its saved activations (each chunk's last unit, every in-flight output), and the input
+    gradients it holds at its peak where it keeps those it sent (`st.holds_gradients`)."""
     saved = np.asarray(saved, dtype=np.float64)
-    return replace(st, in_flight=float(interleaved_in_flight(rank, ranks, G, saved)), chunks=saved.shape[-1])
+    v = saved.shape[-1]
+    return replace(
+        st,
+        in_flight=float(interleaved_in_flight(rank, ranks, G, saved)),
+        chunks=v,
+        sent_gradients=held_sent_gradients(rank, ranks, v, G) if st.holds_gradients else 1.0,
+    )
+
+
+def held_sent_gradients(rank: int, ranks: int, chunks: int, G: int) -> float:
+    """The input gradients an interleaved rank that keeps all it sent holds at its peak: those
+    sent by its last steady-state backward, at least the one sent last as any stage holds."""
+    return float(max(gradients_sent_by_peak(rank, ranks, chunks, G), 1))

@@ -344,6 +344,7 @@ class StageModel:
             st.waiting,
             st.chunks,
             st.keeps_outputs,
+            st.sent_gradients,
         )
 
     def components(self, st: StageInput) -> StageComponents:

@@ -6,11 +6,12 @@ stages and 1-19 micro-batches, as rendezvous: a forward's send completes when th
 reaches that micro-batch's forward; a gradient's send when the previous stage reaches its
 backward, and a stage waits for its last one before it sends the next (`p2p.Sends`). The
 interleaved order is not safe so (its last rank sends on to its first), which is why its ranks
-wait for their outputs' sends only when the gradients are back."""
+wait for their outputs' sends only when the gradients are back, and for their gradients' sends
+where `rules.interleaved_order.gradient_waits` says, which cannot block either."""
 
 import pytest
 
-from mist.rules.interleaved_order import interleaved_one_f_one_b
+from mist.rules.interleaved_order import gradient_waits, interleaved_one_f_one_b
 from mist.rules.pipeline_order import FORWARD, one_f_one_b
 from mist.rules.zero_bubble_order import WEIGHT_GRAD, zb_h1
 
@@ -77,3 +78,53 @@ def test_the_interleaved_order_blocks_so_and_not_when_sends_are_waited_late(stag
     ]
     assert not _completes(orders, stages * v, wait_outputs=True, wait_gradients=False)
     assert _completes(orders, stages * v, wait_outputs=False, wait_gradients=False)
+
+
+def _completes_with_gradient_waits(ranks: int, chunks: int, G: int) -> bool:
+    """The interleaved order played as above, outputs waited for when their gradients are back
+    and each gradient's send waited for just before the receive `gradient_waits` puts it at."""
+    P = ranks * chunks
+    orders = [
+        [(kind, g, c * ranks + r) for kind, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)] for r in range(ranks)
+    ]
+    waits = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]
+    pc, step = [0] * ranks, [0] * ranks
+    posted_act, sent_act, posted_grad, sent_grad = set(), set(), set(), set()
+    while True:
+        moved = False
+        for r, ops in enumerate(orders):
+            if pc[r] == len(ops):
+                continue
+            kind, g, k = ops[pc[r]]
+            if kind == FORWARD:
+                if step[r] == 0:
+                    if k > 0:
+                        # gradient (g', c') went from position c'·ranks + r to the one before it
+                        due = [(gg, cc * ranks + r - 1) for gg, cc in waits[r].get((g, k // ranks), ())]
+                        if any((q, gg) not in posted_grad for gg, q in due):
+                            continue
+                        posted_act.add((k, g))
+                        if (k - 1, g) not in sent_act:
+                            continue
+                    step[r], moved = 1, True
+                if k < P - 1:
+                    sent_act.add((k, g))
+            else:
+                if k < P - 1:
+                    posted_grad.add((k, g))
+                    if (k + 1, g) not in sent_grad:
+                        continue
+                if k > 0:
+                    sent_grad.add((k, g))
+            pc[r], step[r], moved = pc[r] + 1, 0, True
+        if all(p == len(ops) for p, ops in zip(pc, orders)):
+            return True
+        if not moved:
+            return False
+
+
+def test_the_interleaved_gradient_waits_cannot_block():
+    for ranks in range(2, 9):
+        for chunks in range(2, 5):
+            for G in range(ranks, 4 * ranks + 1, ranks):
+                assert _completes_with_gradient_waits(ranks, chunks, G), (ranks, chunks, G)

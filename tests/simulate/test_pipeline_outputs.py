@@ -14,7 +14,7 @@ import pytest
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan, plan_from_dict
-from mist.rules.interleaved_order import gradients_sent_by_peak
+from mist.rules.interleaved_order import gradients_held_at_peak
 from mist.rules.pipeline_outputs import ENGINES, keeps_sent_outputs
 from mist.simulate.plan_sim import simulate_plan
 
@@ -67,8 +67,8 @@ def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     mist, megatron = _peaks(plan, prof), _peaks(replace(plan, engine="megatron"), prof)
     x = 2 * 2048 * 2048 * 2  # b 2, seq 2048, hidden 2048, fp16
     for r, (a, b) in enumerate(zip(mist, megatron)):
-        # (Mist's runtime also holds the input gradients it sent: `gradients_sent_by_peak`)
-        assert 0 < a - b <= (5 + gradients_sent_by_peak(r, 2, 2, plan.micro_batches)) * x
+        # (Mist's runtime also holds input gradients it sent: `gradients_held_at_peak`)
+        assert 0 < a - b <= (5 + gradients_held_at_peak(r, 2, 2, plan.micro_batches)) * x
 
 
 def test_the_engine_is_written_only_when_not_mist_and_checked():
@@ -81,22 +81,28 @@ def test_the_engine_is_written_only_when_not_mist_and_checked():
         plan_from_dict({**d, "engine": "jax"})
 
 
-@pytest.mark.parametrize("ranks,chunks,G", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (3, 3, 6)])
-def test_an_interleaved_rank_s_held_gradients_follow_its_order(ranks, chunks, G):
-    """The input gradients a rank has sent when it runs its last steady-state backward (the one
-    right after its last forward), played through its order (`interleaved_one_f_one_b`): the
-    backwards before it, but those of the model's first chunk (rank 0, chunk 0), which sends
-    none. Mist's runtime holds them all on an interleaved rank; the frameworks hold one."""
-    from mist.rules.interleaved_order import gradients_sent_by_peak, interleaved_one_f_one_b
-    from mist.rules.pipeline_order import FORWARD
+@pytest.mark.parametrize("ranks,chunks", [(2, 2), (4, 2), (3, 3), (8, 4)])
+def test_an_interleaved_rank_s_held_gradients_do_not_grow_with_the_micro_batches(ranks, chunks):
+    """Mist's runtime waits for an interleaved rank's sent gradients where `gradient_waits` says:
+    what it holds when a steady-state backward starts, and what is left for the end of the step
+    (the cool-down's sends), depend on the pipeline's shape, not on G (the runtime used to hold
+    every one to the end of the step: G·v of them). The frameworks hold one."""
+    from mist.rules.interleaved_order import gradient_waits, interleaved_one_f_one_b
     from mist.rules.pipeline_outputs import holds_sent_gradients
 
     for r in range(ranks):
-        order = interleaved_one_f_one_b(r, ranks, chunks, G)
-        last_forward = max(i for i, (kind, *_) in enumerate(order) if kind == FORWARD)
-        sent = sum(1 for kind, _, c in order[:last_forward] if kind != FORWARD and (r > 0 or c > 0))
-        if last_forward == len(order) - 1 or order[last_forward + 1][0] == FORWARD:
-            sent = 0  # no steady state: the peak comes before any backward
-        assert gradients_sent_by_peak(r, ranks, chunks, G) == sent, r
+        held = [gradients_held_at_peak(r, ranks, chunks, G) for G in (2 * ranks, 4 * ranks, 8 * ranks)]
+        assert held[1] == held[2] and 0 < held[2] <= ranks * chunks, (r, held)
+        left = []
+        for G in (4 * ranks, 8 * ranks):
+            waited = [w for ws in gradient_waits(r, ranks, chunks, G).values() for w in ws]
+            sent = [
+                (g, c)
+                for kind, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)
+                if kind != "F" and (r > 0 or c > 0)
+            ]
+            assert len(set(waited)) == len(waited) and set(waited) <= set(sent)
+            left.append(len(sent) - len(waited))
+        assert left[0] == left[1] <= 2 * ranks * chunks, (r, left)
     assert [holds_sent_gradients(e, 2) for e in ENGINES] == [True, False, False, False]
     assert not holds_sent_gradients("mist", 1)

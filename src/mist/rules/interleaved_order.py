@@ -78,17 +78,54 @@ def interleaved_one_f_one_b(rank: int, ranks: int, chunks: int, micro_batches: i
     return tuple(ops)
 
 
-def gradients_sent_by_peak(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
-    """Input gradients rank `rank` has sent when it runs its last steady-state backward: the
-    backwards before it, less those of the model's first chunk (rank 0, chunk 0), which sends
-    none. Through the steady state a forward follows each backward, so the micro-batches in flight
-    stay at their peak while the sent gradients grow; a runtime that keeps its sent gradients to
-    the end of the step (Mist's on an interleaved rank, `runtime.p2p.Sends`) holds these then.
-    0 without a steady state."""
-    total = micro_batches * chunks
-    steady = total - interleaved_warmup(rank, ranks, chunks, micro_batches)
-    backwards = (chunk_of(i, ranks, chunks, False)[1] for i in range(max(steady - 1, 0)))
-    return sum(1 for c in backwards if rank > 0 or c > 0)
+def gradient_waits(rank: int, ranks: int, chunks: int, micro_batches: int) -> dict:
+    """When rank `rank` waits for the input gradients it sent: {(micro-batch, chunk) of a forward
+    that receives its input: the (micro-batch, chunk) of the backwards whose sent gradients it
+    waits for just before that receive}. Its gradients and its inputs go to and come from the same
+    rank, r − 1 (rank 0's: the last rank); a gradient is waited for before the first receive whose
+    sender, in its own order, runs that gradient's backward (which receives it) before the forward
+    that sends the input. A wait made at once (or when the next gradient is sent, as the 1F1B
+    stages do) can close a cycle across the wrap-around on a blocking backend; these cannot (played
+    as rendezvous in tests/runtime/test_send_waits.py), and they bound the gradients a rank holds by
+    its neighbour's lead rather than by the micro-batches."""
+    src = (rank - 1) % ranks
+    where = {op: i for i, op in enumerate(interleaved_one_f_one_b(src, ranks, chunks, micro_batches))}
+
+    def on_src(k: int) -> int:  # a chunk of this rank: the chunk of the position before it
+        return (k * ranks + rank - 1) // ranks
+
+    held: list[tuple[int, int]] = []
+    waits: dict = {}
+    for kind, g, c in interleaved_one_f_one_b(rank, ranks, chunks, micro_batches):
+        if kind == FORWARD:
+            if rank == 0 and c == 0:
+                continue  # the model's first chunk receives no input
+            sent_at = where[(FORWARD, g, on_src(c))]
+            now = tuple(h for h in held if where[(BACKWARD, h[0], on_src(h[1]))] < sent_at)
+            if now:
+                waits[(g, c)] = now
+                held = [h for h in held if h not in now]
+        elif rank > 0 or c > 0:  # (the model's first chunk sends no input gradient)
+            held.append((g, c))
+    return waits
+
+
+def gradients_held_at_peak(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
+    """The most input gradients rank `rank` holds (sent, not yet waited for: `gradient_waits`)
+    when a steady-state backward starts. Through the steady state a forward follows each
+    backward, so the micro-batches in flight stay at their peak there. 0 without a steady state."""
+    waits = gradient_waits(rank, ranks, chunks, micro_batches)
+    steady = micro_batches * chunks - interleaved_warmup(rank, ranks, chunks, micro_batches)
+    held, most, backwards = 0, 0, 0
+    for kind, g, c in interleaved_one_f_one_b(rank, ranks, chunks, micro_batches):
+        if kind == FORWARD:
+            held -= len(waits.get((g, c), ()))
+            continue
+        if backwards < steady:
+            most = max(most, held)
+        backwards += 1
+        held += 1 if rank > 0 or c > 0 else 0
+    return most
 
 
 def chunk_recompute(recompute_layers: int, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:

@@ -17,10 +17,10 @@ one b·s·h tensor per micro-batch in flight.
   `pipe_buffers["outputs"]` until its backward.
 
 Input gradients: Mist's runtime waits for each one when it sends the next (it holds one besides
-the one it sends), except on an interleaved rank, which holds them all to the end of the step
-(its waits could otherwise close a cycle across the wrap-around), so its held gradients grow
-through the steady state (`rules.interleaved_order.gradients_sent_by_peak`). The frameworks are
-priced as holding one.
+the one it sends), except on an interleaved rank, which waits for them where its order says
+(`rules.interleaved_order.gradient_waits`: a wait at the next send could close a cycle across the
+wrap-around), so it holds a few more (`gradients_held_at_peak`). The frameworks are priced as
+holding one.
 
 The plan names its engine (`Plan.engine`): "mist" for Mist's runtime, or the framework a target
 space tuned it for, whose runtime then sets this rule.
@@ -44,8 +44,8 @@ def keeps_sent_outputs(engine: str, virtual_stages: int) -> bool:
 
 
 def holds_sent_gradients(engine: str, virtual_stages: int) -> bool:
-    """Whether a stage of a plan run by `engine` keeps every input gradient it sent to the end of
-    the step (rather than the one it sent last)."""
+    """Whether a stage of a plan run by `engine` holds the input gradients it sent as an
+    interleaved rank of Mist's runtime does (`gradient_waits`), rather than the one it sent last."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
     return engine == "mist" and virtual_stages > 1

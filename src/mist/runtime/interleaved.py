@@ -28,7 +28,7 @@ from torch import nn
 
 from mist.models import TPGroup
 from mist.plan import Plan
-from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, interleaved_one_f_one_b
+from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, gradient_waits, interleaved_one_f_one_b
 from mist.rules.pipeline_order import FORWARD
 from mist.runtime import p2p
 from mist.runtime.flat import FlatUnit
@@ -186,8 +186,10 @@ class InterleavedSchedule:
         G = self.G
         span = _spans(timer)
         # (the last rank's activations wrap around to the first: ranks can wait on each other, so
-        # the gradients are held to the end of the step)
+        # a sent gradient is waited for only before a receive that its receiver sends after
+        # taking it: `gradient_waits`)
         sends = p2p.Sends(hold_gradients=True)
+        waits = gradient_waits(self.i, self.stages, self.v, G)
         inflight: dict[tuple[int, int], tuple] = {}
         losses: list[torch.Tensor] = []
 
@@ -195,6 +197,7 @@ class InterleavedSchedule:
             links, src, dst = self.links[c]
             runner = runners[c]
             tokens, targets = micro_batches[g]
+            sends.release_gradients(waits.get((g, c), ()))
             x = tokens if src < 0 else self._recv_act(links, g, src)
             with span("fwd", g):
                 before = runner.begin_forward()
@@ -221,7 +224,7 @@ class InterleavedSchedule:
                 runner.end_backward(act)
             if src >= 0:
                 self._send_grad(
-                    x.grad if x.grad is not None else torch.zeros_like(x), links, g, src, sends.gradient_list()
+                    x.grad if x.grad is not None else torch.zeros_like(x), links, g, src, sends.gradient_list((g, c))
                 )
 
         for kind, g, c in interleaved_one_f_one_b(self.i, self.stages, self.v, G):

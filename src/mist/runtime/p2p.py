@@ -115,16 +115,16 @@ class Sends:
     when the stage sends its next gradient (`gradient_list`): a stage then holds at most one sent
     gradient besides the one it sends, instead of every micro-batch's until the end of the step.
     The previous stage takes that gradient in its next backward, which waits for nothing more from
-    this stage (a chain of stages: no cycle), so the wait can delay but not block. The rest is
-    waited for at the end of the step (`finish`)."""
+    this stage (a chain of stages: no cycle), so the wait can delay but not block. An interleaved
+    rank (`hold_gradients`) keeps its gradients by key instead and releases them where its order
+    says (`release_gradients`, `rules.interleaved_order.gradient_waits`): its neighbours can wait on
+    each other across the wrap-around. The rest is waited for at the end of the step (`finish`)."""
 
     def __init__(self, hold_gradients: bool = False):
-        # hold_gradients: keep every gradient to the end of the step (a schedule whose neighbours
-        # can wait on each other, such as interleaved 1F1B's wrap-around from the last rank)
         self.hold_gradients = hold_gradients
         self._activations: dict = {}
         self._gradient: list = []
-        self._held: list = []
+        self._held: dict = {}
 
     def activation_list(self, key) -> list:
         """The list that micro-batch `key`'s activation pieces go in."""
@@ -140,18 +140,24 @@ class Sends:
         self.release_activation(key)
         return SentOutput.of(out)
 
-    def gradient_list(self) -> list:
-        """The list that the next gradient's pieces go in; the last one's are released first."""
+    def gradient_list(self, key=None) -> list:
+        """The list that the next gradient's pieces go in (with `hold_gradients`, kept under `key`
+        until `release_gradients`); otherwise the last one's are released first."""
         if self.hold_gradients:
-            self._held += self._gradient
-        else:
-            for work, _ in self._gradient:
-                work.wait()
+            return self._held.setdefault(key, [])
+        for work, _ in self._gradient:
+            work.wait()
         self._gradient = []
         return self._gradient
 
+    def release_gradients(self, keys) -> None:
+        """Wait for the held gradients of `keys` and drop them."""
+        for key in keys:
+            for work, _ in self._held.pop(key, ()):
+                work.wait()
+
     def finish(self) -> None:
-        for works in [*self._activations.values(), self._gradient, self._held]:
+        for works in [*self._activations.values(), self._gradient, *self._held.values()]:
             for work, _ in works:
                 work.wait()
-        self._activations, self._gradient, self._held = {}, [], []
+        self._activations, self._gradient, self._held = {}, [], {}

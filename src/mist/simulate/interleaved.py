@@ -34,7 +34,7 @@ import numpy as np
 from mist.rules.interleaved_order import (
     chunks_in_flight,
     depends_on,
-    gradients_sent_by_peak,
+    gradients_held_at_peak,
     held_after_forwards,
     interleaved_one_f_one_b,
 )
@@ -211,6 +211,7 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
 
 
 def held_sent_gradients(rank: int, ranks: int, chunks: int, G: int) -> float:
-    """The input gradients an interleaved rank that keeps all it sent holds at its peak: those
-    sent by its last steady-state backward, at least the one sent last as any stage holds."""
-    return float(max(gradients_sent_by_peak(rank, ranks, chunks, G), 1))
+    """The input gradients an interleaved rank of Mist's runtime holds at its peak (those it has
+    not waited for yet: `rules.interleaved_order.gradient_waits`), at least the one sent last as
+    any stage holds."""
+    return float(max(gradients_held_at_peak(rank, ranks, chunks, G), 1))

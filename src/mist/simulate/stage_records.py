@@ -42,8 +42,9 @@ class StageInput:
     chunks: int = 1  # model chunks of an interleaved rank evaluated whole (its memory)
     # whether the stage keeps its in-flight micro-batches' sent outputs (`rules.pipeline_outputs`)
     keeps_outputs: bool = False
-    # whether it keeps every input gradient it sent to the end of the step (`rules.pipeline_outputs`),
-    # and how many it holds at its peak then (`interleaved_rank_input`); else the one sent last
+    # whether it holds the input gradients it sent as an interleaved rank of Mist's runtime does
+    # (`rules.pipeline_outputs`), and how many at its peak (`interleaved_rank_input`); else the one
+    # sent last
     holds_gradients: bool = False
     sent_gradients: float = 1.0
 

@@ -17,11 +17,18 @@ from mist.rules.zero_bubble_order import WEIGHT_GRAD, zb_h1
 
 
 def _completes(
-    orders: list[list[tuple[str, int, int]]], positions: int, wait_outputs: bool, wait_gradients: bool
+    orders: list[list[tuple[str, int, int]]],
+    positions: int,
+    wait_outputs: bool,
+    wait_gradients: bool,
+    gradient_waits_of: list[dict] | None = None,
 ) -> bool:
     """Whether every rank gets through its (kind, micro-batch, model position) operations,
     receives blocking; with `wait_outputs` each forward's send waited for at once, with
-    `wait_gradients` each gradient's send when the rank sends its next one."""
+    `wait_gradients` each gradient's send when the rank sends its next one, with
+    `gradient_waits_of` (per rank, `gradient_waits`) each gradient's send just before the receive
+    it puts that wait at."""
+    ranks = len(orders)
     pc, step = [0] * len(orders), [0] * len(orders)
     posted_act, sent_act, posted_grad, sent_grad = set(), set(), set(), set()
     last_grad: list = [None] * len(orders)
@@ -34,6 +41,10 @@ def _completes(
             if kind == FORWARD:
                 if step[r] == 0:
                     if k > 0:
+                        # a gradient (g', c') went from position c'·ranks + r to the one before it
+                        due = () if gradient_waits_of is None else gradient_waits_of[r].get((g, k // ranks), ())
+                        if any((c * ranks + r - 1, gg) not in posted_grad for gg, c in due):
+                            continue
                         posted_act.add((k, g))
                         if (k - 1, g) not in sent_act:
                             continue
@@ -80,51 +91,17 @@ def test_the_interleaved_order_blocks_so_and_not_when_sends_are_waited_late(stag
     assert _completes(orders, stages * v, wait_outputs=False, wait_gradients=False)
 
 
-def _completes_with_gradient_waits(ranks: int, chunks: int, G: int) -> bool:
-    """The interleaved order played as above, outputs waited for when their gradients are back
-    and each gradient's send waited for just before the receive `gradient_waits` puts it at."""
-    P = ranks * chunks
-    orders = [
-        [(kind, g, c * ranks + r) for kind, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)] for r in range(ranks)
-    ]
-    waits = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]
-    pc, step = [0] * ranks, [0] * ranks
-    posted_act, sent_act, posted_grad, sent_grad = set(), set(), set(), set()
-    while True:
-        moved = False
-        for r, ops in enumerate(orders):
-            if pc[r] == len(ops):
-                continue
-            kind, g, k = ops[pc[r]]
-            if kind == FORWARD:
-                if step[r] == 0:
-                    if k > 0:
-                        # gradient (g', c') went from position c'·ranks + r to the one before it
-                        due = [(gg, cc * ranks + r - 1) for gg, cc in waits[r].get((g, k // ranks), ())]
-                        if any((q, gg) not in posted_grad for gg, q in due):
-                            continue
-                        posted_act.add((k, g))
-                        if (k - 1, g) not in sent_act:
-                            continue
-                    step[r], moved = 1, True
-                if k < P - 1:
-                    sent_act.add((k, g))
-            else:
-                if k < P - 1:
-                    posted_grad.add((k, g))
-                    if (k + 1, g) not in sent_grad:
-                        continue
-                if k > 0:
-                    sent_grad.add((k, g))
-            pc[r], step[r], moved = pc[r] + 1, 0, True
-        if all(p == len(ops) for p, ops in zip(pc, orders)):
-            return True
-        if not moved:
-            return False
-
-
 def test_the_interleaved_gradient_waits_cannot_block():
+    """Outputs waited for when their gradients are back, each gradient's send where
+    `gradient_waits` puts it (a wait when the next is sent blocks these orders)."""
     for ranks in range(2, 9):
         for chunks in range(2, 5):
             for G in range(ranks, 4 * ranks + 1, ranks):
-                assert _completes_with_gradient_waits(ranks, chunks, G), (ranks, chunks, G)
+                orders = [
+                    [(kind, g, c * ranks + r) for kind, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)]
+                    for r in range(ranks)
+                ]
+                waits = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]
+                P = ranks * chunks
+                assert _completes(orders, P, False, False, waits), (ranks, chunks, G)
+                assert not _completes(orders, P, False, True), (ranks, chunks, G)

@@ -106,3 +106,15 @@ def test_an_interleaved_rank_s_held_gradients_do_not_grow_with_the_micro_batches
         assert left[0] == left[1] <= 2 * ranks * chunks, (r, left)
     assert [holds_sent_gradients(e, 2) for e in ENGINES] == [True, False, False, False]
     assert not holds_sent_gradients("mist", 1)
+
+
+def test_validate_predicts_a_plan_as_mist_s_runtime_runs_it():
+    """`mist validate` runs any plan on Mist's runtime, so it puts the measurement next to the
+    prediction for Mist's runtime, whatever framework the plan was tuned for."""
+    from mist.validate import validate
+
+    plan = load_plan(EXAMPLES / "llama-7b-8xl4-mixed.json")
+    prof = load_profile(plan.cluster.gpu)
+    tt = replace(plan, engine="torchtitan")
+    assert simulate_plan(tt, prof).to_json() != simulate_plan(plan, prof).to_json()
+    assert validate(tt, prof, {}).predicted.to_json() == validate(plan, prof, {}).predicted.to_json()

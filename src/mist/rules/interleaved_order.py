@@ -105,7 +105,7 @@ def gradient_waits(rank: int, ranks: int, chunks: int, micro_batches: int) -> di
             if now:
                 waits[(g, c)] = now
                 held = [h for h in held if h not in now]
-        elif rank > 0 or c > 0:  # (the model's first chunk sends no input gradient)
+        elif _sends_gradient(rank, c):
             held.append((g, c))
     return waits
 
@@ -124,8 +124,14 @@ def gradients_held_at_peak(rank: int, ranks: int, chunks: int, micro_batches: in
         if backwards < steady:
             most = max(most, held)
         backwards += 1
-        held += 1 if rank > 0 or c > 0 else 0
+        held += _sends_gradient(rank, c)
     return most
+
+
+def _sends_gradient(rank: int, chunk: int) -> bool:
+    """Whether a backward of `chunk` on `rank` sends an input gradient: all but the model's first
+    chunk's (rank 0, chunk 0), which has no stage before it."""
+    return rank > 0 or chunk > 0
 
 
 def chunk_recompute(recompute_layers: int, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:

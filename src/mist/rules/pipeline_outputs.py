@@ -34,18 +34,18 @@ ENGINES = ("mist", "megatron", "deepspeed", "torchtitan")
 def keeps_sent_outputs(engine: str, virtual_stages: int) -> bool:
     """Whether a stage of a plan run by `engine` with `virtual_stages` model chunks per stage keeps
     its in-flight micro-batches' sent outputs (and, in a backward, the current one's)."""
-    if engine == "mist":
+    if _known(engine) == "mist":
         return virtual_stages > 1
-    if engine == "megatron":
-        return False
-    if engine in ("deepspeed", "torchtitan"):
-        return True
-    raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+    return engine in ("deepspeed", "torchtitan")
 
 
 def holds_sent_gradients(engine: str, virtual_stages: int) -> bool:
     """Whether a stage of a plan run by `engine` holds the input gradients it sent as an
     interleaved rank of Mist's runtime does (`gradient_waits`), rather than the one it sent last."""
+    return _known(engine) == "mist" and virtual_stages > 1
+
+
+def _known(engine: str) -> str:
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
-    return engine == "mist" and virtual_stages > 1
+    return engine

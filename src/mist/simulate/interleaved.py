@@ -206,12 +206,12 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
         st,
         in_flight=float(interleaved_in_flight(rank, ranks, G, saved)),
         chunks=v,
-        sent_gradients=held_sent_gradients(rank, ranks, v, G) if st.holds_gradients else 1.0,
+        sent_gradients=held_sent_gradients(rank, ranks, v, G, st.holds_gradients),
     )
 
 
-def held_sent_gradients(rank: int, ranks: int, chunks: int, G: int) -> float:
-    """The input gradients an interleaved rank of Mist's runtime holds at its peak (those it has
-    not waited for yet: `rules.interleaved_order.gradient_waits`), at least the one sent last as
-    any stage holds."""
-    return float(max(gradients_held_at_peak(rank, ranks, chunks, G), 1))
+def held_sent_gradients(rank: int, ranks: int, chunks: int, G: int, holds: bool) -> float:
+    """The input gradients an interleaved rank holds at its peak: where it `holds` those it sent
+    as Mist's runtime does, those it has not waited for yet (`rules.interleaved_order.
+    gradient_waits`), at least one; else the one sent last, as any stage holds."""
+    return float(max(gradients_held_at_peak(rank, ranks, chunks, G), 1)) if holds else 1.0

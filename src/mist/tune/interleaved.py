@@ -84,7 +84,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
         # the full space plans for Mist's runtime (`rules.pipeline_outputs`)
         held = interleaved_in_flight(r, pp, G, saved)
-        sent = held_sent_gradients(r, pp, v, G) if holds_sent_gradients("mist", v) else 1.0
+        sent = held_sent_gradients(r, pp, v, G, holds_sent_gradients("mist", v))
         mem = compose(
             comp,
             lc * v,

@@ -5,8 +5,8 @@ For every pipelined plan of the target spaces in `results/suite-targets.json` (M
 DeepSpeed 0.19, torchtitan 0.3), the stage peaks `simulate_plan` gives with the plan's engine set
 to its framework, divided by those it gives for Mist's runtime running the same plan. Megatron-LM
 frees every sent output; DeepSpeed's pipeline engine and torchtitan keep each until its backward;
-Mist's runtime frees them under 1F1B and keeps them on an interleaved rank, with up to two of
-the input gradients it sent (`rules.interleaved_order.gradient_waits`).
+Mist's runtime frees them under 1F1B and, on an interleaved rank, holds the few outputs and
+input gradients it has not waited for yet (`rules.interleaved_sends`).
 
     PYTHONPATH=src python benchmarks/engine_outputs.py [--out benchmarks/results/engine_outputs.md]
 """

@@ -1,73 +1,47 @@
-"""The 1F1B and ZB-H1 schedules wait for a stage's output sends right after making them
-(`runtime.p2p.SentOutput`: the output's data is freed once its receivers have it). On gloo such a
-wait returns only when the next stage has posted the receive, so it is safe only if no order of
-the stages' operations can make those waits a cycle. Played here, for every pipeline of 2-8
-stages and 1-19 micro-batches, as rendezvous: a forward's send completes when the next stage
-reaches that micro-batch's forward; a gradient's send when the previous stage reaches its
-backward, and a stage waits for its last one before it sends the next (`p2p.Sends`). The
-interleaved order is not safe so (its last rank sends on to its first), which is why its ranks
-wait for their outputs' sends only when the gradients are back, and for their gradients' sends
-where `rules.interleaved_order.gradient_waits` says, which cannot block either."""
+"""The pipeline schedules wait for their sends where no order of the stages' operations can make
+those waits a cycle (on gloo a wait returns only when the receiver has posted the receive). Played
+as rendezvous by `rules.interleaved_sends.plays_through`:
+
+- a 1F1B or ZB-H1 stage waits for an output's sends at once (`runtime.p2p.SentOutput`: its data
+  is freed once its receivers have it) and for a gradient's when it sends the next
+  (`p2p.Sends`): safe for every pipeline of 2-8 stages and 1-19 micro-batches;
+- the interleaved order is not safe so (its last rank sends on to its first): its ranks wait for
+  an output a few operations after sending it and for a gradient before a receive that its
+  receiver sends after taking it (`send_waits`), which cannot block in any shape played here."""
 
 import pytest
 
-from mist.rules.interleaved_order import gradient_waits, interleaved_one_f_one_b
-from mist.rules.pipeline_order import FORWARD, one_f_one_b
+from mist.rules.interleaved_order import interleaved_one_f_one_b
+from mist.rules.interleaved_sends import (
+    ACTIVATION,
+    GRADIENT,
+    OUTPUT_LAG,
+    RECEIVE,
+    SEND,
+    SendWaits,
+    _game,
+    gradient_waits,
+    output_waits,
+    plays_through,
+    send_waits,
+)
+from mist.rules.pipeline_order import BACKWARD, FORWARD, one_f_one_b
 from mist.rules.zero_bubble_order import WEIGHT_GRAD, zb_h1
 
 
-def _completes(
-    orders: list[list[tuple[str, int, int]]],
-    positions: int,
-    wait_outputs: bool,
-    wait_gradients: bool,
-    gradient_waits_of: list[dict] | None = None,
-) -> bool:
-    """Whether every rank gets through its (kind, micro-batch, model position) operations,
-    receives blocking; with `wait_outputs` each forward's send waited for at once, with
-    `wait_gradients` each gradient's send when the rank sends its next one, with
-    `gradient_waits_of` (per rank, `gradient_waits`) each gradient's send just before the receive
-    it puts that wait at."""
-    ranks = len(orders)
-    pc, step = [0] * len(orders), [0] * len(orders)
-    posted_act, sent_act, posted_grad, sent_grad = set(), set(), set(), set()
-    last_grad: list = [None] * len(orders)
-    while True:
-        moved = False
-        for r, ops in enumerate(orders):
-            if pc[r] == len(ops):
-                continue
-            kind, g, k = ops[pc[r]]
-            if kind == FORWARD:
-                if step[r] == 0:
-                    if k > 0:
-                        # a gradient (g', c') went from position c'·ranks + r to the one before it
-                        due = () if gradient_waits_of is None else gradient_waits_of[r].get((g, k // ranks), ())
-                        if any((c * ranks + r - 1, gg) not in posted_grad for gg, c in due):
-                            continue
-                        posted_act.add((k, g))
-                        if (k - 1, g) not in sent_act:
-                            continue
-                    step[r], moved = 1, True
-                if k < positions - 1:
-                    sent_act.add((k, g))
-                    if wait_outputs and (k + 1, g) not in posted_act:
-                        continue
-            else:
-                if k < positions - 1:
-                    posted_grad.add((k, g))
-                    if (k + 1, g) not in sent_grad:
-                        continue
-                if k > 0:
-                    if wait_gradients and last_grad[r] is not None and (k - 1, last_grad[r]) not in posted_grad:
-                        continue
-                    sent_grad.add((k, g))
-                    last_grad[r] = g
-            pc[r], step[r], moved = pc[r] + 1, 0, True
-        if all(p == len(ops) for p, ops in zip(pc, orders)):
-            return True
-        if not moved:
-            return False
+def _one_stage_waits(ops: list, last: int) -> dict:
+    """A 1F1B / ZB-H1 stage's waits: each output's at once (before the next operation), each
+    gradient's before the next gradient is sent."""
+    waits: dict = {}
+    grad = None
+    for i, (kind, g, k) in enumerate(ops):
+        if kind == FORWARD and k < last and i + 1 < len(ops):
+            waits[(i + 1, RECEIVE)] = ((ACTIVATION, g, k),)
+        if kind == BACKWARD and k > 0:
+            if grad is not None:
+                waits[(i, SEND)] = ((GRADIENT, grad, k),)
+            grad = g
+    return waits
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -79,7 +53,12 @@ def test_waiting_for_an_outputs_send_at_once_cannot_block_a_pipeline(schedule):
                 order = one_f_one_b(i, stages, G) if schedule == "1f1b" else zb_h1(i, stages, G)
                 # (a W exchanges nothing; ZB-H1's B is 1F1B's backward for the exchanges)
                 orders.append([(k, g, i) for k, g in order if k != WEIGHT_GRAD])
-            assert _completes(orders, stages, wait_outputs=True, wait_gradients=True), (schedule, stages, G)
+            waits = [_one_stage_waits(ops, stages - 1) for ops in orders]
+            assert plays_through(orders, waits), (schedule, stages, G)
+
+
+def _interleaved(ranks: int, chunks: int, G: int, rules) -> bool:
+    return plays_through(*_game(tuple(rules), ranks, chunks, G))
 
 
 @pytest.mark.parametrize("stages,v,G", [(2, 2, 4), (4, 2, 8), (3, 3, 6)])
@@ -87,21 +66,43 @@ def test_the_interleaved_order_blocks_so_and_not_when_sends_are_waited_late(stag
     orders = [
         [(kind, g, c * stages + r) for kind, g, c in interleaved_one_f_one_b(r, stages, v, G)] for r in range(stages)
     ]
-    assert not _completes(orders, stages * v, wait_outputs=True, wait_gradients=False)
-    assert _completes(orders, stages * v, wait_outputs=False, wait_gradients=False)
+    P = stages * v
+    assert not plays_through(orders, [_one_stage_waits(ops, P - 1) for ops in orders])
+    # outputs when their gradients are back, gradients at the end of the step (the fallback)
+    assert _interleaved(stages, v, G, [SendWaits({}, {})] * stages)
 
 
-def test_the_interleaved_gradient_waits_cannot_block():
-    """Outputs waited for when their gradients are back, each gradient's send where
-    `gradient_waits` puts it (a wait when the next is sent blocks these orders)."""
+def test_the_interleaved_send_waits_cannot_block():
+    """Each wait of `send_waits` plays through, in every shape of 2-8 ranks, 2-4 chunks and G up
+    to 4p, with no fallback; waiting for an output one or two operations sooner blocks most
+    shapes, and so does waiting for a gradient when the next is sent."""
     for ranks in range(2, 9):
         for chunks in range(2, 5):
             for G in range(ranks, 4 * ranks + 1, ranks):
-                orders = [
-                    [(kind, g, c * ranks + r) for kind, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)]
-                    for r in range(ranks)
-                ]
-                waits = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]
-                P = ranks * chunks
-                assert _completes(orders, P, False, False, waits), (ranks, chunks, G)
-                assert not _completes(orders, P, False, True), (ranks, chunks, G)
+                waits = send_waits(ranks, chunks, G)
+                assert all(w.outputs == output_waits(r, ranks, chunks, G) for r, w in enumerate(waits))
+                assert all(w.outputs for w in waits), (ranks, chunks, G)
+                assert _interleaved(ranks, chunks, G, waits), (ranks, chunks, G)
+    sooner = 0
+    for ranks, chunks, G in [(2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 3, 12), (6, 2, 12)]:
+        gw = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]
+        for lag in range(1, OUTPUT_LAG):
+            early = [SendWaits(gw[r], _lagged(r, ranks, chunks, G, lag)) for r in range(ranks)]
+            sooner += not _interleaved(ranks, chunks, G, early)
+        orders = _game(send_waits(ranks, chunks, G), ranks, chunks, G)[0]
+        at_next = [_one_stage_waits(ops, ranks * chunks - 1) for ops in orders]
+        grads_at_next = [{k: w for k, w in waits.items() if k[1] == SEND} for waits in at_next]
+        assert not plays_through(orders, grads_at_next), (ranks, chunks, G)
+    assert sooner >= 8
+
+
+def _lagged(rank: int, ranks: int, chunks: int, G: int, lag: int) -> dict:
+    """`output_waits` with each output waited for `lag` operations after its forward."""
+    order = interleaved_one_f_one_b(rank, ranks, chunks, G)
+    at = {op: i for i, op in enumerate(order)}
+    out: dict = {}
+    for keys in output_waits(rank, ranks, chunks, G).values():
+        for g, c in keys:
+            j = at[(FORWARD, g, c)] + lag
+            out.setdefault(order[j], []).append((g, c))
+    return {op: tuple(w) for op, w in out.items()}

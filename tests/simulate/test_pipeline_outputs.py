@@ -1,9 +1,10 @@
 """What a pipeline stage keeps of the outputs it sent depends on the engine that runs the plan
 (`mist.rules.pipeline_outputs`, `Plan.engine`): Mist's runtime and Megatron-LM free a 1F1B
 stage's sent outputs, DeepSpeed's pipeline engine and torchtitan's schedules keep every in-flight
-one until its backward; on an interleaved rank Mist's runtime keeps them and Megatron-LM frees
-them. The simulator prices exactly that difference: one stage input (b·s·h in the compute dtype)
-per kept output, on every stage but the last."""
+one until its backward; an interleaved rank of Mist's runtime holds the few it has not waited for
+yet (`rules.interleaved_sends`) and Megatron-LM frees them. The simulator prices exactly that
+difference: one stage input (b·s·h in the compute dtype) per kept output, on every stage but the
+last."""
 
 import json
 from dataclasses import replace
@@ -14,8 +15,8 @@ import pytest
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan, plan_from_dict
-from mist.rules.interleaved_order import gradients_held_at_peak
-from mist.rules.pipeline_outputs import ENGINES, keeps_sent_outputs
+from mist.rules.interleaved_sends import OUTPUT_LAG, gradient_waits, held_sends
+from mist.rules.pipeline_outputs import ENGINES, holds_sends, keeps_sent_outputs
 from mist.simulate.plan_sim import simulate_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -24,7 +25,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def test_the_rule_per_engine():
     assert ENGINES == ("mist", "megatron", "deepspeed", "torchtitan")
     assert [keeps_sent_outputs(e, 1) for e in ENGINES] == [False, False, True, True]
-    assert [keeps_sent_outputs(e, 2) for e in ENGINES] == [True, False, True, True]
+    assert [keeps_sent_outputs(e, 2) for e in ENGINES] == [False, False, True, True]
+    assert [holds_sends(e, 2) for e in ENGINES] == [True, False, False, False]
+    assert not holds_sends("mist", 1)
     with pytest.raises(ValueError, match="unknown engine"):
         keeps_sent_outputs("jax", 1)
 
@@ -53,11 +56,11 @@ def test_a_1f1b_stage_s_peak_grows_by_the_outputs_its_engine_keeps():
 
 def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     """A 2-rank plan with 2 chunks per rank: every rank sends outputs (the last rank from its
-    first chunk, to the first rank's second). Mist's runtime keeps an interleaved rank's sent
-    outputs, Megatron-LM frees them, so each rank needs more under Mist's runtime: at most one
-    output per micro-batch chunk it holds in its warm-up, (pp − r − 1)·2 + (v − 1)·pp ≤ 4, and the
-    current one's (the peak may lie in another phase without them, so the difference need not be
-    whole outputs); and Mist's runtime holds the input gradients it sent as well."""
+    first chunk, to the first rank's second). An interleaved rank of Mist's runtime holds the
+    outputs and input gradients it has not waited for yet (`held_sends`), Megatron-LM frees its
+    outputs and holds one gradient, so each rank needs more under Mist's runtime, by at most those
+    (the peak may lie in another phase without them, so the difference need not be whole
+    outputs); a framework that keeps every output (torchtitan) needs more on the first rank."""
     d = json.loads((EXAMPLES / "gpt3-1.3b-2xl4-pp2.json").read_text())
     d["virtual_stages"] = 2
     for s in d["stages"]:
@@ -65,10 +68,12 @@ def test_megatron_frees_an_interleaved_rank_s_outputs(tmp_path):
     plan = plan_from_dict(d)
     prof = load_profile("l4")
     mist, megatron = _peaks(plan, prof), _peaks(replace(plan, engine="megatron"), prof)
+    titan = _peaks(replace(plan, engine="torchtitan"), prof)
     x = 2 * 2048 * 2048 * 2  # b 2, seq 2048, hidden 2048, fp16
     for r, (a, b) in enumerate(zip(mist, megatron)):
-        # (Mist's runtime also holds input gradients it sent: `gradients_held_at_peak`)
-        assert 0 < a - b <= (5 + gradients_held_at_peak(r, 2, 2, plan.micro_batches)) * x
+        h = held_sends(r, 2, 2, plan.micro_batches)
+        assert 0 < a - b <= (max(h.outputs_forward, h.outputs_backward) + h.gradients - 1) * x
+    assert titan[0] > mist[0]  # rank 0 has 5 micro-batch chunks in flight at its peak
 
 
 def test_the_engine_is_written_only_when_not_mist_and_checked():
@@ -82,17 +87,19 @@ def test_the_engine_is_written_only_when_not_mist_and_checked():
 
 
 @pytest.mark.parametrize("ranks,chunks", [(2, 2), (4, 2), (3, 3), (8, 4)])
-def test_an_interleaved_rank_s_held_gradients_do_not_grow_with_the_micro_batches(ranks, chunks):
-    """Mist's runtime waits for an interleaved rank's sent gradients where `gradient_waits` says:
-    what it holds when a steady-state backward starts, and what is left for the end of the step
-    (the cool-down's sends), depend on the pipeline's shape, not on G (the runtime used to hold
-    every one to the end of the step: G·v of them). The frameworks hold one."""
-    from mist.rules.interleaved_order import gradient_waits, interleaved_one_f_one_b
-    from mist.rules.pipeline_outputs import holds_sent_gradients
+def test_an_interleaved_rank_s_held_sends_do_not_grow_with_the_micro_batches(ranks, chunks):
+    """Mist's runtime waits for an interleaved rank's sends where `send_waits` says: the outputs
+    it holds (fewer than `OUTPUT_LAG` before a forward, where its saved activations peak; it used
+    to keep every in-flight one, (p − r − 1)·2 + (v − 1)·p + 1), the gradients it holds when a
+    steady-state backward starts, and what is left for the end of the step (the cool-down's
+    gradients) depend on the pipeline's shape, not on G (the runtime used to hold every gradient
+    to the end of the step: G·v of them). The frameworks hold one gradient."""
+    from mist.rules.interleaved_order import interleaved_one_f_one_b
 
     for r in range(ranks):
-        held = [gradients_held_at_peak(r, ranks, chunks, G) for G in (2 * ranks, 4 * ranks, 8 * ranks)]
-        assert held[1] == held[2] and 0 < held[2] <= ranks * chunks, (r, held)
+        held = [held_sends(r, ranks, chunks, G) for G in (2 * ranks, 4 * ranks, 8 * ranks)]
+        assert held[1] == held[2] and 0 < held[2].gradients <= ranks * chunks, (r, held)
+        assert 0 < held[2].outputs_forward < OUTPUT_LAG and held[2].outputs_backward <= OUTPUT_LAG, (r, held)
         left = []
         for G in (4 * ranks, 8 * ranks):
             waited = [w for ws in gradient_waits(r, ranks, chunks, G).values() for w in ws]
@@ -104,8 +111,6 @@ def test_an_interleaved_rank_s_held_gradients_do_not_grow_with_the_micro_batches
             assert len(set(waited)) == len(waited) and set(waited) <= set(sent)
             left.append(len(sent) - len(waited))
         assert left[0] == left[1] <= 2 * ranks * chunks, (r, left)
-    assert [holds_sent_gradients(e, 2) for e in ENGINES] == [True, False, False, False]
-    assert not holds_sent_gradients("mist", 1)
 
 
 def test_validate_predicts_a_plan_as_mist_s_runtime_runs_it():

@@ -78,62 +78,6 @@ def interleaved_one_f_one_b(rank: int, ranks: int, chunks: int, micro_batches: i
     return tuple(ops)
 
 
-def gradient_waits(rank: int, ranks: int, chunks: int, micro_batches: int) -> dict:
-    """When rank `rank` waits for the input gradients it sent: {(micro-batch, chunk) of a forward
-    that receives its input: the (micro-batch, chunk) of the backwards whose sent gradients it
-    waits for just before that receive}. Its gradients and its inputs go to and come from the same
-    rank, r − 1 (rank 0's: the last rank); a gradient is waited for before the first receive whose
-    sender, in its own order, runs that gradient's backward (which receives it) before the forward
-    that sends the input. A wait made at once (or when the next gradient is sent, as the 1F1B
-    stages do) can close a cycle across the wrap-around on a blocking backend; these cannot (played
-    as rendezvous in tests/runtime/test_send_waits.py), and they bound the gradients a rank holds by
-    its neighbour's lead rather than by the micro-batches."""
-    src = (rank - 1) % ranks
-    where = {op: i for i, op in enumerate(interleaved_one_f_one_b(src, ranks, chunks, micro_batches))}
-
-    def on_src(k: int) -> int:  # a chunk of this rank: the chunk of the position before it
-        return (k * ranks + rank - 1) // ranks
-
-    held: list[tuple[int, int]] = []
-    waits: dict = {}
-    for kind, g, c in interleaved_one_f_one_b(rank, ranks, chunks, micro_batches):
-        if kind == FORWARD:
-            if rank == 0 and c == 0:
-                continue  # the model's first chunk receives no input
-            sent_at = where[(FORWARD, g, on_src(c))]
-            now = tuple(h for h in held if where[(BACKWARD, h[0], on_src(h[1]))] < sent_at)
-            if now:
-                waits[(g, c)] = now
-                held = [h for h in held if h not in now]
-        elif _sends_gradient(rank, c):
-            held.append((g, c))
-    return waits
-
-
-def gradients_held_at_peak(rank: int, ranks: int, chunks: int, micro_batches: int) -> int:
-    """The most input gradients rank `rank` holds (sent, not yet waited for: `gradient_waits`)
-    when a steady-state backward starts. Through the steady state a forward follows each
-    backward, so the micro-batches in flight stay at their peak there. 0 without a steady state."""
-    waits = gradient_waits(rank, ranks, chunks, micro_batches)
-    steady = micro_batches * chunks - interleaved_warmup(rank, ranks, chunks, micro_batches)
-    held, most, backwards = 0, 0, 0
-    for kind, g, c in interleaved_one_f_one_b(rank, ranks, chunks, micro_batches):
-        if kind == FORWARD:
-            held -= len(waits.get((g, c), ()))
-            continue
-        if backwards < steady:
-            most = max(most, held)
-        backwards += 1
-        held += _sends_gradient(rank, c)
-    return most
-
-
-def _sends_gradient(rank: int, chunk: int) -> bool:
-    """Whether a backward of `chunk` on `rank` sends an input gradient: all but the model's first
-    chunk's (rank 0, chunk 0), which has no stage before it."""
-    return rank > 0 or chunk > 0
-
-
 def chunk_recompute(recompute_layers: int, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:
     """Blocks recomputed whole in each chunk of a rank that recomputes `recompute_layers` of its
     blocks: spread as evenly as the chunks allow (the last blocks of each chunk), the remainder

@@ -8,8 +8,9 @@ one b·s·h tensor per micro-batch in flight.
 
 - Mist's runtime (`runtime.p2p.SentOutput`): under 1F1B and ZB-H1 it waits for an output's sends
   at once and keeps only its autograd edge (the data is freed); an interleaved rank waits for its
-  sends only when their gradients are back (its sends wrap around from the last rank to the first,
-  so a wait at once could close a cycle on a blocking backend), and keeps them until then.
+  sends a few operations later (its sends wrap around from the last rank to the first, so a wait
+  at once could close a cycle on a blocking backend: `rules.interleaved_sends`), and holds the
+  few it has not waited for yet (`HeldSends`).
 - Megatron-LM frees the data of every sent output in both of its schedules
   (`deallocate_output_tensor`, with `deallocate_pipeline_outputs` set by its training loop).
 - torchtitan's schedules (`torch.distributed.pipelining`) keep each forward's outputs in the
@@ -17,10 +18,9 @@ one b·s·h tensor per micro-batch in flight.
   `pipe_buffers["outputs"]` until its backward.
 
 Input gradients: Mist's runtime waits for each one when it sends the next (it holds one besides
-the one it sends), except on an interleaved rank, which waits for them where its order says
-(`rules.interleaved_order.gradient_waits`: a wait at the next send could close a cycle across the
-wrap-around), so it holds a few more (`gradients_held_at_peak`). The frameworks are priced as
-holding one.
+the one it sends), except on an interleaved rank, which waits for them where
+`rules.interleaved_sends` says (a wait at the next send could close a cycle across the
+wrap-around), so it holds a few more (`HeldSends`). The frameworks are priced as holding one.
 
 The plan names its engine (`Plan.engine`): "mist" for Mist's runtime, or the framework a target
 space tuned it for, whose runtime then sets this rule.
@@ -34,14 +34,13 @@ ENGINES = ("mist", "megatron", "deepspeed", "torchtitan")
 def keeps_sent_outputs(engine: str, virtual_stages: int) -> bool:
     """Whether a stage of a plan run by `engine` with `virtual_stages` model chunks per stage keeps
     its in-flight micro-batches' sent outputs (and, in a backward, the current one's)."""
-    if _known(engine) == "mist":
-        return virtual_stages > 1
-    return engine in ("deepspeed", "torchtitan")
+    return _known(engine) in ("deepspeed", "torchtitan")
 
 
-def holds_sent_gradients(engine: str, virtual_stages: int) -> bool:
-    """Whether a stage of a plan run by `engine` holds the input gradients it sent as an
-    interleaved rank of Mist's runtime does (`gradient_waits`), rather than the one it sent last."""
+def holds_sends(engine: str, virtual_stages: int) -> bool:
+    """Whether a stage of a plan run by `engine` holds what it sent as an interleaved rank of
+    Mist's runtime does (`rules.interleaved_sends.held_sends`), rather than by the rule above and
+    the one input gradient it sent last."""
     return _known(engine) == "mist" and virtual_stages > 1
 
 

@@ -10,8 +10,10 @@ last micro-batch, do their gradient reduction) when that chunk's backward runs.
 between consecutive chunks: chunk c of rank r sends to rank r + 1's chunk c, the last rank's
 chunk c to rank 0's chunk c + 1, and gradients come back the same way. Messages are tagged by
 micro-batch, the sending chunk's place in the model and kind. As in `PipelineSchedule`, sends are
-non-blocking (waited for at the end of the step) and receives block in the rank's order, so the
-waits follow the order's dependencies, which the event schedule plays without deadlock.
+non-blocking and receives block in the rank's order; a send is waited for where
+`rules.interleaved_sends.send_waits` says (an output a few operations after its forward, its data
+then freed as `PipelineSchedule` frees it; an input gradient before a receive its receiver sends
+after taking it), waits that play through as rendezvous, and the rest at the end of the step.
 
 PyTorch's `torch.distributed.pipelining.ScheduleInterleaved1F1B` is not used: it drives its own
 `PipelineStage` modules and gradient handling, while here each chunk's forward and backward must
@@ -28,7 +30,8 @@ from torch import nn
 
 from mist.models import TPGroup
 from mist.plan import Plan
-from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, gradient_waits, interleaved_one_f_one_b
+from mist.rules.interleaved_order import chunk_first_layers, chunk_recompute, interleaved_one_f_one_b
+from mist.rules.interleaved_sends import send_waits
 from mist.rules.pipeline_order import FORWARD
 from mist.runtime import p2p
 from mist.runtime.flat import FlatUnit
@@ -186,18 +189,23 @@ class InterleavedSchedule:
         G = self.G
         span = _spans(timer)
         # (the last rank's activations wrap around to the first: ranks can wait on each other, so
-        # a sent gradient is waited for only before a receive that its receiver sends after
-        # taking it: `gradient_waits`)
+        # sends are waited for where `rules.interleaved_sends.send_waits` says, which plays through)
         sends = p2p.Sends(hold_gradients=True)
-        waits = gradient_waits(self.i, self.stages, self.v, G)
+        waits = send_waits(self.stages, self.v, G)[self.i]
         inflight: dict[tuple[int, int], tuple] = {}
         losses: list[torch.Tensor] = []
+
+        def settle(op: tuple[str, int, int]) -> None:
+            """The waits due before `op`: an output once waited for is kept as its edge only."""
+            sends.release_gradients(waits.gradients.get(op, ()))
+            for key in waits.outputs.get(op, ()):
+                x, out, act = inflight[key]
+                inflight[key] = (x, sends.delivered(key, out), act)
 
         def forward(g: int, c: int) -> None:
             links, src, dst = self.links[c]
             runner = runners[c]
             tokens, targets = micro_batches[g]
-            sends.release_gradients(waits.get((g, c), ()))
             x = tokens if src < 0 else self._recv_act(links, g, src)
             with span("fwd", g):
                 before = runner.begin_forward()
@@ -214,13 +222,13 @@ class InterleavedSchedule:
             runner = runners[c]
             x, out, act = inflight.pop((g, c))
             grad = None if dst < 0 else self._recv_grad(links, out, g, dst - 1)
-            sends.release_activation((g, c))
+            sends.release_activation((g, c))  # (unless `send_waits` waited for it already)
             with span("bwd", g):
                 runner.begin_backward(g, last=g == G - 1)
                 if dst < 0:
                     (out * (loss_scale / G)).backward()
                 else:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out.edge if isinstance(out, p2p.SentOutput) else out, grad)
                 runner.end_backward(act)
             if src >= 0:
                 self._send_grad(
@@ -228,6 +236,7 @@ class InterleavedSchedule:
                 )
 
         for kind, g, c in interleaved_one_f_one_b(self.i, self.stages, self.v, G):
+            settle((kind, g, c))
             (forward if kind == FORWARD else backward)(g, c)
         sends.finish()
         return losses

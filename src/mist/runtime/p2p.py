@@ -8,9 +8,10 @@ Sends are non-blocking (appended to a list of (work, tensor)); receives block, p
 row order. A send's tensor is held until its work is waited for: `Sends` says when.
 
 A stage's output is needed only as the root of its backward once its receivers have it: the
-non-interleaved schedules wait for its pieces right after sending them and keep its autograd edge
-instead (`SentOutput`), so that its data is freed then, not at its gradient's return, as Megatron-LM
-deallocates its pipeline outputs. On a GPU the wait orders the compute stream after the send and
+non-interleaved schedules wait for its pieces right after sending them (an interleaved rank a few
+operations later: `rules.interleaved_sends`) and keep its autograd edge instead (`SentOutput`), so
+that its data is freed then, not at its gradient's return, as Megatron-LM deallocates its
+pipeline outputs. On a GPU the wait orders the compute stream after the send and
 blocks nothing; on gloo it returns when the next stage has posted the receive, which a 1F1B or
 ZB-H1 stage's next blocking receive would wait for anyway (the order's waits stay acyclic).
 """
@@ -117,7 +118,7 @@ class Sends:
     The previous stage takes that gradient in its next backward, which waits for nothing more from
     this stage (a chain of stages: no cycle), so the wait can delay but not block. An interleaved
     rank (`hold_gradients`) keeps its gradients by key instead and releases them where its order
-    says (`release_gradients`, `rules.interleaved_order.gradient_waits`): its neighbours can wait on
+    says (`release_gradients`, `rules.interleaved_sends.send_waits`): its neighbours can wait on
     each other across the wrap-around. The rest is waited for at the end of the step (`finish`)."""
 
     def __init__(self, hold_gradients: bool = False):

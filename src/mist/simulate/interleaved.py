@@ -34,10 +34,10 @@ import numpy as np
 from mist.rules.interleaved_order import (
     chunks_in_flight,
     depends_on,
-    gradients_held_at_peak,
     held_after_forwards,
     interleaved_one_f_one_b,
 )
+from mist.rules.interleaved_sends import HeldSends, held_sends, kept_outputs
 from mist.rules.pipeline_order import FORWARD
 from mist.simulate.op_program import dependency_order
 from mist.simulate.pipeline import iteration_time
@@ -198,20 +198,25 @@ def interleaved_in_flight(rank: int, ranks: int, G: int, saved):
 def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
     """An interleaved rank's `StageInput` from its plain one `st`: its in-flight count and its
     chunks (v, the last axis of its chunks' `saved` per micro-batch), which set what it holds
-    beside its saved activations (each chunk's last unit, every in-flight output), and the input
-    gradients it holds at its peak where it keeps those it sent (`st.holds_gradients`)."""
+    beside its saved activations (each chunk's last unit, every in-flight output where its engine
+    keeps them), and what it holds of its sends where it holds them as Mist's runtime does
+    (`st.holds_sends`)."""
     saved = np.asarray(saved, dtype=np.float64)
     v = saved.shape[-1]
     return replace(
         st,
         in_flight=float(interleaved_in_flight(rank, ranks, G, saved)),
         chunks=v,
-        sent_gradients=held_sent_gradients(rank, ranks, v, G, st.holds_gradients),
+        held_sends=rank_sends(st, rank, ranks, v, G),
     )
 
 
-def held_sent_gradients(rank: int, ranks: int, chunks: int, G: int, holds: bool) -> float:
-    """The input gradients an interleaved rank holds at its peak: where it `holds` those it sent
-    as Mist's runtime does, those it has not waited for yet (`rules.interleaved_order.
-    gradient_waits`), at least one; else the one sent last, as any stage holds."""
-    return float(max(gradients_held_at_peak(rank, ranks, chunks, G), 1)) if holds else 1.0
+def rank_sends(st, rank: int, ranks: int, chunks: int, G: int) -> HeldSends:
+    """What an interleaved rank holds of its sends (`rules.pipeline_outputs`): as Mist's runtime
+    waits for them (`st.holds_sends`), every in-flight chunk's output where the engine keeps them
+    (`st.keeps_outputs`), else no output; and, but on Mist's runtime, the gradient sent last."""
+    if st.holds_sends:
+        return held_sends(rank, ranks, chunks, G)
+    if st.keeps_outputs:
+        return kept_outputs(rank, ranks, chunks, G)
+    return HeldSends(0, 0, 1)

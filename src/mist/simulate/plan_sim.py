@@ -28,7 +28,7 @@ from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.compiled_blocks import compile_mode
 from mist.rules.interleaved_order import chunk_recompute
-from mist.rules.pipeline_outputs import holds_sent_gradients, keeps_sent_outputs
+from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_rank_input, interleaved_recurrence
@@ -67,7 +67,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 gpus_per_node=s.gpus_per_node,
                 cluster_gpus_per_node=plan.cluster.gpus_per_node,
                 keeps_outputs=keeps_sent_outputs(plan.engine, plan.virtual_stages),
-                holds_gradients=holds_sent_gradients(plan.engine, plan.virtual_stages),
+                holds_sends=holds_sends(plan.engine, plan.virtual_stages),
             )
         )
     return out

@@ -344,7 +344,7 @@ class StageModel:
             st.waiting,
             st.chunks,
             st.keeps_outputs,
-            st.sent_gradients,
+            st.held_sends,
         )
 
     def components(self, st: StageInput) -> StageComponents:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mist.rules.interleaved_sends import HeldSends
 from mist.simulate.stage_records import (
     ActivationTerms,
     HostTerms,
@@ -37,18 +38,19 @@ def compose(
     waiting: ZeroBubbleHeld | None = None,
     chunks: int = 1,
     keeps_outputs: bool = False,
-    sent_gradients=1.0,
+    held: HeldSends | None = None,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
     `components` (all arrays broadcast against each other); `chunks`: the model chunks an
     interleaved rank runs (for its memory: each keeps its last unit through the warm-up);
-    `keeps_outputs`: whether the stage keeps the outputs it sent, `sent_gradients`: the input
-    gradients it holds at its peak (`rules.pipeline_outputs`)."""
+    `keeps_outputs`: whether the stage keeps the outputs it sent, `held`: what it holds of its
+    sends where it waits for them as an interleaved rank of Mist's runtime does, else None
+    (`rules.pipeline_outputs`)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, sent_gradients)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -133,7 +135,7 @@ def _memory(
     waiting: ZeroBubbleHeld | None = None,
     chunks: int = 1,
     keeps_outputs: bool = False,
-    sent_gradients=1.0,
+    held: HeldSends | None = None,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -154,14 +156,17 @@ def _memory(
     # runs the last stage's backward right after its forward) and its output gradients
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
     held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
-    # the input gradient sent last (on an interleaved rank of Mist's runtime every one sent so
-    # far: `sent_gradients`); where the engine keeps sent outputs (`rules.pipeline_outputs`:
-    # Mist's interleaved ranks, DeepSpeed, torchtitan) also the earlier micro-batches' outputs,
-    # and in a backward the current one's (Mist's 1F1B and ZB-H1 keep a sent output as its
-    # autograd edge, its data freed: `runtime.p2p.SentOutput`, as Megatron-LM frees it; the
-    # gradient received for it is in the block's backward peak)
-    held_output = a.p2p_output if keeps_outputs else 0.0
-    p2p = in_flight * held_output + sent_gradients * a.p2p_sent
+    # the input gradient sent last; where the engine keeps sent outputs (`rules.pipeline_outputs`:
+    # DeepSpeed, torchtitan) also the earlier micro-batches' outputs, and in a backward the
+    # current one's (Mist's 1F1B and ZB-H1 keep a sent output as its autograd edge, its data
+    # freed: `runtime.p2p.SentOutput`, as Megatron-LM frees it; the gradient received for it is in
+    # the block's backward peak); an interleaved rank of Mist's runtime holds those it has not
+    # waited for yet (`held`: `rules.interleaved_sends.HeldSends`)
+    if held is None:
+        out_fwd, out_bwd, sent_grads = (in_flight, in_flight + 1, 1) if keeps_outputs else (0, 0, 1)
+    else:
+        out_fwd, out_bwd, sent_grads = held.outputs_forward, held.outputs_backward, max(held.gradients, 1)
+    p2p = out_fwd * a.p2p_output + sent_grads * a.p2p_sent
     base_act = in_flight * saved_mb + held_post + held_grads + p2p
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
@@ -178,7 +183,7 @@ def _memory(
         )
         bwd_act = np.maximum(bwd_act, w_act - base_act)
     fwd_peak = states + base_act + fwd_act
-    bwd_peak = states + base_act + held_output + bwd_act
+    bwd_peak = states + base_act + (out_bwd - out_fwd) * a.p2p_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
     step_peak = weights + grads + opt + s.step_piece

@@ -12,6 +12,8 @@ from functools import cached_property
 
 import numpy as np
 
+from mist.rules.interleaved_sends import HeldSends
+
 
 @dataclass
 class StageInput:
@@ -42,11 +44,11 @@ class StageInput:
     chunks: int = 1  # model chunks of an interleaved rank evaluated whole (its memory)
     # whether the stage keeps its in-flight micro-batches' sent outputs (`rules.pipeline_outputs`)
     keeps_outputs: bool = False
-    # whether it holds the input gradients it sent as an interleaved rank of Mist's runtime does
-    # (`rules.pipeline_outputs`), and how many at its peak (`interleaved_rank_input`); else the one
-    # sent last
-    holds_gradients: bool = False
-    sent_gradients: float = 1.0
+    # whether it holds what it sent as an interleaved rank of Mist's runtime does
+    # (`rules.pipeline_outputs.holds_sends`), and how much at its peaks (`interleaved_rank_input`);
+    # else the outputs by `keeps_outputs` and the input gradient sent last
+    holds_sends: bool = False
+    held_sends: HeldSends | None = None
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mist.plan import StageStrategy
-from mist.rules.pipeline_outputs import holds_sent_gradients, keeps_sent_outputs
+from mist.rules.interleaved_sends import held_sends
+from mist.rules.pipeline_outputs import keeps_sent_outputs
 from mist.simulate.gpu_fit import fits_gpu
-from mist.simulate.interleaved import held_sent_gradients, interleaved_in_flight, interleaved_recurrence, rank_summary
+from mist.simulate.interleaved import interleaved_in_flight, interleaved_recurrence, rank_summary
 from mist.simulate.stage_compose import compose
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier
@@ -84,7 +85,6 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
         # the full space plans for Mist's runtime (`rules.pipeline_outputs`)
         held = interleaved_in_flight(r, pp, G, saved)
-        sent = held_sent_gradients(r, pp, v, G, holds_sent_gradients("mist", v))
         mem = compose(
             comp,
             lc * v,
@@ -93,7 +93,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
             G,
             chunks=v,
             keeps_outputs=keeps_sent_outputs("mist", v),
-            sent_gradients=sent,
+            held=held_sends(r, pp, v, G),
         )
         tables.evaluated += mem.T.size
         ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()

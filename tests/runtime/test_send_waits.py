@@ -73,16 +73,18 @@ def test_the_interleaved_order_blocks_so_and_not_when_sends_are_waited_late(stag
 
 
 def test_the_interleaved_send_waits_cannot_block():
-    """Each wait of `send_waits` plays through, in every shape of 2-8 ranks, 2-4 chunks and G up
-    to 4p, with no fallback; waiting for an output one or two operations sooner blocks most
-    shapes, and so does waiting for a gradient when the next is sent."""
-    for ranks in range(2, 9):
-        for chunks in range(2, 5):
-            for G in range(ranks, 4 * ranks + 1, ranks):
+    """`send_waits` returns its rules' waits only where every rank's order plays through with
+    them: in every shape of 2-12 ranks, 2-6 chunks and G up to 6p it does (no fallback); waiting
+    for an output one or two operations sooner blocks most shapes, and so does waiting for a
+    gradient when the next is sent."""
+    for ranks in range(2, 13):
+        for chunks in range(2, 7):
+            for G in range(ranks, 6 * ranks + 1, ranks):
                 waits = send_waits(ranks, chunks, G)
-                assert all(w.outputs == output_waits(r, ranks, chunks, G) for r, w in enumerate(waits))
-                assert all(w.outputs for w in waits), (ranks, chunks, G)
-                assert _interleaved(ranks, chunks, G, waits), (ranks, chunks, G)
+                for r, w in enumerate(waits):
+                    assert w.outputs and w.outputs == output_waits(r, ranks, chunks, G), (ranks, chunks, G)
+                    assert w.gradients == gradient_waits(r, ranks, chunks, G), (ranks, chunks, G)
+    assert _interleaved(4, 2, 8, send_waits(4, 2, 8))
     sooner = 0
     for ranks, chunks, G in [(2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 3, 12), (6, 2, 12)]:
         gw = [gradient_waits(r, ranks, chunks, G) for r in range(ranks)]

@@ -10,7 +10,7 @@ offloading the prediction is an upper bound). Blocks that a gloo thread released
 when their address is handed out again ("unseen"), so where there are some the measurement is an
 upper bound too.
 
-    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout|edited|bf16] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/cpu_allocator_peak.py [--cases all|quick|dropout|edited|bf16|interleaved] [--out benchmarks/results]
 
 Writes OUT/cpu_allocator_peak.md.
 """
@@ -36,13 +36,22 @@ STEPS = 3  # two traced, one timed (`mist validate` needs one)
 # stage's ZeRO level (the gradient path of each) or its whole-block recomputation (the reentrant
 # checkpoint's backward) set, and the micro-batch count
 _DP = ["--pp", "1", "--tp", "1"]
-EDITED_CASES = [
-    (f"gpt dp2 zero {z}, G {G}", "loop-gpt", _DP, {"zero": z, "G": G}) for z in (1, 2, 3) for G in (1, 2)
-] + [
-    (f"{m} dp2 {n} of 4 recomputed, G 2", f"loop-{m}", _DP, {"recompute_layers": n, "G": 2})
-    for m in ("gpt", "llama")
-    for n in (2, 4)
-]
+_INTERLEAVED = {"virtual_stages": 2, "schedule": "1f1b", "layers": 2, "chunk_layers": [1, 1], "recompute_layers": 0}
+PLAN_KEYS = ("G", "virtual_stages", "schedule")  # edits of the plan; the others are of every stage
+EDITED_CASES = (
+    [(f"gpt dp2 zero {z}, G {G}", "loop-gpt", _DP, {"zero": z, "G": G}) for z in (1, 2, 3) for G in (1, 2)]
+    + [
+        (f"{m} dp2 {n} of 4 recomputed, G 2", f"loop-{m}", _DP, {"recompute_layers": n, "G": 2})
+        for m in ("gpt", "llama")
+        for n in (2, 4)
+    ]
+    + [
+        # interleaved 1F1B, 2 ranks x 2 chunks of one block: what a rank holds of the outputs and
+        # input gradients it sent (`rules.interleaved_sends`)
+        (f"gpt interleaved v2, G {G}", "loop-gpt", ["--pp", "2"], {**_INTERLEAVED, "G": G})
+        for G in (4, 8)
+    ]
+)
 # bf16 weights, activations and gradients, as a GPU trains: the 16-bit paths (the loss's fp32
 # upcast, the optimizer's fp32 reads of the gradients) that the fp32 loop never takes
 _BF16 = ["--dtype", "bf16"]
@@ -56,14 +65,16 @@ BF16_CASES = [
 
 
 def _with(plan_path: Path, edits: dict) -> dict:
-    """The plan at `plan_path` with its micro-batch count `G` (the micro-batch size follows) and
-    its one stage's other `edits` set, written back; the plan."""
+    """The tuned plan at `plan_path` with G micro-batches (every stage's micro-batch rescaled to
+    keep the global batch), its other `PLAN_KEYS` edits and every stage's other `edits` set,
+    written back; the plan."""
     plan = json.loads(plan_path.read_text())
-    (stage,) = plan["stages"]
-    batch = stage["micro_batch"] * plan["micro_batches"]
-    plan["micro_batches"] = edits["G"]
-    stage["micro_batch"] = batch // edits["G"]
-    stage.update({k: v for k, v in edits.items() if k != "G"})
+    G = edits.get("G", plan["micro_batches"])
+    for stage in plan["stages"]:
+        stage["micro_batch"] = stage["micro_batch"] * plan["micro_batches"] // G
+        stage.update({k: v for k, v in edits.items() if k not in PLAN_KEYS})
+    plan["micro_batches"] = G
+    plan.update({k: v for k, v in edits.items() if k in PLAN_KEYS and k != "G"})
     plan_path.write_text(json.dumps(plan))
     return plan
 
@@ -136,13 +147,14 @@ def _torch_version() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", choices=("all", *SETS, "edited", "bf16"), default="all")
+    ap.add_argument("--cases", choices=("all", *SETS, "edited", "bf16", "interleaved"), default="all")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
     rows = []
     cases = [(*c, None) for c in CASES if a.cases == "all" or c[0] in SETS.get(a.cases, ())]
     cases += [(*c, None) for c in BF16_CASES] if a.cases in ("all", "bf16") else []
     cases += EDITED_CASES if a.cases in ("all", "edited") else []
+    cases += [c for c in EDITED_CASES if "interleaved" in c[0]] if a.cases == "interleaved" else []
     with tempfile.TemporaryDirectory() as d:
         for name, model, extra, edits in cases:
             rows.append(run_case(name, model, extra, Path(d), edits))

@@ -108,3 +108,82 @@ def _lagged(rank: int, ranks: int, chunks: int, G: int, lag: int) -> dict:
             j = at[(FORWARD, g, c)] + lag
             out.setdefault(order[j], []).append((g, c))
     return {op: tuple(w) for op, w in out.items()}
+
+
+# ------------------------------------------------------------------ NCCL's streams
+def _messages(orders: list[list[tuple[str, int, int]]], rank_of) -> list[list[tuple[str, tuple, int]]]:
+    """Per rank, its sends and receives in program order: ("send" or "recv", message, peer rank); a
+    message is (kind, micro-batch, sending position), an activation with its header one message."""
+    last = max(k for ops in orders for _, _, k in ops)
+    out = []
+    for ops in orders:
+        mine = []
+        for kind, g, k in ops:
+            if kind == FORWARD:
+                mine += [("recv", (ACTIVATION, g, k - 1), rank_of(k - 1))] if k > 0 else []
+                mine += [("send", (ACTIVATION, g, k), rank_of(k + 1))] if k < last else []
+            elif kind == BACKWARD:
+                mine += [("recv", (GRADIENT, g, k + 1), rank_of(k + 1))] if k < last else []
+                mine += [("send", (GRADIENT, g, k), rank_of(k - 1))] if k > 0 else []
+        out.append(mine)
+    return out
+
+
+def _one_stream_plays_through(msgs) -> bool:
+    """NCCL with every message of a rank on one stream (one communicator bound to the device): a
+    rank's sends and receives run one at a time in posting order, and a send or receive finishes
+    only while its partner is the one its peer is running."""
+    at = [0] * len(msgs)
+    while True:
+        heads = {(r, m[at[r]]) for r, m in enumerate(msgs) if at[r] < len(m)}
+        done = [r for r, (d, msg, peer) in heads if (peer, ("recv" if d == "send" else "send", msg, r)) in heads]
+        if not done:
+            return all(a == len(m) for a, m in zip(at, msgs))
+        for r in done:
+            at[r] += 1
+
+
+def _orders(schedule: str, ranks: int, chunks: int, G: int):
+    if schedule == "interleaved":
+        return [
+            [(k, g, c * ranks + r) for k, g, c in interleaved_one_f_one_b(r, ranks, chunks, G)] for r in range(ranks)
+        ]
+    order = one_f_one_b if schedule == "1f1b" else zb_h1
+    return [[(k, g, i) for k, g in order(i, ranks, G) if k != WEIGHT_GRAD] for i in range(ranks)]
+
+
+def _shapes(schedule: str):
+    if schedule == "interleaved":
+        return [(p, v, G) for p in range(2, 9) for v in range(2, 5) for G in range(p, 4 * p + 1, p)]
+    return [(s, 1, G) for s in range(2, 9) for G in range(1, 20)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_each_channel_carries_its_messages_in_the_order_its_receiver_takes_them(schedule):
+    """`p2p.Channels`: a message's kind and direction pick its group, so NCCL runs each pair's
+    messages of one kind, one way, on a stream of their own, in posting order, matched by that
+    order (it has no tags). Every such stream's sends come in the order its receiver posts the
+    receives, so a send waits only for its own receive, as the rendezvous games above assume."""
+    for ranks, chunks, G in _shapes(schedule):
+        orders = _orders(schedule, ranks, chunks, G)
+        msgs = _messages(orders, lambda k, p=ranks: k % p)
+        streams: dict = {}
+        for r, mine in enumerate(msgs):
+            for d, msg, peer in mine:
+                src, dst = (r, peer) if d == "send" else (peer, r)
+                streams.setdefault((msg[0], src, dst, d), []).append(msg)
+        for (kind, src, dst, d), seq in streams.items():
+            if d == "send":
+                assert seq == streams[(kind, src, dst, "recv")], (schedule, ranks, chunks, G, kind, src, dst)
+
+
+def test_one_stream_for_every_message_would_block_nccl():
+    """Why the channels: with all of a rank's messages on one NCCL stream, a 1F1B stage's output
+    send and its next gradient receive meet its neighbour's gradient send and next activation
+    receive in the opposite order, and both wait: every 1F1B pipeline with 2 or more micro-batches
+    per stage pair blocks, and every interleaved one."""
+    for schedule in ("1f1b", "zb-h1", "interleaved"):
+        for ranks, chunks, G in _shapes(schedule):
+            msgs = _messages(_orders(schedule, ranks, chunks, G), lambda k, p=ranks: k % p)
+            blocks = not _one_stream_plays_through(msgs)
+            assert blocks == (schedule == "interleaved" or G >= 2), (schedule, ranks, chunks, G)

@@ -23,8 +23,6 @@ chunk's last micro-batch), which a schedule of our own can call directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -153,6 +151,7 @@ def chunk_links(groups: RankGroups, v: int, rows: int) -> list[tuple[Links, int,
             next_out=tuple(outgoing(me, dp_rank, tp_rank, nxt, cp_rank)) if nxt else (),
             rows=rows,
             grad_scale=me.dp / nxt.dp if nxt else 1.0,
+            channels=groups.channels,
         )
         out.append((links, k - 1 if prev else -1, k + 1 if nxt else -1))
     return out
@@ -167,9 +166,13 @@ class InterleavedSchedule:
         self.links = links
         self.device = torch.device(device)
 
-    def _tag(self, g: int, boundary: int) -> Callable[[int], int]:
+    def streams(self, rank: int) -> list[tuple[int, int, int]]:
+        return [s for links, _, _ in self.links for s in links.streams(rank)]
+
+    def _tag(self, g: int, boundary: int) -> p2p.Route:
         # boundary: the model position of the chunk that sends the activation (receives the gradient)
-        return lambda kind: 3 * (g * self.stages * self.v + boundary) + kind  # p2p.HEAD, ACTIVATION, GRADIENT
+        tag = lambda kind: 3 * (g * self.stages * self.v + boundary) + kind  # noqa: E731 (p2p.HEAD, ACTIVATION, GRADIENT)
+        return p2p.Route(tag, self.links[0][0].channels)
 
     def _send_act(self, x: torch.Tensor, pieces: tuple[Piece, ...], g: int, k: int, pending: list) -> None:
         p2p.send_activation(x, pieces, self._tag(g, k), self.device, pending)

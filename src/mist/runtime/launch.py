@@ -87,9 +87,11 @@ def run_rank(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kw = {"device_id": device} if device.type == "cuda" else {}
+    # (no device_id: NCCL then makes a communicator per pair of ranks that exchange messages, each
+    # on its own stream, when they first do; bound to a device it would run every point-to-point
+    # message of a group on the group's one stream, in posting order: `p2p.Channels`)
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10), **kw
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=10)
     )
     try:
         groups = build_groups(plan, rank, world)

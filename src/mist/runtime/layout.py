@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mist.plan import Plan
 from mist.runtime.handoff import Piece, StageLayout, incoming, outgoing
+from mist.runtime.p2p import Channels
 
 __all__ = ["RankGroups", "StageLayout", "build_groups", "stage_layouts", "tied_segments"]
 
@@ -66,6 +67,7 @@ class RankGroups:
     # per vocabulary segment, in vocabulary order (see `tied_segments`)
     tied: list = field(default_factory=list)
     stages: list[StageLayout] = field(default_factory=list)
+    channels: Channels | None = None  # a pipeline's point-to-point groups (`p2p.Channels`)
     created: list = field(default_factory=list)
 
     @property
@@ -157,4 +159,7 @@ def build_groups(plan: Plan, rank: int, world: int) -> RankGroups:
             if g is not None:
                 start = rg.tp_rank * shard
                 rg.tied.append((lo - start, hi - start, g))
+    if len(layouts) > 1:
+        rg.channels = Channels.create(rank, world)
+        rg.created += rg.channels.all()
     return rg

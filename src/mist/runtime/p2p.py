@@ -34,11 +34,81 @@ HEAD, ACTIVATION, GRADIENT = 0, 1, 2  # the message kinds a schedule's tags tell
 Tag = Callable[[int], int]  # message kind -> tag
 
 
+@dataclass(frozen=True)
+class Channels:
+    """The process groups a pipeline's messages travel on: one per kind (an activation with its
+    header, or a gradient) and direction (to a higher or to a lower global rank).
+
+    NCCL matches a communicator's sends and receives between two ranks in the order they are
+    posted (it has no tags) and runs them on one stream per pair, where a send does not finish
+    until its receive runs. On one communicator, two neighbours that each send before they
+    receive (a 1F1B stage sends its output, then receives a gradient from the same neighbour,
+    which sent that gradient first) would wait for each other for ever. Split so, a pair's stream
+    in each group carries one kind one way, in the order its sender posts and its receiver takes
+    them (`tests/runtime/test_send_waits.py` checks every order), so a send waits for its own
+    receive only, as on gloo, and the waits the tests play as rendezvous are the whole story.
+    `rank`: this process's global rank."""
+
+    rank: int
+    groups: tuple  # ((activations up, down), (gradients up, down))
+
+    @classmethod
+    def create(cls, rank: int, world: int) -> Channels:
+        """Four groups of the whole world (`dist.new_group` is collective: every rank calls this)."""
+        ranks = list(range(world))
+        return cls(rank, tuple(tuple(dist.new_group(ranks) for _ in range(2)) for _ in range(2)))
+
+    def group(self, kind: int, src: int, dst: int):
+        """The group of a message of `kind` from global rank `src` to `dst`."""
+        return self.groups[kind == GRADIENT][0 if src < dst else 1]
+
+    def all(self) -> list:
+        return [g for pair in self.groups for g in pair]
+
+    def open(self, streams, device) -> None:
+        """Send one element down each of this rank's `streams` ((kind, src, dst) global ranks), in
+        one order every rank follows, before the first step. NCCL creates a pair's communicator
+        at its first message and blocks both ranks' hosts until both have come to it: at a
+        step's first sends (a stage's first gradient goes out while its neighbour still runs
+        forwards) that would add waits the schedules' games do not have; in one global order it
+        cannot close a cycle (each rank waits only for a stream both of its ranks take next)."""
+        one = torch.zeros(1, device=device)
+        for kind, src, dst in sorted(set(streams), key=lambda s: (s[0], min(s[1:]), max(s[1:]), s[1])):
+            group = self.group(kind, src, dst)
+            if src == self.rank:
+                dist.isend(one, dst, group=group).wait()
+            else:
+                dist.recv(torch.empty_like(one), src, group=group)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a micro-batch's messages go: their tags by kind (gloo matches them) and the channels
+    they travel on (None: the default group)."""
+
+    tag: Tag
+    channels: Channels | None = None
+
+    def send_group(self, kind: int, peer: int):
+        return None if self.channels is None else self.channels.group(kind, self.channels.rank, peer)
+
+    def recv_group(self, kind: int, peer: int):
+        return None if self.channels is None else self.channels.group(kind, peer, self.channels.rank)
+
+
 def _part(x: torch.Tensor, p: Piece) -> torch.Tensor:
     return x[p.region()].contiguous()
 
 
-def send_activation(x: torch.Tensor, pieces, tag: Tag, device, pending: list) -> None:
+def _isend(t: torch.Tensor, peer: int, kind: int, route: Route):
+    return dist.isend(t, peer, group=route.send_group(kind, peer), tag=route.tag(kind))
+
+
+def _recv(t: torch.Tensor, peer: int, kind: int, route: Route) -> None:
+    dist.recv(t, peer, group=route.recv_group(kind, peer), tag=route.tag(kind))
+
+
+def send_activation(x: torch.Tensor, pieces, route: Route, device, pending: list) -> None:
     x = x.detach()
     for p in pieces:
         part = _part(x, p)
@@ -46,34 +116,34 @@ def send_activation(x: torch.Tensor, pieces, tag: Tag, device, pending: list) ->
         head[0] = part.dim()
         head[1 : 1 + part.dim()] = torch.tensor(part.shape, dtype=torch.int64)
         head[HEADER - 1] = DTYPES.index(part.dtype)
-        pending.append((dist.isend(head, p.rank, tag=tag(HEAD)), head))
-        pending.append((dist.isend(part, p.rank, tag=tag(ACTIVATION)), part))
+        pending.append((_isend(head, p.rank, HEAD, route), head))
+        pending.append((_isend(part, p.rank, ACTIVATION, route), part))
 
 
-def _recv_region(x: torch.Tensor, p: Piece, tag: int) -> None:
+def _recv_region(x: torch.Tensor, p: Piece, kind: int, route: Route) -> None:
     """Receive piece `p` into its region of x (through a buffer where the region is strided)."""
     dest = x[p.region()]
     if dest.is_contiguous():
-        dist.recv(dest, p.rank, tag=tag)
+        _recv(dest, p.rank, kind, route)
         return
     buf = torch.empty(dest.shape, dtype=x.dtype, device=x.device)
-    dist.recv(buf, p.rank, tag=tag)
+    _recv(buf, p.rank, kind, route)
     dest.copy_(buf)
 
 
-def recv_activation(pieces, rows: int, tag: Tag, device) -> torch.Tensor:
+def recv_activation(pieces, rows: int, route: Route, device) -> torch.Tensor:
     """The activation of this rank's `rows` rows (and its sequence positions), requiring grad."""
     x = None
     seq = max((p.s_hi for p in pieces if p.s_hi is not None), default=None)
     for p in pieces:
         head = torch.empty(HEADER, dtype=torch.int64, device=device)
-        dist.recv(head, p.rank, tag=tag(HEAD))
+        _recv(head, p.rank, HEAD, route)
         h = head.tolist()
         shape = h[1 : 1 + h[0]]
         if x is None:
             dims = [rows, shape[1] if seq is None else seq] + shape[2:]
             x = torch.empty(dims, dtype=DTYPES[h[HEADER - 1]], device=device)
-        _recv_region(x, p, tag(ACTIVATION))
+        _recv_region(x, p, ACTIVATION, route)
     assert x is not None, "a stage with a previous stage receives at least one piece"
     return x.requires_grad_(x.is_floating_point())
 
@@ -92,20 +162,20 @@ class SentOutput:
         return cls(get_gradient_edge(out), out.shape, out.dtype)
 
 
-def recv_gradient(out: torch.Tensor | SentOutput, pieces, tag: Tag, device, scale: float = 1.0) -> torch.Tensor:
+def recv_gradient(out: torch.Tensor | SentOutput, pieces, route: Route, device, scale: float = 1.0) -> torch.Tensor:
     """The gradient of this rank's output `out`, from the next stage's ranks, times `scale`."""
     grad = torch.empty(out.shape, dtype=out.dtype, device=device)
     for p in pieces:
-        _recv_region(grad, p, tag(GRADIENT))
+        _recv_region(grad, p, GRADIENT, route)
     if scale != 1.0:
         grad.mul_(scale)
     return grad
 
 
-def send_gradient(gx: torch.Tensor, pieces, tag: Tag, pending: list) -> None:
+def send_gradient(gx: torch.Tensor, pieces, route: Route, pending: list) -> None:
     for p in pieces:
         part = _part(gx, p)
-        pending.append((dist.isend(part, p.rank, tag=tag(GRADIENT)), part))
+        pending.append((_isend(part, p.rank, GRADIENT, route), part))
 
 
 class Sends:

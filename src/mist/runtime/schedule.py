@@ -10,7 +10,6 @@ micro-batch: `Links`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -81,6 +80,17 @@ class Links:
     next_out: tuple[Piece, ...] = ()
     rows: int = 1
     grad_scale: float = 1.0
+    channels: p2p.Channels | None = None  # the groups the messages travel on (None: the default)
+
+    def streams(self, rank: int) -> list[tuple[int, int, int]]:
+        """(kind, source, destination) global ranks of every message stream of this rank's."""
+        acts = [(p2p.ACTIVATION, p.rank, rank) for p in self.prev_in] + [
+            (p2p.ACTIVATION, rank, p.rank) for p in self.next_out
+        ]
+        grads = [(p2p.GRADIENT, p.rank, rank) for p in self.next_in] + [
+            (p2p.GRADIENT, rank, p.rank) for p in self.prev_out
+        ]
+        return acts + grads
 
 
 class PipelineSchedule:
@@ -104,8 +114,11 @@ class PipelineSchedule:
         self.device = torch.device(device)
 
     # ------------------------------------------------------------ p2p
-    def _tag(self, g: int) -> Callable[[int], int]:
-        return lambda kind: 3 * g + kind  # p2p.HEAD, ACTIVATION, GRADIENT
+    def streams(self, rank: int) -> list[tuple[int, int, int]]:
+        return self.links.streams(rank)
+
+    def _tag(self, g: int) -> p2p.Route:
+        return p2p.Route(lambda kind: 3 * g + kind, self.links.channels)  # kind: p2p.HEAD, ACTIVATION, GRADIENT
 
     def _send_act(self, x: torch.Tensor, g: int, pending: list) -> None:
         p2p.send_activation(x, self.links.next_out, self._tag(g), self.device, pending)

@@ -151,6 +151,8 @@ class Trainer:
                 compiled=compile_mode(t.compile_blocks, plan.schedule),
             )
         self.schedule = self._build_schedule()
+        if groups.channels is not None:  # a pipeline: its message streams opened before the first step
+            groups.channels.open(self.schedule.streams(groups.rank), self.device)
         self.optimizer = ShardedAdamW(
             self.units,
             betas=(cfg.beta1, cfg.beta2),
@@ -267,6 +269,7 @@ class Trainer:
             tuple(groups.outgoing(1)),
             rows=st.micro_batch,
             grad_scale=st.dp / nxt.dp if nxt else 1.0,
+            channels=groups.channels,
         )
         # ZB-H1 (`runtime.zero_bubble`): the same links, the backward split into B and W
         cls = ZeroBubbleSchedule if plan.schedule == ZB_H1 else PipelineSchedule

@@ -97,14 +97,14 @@ def gradient_waits(rank: int, ranks: int, chunks: int, micro_batches: int) -> di
     waits: dict = {}
     for kind, g, c in interleaved_one_f_one_b(rank, ranks, chunks, micro_batches):
         if kind == FORWARD:
-            if rank == 0 and c == 0:
+            if not _sends_gradient(rank, c):
                 continue  # the model's first chunk receives no input
             sent_at = where[(FORWARD, g, on_src(c))]
             now = tuple(h for h in held if where[(BACKWARD, h[0], on_src(h[1]))] < sent_at)
             if now:
                 waits[(FORWARD, g, c)] = now
                 held = [h for h in held if h not in now]
-        elif rank > 0 or c > 0:  # all but the model's first chunk send an input gradient
+        elif _sends_gradient(rank, c):
             held.append((g, c))
     return waits
 
@@ -211,9 +211,15 @@ def _held(rule: SendWaits, rank: int, ranks: int, chunks: int, G: int) -> HeldSe
         if backwards < steady:
             most_g = max(most_g, len(grads))
         backwards += 1
-        if rank > 0 or c > 0:
+        if _sends_gradient(rank, c):
             grads.add((g, c))
     return HeldSends(most_f, most_b, most_g)
+
+
+def _sends_gradient(rank: int, chunk: int) -> bool:
+    """Whether a backward of `chunk` on `rank` sends an input gradient (and its forward receives
+    an input): all but the model's first chunk's."""
+    return rank > 0 or chunk > 0
 
 
 def _sends_output(rank: int, ranks: int, chunks: int, chunk: int) -> bool:

@@ -5,7 +5,9 @@ The framework checks need DeepSpeed 0.19.8 (`bash .ci/targets/deepspeed.sh`); wi
 fail, naming the script. They run DeepSpeed in child processes (its config class needs a
 process group): `deepspeed_check.py` hands every exported config to `DeepSpeedConfig` with the
 plan's data-parallel size; `deepspeed_train.py` trains a tiny model on two CPU gloo ranks from
-an exported folder (ZeRO-3 with partial optimizer offload; an uneven two-stage pipeline).
+an exported folder (ZeRO-3 with partial optimizer offload; an uneven two-stage pipeline);
+`deepspeed_staging.py` reads the gradient staging buffer DeepSpeed's ZeRO-1/2 optimizer holds
+through a backward under exported configs.
 """
 
 import ast
@@ -142,7 +144,11 @@ def test_partial_optimizer_offload_is_zero3_with_eighths_of_sub_groups():
     share = plan.model.total_params() / 8  # dp 8, tp 1
     assert z["sub_group_size"] == pytest.approx(share / 8, rel=1e-6, abs=1)
     full = ds.ds_config(make_plan(zero=2, offload=Offload(grads=1, optimizer=1)))["zero_optimization"]
-    assert full == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert full == {
+        "stage": 2,
+        "reduce_bucket_size": 500_000_000,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    }
 
 
 def test_weight_offload_is_offload_param():
@@ -452,3 +458,47 @@ def test_trains_an_uneven_two_stage_pipeline(tmp_path):
         assert r["losses_finite"]
     assert (a["stage"], a["local_layers"]) == (0, 2)  # embedding + 1 block
     assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head
+
+
+def test_the_priced_staging_buffer_is_the_one_deepspeed_holds_through_a_backward(tmp_path):
+    """DeepSpeed's ZeRO-1/2 optimizer holds a `reduce_bucket_size` staging buffer through every
+    backward, whatever the model's size; a one-stage plan with engine deepspeed is priced with
+    it in its backward peak (`rules.deepspeed_buffers`). Checked by DeepSpeed's own engine under
+    the exported configs, in each of its element sizes and where it has none."""
+    require_deepspeed()
+    from mist.hardware.registry import load_profile
+    from mist.rules.deepspeed_buffers import staging_bytes
+    from mist.simulate.plan_sim import simulate_plan
+
+    cases = {
+        "bf16 zero2": make_plan(zero=2, G=1, mb=8),
+        "fp16 zero1 fp32 grads": make_plan(zero=1, G=1, mb=8, dtype="fp16", grad_dtype="fp32"),
+        "bf16 zero1 fp32 grads": make_plan(zero=1, G=1, mb=8, grad_dtype="fp32"),
+    }
+    paths = []
+    for name, plan in cases.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.json"
+        path.write_text(json.dumps(ds.ds_config(plan)))
+        paths.append(str(path))
+    (tmp_path / "configs.json").write_text(json.dumps(paths))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(HERE / "deepspeed_staging.py"), str(tmp_path / "configs.json"), str(tmp_path / "out.json")]
+    env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    seen = json.loads((tmp_path / "out.json").read_text())
+    measured = {name: row["staging_bytes"] for name, row in zip(cases, seen)}
+    priced = {
+        name: staging_bytes(
+            "deepspeed", p.num_stages, p.stages[0].zero, p.stages[0].dp, p.training.param_dtype, p.training.grad_dtype
+        )
+        for name, p in cases.items()
+    }
+    assert measured == priced == {"bf16 zero2": 1e9, "fp16 zero1 fp32 grads": 2e9, "bf16 zero1 fp32 grads": 0}
+    # and it is in the plan's peak, where a backward runs, when DeepSpeed runs the plan
+    plan = cases["bf16 zero2"]
+    profile = load_profile(plan.cluster.gpu)
+    mist, deep = simulate_plan(plan, profile), simulate_plan(replace(plan, engine="deepspeed"), profile)
+    (a,), (b,) = mist.stages, deep.stages
+    assert b.bwd_peak_bytes - a.bwd_peak_bytes == pytest.approx(1e9)
+    assert b.fwd_peak_bytes == a.fwd_peak_bytes

@@ -27,6 +27,7 @@ import numpy as np
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.compiled_blocks import compile_mode
+from mist.rules.deepspeed_buffers import staging_bytes
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
 from mist.rules.zero_bubble_order import ZB_H1
@@ -68,6 +69,9 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 cluster_gpus_per_node=plan.cluster.gpus_per_node,
                 keeps_outputs=keeps_sent_outputs(plan.engine, plan.virtual_stages),
                 holds_sends=holds_sends(plan.engine, plan.virtual_stages),
+                backward_buffer_bytes=staging_bytes(
+                    plan.engine, S, s.zero, s.dp * s.cp, plan.training.param_dtype, plan.training.grad_dtype
+                ),
             )
         )
     return out

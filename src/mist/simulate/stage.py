@@ -345,6 +345,7 @@ class StageModel:
             st.chunks,
             st.keeps_outputs,
             st.held_sends,
+            st.backward_buffer_bytes,
         )
 
     def components(self, st: StageInput) -> StageComponents:

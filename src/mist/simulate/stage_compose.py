@@ -39,6 +39,7 @@ def compose(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
+    backward_buffer: float = 0.0,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -46,11 +47,12 @@ def compose(
     interleaved rank runs (for its memory: each keeps its last unit through the warm-up);
     `keeps_outputs`: whether the stage keeps the outputs it sent, `held`: what it holds of its
     sends where it waits for them as an interleaved rank of Mist's runtime does, else None
-    (`rules.pipeline_outputs`)."""
+    (`rules.pipeline_outputs`); `backward_buffer`: bytes the engine holds through every backward
+    beyond Mist's runtime's (`rules.deepspeed_buffers`)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, backward_buffer)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -136,6 +138,7 @@ def _memory(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
+    backward_buffer: float = 0.0,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -172,6 +175,8 @@ def _memory(
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
     fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(a, saved_mb, A_last, ck, layers, buf, b_pass)
+    # an engine's own buffer held through every backward (DeepSpeed's gradient staging bucket)
+    bwd_act, buffers_bwd = bwd_act + backward_buffer, buffers_bwd + backward_buffer
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)

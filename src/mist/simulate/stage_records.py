@@ -49,6 +49,9 @@ class StageInput:
     # else the outputs by `keeps_outputs` and the input gradient sent last
     holds_sends: bool = False
     held_sends: HeldSends | None = None
+    # what the engine holds through every backward beyond Mist's runtime's states
+    # (`rules.deepspeed_buffers.staging_bytes`)
+    backward_buffer_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""Worker of test_deepspeed.py, run under torchrun on two CPU gloo ranks: for each exported
-ds_config.json given (JSON list of paths in argv[1]), DeepSpeed's own engine takes one backward of
-a tiny model, and rank 0 writes to argv[2] the bytes of the gradient staging buffers the engine's
-ZeRO optimizer holds while that backward runs (read from a gradient hook), with the optimizer's
-class name.
+"""Worker of test_deepspeed.py, run under torchrun on two CPU gloo ranks: for each case given
+(JSON list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...]}),
+DeepSpeed's own engine trains a stand-in of those weight matrices (no bias) for two steps, and
+rank 0 writes to argv[2], per case: the optimizer's class name, the bytes of the gradient staging
+buffers its ZeRO optimizer holds while the second backward runs (read from a gradient hook), and
+the most bytes the second step allocated at once beyond what was live when it began (PyTorch's
+CPU allocator, through `torch.profiler`).
 
-usage: torchrun --nproc_per_node 2 deepspeed_staging.py CONFIGS_JSON OUT_JSON
+usage: torchrun --nproc_per_node 2 deepspeed_staging.py CASES_JSON OUT_JSON
 """
 
 import json
@@ -13,16 +15,19 @@ import sys
 import deepspeed
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
-CONFIGS, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+from mist.torch_compat import allocation_events
+
+CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
 results = []
-for path in CONFIGS:
-    cfg = json.loads(open(path).read())
-    # a batch of one micro-batch per rank: the staging buffer does not depend on it
+for case in CASES:
+    cfg = json.loads(open(case["config"]).read())
+    # one micro-batch of one sample per rank: neither buffer depends on the batch
     cfg.update(train_batch_size=2, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     cfg.pop("tensor_parallel", None)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model = nn.Sequential(*(nn.Linear(i, o, bias=False) for i, o in case["matrices"]))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     seen: list[int] = []
 
@@ -33,9 +38,15 @@ for path in CONFIGS:
 
     for p in engine.module.parameters():
         p.register_hook(hook)
-    x = torch.randn(1, 64, dtype=next(engine.module.parameters()).dtype)
-    engine.backward(engine(x).float().pow(2).mean())
-    engine.step()
-    results.append({"config": path, "optimizer": type(engine.optimizer).__name__, "staging_bytes": max(seen)})
+    dtype = next(engine.module.parameters()).dtype
+    for _ in range(2):  # the first step creates the optimizer's states
+        engine.backward(engine(torch.randn(1, case["matrices"][0][0], dtype=dtype)).float().pow(2).mean())
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.step()
+    live = most = 0
+    for _, _, nbytes in allocation_events(prof):
+        live += nbytes
+        most = max(most, live)
+    results.append({"optimizer": type(engine.optimizer).__name__, "staging_bytes": max(seen), "step_bytes": most})
 if torch.distributed.get_rank() == 0:
     open(OUT, "w").write(json.dumps(results))

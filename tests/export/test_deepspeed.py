@@ -6,8 +6,8 @@ fail, naming the script. They run DeepSpeed in child processes (its config class
 process group): `deepspeed_check.py` hands every exported config to `DeepSpeedConfig` with the
 plan's data-parallel size; `deepspeed_train.py` trains a tiny model on two CPU gloo ranks from
 an exported folder (ZeRO-3 with partial optimizer offload; an uneven two-stage pipeline);
-`deepspeed_staging.py` reads the gradient staging buffer DeepSpeed's ZeRO-1/2 optimizer holds
-through a backward under exported configs.
+`deepspeed_staging.py` reads what DeepSpeed's ZeRO-1/2 optimizer holds beyond the states under
+exported configs: its gradient staging buffer through a backward, and its step's copies.
 """
 
 import ast
@@ -460,45 +460,57 @@ def test_trains_an_uneven_two_stage_pipeline(tmp_path):
     assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head
 
 
-def test_the_priced_staging_buffer_is_the_one_deepspeed_holds_through_a_backward(tmp_path):
+def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizer_holds(tmp_path):
     """DeepSpeed's ZeRO-1/2 optimizer holds a `reduce_bucket_size` staging buffer through every
-    backward, whatever the model's size; a one-stage plan with engine deepspeed is priced with
-    it in its backward peak (`rules.deepspeed_buffers`). Checked by DeepSpeed's own engine under
-    the exported configs, in each of its element sizes and where it has none."""
+    backward, whatever the model's size, and its step makes fp64 pieces of the gradient partition
+    for the norm, then a flat copy of the partition and an fp32 one (`rules.deepspeed_buffers`).
+    Checked by DeepSpeed's own engine under exported configs: each element size of the buffer and
+    a case without one, a step where the norm's piece is the most and one where the copies are."""
     require_deepspeed()
     from mist.hardware.registry import load_profile
-    from mist.rules.deepspeed_buffers import staging_bytes
+    from mist.rules.deepspeed_buffers import deepspeed_held, step_bytes
     from mist.simulate.plan_sim import simulate_plan
 
-    cases = {
-        "bf16 zero2": make_plan(zero=2, G=1, mb=8),
-        "fp16 zero1 fp32 grads": make_plan(zero=1, G=1, mb=8, dtype="fp16", grad_dtype="fp32"),
-        "bf16 zero1 fp32 grads": make_plan(zero=1, G=1, mb=8, grad_dtype="fp32"),
+    M = 1 << 20
+    big, many = [[1024, 8192], [8192, 1024], [1024, 1024]], [[1024, 1024]] * 16
+    cases = {  # name: plan, the stand-in's matrices, rank 0's largest piece of its partition
+        "bf16 zero2": (make_plan(zero=2, G=1, mb=8), big, 8 * M),
+        "fp16 zero1 fp32 grads": (make_plan(zero=1, G=1, mb=8, dtype="fp16", grad_dtype="fp32"), many, M),
+        "bf16 zero1": (make_plan(zero=1, G=1, mb=8), many, M),
+        "bf16 zero1 fp32 grads": (make_plan(zero=1, G=1, mb=8, grad_dtype="fp32"), many, M),
     }
-    paths = []
-    for name, plan in cases.items():
+    runs = []
+    for name, (plan, matrices, _) in cases.items():
         path = tmp_path / f"{name.replace(' ', '-')}.json"
         path.write_text(json.dumps(ds.ds_config(plan)))
-        paths.append(str(path))
-    (tmp_path / "configs.json").write_text(json.dumps(paths))
+        runs.append({"config": str(path), "matrices": matrices})
+    (tmp_path / "cases.json").write_text(json.dumps(runs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(HERE / "deepspeed_staging.py"), str(tmp_path / "configs.json"), str(tmp_path / "out.json")]
+    cmd += [str(HERE / "deepspeed_staging.py"), str(tmp_path / "cases.json"), str(tmp_path / "out.json")]
     env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    seen = json.loads((tmp_path / "out.json").read_text())
-    measured = {name: row["staging_bytes"] for name, row in zip(cases, seen)}
-    priced = {
-        name: staging_bytes(
-            "deepspeed", p.num_stages, p.stages[0].zero, p.stages[0].dp, p.training.param_dtype, p.training.grad_dtype
-        )
-        for name, p in cases.items()
-    }
-    assert measured == priced == {"bf16 zero2": 1e9, "fp16 zero1 fp32 grads": 2e9, "bf16 zero1 fp32 grads": 0}
-    # and it is in the plan's peak, where a backward runs, when DeepSpeed runs the plan
-    plan = cases["bf16 zero2"]
+    seen = dict(zip(cases, json.loads((tmp_path / "out.json").read_text())))
+    for name, (plan, matrices, piece) in cases.items():
+        t, s = plan.training, plan.stages[0]
+        params = sum(i * o for i, o in matrices)
+        largest = max(i * o for i, o in matrices)
+        held = deepspeed_held("deepspeed", 1, s.zero, 2, t.param_dtype, t.grad_dtype, 0.0, params, largest)
+        assert seen[name]["staging_bytes"] == held.backward, name
+        if held.step is None:
+            assert seen[name]["optimizer"] == "BF16_Optimizer" and held.backward == 0
+            continue
+        step = step_bytes(params / 2, piece, t.param_dtype, t.grad_dtype)  # rank 0's pieces
+        assert seen[name]["step_bytes"] == pytest.approx(step, rel=0.01), name
+    assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0]
+    # both are in the plan's peaks when DeepSpeed runs it: the buffer where a backward runs, the
+    # copies (in place of Mist's runtime's fp32 piece) at the step
+    plan = cases["bf16 zero2"][0]
     profile = load_profile(plan.cluster.gpu)
     mist, deep = simulate_plan(plan, profile), simulate_plan(replace(plan, engine="deepspeed"), profile)
     (a,), (b,) = mist.stages, deep.stages
     assert b.bwd_peak_bytes - a.bwd_peak_bytes == pytest.approx(1e9)
     assert b.fwd_peak_bytes == a.fwd_peak_bytes
+    partition = plan.model.total_params() / plan.stages[0].dp
+    assert a.state_bytes == b.state_bytes and a.step_peak_bytes - a.state_bytes < 4 * (1 << 25) + 1
+    assert b.step_peak_bytes - b.state_bytes == pytest.approx(6 * partition, rel=1e-3)

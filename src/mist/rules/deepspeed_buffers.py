@@ -1,40 +1,95 @@
-"""The gradient staging buffer DeepSpeed's ZeRO-1/2 optimizer holds through every backward.
+"""What DeepSpeed's ZeRO-1/2 optimizer allocates on the device beyond Mist's runtime's states.
 
-DeepSpeed 0.19's ZeRO optimizer for stages 1 and 2 (`DeepSpeedZeroOptimizer`) copies the
-gradients into a contiguous staging buffer before it reduces them (`contiguous_gradients`, on by
-default). The buffer is `zero_optimization.reduce_bucket_size` elements long whatever the model's
-size (5·10^8 by default), allocated as each backward starts and released when it ends; with
-`overlap_comm` (off by default below ZeRO-3, and never written by the export) there are two.
-Its elements are 4 bytes for fp32 parameters and for ZeRO-1 accumulating fp32 gradients (an fp32
-accumulator), else 2 (ZeRO-2 stages 16-bit gradients even when it accumulates them in fp32). With
-bf16 parameters, ZeRO-1 and fp32 gradients DeepSpeed runs another optimizer (`BF16_Optimizer`),
-which has no such buffer.
+DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 on more than one data-parallel rank with
+`DeepSpeedZeroOptimizer` (`runtime/zero/stage_1_and_2.py`), except with bf16 parameters, ZeRO-1
+and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optimizer holds:
 
-Measured with DeepSpeed's own engine on two CPU ranks, a model of 8,320 parameters
-(`tests/export/deepspeed_staging.py`): 1,000,000,000 bytes during the backward for bf16 ZeRO-1
-and ZeRO-2 (also with fp32 gradients) and fp16 ZeRO-2; 2,000,000,000 for fp16 ZeRO-1 with fp32
-gradients and for fp32 ZeRO-1.
+- **a gradient staging buffer** (`contiguous_gradients`, on by default) of
+  `zero_optimization.reduce_bucket_size` elements whatever the model's size (5·10^8 by default,
+  which the export writes out), in 4-byte elements for fp32 parameters and for ZeRO-1 accumulating
+  fp32 gradients, else 2-byte (ZeRO-2 stages 16-bit gradients even when it accumulates them in
+  fp32). `overlap_comm` would double it; it is off below ZeRO-3 and the export never sets it. The
+  plain engine allocates it as each backward starts and releases it when the backward ends; the
+  pipeline engine allocates it when it reduces the gradients after the last backward, and
+  releases it before the step.
+- **at the step**, one after the other: the gradient norm converts each parameter's piece of the
+  rank's gradient partition to fp64 (8 bytes per element of the largest piece, one at a time);
+  then the partition is flattened (a copy in the gradients' dtype) and converted to fp32, the
+  flat copy released once converted and the fp32 one held through the update: 6 bytes per element
+  of the partition at once for 16-bit gradients, 4 for fp32 ones (ZeRO-2 with fp32 gradients and
+  ZeRO-1 with fp32 gradients keep their partition in fp32). Mist's runtime converts 128 MiB pieces
+  instead (`rules.optimizer_step`). With the optimizer offloaded DeepSpeed steps on the host from
+  host copies of the gradients; that step is priced as Mist's runtime's.
 
-Priced (`staging_bytes`) for the plans DeepSpeed runs with that optimizer and its plain engine:
-one stage, ZeRO 1 or 2, more than one data-parallel rank. Not priced: a pipeline's ZeRO-1 stages
-(the pipeline engine allocates the buffer when it reduces the gradients after the last backward),
-and the fp32 copy of a rank's whole gradient partition that DeepSpeed's step makes (4 bytes per
-element of the partition, where Mist's runtime converts 128 MiB pieces).
+Measured with DeepSpeed's own engine on two CPU ranks (`tests/export/deepspeed_staging.py`): a
+staging buffer of 1,000,000,000 bytes through the backward for bf16 ZeRO-1 and ZeRO-2 (also with
+fp32 gradients and with the optimizer offloaded) and fp16 ZeRO-2, 2,000,000,000 for fp16 ZeRO-1
+with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weight matrices of
+8, 8 and 1 Mi elements (a partition of 8.5 Mi elements per rank), fp64 norm pieces of 64 and 4 MiB
+(rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 # DeepSpeed's default `zero_optimization.reduce_bucket_size` (elements), which the export writes
 REDUCE_BUCKET_ELEMENTS = 500_000_000
+NORM_BYTES = 8  # the gradient norm's fp64 copy of a parameter's piece
+FP32_BYTES = 4
 
 
-def staging_bytes(engine: str, num_stages: int, zero: int, dp: int, param_dtype: str, grad_dtype: str | None) -> float:
-    """Bytes of the staging buffer DeepSpeed holds through a backward of a plan it runs (see the
-    module docstring), 0 where it holds none or where the engine is not DeepSpeed."""
-    if engine != "deepspeed" or num_stages != 1 or zero not in (1, 2) or dp <= 1:
-        return 0.0
-    fp32_grads = grad_dtype == "fp32" and param_dtype != "fp32"
-    if zero == 1 and fp32_grads and param_dtype == "bf16":
-        return 0.0  # BF16_Optimizer
-    wide = param_dtype == "fp32" or (zero == 1 and fp32_grads)
+@dataclass(frozen=True)
+class DeepSpeedHeld:
+    """Device bytes a DeepSpeed ZeRO-1/2 stage holds beyond its states: through every backward,
+    and at once after the last backward (the pipeline's reduction and the step) — in place of
+    Mist's runtime's fp32 step piece; None where the step is priced as Mist's runtime's."""
+
+    backward: float
+    step: float | None
+
+
+def zero_optimizer(engine: str, zero: int, dp: int, param_dtype: str, grad_dtype: str | None) -> bool:
+    """Whether DeepSpeed runs the stage with `DeepSpeedZeroOptimizer` (module docstring)."""
+    if engine != "deepspeed" or zero not in (1, 2) or dp <= 1:
+        return False
+    return not (zero == 1 and param_dtype == "bf16" and grad_dtype == "fp32")
+
+
+def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
+    """Bytes of the gradient staging buffer of `DeepSpeedZeroOptimizer`."""
+    wide = param_dtype == "fp32" or (zero == 1 and grad_dtype == "fp32")
     return float(REDUCE_BUCKET_ELEMENTS * (4 if wide else 2))
+
+
+def step_bytes(partition: float, largest_piece: float, param_dtype: str, grad_dtype: str | None) -> float:
+    """The most bytes `DeepSpeedZeroOptimizer`'s step holds at once beyond the states: the
+    gradient norm's fp64 piece, or the flat partition and its fp32 copy (module docstring)."""
+    fp32_grads = param_dtype == "fp32" or grad_dtype == "fp32"
+    copy = partition * (FP32_BYTES if fp32_grads else FP32_BYTES + 2)
+    return max(NORM_BYTES * min(largest_piece, partition), copy)
+
+
+def deepspeed_held(
+    engine: str,
+    num_stages: int,
+    zero: int,
+    dp: int,
+    param_dtype: str,
+    grad_dtype: str | None,
+    optimizer_offload: float,
+    params: float,
+    largest_param: float,
+) -> DeepSpeedHeld:
+    """What a stage of `params` parameters on its rank (before the data-parallel split), the
+    largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring)."""
+    if not zero_optimizer(engine, zero, dp, param_dtype, grad_dtype):
+        return DeepSpeedHeld(0.0, None)
+    staging = staging_bytes(zero, param_dtype, grad_dtype)
+    partition = math.ceil(params / dp)
+    after = 0.0 if num_stages == 1 else staging
+    if optimizer_offload > 0:
+        return DeepSpeedHeld(staging if num_stages == 1 else 0.0, None)
+    step = step_bytes(partition, largest_param, param_dtype, grad_dtype)
+    return DeepSpeedHeld(staging if num_stages == 1 else 0.0, max(after, step))

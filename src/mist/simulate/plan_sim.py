@@ -27,7 +27,7 @@ import numpy as np
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.compiled_blocks import compile_mode
-from mist.rules.deepspeed_buffers import staging_bytes
+from mist.rules.deepspeed_buffers import DeepSpeedHeld, deepspeed_held
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
 from mist.rules.zero_bubble_order import ZB_H1
@@ -45,6 +45,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
     """Every stage's input (of an interleaved plan without its in-flight count, which
     `_stage_results` takes from its chunks' saved activations)."""
     S = plan.num_stages
+    held = _engine_held(plan)
     out = []
     for i, s in enumerate(plan.stages):
         out.append(
@@ -69,9 +70,38 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 cluster_gpus_per_node=plan.cluster.gpus_per_node,
                 keeps_outputs=keeps_sent_outputs(plan.engine, plan.virtual_stages),
                 holds_sends=holds_sends(plan.engine, plan.virtual_stages),
-                backward_buffer_bytes=staging_bytes(
-                    plan.engine, S, s.zero, s.dp * s.cp, plan.training.param_dtype, plan.training.grad_dtype
-                ),
+                backward_buffer_bytes=held[i].backward,
+                step_buffer_bytes=held[i].step,
+            )
+        )
+    return out
+
+
+def _engine_held(plan: Plan) -> list[DeepSpeedHeld]:
+    """Per stage, what its engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`):
+    from the stage's parameters on a rank and the largest of them, a weight matrix of a block
+    (the MLP's h × f, or Q, K and V fused, as Megatron-style models hold them), or the word table
+    (V × h) on a stage with the embedding or an untied head."""
+    m, t, S = plan.model, plan.training, plan.num_stages
+    h = m.hidden_size
+    block_matrix = max(h * m.ffn_hidden_size, h * (h + 2 * m.num_kv_heads * m.head_dim))
+    out = []
+    for i, s in enumerate(plan.stages):
+        table = i == 0 or (i == S - 1 and not m.tie_embeddings)
+        params = s.layers * m.block_params() + (m.embedding_params() if i == 0 else 0)
+        params += m.head_params() if i == S - 1 else 0
+        largest = max(block_matrix, m.vocab_size * h if table else 0)
+        out.append(
+            deepspeed_held(
+                plan.engine,
+                S,
+                s.zero,
+                s.dp * s.cp,
+                t.param_dtype,
+                t.grad_dtype,
+                s.offload.optimizer,
+                params / s.tp,
+                largest / s.tp,
             )
         )
     return out

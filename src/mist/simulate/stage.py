@@ -346,6 +346,7 @@ class StageModel:
             st.keeps_outputs,
             st.held_sends,
             st.backward_buffer_bytes,
+            st.step_buffer_bytes,
         )
 
     def components(self, st: StageInput) -> StageComponents:

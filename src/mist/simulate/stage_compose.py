@@ -40,6 +40,7 @@ def compose(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     backward_buffer: float = 0.0,
+    step_buffer: float | None = None,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -48,11 +49,12 @@ def compose(
     `keeps_outputs`: whether the stage keeps the outputs it sent, `held`: what it holds of its
     sends where it waits for them as an interleaved rank of Mist's runtime does, else None
     (`rules.pipeline_outputs`); `backward_buffer`: bytes the engine holds through every backward
-    beyond Mist's runtime's (`rules.deepspeed_buffers`)."""
+    beyond Mist's runtime's, `step_buffer` at once after the last backward in place of the
+    runtime's step piece (None: as the runtime) (`rules.deepspeed_buffers`)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, backward_buffer)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, backward_buffer, step_buffer)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -139,6 +141,7 @@ def _memory(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     backward_buffer: float = 0.0,
+    step_buffer: float | None = None,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -191,7 +194,8 @@ def _memory(
     bwd_peak = states + base_act + (out_bwd - out_fwd) * a.p2p_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
-    step_peak = weights + grads + opt + s.step_piece
+    # (or what the engine holds then instead: DeepSpeed's gradient copies, `step_buffer`)
+    step_peak = weights + grads + opt + (s.step_piece if step_buffer is None else step_buffer)
     peak = np.maximum(np.maximum(fwd_peak, bwd_peak), step_peak)
 
     def breakdown() -> dict:

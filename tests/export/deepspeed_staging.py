@@ -2,7 +2,8 @@
 (JSON list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...]}),
 DeepSpeed's own engine trains a stand-in of those weight matrices (no bias) for two steps, and
 rank 0 writes to argv[2], per case: the optimizer's class name, the bytes of the gradient staging
-buffers its ZeRO optimizer holds while the second backward runs (read from a gradient hook), and
+buffers its ZeRO optimizer holds once built and while the second backward runs (read from a
+gradient hook), and
 the most bytes the second step allocated at once beyond what was live when it began (PyTorch's
 CPU allocator, through `torch.profiler`).
 
@@ -31,9 +32,17 @@ for case in CASES:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     seen: list[int] = []
 
-    def hook(g, engine=engine, seen=seen):
-        buckets = getattr(engine.optimizer, "ipg_buckets", {})
-        seen.append(sum(t.numel() * t.element_size() for b in buckets.values() for t in b.buffer))
+    def staging(engine=engine) -> int:
+        out = 0
+        for b in getattr(engine.optimizer, "ipg_buckets", {}).values():
+            for t in b.buffer if isinstance(b.buffer, list) else [b.buffer]:  # ZeRO-3: one tensor
+                out += 0 if t is None else t.numel() * t.element_size()
+        return out
+
+    built = staging()
+
+    def hook(g, seen=seen, staging=staging):
+        seen.append(staging())
         return g
 
     for p in engine.module.parameters():
@@ -47,6 +56,7 @@ for case in CASES:
     for _, _, nbytes in allocation_events(prof):
         live += nbytes
         most = max(most, live)
-    results.append({"optimizer": type(engine.optimizer).__name__, "staging_bytes": max(seen), "step_bytes": most})
+    name = type(engine.optimizer).__name__
+    results.append({"optimizer": name, "built_bytes": built, "staging_bytes": max(seen), "step_bytes": most})
 if torch.distributed.get_rank() == 0:
     open(OUT, "w").write(json.dumps(results))

@@ -460,10 +460,11 @@ def test_trains_an_uneven_two_stage_pipeline(tmp_path):
     assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head
 
 
-def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizer_holds(tmp_path):
+def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers_hold(tmp_path):
     """DeepSpeed's ZeRO-1/2 optimizer holds a `reduce_bucket_size` staging buffer through every
     backward, whatever the model's size, and its step makes fp64 pieces of the gradient partition
     for the norm, then a flat copy of the partition and an fp32 one (`rules.deepspeed_buffers`).
+    ZeRO-3's optimizer holds the same buffer from when it is built to the end of the run.
     Checked by DeepSpeed's own engine under exported configs: each element size of the buffer and
     a case without one, a step where the norm's piece is the most and one where the copies are."""
     require_deepspeed()
@@ -478,6 +479,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizer_
         "fp16 zero1 fp32 grads": (make_plan(zero=1, G=1, mb=8, dtype="fp16", grad_dtype="fp32"), many, M),
         "bf16 zero1": (make_plan(zero=1, G=1, mb=8), many, M),
         "bf16 zero1 fp32 grads": (make_plan(zero=1, G=1, mb=8, grad_dtype="fp32"), many, M),
+        "fp32 zero3": (make_plan(zero=3, G=1, mb=8, dtype="fp32"), many, M),
     }
     runs = []
     for name, (plan, matrices, _) in cases.items():
@@ -496,13 +498,14 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizer_
         params = sum(i * o for i, o in matrices)
         largest = max(i * o for i, o in matrices)
         held = deepspeed_held("deepspeed", 1, s.zero, 2, t.param_dtype, t.grad_dtype, 0.0, params, largest)
-        assert seen[name]["staging_bytes"] == held.backward, name
-        if held.step is None:
-            assert seen[name]["optimizer"] == "BF16_Optimizer" and held.backward == 0
+        assert seen[name]["built_bytes"] == held.always, name
+        assert seen[name]["staging_bytes"] == held.backward + held.always, name
+        if held.step is None:  # BF16_Optimizer and ZeRO-3: the step as Mist's runtime's
+            assert seen[name]["optimizer"] in ("BF16_Optimizer", "DeepSpeedZeroOptimizer_Stage3"), name
             continue
         step = step_bytes(params / 2, piece, t.param_dtype, t.grad_dtype)  # rank 0's pieces
         assert seen[name]["step_bytes"] == pytest.approx(step, rel=0.01), name
-    assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0]
+    assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0, 2e9]
     # both are in the plan's peaks when DeepSpeed runs it: the buffer where a backward runs, the
     # copies (in place of Mist's runtime's fp32 piece) at the step
     plan = cases["bf16 zero2"][0]
@@ -514,3 +517,18 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizer_
     partition = plan.model.total_params() / plan.stages[0].dp
     assert a.state_bytes == b.state_bytes and a.step_peak_bytes - a.state_bytes < 4 * (1 << 25) + 1
     assert b.step_peak_bytes - b.state_bytes == pytest.approx(6 * partition, rel=1e-3)
+
+
+def test_zero3_s_buffer_is_in_every_phase_of_a_deepspeed_plan():
+    """Under ZeRO-3 DeepSpeed holds its staging buffer through the whole run: the forward, the
+    backward and the step peaks of a plan it runs each carry it, and nothing else changes."""
+    from mist.hardware.registry import load_profile
+    from mist.simulate.plan_sim import simulate_plan
+
+    plan = make_plan(zero=3, G=2, mb=4)
+    profile = load_profile(plan.cluster.gpu)
+    (a,), (b,) = simulate_plan(plan, profile).stages, simulate_plan(replace(plan, engine="deepspeed"), profile).stages
+    for phase in ("fwd_peak_bytes", "bwd_peak_bytes", "step_peak_bytes"):
+        assert getattr(b, phase) - getattr(a, phase) == pytest.approx(1e9, abs=1), phase
+    assert b.state_bytes == a.state_bytes
+    assert b.memory_breakdown["buffers_bytes"] - a.memory_breakdown["buffers_bytes"] == pytest.approx(1e9, abs=1)

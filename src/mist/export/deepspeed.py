@@ -7,9 +7,10 @@ What maps where:
 - precision: `bf16` / `fp16` sections from the parameter dtype (fp32 parameters with a 16-bit
   compute dtype use `torch_autocast`), `data_types.grad_accum_dtype` for fp32 gradients.
 - ZeRO: one `zero_optimization.stage` for the whole run; the pipeline engine allows ZeRO 0 or 1.
-  ZeRO 1 and 2 carry `reduce_bucket_size` (DeepSpeed's default, written out): the gradient
-  staging buffer that size that DeepSpeed holds through every backward, and that a plan with
-  `engine: deepspeed` is priced with (`mist.rules.deepspeed_buffers`).
+  ZeRO 1–3 carry `reduce_bucket_size` (DeepSpeed's default, written out): the size of the
+  gradient staging buffer DeepSpeed holds (through every backward under ZeRO 1/2, for the whole
+  run under ZeRO-3), which a plan with `engine: deepspeed` is priced with
+  (`mist.rules.deepspeed_buffers`).
 - offload: `offload_optimizer` (it takes the fp32 gradients with the optimizer states, so
   Mist's gradient and optimizer fractions must be equal); a fraction below 1 needs ZeRO-3 and is
   applied to whole optimizer sub-groups, so the export sizes `sub_group_size` to cut each
@@ -282,7 +283,7 @@ def _precision(plan: Plan) -> dict:
 def _zero_section(plan: Plan) -> dict:
     s = plan.stages[0]
     z: dict = {"stage": s.zero}
-    if s.zero in (1, 2):  # the staging buffer's size, as priced (`rules.deepspeed_buffers`)
+    if s.zero >= 1:  # the staging buffer's size, as priced (`rules.deepspeed_buffers`)
         z["reduce_bucket_size"] = REDUCE_BUCKET_ELEMENTS
     o, w = s.offload.optimizer, s.offload.weights
     if o > 0:

@@ -1,4 +1,4 @@
-"""What DeepSpeed's ZeRO-1/2 optimizer allocates on the device beyond Mist's runtime's states.
+"""What DeepSpeed's ZeRO optimizers allocate on the device beyond Mist's runtime's states.
 
 DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 on more than one data-parallel rank with
 `DeepSpeedZeroOptimizer` (`runtime/zero/stage_1_and_2.py`), except with bf16 parameters, ZeRO-1
@@ -21,12 +21,20 @@ and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optim
   instead (`rules.optimizer_step`). With the optimizer offloaded DeepSpeed steps on the host from
   host copies of the gradients; that step is priced as Mist's runtime's.
 
+DeepSpeed's ZeRO-3 optimizer (`DeepSpeedZeroOptimizer_Stage3`, `runtime/zero/stage3.py`) allocates
+its staging buffer of `reduce_bucket_size` elements, in the parameters' dtype, when it is built
+and holds it for the whole run: through every forward, backward and step. (How many gathered
+parameters it keeps, `stage3_max_live_parameters` and its prefetch buckets, and its step's copies
+are not priced: a ZeRO-3 stage is otherwise priced as Mist's runtime runs it.)
+
 Measured with DeepSpeed's own engine on two CPU ranks (`tests/export/deepspeed_staging.py`): a
 staging buffer of 1,000,000,000 bytes through the backward for bf16 ZeRO-1 and ZeRO-2 (also with
 fp32 gradients and with the optimizer offloaded) and fp16 ZeRO-2, 2,000,000,000 for fp16 ZeRO-1
 with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weight matrices of
 8, 8 and 1 Mi elements (a partition of 8.5 Mi elements per rank), fp64 norm pieces of 64 and 4 MiB
-(rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one.
+(rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one;
+ZeRO-3's buffer, once built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients,
+and with the weights and the optimizer offloaded), 2,000,000,000 with fp32 ones.
 """
 
 from __future__ import annotations
@@ -42,12 +50,13 @@ FP32_BYTES = 4
 
 @dataclass(frozen=True)
 class DeepSpeedHeld:
-    """Device bytes a DeepSpeed ZeRO-1/2 stage holds beyond its states: through every backward,
-    and at once after the last backward (the pipeline's reduction and the step) — in place of
-    Mist's runtime's fp32 step piece; None where the step is priced as Mist's runtime's."""
+    """Device bytes a DeepSpeed stage holds beyond its states: through every backward, through
+    the whole run (`always`), and at once after the last backward (the pipeline's reduction and
+    the step) in place of Mist's runtime's fp32 step piece (None: priced as Mist's runtime's)."""
 
     backward: float
     step: float | None
+    always: float = 0.0
 
 
 def zero_optimizer(engine: str, zero: int, dp: int, param_dtype: str, grad_dtype: str | None) -> bool:
@@ -84,6 +93,8 @@ def deepspeed_held(
 ) -> DeepSpeedHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring)."""
+    if engine == "deepspeed" and zero == 3 and dp > 1:  # ZeRO-3: its buffer, held throughout
+        return DeepSpeedHeld(0.0, None, float(REDUCE_BUCKET_ELEMENTS * (4 if param_dtype == "fp32" else 2)))
     if not zero_optimizer(engine, zero, dp, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)

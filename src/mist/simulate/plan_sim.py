@@ -72,6 +72,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 holds_sends=holds_sends(plan.engine, plan.virtual_stages),
                 backward_buffer_bytes=held[i].backward,
                 step_buffer_bytes=held[i].step,
+                held_buffer_bytes=held[i].always,
             )
         )
     return out

@@ -347,6 +347,7 @@ class StageModel:
             st.held_sends,
             st.backward_buffer_bytes,
             st.step_buffer_bytes,
+            st.held_buffer_bytes,
         )
 
     def components(self, st: StageInput) -> StageComponents:

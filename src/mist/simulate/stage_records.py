@@ -49,11 +49,12 @@ class StageInput:
     # else the outputs by `keeps_outputs` and the input gradient sent last
     holds_sends: bool = False
     held_sends: HeldSends | None = None
-    # what the engine holds beyond Mist's runtime's states through every backward, and at once
-    # after the last backward in place of the runtime's step piece (None: as the runtime)
+    # what the engine holds beyond Mist's runtime's states through every backward, at once after
+    # the last backward in place of the runtime's step piece (None: as the runtime), and always
     # (`rules.deepspeed_buffers.DeepSpeedHeld`)
     backward_buffer_bytes: float = 0.0
     step_buffer_bytes: float | None = None
+    held_buffer_bytes: float = 0.0  # through the whole run
 
 
 @dataclass(frozen=True)

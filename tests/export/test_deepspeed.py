@@ -83,7 +83,7 @@ MATRIX = [
     ("dp8-zero2-full-offload", dict(zero=2, offload=Offload(grads=1.0, optimizer=1.0), G=2, mb=4)),
     ("tp2-dp4-zero1-fp16", dict(tp=2, zero=1, dtype="fp16")),
     ("pp2-dp4-zero1-uneven-recompute", dict(pp=2, zero=1, recompute=(3, 0))),
-    ("pp4-2nodes-zero0-fp32-grads", dict(nodes=2, pp=4, zero=0, G=8, grad_dtype="fp32")),
+    ("pp4-2nodes-zero1-fp32-grads", dict(nodes=2, pp=4, zero=1, G=8, grad_dtype="fp32")),  # ZeRO-0: refused
     ("dp8-zero1-fp32-autocast-bf16", dict(zero=1, dtype="fp32", compute="bf16")),
     ("pp2-2nodes-zero1-offload", dict(nodes=2, pp=2, zero=1, offload=Offload(grads=1.0, optimizer=1.0))),
     ("dp16-zero3-weights-offload", dict(nodes=2, zero=3, offload=Offload(weights=1.0, grads=0.5, optimizer=0.5))),
@@ -464,7 +464,8 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
     """DeepSpeed's ZeRO-1/2 optimizer holds a `reduce_bucket_size` staging buffer through every
     backward, whatever the model's size, and its step makes fp64 pieces of the gradient partition
     for the norm, then a flat copy of the partition and an fp32 one (`rules.deepspeed_buffers`).
-    ZeRO-3's optimizer holds the same buffer from when it is built to the end of the run.
+    ZeRO-3's optimizer holds the same buffer from when it is built to the end of the run; without
+    ZeRO, the step holds every gradient's fp32 copy and their fp32 flat at once.
     Checked by DeepSpeed's own engine under exported configs: each element size of the buffer and
     a case without one, a step where the norm's piece is the most and one where the copies are."""
     require_deepspeed()
@@ -480,6 +481,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         "bf16 zero1": (make_plan(zero=1, G=1, mb=8), many, M),
         "bf16 zero1 fp32 grads": (make_plan(zero=1, G=1, mb=8, grad_dtype="fp32"), many, M),
         "fp32 zero3": (make_plan(zero=3, G=1, mb=8, dtype="fp32"), many, M),
+        "bf16 zero0": (make_plan(zero=0, G=1, mb=8), many, M),
     }
     runs = []
     for name, (plan, matrices, _) in cases.items():
@@ -503,9 +505,10 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         if held.step is None:  # BF16_Optimizer and ZeRO-3: the step as Mist's runtime's
             assert seen[name]["optimizer"] in ("BF16_Optimizer", "DeepSpeedZeroOptimizer_Stage3"), name
             continue
-        step = step_bytes(params / 2, piece, t.param_dtype, t.grad_dtype)  # rank 0's pieces
+        step = held.step if s.zero == 0 else step_bytes(params / 2, piece, t.param_dtype, t.grad_dtype)  # rank 0's
         assert seen[name]["step_bytes"] == pytest.approx(step, rel=0.01), name
-    assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0, 2e9]
+    assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0, 2e9, 0]
+    assert seen["bf16 zero0"]["optimizer"] == "FP16_Optimizer" and seen["bf16 zero0"]["step_bytes"] > 8 * 16 * M - 1
     # both are in the plan's peaks when DeepSpeed runs it: the buffer where a backward runs, the
     # copies (in place of Mist's runtime's fp32 piece) at the step
     plan = cases["bf16 zero2"][0]
@@ -532,3 +535,21 @@ def test_zero3_s_buffer_is_in_every_phase_of_a_deepspeed_plan():
         assert getattr(b, phase) - getattr(a, phase) == pytest.approx(1e9, abs=1), phase
     assert b.state_bytes == a.state_bytes
     assert b.memory_breakdown["buffers_bytes"] - a.memory_breakdown["buffers_bytes"] == pytest.approx(1e9, abs=1)
+
+
+def test_zero0_with_fp32_gradients_is_refused_and_approximated_by_zero1(tmp_path):
+    """DeepSpeed 0.19's engine rejects 16-bit parameters with fp32 gradient accumulation unless
+    ZeRO is on (`NotImplementedError: unsupported mix of model_dtype=torch.bfloat16 and
+    grad_accum_dtype=torch.float32`): the export refuses such a plan in one sentence, and the
+    nearest plan runs ZeRO-1 with the same gradients."""
+    for pp in (1, 2):
+        plan = make_plan(zero=0, pp=pp, grad_dtype="fp32")
+        (p,) = ds.problems(plan)
+        assert "ZeRO-0 with fp32 gradients" in p and "grad_dtype" in p
+        with pytest.raises(NotExpressible, match="ZeRO-0 with fp32 gradients"):
+            export_plan(plan, "deepspeed", tmp_path / f"pp{pp}")
+        near = ds.nearest(plan)
+        assert {s.zero for s in near.stages} == {1} and near.training.grad_dtype == "fp32"
+        assert ds.problems(near) == []
+    assert ds.problems(make_plan(zero=0, grad_dtype="fp32", dtype="fp32")) == []  # fp32 parameters: no mix
+    assert ds.problems(make_plan(zero=0)) == []

@@ -25,6 +25,8 @@ What maps where:
 - selective recomputation (attention core, MLP activation) is model code: refused.
 - interleaved 1F1B: the pipeline engine has no interleaved schedule: refused (`--approximate`
   exports the plan as plain 1F1B).
+- fp32 gradients with 16-bit parameters need ZeRO ≥ 1 (DeepSpeed's engine rejects them with
+  ZeRO-0): refused (`--approximate` exports ZeRO-1).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def problems(plan: Plan) -> list[str]:
     """One sentence per knob DeepSpeed cannot express, naming the stage; [] if exportable."""
     out = _interleaving_problems(plan) + uniform_mesh_problems(plan, NAME) + schedule_problems(plan, NAME)
+    out += _precision_problems(plan)
     out += compile_problems(plan, NAME)
     for i, s in enumerate(plan.stages):
         out += _pipeline_problems(plan, i, s) + _recompute_problems(i, s) + _offload_problems(i, s)
@@ -159,6 +162,18 @@ def _offload_problems(i: int, s: StageStrategy) -> list[str]:
     return out
 
 
+def _precision_problems(plan: Plan) -> list[str]:
+    """Without ZeRO, DeepSpeed accumulates gradients in the parameters' dtype only: its engine
+    rejects 16-bit parameters with `data_types.grad_accum_dtype` fp32 ("unsupported mix")."""
+    t, s0 = plan.training, plan.stages[0]
+    if s0.zero == 0 and t.grad_dtype == "fp32" and t.param_dtype != "fp32":
+        return [
+            f"stage 0 uses ZeRO-0 with fp32 gradients for {t.param_dtype} parameters (training.grad_dtype), "
+            f"which {NAME} accumulates only with ZeRO 1 or more"
+        ]
+    return []
+
+
 def _global_knob_problems(plan: Plan, i: int, s: StageStrategy) -> list[str]:
     """ZeRO and offload are one setting for the whole run in DeepSpeed."""
     if i == 0:
@@ -199,6 +214,8 @@ def nearest(plan: Plan) -> Plan:
     if 0 < o < 1 and zero < 3:
         o = 1.0
     if o > 0 and zero == 0:
+        zero = 1
+    if zero == 0 and _precision_problems(plan):  # fp32 gradients need ZeRO (see there)
         zero = 1
     offload = Offload(weights=w, grads=o, optimizer=o, activations=0.0)
     stages = [

@@ -21,6 +21,11 @@ and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optim
   instead (`rules.optimizer_step`). With the optimizer offloaded DeepSpeed steps on the host from
   host copies of the gradients; that step is priced as Mist's runtime's.
 
+Without ZeRO, DeepSpeed runs 16-bit parameters with `FP16_Optimizer` (`runtime/fp16/
+fused_optimizer.py`; bf16 pipelines excepted, which run `BF16_Optimizer`, not priced). Its step
+converts each parameter's gradient to fp32 and then flattens those copies into one fp32 buffer,
+all of them at once: 8 bytes per parameter of the stage on top of the states.
+
 DeepSpeed's ZeRO-3 optimizer (`DeepSpeedZeroOptimizer_Stage3`, `runtime/zero/stage3.py`) allocates
 its staging buffer of `reduce_bucket_size` elements, in the parameters' dtype, when it is built
 and holds it for the whole run: through every forward, backward and step. (How many gathered
@@ -33,7 +38,7 @@ fp32 gradients and with the optimizer offloaded) and fp16 ZeRO-2, 2,000,000,000 
 with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weight matrices of
 8, 8 and 1 Mi elements (a partition of 8.5 Mi elements per rank), fp64 norm pieces of 64 and 4 MiB
 (rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one;
-ZeRO-3's buffer, once built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients,
+a bf16 ZeRO-0 step of 16 Mi parameters, 128 MiB; ZeRO-3's buffer, once built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients,
 and with the weights and the optimizer offloaded), 2,000,000,000 with fp32 ones.
 """
 
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 NORM_BYTES = 8  # the gradient norm's fp64 copy of a parameter's piece
 FP32_BYTES = 4
+FP16_STEP_BYTES = 8  # FP16_Optimizer's step: every gradient's fp32 copy, then their fp32 flat
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,13 @@ def zero_optimizer(engine: str, zero: int, dp: int, param_dtype: str, grad_dtype
     if engine != "deepspeed" or zero not in (1, 2) or dp <= 1:
         return False
     return not (zero == 1 and param_dtype == "bf16" and grad_dtype == "fp32")
+
+
+def fp16_optimizer(engine: str, num_stages: int, zero: int, param_dtype: str, grad_dtype: str | None) -> bool:
+    """Whether DeepSpeed runs the stage with `FP16_Optimizer` (module docstring)."""
+    if engine != "deepspeed" or zero != 0 or param_dtype == "fp32" or grad_dtype not in (None, param_dtype):
+        return False
+    return not (param_dtype == "bf16" and num_stages > 1)
 
 
 def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
@@ -93,6 +106,8 @@ def deepspeed_held(
 ) -> DeepSpeedHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring)."""
+    if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
+        return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
     if engine == "deepspeed" and zero == 3 and dp > 1:  # ZeRO-3: its buffer, held throughout
         return DeepSpeedHeld(0.0, None, float(REDUCE_BUCKET_ELEMENTS * (4 if param_dtype == "fp32" else 2)))
     if not zero_optimizer(engine, zero, dp, param_dtype, grad_dtype):

@@ -38,8 +38,9 @@ fp32 gradients and with the optimizer offloaded) and fp16 ZeRO-2, 2,000,000,000 
 with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weight matrices of
 8, 8 and 1 Mi elements (a partition of 8.5 Mi elements per rank), fp64 norm pieces of 64 and 4 MiB
 (rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one;
-a bf16 ZeRO-0 step of 16 Mi parameters, 128 MiB; ZeRO-3's buffer, once built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients,
-and with the weights and the optimizer offloaded), 2,000,000,000 with fp32 ones.
+the step of a bf16 model of 16 Mi parameters without ZeRO, 128 MiB exactly; ZeRO-3's buffer, once
+built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients, and with the weights
+and the optimizer offloaded), 2,000,000,000 with fp32 ones.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def fp16_optimizer(engine: str, num_stages: int, zero: int, param_dtype: str, gr
 
 
 def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
-    """Bytes of the gradient staging buffer of `DeepSpeedZeroOptimizer`."""
+    """Bytes of the gradient staging buffer of `DeepSpeedZeroOptimizer` (ZeRO 1/2) or
+    `DeepSpeedZeroOptimizer_Stage3` (in the parameters' dtype)."""
     wide = param_dtype == "fp32" or (zero == 1 and grad_dtype == "fp32")
     return float(REDUCE_BUCKET_ELEMENTS * (4 if wide else 2))
 
@@ -109,13 +111,13 @@ def deepspeed_held(
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
     if engine == "deepspeed" and zero == 3 and dp > 1:  # ZeRO-3: its buffer, held throughout
-        return DeepSpeedHeld(0.0, None, float(REDUCE_BUCKET_ELEMENTS * (4 if param_dtype == "fp32" else 2)))
+        return DeepSpeedHeld(0.0, None, staging_bytes(zero, param_dtype, grad_dtype))
     if not zero_optimizer(engine, zero, dp, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)
-    partition = math.ceil(params / dp)
-    after = 0.0 if num_stages == 1 else staging
-    if optimizer_offload > 0:
-        return DeepSpeedHeld(staging if num_stages == 1 else 0.0, None)
-    step = step_bytes(partition, largest_param, param_dtype, grad_dtype)
-    return DeepSpeedHeld(staging if num_stages == 1 else 0.0, max(after, step))
+    # the plain engine holds the buffer through each backward, the pipeline engine after the last
+    backward, reduction = (staging, 0.0) if num_stages == 1 else (0.0, staging)
+    if optimizer_offload > 0:  # the step on the host (module docstring)
+        return DeepSpeedHeld(backward, None)
+    step = step_bytes(math.ceil(params / dp), largest_param, param_dtype, grad_dtype)
+    return DeepSpeedHeld(backward, max(reduction, step))

@@ -1,4 +1,5 @@
-"""Worker of test_deepspeed.py, run under torchrun on two CPU gloo ranks: for each case given
+"""Worker of test_deepspeed.py, run under torchrun on CPU gloo ranks (the data-parallel ranks of
+the run): for each case given
 (JSON list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...]}),
 DeepSpeed's own engine trains a stand-in of those weight matrices (no bias) for two steps, and
 rank 0 writes to argv[2], per case: the optimizer's class name, the bytes of the gradient staging
@@ -7,7 +8,7 @@ gradient hook), and
 the most bytes the second step allocated at once beyond what was live when it began (PyTorch's
 CPU allocator, through `torch.profiler`).
 
-usage: torchrun --nproc_per_node 2 deepspeed_staging.py CASES_JSON OUT_JSON
+usage: torchrun --nproc_per_node DP deepspeed_staging.py CASES_JSON OUT_JSON
 """
 
 import json
@@ -26,7 +27,8 @@ results = []
 for case in CASES:
     cfg = json.loads(open(case["config"]).read())
     # one micro-batch of one sample per rank: neither buffer depends on the batch
-    cfg.update(train_batch_size=2, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    world = torch.distributed.get_world_size()
+    cfg.update(train_batch_size=world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     cfg.pop("tensor_parallel", None)
     model = nn.Sequential(*(nn.Linear(i, o, bias=False) for i, o in case["matrices"]))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

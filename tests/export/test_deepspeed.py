@@ -460,6 +460,18 @@ def test_trains_an_uneven_two_stage_pipeline(tmp_path):
     assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head
 
 
+def staging_run(runs: list[dict], ranks: int, tmp_path) -> list[dict]:
+    """`deepspeed_staging.py`'s rows for `runs` ({"config", "matrices"}) on `ranks` gloo ranks."""
+    cases, out = tmp_path / f"cases-{ranks}.json", tmp_path / f"out-{ranks}.json"
+    cases.write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    cmd += [str(HERE / "deepspeed_staging.py"), str(cases), str(out)]
+    env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers_hold(tmp_path):
     """DeepSpeed's ZeRO-1/2 optimizer holds a `reduce_bucket_size` staging buffer through every
     backward, whatever the model's size, and its step makes fp64 pieces of the gradient partition
@@ -488,13 +500,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         path = tmp_path / f"{name.replace(' ', '-')}.json"
         path.write_text(json.dumps(ds.ds_config(plan)))
         runs.append({"config": str(path), "matrices": matrices})
-    (tmp_path / "cases.json").write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(HERE / "deepspeed_staging.py"), str(tmp_path / "cases.json"), str(tmp_path / "out.json")]
-    env = {**ds_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    seen = dict(zip(cases, json.loads((tmp_path / "out.json").read_text())))
+    seen = dict(zip(cases, staging_run(runs, 2, tmp_path)))
     for name, (plan, matrices, piece) in cases.items():
         t, s = plan.training, plan.stages[0]
         params = sum(i * o for i, o in matrices)
@@ -509,6 +515,18 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         assert seen[name]["step_bytes"] == pytest.approx(step, rel=0.01), name
     assert [seen[n]["staging_bytes"] for n in cases] == [1e9, 2e9, 1e9, 0, 2e9, 0]
     assert seen["bf16 zero0"]["optimizer"] == "FP16_Optimizer" and seen["bf16 zero0"]["step_bytes"] > 8 * 16 * M - 1
+    # one data-parallel rank runs the same optimizers and holds the same
+    solo = (1, 3)  # ZeRO stages
+    runs = []
+    for zero in solo:
+        path = tmp_path / f"solo-{zero}.json"
+        path.write_text(json.dumps(ds.ds_config(make_plan(zero=zero, G=1, mb=8))))
+        runs.append({"config": str(path), "matrices": [[1024, 1024]] * 4})
+    for zero, got in zip(solo, staging_run(runs, 1, tmp_path)):
+        held = deepspeed_held("deepspeed", 1, zero, 1, "bf16", None, 0.0, 4 * M, M)
+        assert got["staging_bytes"] == held.backward + held.always == 1e9, zero
+        if zero == 1:
+            assert got["step_bytes"] == pytest.approx(held.step, rel=0.01) and held.step == 6 * 4 * M
     # both are in the plan's peaks when DeepSpeed runs it: the buffer where a backward runs, the
     # copies (in place of Mist's runtime's fp32 piece) at the step
     plan = cases["bf16 zero2"][0]

@@ -1,6 +1,6 @@
 """What DeepSpeed's ZeRO optimizers allocate on the device beyond Mist's runtime's states.
 
-DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 on more than one data-parallel rank with
+DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 (on any number of data-parallel ranks, one too) with
 `DeepSpeedZeroOptimizer` (`runtime/zero/stage_1_and_2.py`), except with bf16 parameters, ZeRO-1
 and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optimizer holds:
 
@@ -40,7 +40,9 @@ with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weig
 (rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one;
 the step of a bf16 model of 16 Mi parameters without ZeRO, 128 MiB exactly; ZeRO-3's buffer, once
 built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients, and with the weights
-and the optimizer offloaded), 2,000,000,000 with fp32 ones.
+and the optimizer offloaded), 2,000,000,000 with fp32 ones. On one rank (dp 1) the same: the
+ZeRO-1/2 and ZeRO-3 buffers of 1,000,000,000 bytes, and a ZeRO-1 step of 24 MiB for a bf16
+partition of 4 Mi elements.
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ class DeepSpeedHeld:
     always: float = 0.0
 
 
-def zero_optimizer(engine: str, zero: int, dp: int, param_dtype: str, grad_dtype: str | None) -> bool:
+def zero_optimizer(engine: str, zero: int, param_dtype: str, grad_dtype: str | None) -> bool:
     """Whether DeepSpeed runs the stage with `DeepSpeedZeroOptimizer` (module docstring)."""
-    if engine != "deepspeed" or zero not in (1, 2) or dp <= 1:
+    if engine != "deepspeed" or zero not in (1, 2):
         return False
     return not (zero == 1 and param_dtype == "bf16" and grad_dtype == "fp32")
 
@@ -110,9 +112,9 @@ def deepspeed_held(
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
-    if engine == "deepspeed" and zero == 3 and dp > 1:  # ZeRO-3: its buffer, held throughout
+    if engine == "deepspeed" and zero == 3:  # ZeRO-3: its buffer, held throughout
         return DeepSpeedHeld(0.0, None, staging_bytes(zero, param_dtype, grad_dtype))
-    if not zero_optimizer(engine, zero, dp, param_dtype, grad_dtype):
+    if not zero_optimizer(engine, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)
     # the plain engine holds the buffer through each backward, the pipeline engine after the last

@@ -523,6 +523,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         path.write_text(json.dumps(ds.ds_config(make_plan(zero=zero, G=1, mb=8))))
         runs.append({"config": str(path), "matrices": [[1024, 1024]] * 4})
     for zero, got in zip(solo, staging_run(runs, 1, tmp_path)):
+        assert got["forward_bytes"] == (1e9 if zero == 3 else 0), zero  # one micro-batch: no forward after
         held = deepspeed_held("deepspeed", 1, zero, 1, "bf16", None, 0.0, 4 * M, M)
         assert got["staging_bytes"] == held.backward + held.always == 1e9, zero
         if zero == 1:
@@ -571,3 +572,65 @@ def test_zero0_with_fp32_gradients_is_refused_and_approximated_by_zero1(tmp_path
         assert ds.problems(near) == []
     assert ds.problems(make_plan(zero=0, grad_dtype="fp32", dtype="fp32")) == []  # fp32 parameters: no mix
     assert ds.problems(make_plan(zero=0)) == []
+
+
+def test_zero1_keeps_its_staging_buffer_from_the_first_backward_to_the_last(tmp_path):
+    """With several micro-batches ZeRO-1 keeps DeepSpeed's staging buffer from the first backward
+    to the reduction after the last, so the later forwards hold it too, while ZeRO-2 releases it
+    at the end of every backward (DeepSpeed's own engine, two CPU ranks); a plan's forward peak
+    carries it under ZeRO-1 with G > 1 only."""
+    require_deepspeed()
+    from mist.hardware.registry import load_profile
+    from mist.simulate.plan_sim import simulate_plan
+
+    runs = []
+    for zero in (1, 2):
+        path = tmp_path / f"g2-{zero}.json"
+        path.write_text(json.dumps(ds.ds_config(make_plan(zero=zero, G=2, mb=4))))
+        runs.append({"config": str(path), "matrices": [[1024, 1024]] * 4, "G": 2})
+    one, two = staging_run(runs, 2, tmp_path)
+    assert (one["forward_bytes"], one["staging_bytes"]) == (1e9, 1e9)
+    assert (two["forward_bytes"], two["staging_bytes"]) == (0, 1e9)
+    for zero, G, held in ((1, 2, 1e9), (2, 2, 0.0), (1, 1, 0.0)):
+        plan = make_plan(zero=zero, G=G, mb=8 // G)
+        profile = load_profile(plan.cluster.gpu)
+        (a,) = simulate_plan(plan, profile).stages
+        (b,) = simulate_plan(replace(plan, engine="deepspeed"), profile).stages
+        assert b.fwd_peak_bytes - a.fwd_peak_bytes == pytest.approx(held, abs=1), (zero, G)
+        assert b.bwd_peak_bytes - a.bwd_peak_bytes == pytest.approx(1e9, abs=1), (zero, G)
+
+
+def test_a_zero1_pipeline_holds_the_staging_buffer_from_its_first_backward_and_two_to_reduce():
+    """DeepSpeed's pipeline engine under ZeRO-1 (one stage per rank, dp 1, bf16, four
+    micro-batches on two CPU ranks): the first stage holds the staging buffer from its first
+    backward, through its later forwards, and a second one while it reduces the gradients; both
+    are gone before the step. The plan's peaks carry them (`rules.deepspeed_buffers`)."""
+    require_deepspeed()
+    import tempfile
+
+    from mist.hardware.registry import load_profile
+    from mist.simulate.plan_sim import simulate_plan
+
+    plan = make_plan(pp=2, zero=1, G=4, mb=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipe.json"
+        path.write_text(json.dumps(ds.ds_config(plan)))
+        (got,) = staging_run(
+            [{"config": str(path), "matrices": [[1024, 1024]] * 4, "G": 4, "pipeline": True}], 2, Path(tmp)
+        )
+    assert got["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert (got["staging_bytes"], got["forward_bytes"]) == (1e9, 1e9)
+    assert got["batch_bytes"] == pytest.approx(2e9, rel=0.01)
+    profile = load_profile(plan.cluster.gpu)
+
+    def on_deepspeed(p):  # stage 0's forward peak on DeepSpeed over Mist's runtime's, and its step
+        (a, *_), (b, *_) = (
+            simulate_plan(p, profile).stages,
+            simulate_plan(replace(p, engine="deepspeed"), profile).stages,
+        )
+        return b.fwd_peak_bytes - a.fwd_peak_bytes, b.step_peak_bytes - b.state_bytes
+
+    # beyond the sent outputs DeepSpeed keeps, which its ZeRO-0 (BF16_Optimizer) pipeline keeps too
+    (fwd, step), (fwd_zero0, _) = on_deepspeed(plan), on_deepspeed(make_plan(pp=2, zero=0, G=4, mb=2))
+    assert fwd - fwd_zero0 == pytest.approx(1e9, abs=1)
+    assert step >= 2e9

@@ -8,10 +8,12 @@ and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optim
   `zero_optimization.reduce_bucket_size` elements whatever the model's size (5·10^8 by default,
   which the export writes out), in 4-byte elements for fp32 parameters and for ZeRO-1 accumulating
   fp32 gradients, else 2-byte (ZeRO-2 stages 16-bit gradients even when it accumulates them in
-  fp32). `overlap_comm` would double it; it is off below ZeRO-3 and the export never sets it. The
-  plain engine allocates it as each backward starts and releases it when the backward ends; the
-  pipeline engine allocates it when it reduces the gradients after the last backward, and
-  releases it before the step.
+  fp32). `overlap_comm` would double it; it is off below ZeRO-3 and the export never sets it. It
+  is allocated in the first backward of a step. ZeRO-2 releases it at the end of every backward;
+  ZeRO-1 keeps it until it reduces the gradients after the last one, so the forwards that come
+  after a backward hold it too (the later micro-batches' of one stage, a pipeline's steady-state
+  ones). The pipeline engine (ZeRO 0 or 1 only) allocates a second one when it reduces the
+  gradients, and releases both before the step.
 - **at the step**, one after the other: the gradient norm converts each parameter's piece of the
   rank's gradient partition to fp64 (8 bytes per element of the largest piece, one at a time);
   then the partition is flattened (a copy in the gradients' dtype) and converted to fp32, the
@@ -40,7 +42,11 @@ with fp32 gradients and fp32 ZeRO-1; at the step, for a bf16 model of three weig
 (rank 0) and 60 and 8 MiB (rank 1), then a 17 MiB bf16 flat partition and a 34 MiB fp32 one;
 the step of a bf16 model of 16 Mi parameters without ZeRO, 128 MiB exactly; ZeRO-3's buffer, once
 built, 1,000,000,000 bytes with bf16 parameters (also with fp32 gradients, and with the weights
-and the optimizer offloaded), 2,000,000,000 with fp32 ones. On one rank (dp 1) the same: the
+and the optimizer offloaded), 2,000,000,000 with fp32 ones. The lifetimes, from allocation
+events over two micro-batches: ZeRO-2 allocates and releases the buffer in each backward, ZeRO-1
+allocates it in the first and releases it in the second; a two-stage bf16 ZeRO-1 pipeline (four
+micro-batches, one rank per stage) allocates it from a gradient hook in the backward, a second one
+when it reduces the gradients, and releases both before the step. On one rank (dp 1) the same: the
 ZeRO-1/2 and ZeRO-3 buffers of 1,000,000,000 bytes, and a ZeRO-1 step of 24 MiB for a bf16
 partition of 4 Mi elements.
 """
@@ -59,13 +65,15 @@ FP16_STEP_BYTES = 8  # FP16_Optimizer's step: every gradient's fp32 copy, then t
 
 @dataclass(frozen=True)
 class DeepSpeedHeld:
-    """Device bytes a DeepSpeed stage holds beyond its states: through every backward, through
-    the whole run (`always`), and at once after the last backward (the pipeline's reduction and
-    the step) in place of Mist's runtime's fp32 step piece (None: priced as Mist's runtime's)."""
+    """Device bytes a DeepSpeed stage holds beyond its states: at its forward peak, through every
+    backward, through the whole run (`always`), and at once after the last backward (the
+    pipeline's reduction and the step) in place of Mist's runtime's fp32 step piece (None: priced
+    as Mist's runtime's)."""
 
     backward: float
     step: float | None
     always: float = 0.0
+    forward: float = 0.0
 
 
 def zero_optimizer(engine: str, zero: int, param_dtype: str, grad_dtype: str | None) -> bool:
@@ -107,9 +115,12 @@ def deepspeed_held(
     optimizer_offload: float,
     params: float,
     largest_param: float,
+    forward_after_backward: bool = False,
 ) -> DeepSpeedHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
-    largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring)."""
+    largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring);
+    `forward_after_backward`: whether the stage runs a forward after its first backward of a step
+    (which, in 1F1B, holds as many micro-batches as its forward peak)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
     if engine == "deepspeed" and zero == 3:  # ZeRO-3: its buffer, held throughout
@@ -117,9 +128,10 @@ def deepspeed_held(
     if not zero_optimizer(engine, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)
-    # the plain engine holds the buffer through each backward, the pipeline engine after the last
-    backward, reduction = (staging, 0.0) if num_stages == 1 else (0.0, staging)
+    # ZeRO-1 keeps it from the first backward to the reduction, where a pipeline adds a second
+    forward = staging if zero == 1 and forward_after_backward else 0.0
+    reduction = 2 * staging if num_stages > 1 else 0.0
     if optimizer_offload > 0:  # the step on the host (module docstring)
-        return DeepSpeedHeld(backward, None)
+        return DeepSpeedHeld(staging, reduction or None, forward=forward)
     step = step_bytes(math.ceil(params / dp), largest_param, param_dtype, grad_dtype)
-    return DeepSpeedHeld(backward, max(reduction, step))
+    return DeepSpeedHeld(staging, max(reduction, step), forward=forward)

@@ -73,6 +73,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 backward_buffer_bytes=held[i].backward,
                 step_buffer_bytes=held[i].step,
                 held_buffer_bytes=held[i].always,
+                forward_buffer_bytes=held[i].forward,
             )
         )
     return out
@@ -103,6 +104,8 @@ def _engine_held(plan: Plan) -> list[DeepSpeedHeld]:
                 s.offload.optimizer,
                 params / s.tp,
                 largest / s.tp,
+                # 1F1B: stage i runs min(S − i, G) forwards before its first backward
+                forward_after_backward=plan.micro_batches > S - i,
             )
         )
     return out

@@ -348,6 +348,7 @@ class StageModel:
             st.backward_buffer_bytes,
             st.step_buffer_bytes,
             st.held_buffer_bytes,
+            st.forward_buffer_bytes,
         )
 
     def components(self, st: StageInput) -> StageComponents:

@@ -42,6 +42,7 @@ def compose(
     backward_buffer: float = 0.0,
     step_buffer: float | None = None,
     held_buffer: float = 0.0,
+    forward_buffer: float = 0.0,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -51,13 +52,24 @@ def compose(
     sends where it waits for them as an interleaved rank of Mist's runtime does, else None
     (`rules.pipeline_outputs`); `backward_buffer`: bytes the engine holds through every backward
     beyond Mist's runtime's, `step_buffer` at once after the last backward in place of the
-    runtime's step piece (None: as the runtime), `held_buffer` through the whole run
-    (`rules.deepspeed_buffers`)."""
+    runtime's step piece (None: as the runtime), `held_buffer` through the whole run,
+    `forward_buffer` at the forward peak (`rules.deepspeed_buffers`)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
     mem = _memory(
-        comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, backward_buffer, step_buffer, held_buffer
+        comp,
+        layers,
+        n_ck,
+        in_flight,
+        waiting,
+        chunks,
+        keeps_outputs,
+        held,
+        backward_buffer,
+        step_buffer,
+        held_buffer,
+        forward_buffer,
     )
 
     def detail() -> StageDetail:
@@ -147,6 +159,7 @@ def _memory(
     backward_buffer: float = 0.0,
     step_buffer: float | None = None,
     held_buffer: float = 0.0,
+    forward_buffer: float = 0.0,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -186,7 +199,7 @@ def _memory(
     # an engine's own buffers: held through every backward, or through the whole run (DeepSpeed's
     # gradient staging buffer under ZeRO-1/2 and ZeRO-3)
     bwd_act, buffers_bwd = bwd_act + backward_buffer + held_buffer, buffers_bwd + backward_buffer + held_buffer
-    fwd_act, buffers_fwd = fwd_act + held_buffer, buffers_fwd + held_buffer
+    fwd_act, buffers_fwd = fwd_act + held_buffer + forward_buffer, buffers_fwd + held_buffer + forward_buffer
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)

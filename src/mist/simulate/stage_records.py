@@ -55,6 +55,7 @@ class StageInput:
     backward_buffer_bytes: float = 0.0
     step_buffer_bytes: float | None = None
     held_buffer_bytes: float = 0.0  # through the whole run
+    forward_buffer_bytes: float = 0.0  # at the forward peak
 
 
 @dataclass(frozen=True)

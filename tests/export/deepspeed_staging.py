@@ -85,51 +85,41 @@ def pipeline(case: dict, cfg: dict) -> dict:
     }
 
 
-results = []
-for case in CASES:
-    cfg = json.loads(open(case["config"]).read())
-    if case.get("pipeline"):
-        results.append(pipeline(case, cfg))
-        continue
-    # one micro-batch of one sample per rank: neither buffer depends on the batch
+def plain(case: dict, cfg: dict) -> dict:
+    """The plain engine (one stage, the ranks data-parallel) trained for two steps of G
+    micro-batches (one sample each per rank: no buffer depends on the batch): its staging buffers
+    once built, during its backwards and as the second step's forwards start, and the most the
+    second step's update allocated at once."""
     world, G = torch.distributed.get_world_size(), case.get("G", 1)
     cfg.update(train_batch_size=world * G, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=G)
     cfg.pop("tensor_parallel", None)
     model = nn.Sequential(*(nn.Linear(i, o, bias=False) for i, o in case["matrices"]))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    built = staging_of(engine)
     seen: list[int] = []
-
-    def staging(engine=engine) -> int:
-        return staging_of(engine)
-
-    built = staging()
-
-    def hook(g, seen=seen, staging=staging):
-        seen.append(staging())
-        return g
-
     for p in engine.module.parameters():
-        p.register_hook(hook)
+        p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
     dtype = next(engine.module.parameters()).dtype
     at_forward: list[int] = []
     for _ in range(2):  # the first step creates the optimizer's states
         for g in range(G):
-            at_forward.append(staging())
+            at_forward.append(staging_of(engine))
             engine.backward(engine(torch.randn(1, case["matrices"][0][0], dtype=dtype)).float().pow(2).mean())
             if g < G - 1:
                 engine.step()  # (only counts the micro-batch)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             engine.step()
-    most = most_live(prof)
-    name = type(engine.optimizer).__name__
-    results.append(
-        {
-            "optimizer": name,
-            "built_bytes": built,
-            "staging_bytes": max(seen),
-            "forward_bytes": max(at_forward[G:]),
-            "step_bytes": most,
-        }
-    )
+    return {
+        "optimizer": type(engine.optimizer).__name__,
+        "built_bytes": built,
+        "staging_bytes": max(seen),
+        "forward_bytes": max(at_forward[G:]),
+        "step_bytes": most_live(prof),
+    }
+
+
+results = [
+    (pipeline if case.get("pipeline") else plain)(case, json.loads(open(case["config"]).read())) for case in CASES
+]
 if torch.distributed.get_rank() == 0:
     open(OUT, "w").write(json.dumps(results))

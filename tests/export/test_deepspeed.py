@@ -460,6 +460,18 @@ def test_trains_an_uneven_two_stage_pipeline(tmp_path):
     assert (b["stage"], b["local_layers"]) == (1, 6)  # 5 blocks + head
 
 
+def mist_and_deepspeed(plan: Plan) -> tuple[list, list]:
+    """The plan's stage predictions as Mist's runtime runs it and as DeepSpeed does."""
+    from mist.hardware.registry import load_profile
+    from mist.simulate.plan_sim import simulate_plan
+
+    profile = load_profile(plan.cluster.gpu)
+    return (
+        list(simulate_plan(replace(plan, engine="mist"), profile).stages),
+        list(simulate_plan(replace(plan, engine="deepspeed"), profile).stages),
+    )
+
+
 def staging_run(runs: list[dict], ranks: int, tmp_path) -> list[dict]:
     """`deepspeed_staging.py`'s rows for `runs` ({"config", "matrices"}) on `ranks` gloo ranks."""
     cases, out = tmp_path / f"cases-{ranks}.json", tmp_path / f"out-{ranks}.json"
@@ -481,9 +493,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
     Checked by DeepSpeed's own engine under exported configs: each element size of the buffer and
     a case without one, a step where the norm's piece is the most and one where the copies are."""
     require_deepspeed()
-    from mist.hardware.registry import load_profile
     from mist.rules.deepspeed_buffers import deepspeed_held, step_bytes
-    from mist.simulate.plan_sim import simulate_plan
 
     M = 1 << 20
     big, many = [[1024, 8192], [8192, 1024], [1024, 1024]], [[1024, 1024]] * 16
@@ -531,9 +541,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
     # both are in the plan's peaks when DeepSpeed runs it: the buffer where a backward runs, the
     # copies (in place of Mist's runtime's fp32 piece) at the step
     plan = cases["bf16 zero2"][0]
-    profile = load_profile(plan.cluster.gpu)
-    mist, deep = simulate_plan(plan, profile), simulate_plan(replace(plan, engine="deepspeed"), profile)
-    (a,), (b,) = mist.stages, deep.stages
+    (a,), (b,) = mist_and_deepspeed(plan)
     assert b.bwd_peak_bytes - a.bwd_peak_bytes == pytest.approx(1e9)
     assert b.fwd_peak_bytes == a.fwd_peak_bytes
     partition = plan.model.total_params() / plan.stages[0].dp
@@ -544,12 +552,7 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
 def test_zero3_s_buffer_is_in_every_phase_of_a_deepspeed_plan():
     """Under ZeRO-3 DeepSpeed holds its staging buffer through the whole run: the forward, the
     backward and the step peaks of a plan it runs each carry it, and nothing else changes."""
-    from mist.hardware.registry import load_profile
-    from mist.simulate.plan_sim import simulate_plan
-
-    plan = make_plan(zero=3, G=2, mb=4)
-    profile = load_profile(plan.cluster.gpu)
-    (a,), (b,) = simulate_plan(plan, profile).stages, simulate_plan(replace(plan, engine="deepspeed"), profile).stages
+    (a,), (b,) = mist_and_deepspeed(make_plan(zero=3, G=2, mb=4))
     for phase in ("fwd_peak_bytes", "bwd_peak_bytes", "step_peak_bytes"):
         assert getattr(b, phase) - getattr(a, phase) == pytest.approx(1e9, abs=1), phase
     assert b.state_bytes == a.state_bytes
@@ -580,8 +583,6 @@ def test_zero1_keeps_its_staging_buffer_from_the_first_backward_to_the_last(tmp_
     at the end of every backward (DeepSpeed's own engine, two CPU ranks); a plan's forward peak
     carries it under ZeRO-1 with G > 1 only."""
     require_deepspeed()
-    from mist.hardware.registry import load_profile
-    from mist.simulate.plan_sim import simulate_plan
 
     runs = []
     for zero in (1, 2):
@@ -592,10 +593,7 @@ def test_zero1_keeps_its_staging_buffer_from_the_first_backward_to_the_last(tmp_
     assert (one["forward_bytes"], one["staging_bytes"]) == (1e9, 1e9)
     assert (two["forward_bytes"], two["staging_bytes"]) == (0, 1e9)
     for zero, G, held in ((1, 2, 1e9), (2, 2, 0.0), (1, 1, 0.0)):
-        plan = make_plan(zero=zero, G=G, mb=8 // G)
-        profile = load_profile(plan.cluster.gpu)
-        (a,) = simulate_plan(plan, profile).stages
-        (b,) = simulate_plan(replace(plan, engine="deepspeed"), profile).stages
+        (a,), (b,) = mist_and_deepspeed(make_plan(zero=zero, G=G, mb=8 // G))
         assert b.fwd_peak_bytes - a.fwd_peak_bytes == pytest.approx(held, abs=1), (zero, G)
         assert b.bwd_peak_bytes - a.bwd_peak_bytes == pytest.approx(1e9, abs=1), (zero, G)
 
@@ -608,9 +606,6 @@ def test_a_zero1_pipeline_holds_the_staging_buffer_from_its_first_backward_and_t
     require_deepspeed()
     import tempfile
 
-    from mist.hardware.registry import load_profile
-    from mist.simulate.plan_sim import simulate_plan
-
     plan = make_plan(pp=2, zero=1, G=4, mb=2)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipe.json"
@@ -621,13 +616,9 @@ def test_a_zero1_pipeline_holds_the_staging_buffer_from_its_first_backward_and_t
     assert got["optimizer"] == "DeepSpeedZeroOptimizer"
     assert (got["staging_bytes"], got["forward_bytes"]) == (1e9, 1e9)
     assert got["batch_bytes"] == pytest.approx(2e9, rel=0.01)
-    profile = load_profile(plan.cluster.gpu)
 
     def on_deepspeed(p):  # stage 0's forward peak on DeepSpeed over Mist's runtime's, and its step
-        (a, *_), (b, *_) = (
-            simulate_plan(p, profile).stages,
-            simulate_plan(replace(p, engine="deepspeed"), profile).stages,
-        )
+        (a, *_), (b, *_) = mist_and_deepspeed(p)
         return b.fwd_peak_bytes - a.fwd_peak_bytes, b.step_peak_bytes - b.state_bytes
 
     # beyond the sent outputs DeepSpeed keeps, which its ZeRO-0 (BF16_Optimizer) pipeline keeps too

@@ -70,10 +70,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 cluster_gpus_per_node=plan.cluster.gpus_per_node,
                 keeps_outputs=keeps_sent_outputs(plan.engine, plan.virtual_stages),
                 holds_sends=holds_sends(plan.engine, plan.virtual_stages),
-                backward_buffer_bytes=held[i].backward,
-                step_buffer_bytes=held[i].step,
-                held_buffer_bytes=held[i].always,
-                forward_buffer_bytes=held[i].forward,
+                engine_buffers=held[i],
             )
         )
     return out

@@ -345,10 +345,7 @@ class StageModel:
             st.chunks,
             st.keeps_outputs,
             st.held_sends,
-            st.backward_buffer_bytes,
-            st.step_buffer_bytes,
-            st.held_buffer_bytes,
-            st.forward_buffer_bytes,
+            st.engine_buffers,
         )
 
     def components(self, st: StageInput) -> StageComponents:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mist.rules.deepspeed_buffers import DeepSpeedHeld
 from mist.rules.interleaved_sends import HeldSends
 from mist.simulate.stage_records import (
     ActivationTerms,
@@ -39,10 +40,7 @@ def compose(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
-    backward_buffer: float = 0.0,
-    step_buffer: float | None = None,
-    held_buffer: float = 0.0,
-    forward_buffer: float = 0.0,
+    engine_buffers: DeepSpeedHeld | None = None,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -50,27 +48,12 @@ def compose(
     interleaved rank runs (for its memory: each keeps its last unit through the warm-up);
     `keeps_outputs`: whether the stage keeps the outputs it sent, `held`: what it holds of its
     sends where it waits for them as an interleaved rank of Mist's runtime does, else None
-    (`rules.pipeline_outputs`); `backward_buffer`: bytes the engine holds through every backward
-    beyond Mist's runtime's, `step_buffer` at once after the last backward in place of the
-    runtime's step piece (None: as the runtime), `held_buffer` through the whole run,
-    `forward_buffer` at the forward peak (`rules.deepspeed_buffers`)."""
+    (`rules.pipeline_outputs`); `engine_buffers`: what the engine holds beyond Mist's runtime's
+    states (`rules.deepspeed_buffers`; None: nothing)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(
-        comp,
-        layers,
-        n_ck,
-        in_flight,
-        waiting,
-        chunks,
-        keeps_outputs,
-        held,
-        backward_buffer,
-        step_buffer,
-        held_buffer,
-        forward_buffer,
-    )
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, engine_buffers)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -156,10 +139,7 @@ def _memory(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
-    backward_buffer: float = 0.0,
-    step_buffer: float | None = None,
-    held_buffer: float = 0.0,
-    forward_buffer: float = 0.0,
+    engine_buffers: DeepSpeedHeld | None = None,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -196,10 +176,11 @@ def _memory(
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
     fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(a, saved_mb, A_last, ck, layers, buf, b_pass)
-    # an engine's own buffers: held through every backward, or through the whole run (DeepSpeed's
-    # gradient staging buffer under ZeRO-1/2 and ZeRO-3)
-    bwd_act, buffers_bwd = bwd_act + backward_buffer + held_buffer, buffers_bwd + backward_buffer + held_buffer
-    fwd_act, buffers_fwd = fwd_act + held_buffer + forward_buffer, buffers_fwd + held_buffer + forward_buffer
+    # an engine's own buffers (DeepSpeed's gradient staging buffer): at the forward peak, through
+    # every backward, or through the whole run
+    eb = engine_buffers or DeepSpeedHeld(0.0, None)
+    bwd_act, buffers_bwd = bwd_act + eb.backward + eb.always, buffers_bwd + eb.backward + eb.always
+    fwd_act, buffers_fwd = fwd_act + eb.forward + eb.always, buffers_fwd + eb.forward + eb.always
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
         gp = a.grads  # (W makes the weight gradients: a unit's are held, flattened, reduced there)
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)
@@ -214,13 +195,13 @@ def _memory(
     bwd_peak = states + base_act + (out_bwd - out_fwd) * a.p2p_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
-    # (or what the engine holds then instead: DeepSpeed's gradient copies, `step_buffer`)
-    step_peak = weights + grads + opt + (s.step_piece if step_buffer is None else step_buffer) + held_buffer
+    # (or what the engine holds then instead: DeepSpeed's gradient copies)
+    step_peak = weights + grads + opt + (s.step_piece if eb.step is None else eb.step) + eb.always
     peak = np.maximum(np.maximum(fwd_peak, bwd_peak), step_peak)
 
     def breakdown() -> dict:
         at_step = step_peak > np.maximum(fwd_peak, bwd_peak)
-        buffers = np.where(at_step, held_buffer, np.where(fwd_peak >= bwd_peak, buffers_fwd, buffers_bwd)) + 0 * peak
+        buffers = np.where(at_step, eb.always, np.where(fwd_peak >= bwd_peak, buffers_fwd, buffers_bwd)) + 0 * peak
         act = np.maximum(fwd_act - buffers_fwd, bwd_act - buffers_bwd)
         act_held = np.where(at_step, 0.0, base_act + np.minimum(saved_mb, act))
         return {

@@ -12,6 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
+from mist.rules.deepspeed_buffers import DeepSpeedHeld
 from mist.rules.interleaved_sends import HeldSends
 
 
@@ -49,13 +50,8 @@ class StageInput:
     # else the outputs by `keeps_outputs` and the input gradient sent last
     holds_sends: bool = False
     held_sends: HeldSends | None = None
-    # what the engine holds beyond Mist's runtime's states through every backward, at once after
-    # the last backward in place of the runtime's step piece (None: as the runtime), and always
-    # (`rules.deepspeed_buffers.DeepSpeedHeld`)
-    backward_buffer_bytes: float = 0.0
-    step_buffer_bytes: float | None = None
-    held_buffer_bytes: float = 0.0  # through the whole run
-    forward_buffer_bytes: float = 0.0  # at the forward peak
+    # what the engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`; None: nothing)
+    engine_buffers: DeepSpeedHeld | None = None
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,14 @@ def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]
     return out
 
 
+def marked_spans(prof: torch.profiler.profile, name: str) -> list[tuple[int, int]]:
+    """(start, end) of every `torch.profiler.record_function(name)` range a stopped profiler
+    recorded, in time order, on the clock of `allocation_events`."""
+    return sorted((node.start_time_ns, node.end_time_ns) for node in _event_nodes(prof) if node.name == name)
+
+
 def marked_time(prof: torch.profiler.profile, name: str) -> int | None:
     """When the first `torch.profiler.record_function(name)` range a stopped profiler recorded
     began, on the clock of `allocation_events` (None when there is none)."""
-    times = [node.start_time_ns for node in _event_nodes(prof) if node.name == name]
-    return min(times) if times else None
+    spans = marked_spans(prof, name)
+    return spans[0][0] if spans else None

@@ -1,26 +1,32 @@
-"""Worker of test_deepspeed.py, run under torchrun on CPU gloo ranks (the data-parallel ranks of
-the run): for each case given
-(JSON list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...],
-optionally "G": micro-batches per step, "pipeline": one stage per rank (see `pipeline`)}),
-DeepSpeed's own engine trains a stand-in of those
-weight matrices (no bias) for two steps, and rank 0 writes to argv[2], per case: the optimizer's
-class name, the bytes of the gradient staging buffers its ZeRO optimizer holds once built, while
-a backward runs (read from a gradient hook) and as each forward of the second step starts, and
-the most bytes the second step allocated at once beyond what was live when it began (PyTorch's
-CPU allocator, through `torch.profiler`).
+"""Worker of test_deepspeed.py, run under torchrun on CPU gloo ranks: for each case given (JSON
+list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...],
+optionally "G": micro-batches per step, "pipeline": true and "stages" (see `pipeline`)}),
+DeepSpeed's own engine trains a stand-in of those weight matrices (no bias, made in the run's
+dtype) for two steps, and rank 0 writes to argv[2], per case: the optimizer's class name, the
+bytes of the gradient staging buffers its ZeRO optimizer holds once built, while a backward runs
+(read from a gradient hook) and as each forward of the second step starts, and, from PyTorch's
+CPU allocator (`torch.profiler`, from before the weights were made), the bytes live on the rank
+(`phases`): when the second step starts, when its last forward starts, at most in its backwards
+(up to the gradient reduction), and at most from the reduction after its last backward to the
+end of its update; also the most the update allocated at once beyond what was live when it
+began. Not counted there: what the all-gather of new weights allocates (on gloo a copy of the
+gathered tensor, where NCCL writes into the output), reported apart as `gather_rise`.
 
-usage: torchrun --nproc_per_node DP deepspeed_staging.py CASES_JSON OUT_JSON
+usage: torchrun --nproc_per_node RANKS deepspeed_staging.py CASES_JSON OUT_JSON
 """
 
+import bisect
+import functools
 import json
 import sys
 
 import deepspeed
+import deepspeed.comm
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from mist.torch_compat import allocation_events
+from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
@@ -35,86 +41,165 @@ def staging_of(engine) -> int:
     return out
 
 
-def most_live(prof) -> int:
-    """The most bytes the profiled code allocated at once beyond what was live when it began."""
-    live = most = 0
-    for _, _, nbytes in allocation_events(prof):
-        live += nbytes
-        most = max(most, live)
-    return most
+class Live:
+    """The bytes a profiled run had allocated beyond what was live when profiling began, over time."""
+
+    def __init__(self, prof, leave_out: str | None = None):
+        """`leave_out`: the name of ranges whose allocations (until freed) are not counted."""
+        self.prof, self.times, self.live, live = prof, [], [], 0
+        out = marked_spans(prof, leave_out) if leave_out else []
+        skipped: set[int] = set()
+        for t, ptr, nbytes in allocation_events(prof):
+            if nbytes > 0 and any(a <= t <= b for a, b in out):
+                skipped.add(ptr)
+                continue
+            if nbytes < 0 and ptr in skipped:
+                skipped.discard(ptr)
+                continue
+            live += nbytes
+            self.times.append(t)
+            self.live.append(live)
+
+    def at(self, t: float) -> int:
+        """Live bytes just before time t."""
+        i = bisect.bisect_left(self.times, t)
+        return self.live[i - 1] if i else 0
+
+    def most(self, t0: float = float("-inf"), t1: float = float("inf")) -> int:
+        """The most bytes live at once from t0 to t1."""
+        i, j = bisect.bisect_left(self.times, t0), bisect.bisect_left(self.times, t1)
+        return max([self.at(t0), *self.live[i:j]])
+
+    def spans(self, name: str, since: float = float("-inf")) -> list[tuple[int, int]]:
+        """The `name` ranges that began after `since`."""
+        return [s for s in marked_spans(self.prof, name) if s[0] > since]
+
+    def rise(self, name: str, since: float = float("-inf")) -> int:
+        """The most any `name` range allocated at once beyond what was live when it began (0: none ran)."""
+        return max((self.most(a, b) - self.at(a) for a, b in self.spans(name, since)), default=0)
+
+    def phases(self) -> dict:
+        """Live bytes in the second step (the module docstring's `phases`)."""
+        start = self.spans("start")[0][0]
+        reduce_at = self.spans("reduce", start)[-1][0]
+        backward = [min(b, reduce_at) for a, b in self.spans("backward", start)]
+        return {
+            "between": self.at(start),
+            "forward": self.at(self.spans("forward", start)[-1][0]),
+            "backward": max(self.most(a, b) for (a, _), b in zip(self.spans("backward", start), backward)),
+            "after": self.most(reduce_at, self.spans("update", start)[-1][1]),
+            "update_rise": self.rise("update", start),
+            "gather_rise": Live(self.prof).rise("gather", start),
+        }
+
+
+def ranged(f, name: str):
+    """`f`, run inside a `record_function(name)` range."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return f(*args, **kwargs)
+
+    return wrapper
+
+
+deepspeed.comm.all_gather_into_tensor = ranged(deepspeed.comm.all_gather_into_tensor, "gather")
+
+
+def run_dtype(cfg: dict) -> torch.dtype:
+    if cfg.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if cfg.get("fp16", {}).get("enabled") else torch.float32
 
 
 def pipeline(case: dict, cfg: dict) -> dict:
-    """A pipeline of one stage per rank (dp 1) trained by DeepSpeed's pipeline engine for two
-    batches of G micro-batches: this rank's staging buffers during its backwards and as its
-    forwards start (second batch), and the most its second batch allocated at once."""
-    from deepspeed.pipe import PipelineModule
+    """A pipeline of `stages` stages (by default one per rank, dp 1) trained by DeepSpeed's
+    pipeline engine for two batches of G micro-batches (one sample each): its staging buffers
+    during its backwards and as its forwards start (second batch), and the live bytes."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe import schedule
 
-    G = case["G"]
-    cfg.update(train_batch_size=G, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=G)
-    layers = [nn.Linear(i, o, bias=False) for i, o in case["matrices"]]
-    net = PipelineModule(
-        layers=layers,
-        num_stages=torch.distributed.get_world_size(),
-        loss_fn=lambda out, y: out.float().pow(2).mean(),
-        partition_method="uniform",
-    )
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)
+    G, world, dtype = case["G"], torch.distributed.get_world_size(), run_dtype(cfg)
+    stages = case.get("stages", world)
+    cfg.update(train_batch_size=G * world // stages, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=G)
     seen: list[int] = []
     at_forward: list[int] = []
-    for p in engine.module.parameters():
-        p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
-    engine.module.register_forward_pre_hook(lambda *_: at_forward.append(staging_of(engine)))
-    dtype = next(engine.module.parameters()).dtype
 
     def batches():
         while True:
             yield torch.randn(1, case["matrices"][0][0], dtype=dtype), torch.zeros(1)
 
     data = batches()
-    engine.train_batch(data)
-    seen.clear()
-    at_forward.clear()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        net = PipelineModule(  # LayerSpec: each rank makes its own stage's weights only
+            layers=[LayerSpec(nn.Linear, i, o, bias=False, dtype=dtype) for i, o in case["matrices"]],
+            num_stages=stages,
+            loss_fn=lambda out, y: out.float().pow(2).mean(),
+            partition_method="uniform",
+        )
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)
+        # the engine runs its schedule's instructions from a class-level table of functions
+        table = dict(engine._INSTRUCTION_MAP)
+        for kind, name in (
+            (schedule.ForwardPass, "forward"),
+            (schedule.BackwardPass, "backward"),
+            (schedule.ReduceGrads, "reduce"),
+            (schedule.OptimizerStep, "update"),
+        ):
+            table[kind] = ranged(table[kind], name)
+        engine._INSTRUCTION_MAP = table
+        for p in engine.module.parameters():
+            p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
+        engine.module.register_forward_pre_hook(lambda *_: at_forward.append(staging_of(engine)))
+        engine.train_batch(data)
+        seen.clear()
+        at_forward.clear()
+        with record_function("start"):
+            pass
         engine.train_batch(data)
     return {
         "optimizer": type(engine.optimizer).__name__,
         "staging_bytes": max(seen),
         "forward_bytes": max(at_forward),
-        "batch_bytes": most_live(prof),
+        **Live(prof, leave_out="gather").phases(),
     }
 
 
 def plain(case: dict, cfg: dict) -> dict:
     """The plain engine (one stage, the ranks data-parallel) trained for two steps of G
     micro-batches (one sample each per rank: no buffer depends on the batch): its staging buffers
-    once built, during its backwards and as the second step's forwards start, and the most the
-    second step's update allocated at once."""
-    world, G = torch.distributed.get_world_size(), case.get("G", 1)
+    once built, during its backwards and as the second step's forwards start, and the live bytes."""
+    world, G, dtype = torch.distributed.get_world_size(), case.get("G", 1), run_dtype(cfg)
     cfg.update(train_batch_size=world * G, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=G)
     cfg.pop("tensor_parallel", None)
-    model = nn.Sequential(*(nn.Linear(i, o, bias=False) for i, o in case["matrices"]))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    built = staging_of(engine)
     seen: list[int] = []
-    for p in engine.module.parameters():
-        p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
-    dtype = next(engine.module.parameters()).dtype
     at_forward: list[int] = []
-    for _ in range(2):  # the first step creates the optimizer's states
-        for g in range(G):
-            at_forward.append(staging_of(engine))
-            engine.backward(engine(torch.randn(1, case["matrices"][0][0], dtype=dtype)).float().pow(2).mean())
-            if g < G - 1:
-                engine.step()  # (only counts the micro-batch)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            engine.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = nn.Sequential(*(nn.Linear(i, o, bias=False, dtype=dtype) for i, o in case["matrices"]))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine.allreduce_gradients = ranged(engine.allreduce_gradients, "reduce")
+        built = staging_of(engine)
+        for p in engine.module.parameters():
+            p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
+        for step in range(2):  # the first step creates the optimizer's states
+            if step:
+                with record_function("start"):
+                    pass
+            for g in range(G):
+                at_forward.append(staging_of(engine))
+                with record_function("forward"):
+                    loss = engine(torch.randn(1, case["matrices"][0][0], dtype=dtype)).float().pow(2).mean()
+                with record_function("backward"):
+                    engine.backward(loss)
+                with record_function("update" if g == G - 1 else "count"):
+                    engine.step()  # (but the last only counts the micro-batch)
     return {
         "optimizer": type(engine.optimizer).__name__,
         "built_bytes": built,
         "staging_bytes": max(seen),
         "forward_bytes": max(at_forward[G:]),
-        "step_bytes": most_live(prof),
+        **Live(prof, leave_out="gather").phases(),
     }
 
 

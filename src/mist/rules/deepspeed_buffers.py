@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 (on any number of data-parallel ranks, one too) with
 `DeepSpeedZeroOptimizer` (`runtime/zero/stage_1_and_2.py`), except with bf16 parameters, ZeRO-1
-and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optimizer holds:
+and fp32 gradients on the device, where it runs `BF16_Optimizer` (below). That optimizer holds:
 
 - **a gradient staging buffer** (`contiguous_gradients`, on by default) of
   `zero_optimization.reduce_bucket_size` elements whatever the model's size (5·10^8 by default,
@@ -24,9 +24,22 @@ and fp32 gradients, where it runs `BF16_Optimizer` (not priced here). That optim
   host copies of the gradients; that step is priced as Mist's runtime's.
 
 Without ZeRO, DeepSpeed runs 16-bit parameters with `FP16_Optimizer` (`runtime/fp16/
-fused_optimizer.py`; bf16 pipelines excepted, which run `BF16_Optimizer`, not priced). Its step
+fused_optimizer.py`; bf16 pipelines excepted, which run `BF16_Optimizer`). Its step
 converts each parameter's gradient to fp32 and then flattens those copies into one fp32 buffer,
 all of them at once: 8 bytes per parameter of the stage on top of the states.
+
+`BF16_Optimizer` (`runtime/bf16_optimizer.py`: bf16 parameters with ZeRO-1 and fp32 gradients and
+the optimizer on the device; bf16 pipelines without ZeRO) shards the fp32 master weights and Adam's
+moments over the data-parallel ranks, as ZeRO-1 does, also when the plan says ZeRO-0
+(`optimizer_zero`), and accumulates the gradients in one flat buffer of every parameter in the
+gradients' dtype: Mist's runtime's states. Beyond them it keeps each parameter's own bf16
+gradient, 2 bytes per parameter, from the backward that makes it to the end of the step (it adds
+them into the flat buffer after each backward and frees them only after the update). After the last backward, with
+fp32 gradients, it converts each bf16 gradient to fp32 as it adds it (4 bytes per element of the
+largest parameter, one at a time) and reduces the flat buffer in bf16, DeepSpeed's communication
+dtype for bf16, from a bf16 copy of all of it (2 bytes per parameter); with bf16 gradients its
+update steps from an fp32 copy of the rank's gradient partition (4 bytes per element). Its
+all-gather of the updated weights writes into their flat buffer.
 
 DeepSpeed's ZeRO-3 optimizer (`DeepSpeedZeroOptimizer_Stage3`, `runtime/zero/stage3.py`) allocates
 its staging buffer of `reduce_bucket_size` elements, in the parameters' dtype, when it is built
@@ -48,7 +61,13 @@ allocates it in the first and releases it in the second; a two-stage bf16 ZeRO-1
 micro-batches, one rank per stage) allocates it from a gradient hook in the backward, a second one
 when it reduces the gradients, and releases both before the step. On one rank (dp 1) the same: the
 ZeRO-1/2 and ZeRO-3 buffers of 1,000,000,000 bytes, and a ZeRO-1 step of 24 MiB for a bf16
-partition of 4 Mi elements.
+partition of 4 Mi elements. `BF16_Optimizer`, with 16 weight matrices of 1 Mi elements (16 Mi
+bf16 parameters, ZeRO-1, fp32 gradients, two ranks, two micro-batches): 32 MiB of bf16 gradients
+kept at the second forward and at the reduction, which adds a 32 MiB bf16 copy; the update
+allocated only gloo's 32 MiB copy of the gathered weights (NCCL gathers in place). A two-stage
+pipeline of the same matrices (8 Mi parameters per rank, dp 1, four micro-batches): 16 MiB of
+gradients kept at the last forward and the reduction; with bf16 gradients an update of 32 MiB (the
+fp32 copy), with fp32 gradients a reduction of 16 MiB.
 """
 
 from __future__ import annotations
@@ -61,6 +80,7 @@ REDUCE_BUCKET_ELEMENTS = 500_000_000
 NORM_BYTES = 8  # the gradient norm's fp64 copy of a parameter's piece
 FP32_BYTES = 4
 FP16_STEP_BYTES = 8  # FP16_Optimizer's step: every gradient's fp32 copy, then their fp32 flat
+BF16_BYTES = 2  # BF16_Optimizer: each parameter's own bf16 gradient; its bf16 copy of fp32 ones to reduce
 
 
 @dataclass(frozen=True)
@@ -76,11 +96,11 @@ class DeepSpeedHeld:
     forward: float = 0.0
 
 
-def zero_optimizer(engine: str, zero: int, param_dtype: str, grad_dtype: str | None) -> bool:
+def zero_optimizer(engine: str, zero: int, param_dtype: str, grad_dtype: str | None, optimizer_offload: float) -> bool:
     """Whether DeepSpeed runs the stage with `DeepSpeedZeroOptimizer` (module docstring)."""
     if engine != "deepspeed" or zero not in (1, 2):
         return False
-    return not (zero == 1 and param_dtype == "bf16" and grad_dtype == "fp32")
+    return not bf16_optimizer(engine, 1, zero, param_dtype, grad_dtype, optimizer_offload)
 
 
 def fp16_optimizer(engine: str, num_stages: int, zero: int, param_dtype: str, grad_dtype: str | None) -> bool:
@@ -88,6 +108,29 @@ def fp16_optimizer(engine: str, num_stages: int, zero: int, param_dtype: str, gr
     if engine != "deepspeed" or zero != 0 or param_dtype == "fp32" or grad_dtype not in (None, param_dtype):
         return False
     return not (param_dtype == "bf16" and num_stages > 1)
+
+
+def bf16_optimizer(
+    engine: str, num_stages: int, zero: int, param_dtype: str, grad_dtype: str | None, optimizer_offload: float
+) -> bool:
+    """Whether DeepSpeed runs the stage with `BF16_Optimizer` (module docstring)."""
+    if engine != "deepspeed" or param_dtype != "bf16":
+        return False
+    if zero == 1:
+        return grad_dtype == "fp32" and optimizer_offload == 0
+    return zero == 0 and num_stages > 1 and grad_dtype in (None, "bf16")
+
+
+def optimizer_zero(
+    engine: str, num_stages: int, zero: int, param_dtype: str, grad_dtype: str | None, optimizer_offload: float
+) -> int:
+    """The ZeRO level whose states the stage's engine holds: 1 where `BF16_Optimizer` runs a ZeRO-0
+    stage (it shards the optimizer's states over the data-parallel ranks), else the plan's."""
+    return (
+        1
+        if zero == 0 and bf16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype, optimizer_offload)
+        else zero
+    )
 
 
 def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
@@ -116,16 +159,20 @@ def deepspeed_held(
     params: float,
     largest_param: float,
     forward_after_backward: bool = False,
+    several_backwards: bool = True,
 ) -> DeepSpeedHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring);
     `forward_after_backward`: whether the stage runs a forward after its first backward of a step
-    (which, in 1F1B, holds as many micro-batches as its forward peak)."""
+    (which, in 1F1B, holds as many micro-batches as its forward peak); `several_backwards`:
+    whether it runs more than one backward in a step (G > 1)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
+    if bf16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype, optimizer_offload):
+        return _bf16_held(params, largest_param, dp, grad_dtype, forward_after_backward, several_backwards)
     if engine == "deepspeed" and zero == 3:  # ZeRO-3: its buffer, held throughout
         return DeepSpeedHeld(0.0, None, staging_bytes(zero, param_dtype, grad_dtype))
-    if not zero_optimizer(engine, zero, param_dtype, grad_dtype):
+    if not zero_optimizer(engine, zero, param_dtype, grad_dtype, optimizer_offload):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)
     # ZeRO-1 keeps it from the first backward to the reduction, where a pipeline adds a second
@@ -135,3 +182,17 @@ def deepspeed_held(
         return DeepSpeedHeld(staging, reduction or None, forward=forward)
     step = step_bytes(math.ceil(params / dp), largest_param, param_dtype, grad_dtype)
     return DeepSpeedHeld(staging, max(reduction, step), forward=forward)
+
+
+def _bf16_held(
+    params: float, largest_param: float, dp: int, grad_dtype: str | None, forward_after_backward: bool, several: bool
+) -> DeepSpeedHeld:
+    """`BF16_Optimizer`'s (module docstring): the kept bf16 gradients in every backward after the
+    first and every forward after a backward, and after the last backward with the reduction's
+    or the update's copies."""
+    kept = BF16_BYTES * params
+    if grad_dtype == "fp32":
+        after = max(BF16_BYTES * params, FP32_BYTES * largest_param)
+    else:
+        after = FP32_BYTES * math.ceil(params / dp)
+    return DeepSpeedHeld(kept if several else 0.0, kept + after, forward=kept if forward_after_backward else 0.0)

@@ -27,7 +27,7 @@ import numpy as np
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.compiled_blocks import compile_mode
-from mist.rules.deepspeed_buffers import DeepSpeedHeld, deepspeed_held
+from mist.rules.deepspeed_buffers import DeepSpeedHeld, deepspeed_held, optimizer_zero
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
 from mist.rules.zero_bubble_order import ZB_H1
@@ -44,7 +44,7 @@ from mist.simulate.zero_bubble import split_backward, stage_weight_grad, zb_even
 def stage_inputs(plan: Plan) -> list[StageInput]:
     """Every stage's input (of an interleaved plan without its in-flight count, which
     `_stage_results` takes from its chunks' saved activations)."""
-    S = plan.num_stages
+    S, t = plan.num_stages, plan.training
     held = _engine_held(plan)
     out = []
     for i, s in enumerate(plan.stages):
@@ -59,7 +59,10 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 b=np.array([s.micro_batch]),
                 dp=np.array([s.dp * s.cp]),  # the replicas a shard's gradients and states span
                 tp=s.tp,
-                zero=np.array([s.zero]),
+                # the states' sharding as the plan's engine runs it (`rules.deepspeed_buffers`)
+                zero=np.array(
+                    [optimizer_zero(plan.engine, S, s.zero, t.param_dtype, t.grad_dtype, s.offload.optimizer)]
+                ),
                 offload_weights=np.array([s.offload.weights]),
                 offload_grads=np.array([s.offload.grads]),
                 offload_optimizer=np.array([s.offload.optimizer]),
@@ -103,6 +106,7 @@ def _engine_held(plan: Plan) -> list[DeepSpeedHeld]:
                 largest / s.tp,
                 # 1F1B: stage i runs min(S − i, G) forwards before its first backward
                 forward_after_backward=plan.micro_batches > S - i,
+                several_backwards=plan.micro_batches > 1,
             )
         )
     return out

@@ -19,7 +19,9 @@ and fp32 gradients on the device, where it runs `BF16_Optimizer` (below). That o
   then the partition is flattened (a copy in the gradients' dtype) and converted to fp32, the
   flat copy released once converted and the fp32 one held through the update: 6 bytes per element
   of the partition at once for 16-bit gradients, 4 for fp32 ones (ZeRO-2 with fp32 gradients and
-  ZeRO-1 with fp32 gradients keep their partition in fp32). Mist's runtime converts 128 MiB pieces
+  ZeRO-1 with fp32 gradients keep their partition in fp32; a bound there: the step frees the
+  reduced gradients, and with them the staging buffer, before it, and was measured to allocate no
+  more than the norm's piece). Mist's runtime converts 128 MiB pieces
   instead (`rules.optimizer_step`). With the optimizer offloaded DeepSpeed steps on the host from
   host copies of the gradients; that step is priced as Mist's runtime's.
 

@@ -46,6 +46,9 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
     `_stage_results` takes from its chunks' saved activations)."""
     S, t = plan.num_stages, plan.training
     held = _engine_held(plan)
+    zeros = [
+        optimizer_zero(plan.engine, S, s.zero, t.param_dtype, t.grad_dtype, s.offload.optimizer) for s in plan.stages
+    ]
     out = []
     for i, s in enumerate(plan.stages):
         out.append(
@@ -74,6 +77,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 keeps_outputs=keeps_sent_outputs(plan.engine, plan.virtual_stages),
                 holds_sends=holds_sends(plan.engine, plan.virtual_stages),
                 engine_buffers=held[i],
+                all_reduces_grads=zeros[i] > s.zero,  # (BF16_Optimizer at ZeRO-0)
             )
         )
     return out

@@ -402,7 +402,9 @@ class StageModel:
         ag_w = self._coll("all_gather", k.W, k.dp, st)
         rs_g = self._coll("reduce_scatter", k.Gr, k.dp, st)
         ar_g = self._coll("all_reduce", k.Gr, k.dp, st)
-        return self._stable_traffic(k, ag_w, rs_g), self._boundary_traffic(k, ag_w, rs_g, ar_g)
+        # a ZeRO-1 stage whose engine all-reduces the gradients (`StageInput.all_reduces_grads`)
+        zero1_final = ar_g if st.all_reduces_grads else rs_g
+        return self._stable_traffic(k, ag_w, rs_g), self._boundary_traffic(k, ag_w, zero1_final, ar_g)
 
     def _stable_traffic(self, k: _Batch, ag_w, rs_g) -> _Traffic:
         blk, g = k.blk, k.g
@@ -429,7 +431,7 @@ class StageModel:
             saved_ckpt=g(blk.saved_ckpt),
         )
 
-    def _boundary_traffic(self, k: _Batch, ag_w, rs_g, ar_g) -> _Boundary:
+    def _boundary_traffic(self, k: _Batch, ag_w, zero1_final, ar_g) -> _Boundary:
         pr, host_share = self.prec, k.offload_optimizer
         # the optimizer step of the previous iteration. Its host part: on a CPU device the host is
         # the device, so the same passes at the same rates; on a GPU the host AdamW at its
@@ -455,7 +457,7 @@ class StageModel:
             opt_cpu=opt_cpu,
             update=self._weight_update(k, p_os) + np.where(gathered & (k.offload_weights > 0), ag_w, 0.0),
             regather=np.where(gathered & (k.offload_weights == 0), ag_w, 0.0),
-            final_reduction=np.where(k.zero == 1, rs_g, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
+            final_reduction=np.where(k.zero == 1, zero1_final, 0.0) + np.where(k.zero == 0, ar_g, 0.0),
             grads_out=self._d2h(g_out * p_os * host_share * (1 - k.offload_grads)),
         )
 

@@ -52,6 +52,9 @@ class StageInput:
     held_sends: HeldSends | None = None
     # what the engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`; None: nothing)
     engine_buffers: DeepSpeedHeld | None = None
+    # whether the engine reduces a ZeRO-1 stage's gradients with an all-reduce rather than a
+    # reduce-scatter (DeepSpeed's `BF16_Optimizer` on a plan's ZeRO-0 stage, `rules.deepspeed_buffers`)
+    all_reduces_grads: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,13 @@ and fp32 gradients on the device, where it runs `BF16_Optimizer` (below). That o
   after a backward hold it too (the later micro-batches' of one stage, a pipeline's steady-state
   ones). The pipeline engine (ZeRO 0 or 1 only) allocates a second one when it reduces the
   gradients, and releases both before the step.
+- **ZeRO-2, besides**: from the second micro-batch of a step on, each backward adds its reduced
+  gradients into the rank's partition through a second buffer of the partition's size (in the
+  gradients' accumulation dtype); with fp32 gradients each bf16 gradient is converted to fp32 as
+  it is added (4 bytes per element of the largest parameter, one at a time). When the rank's
+  parameters fit one bucket (at most `reduce_bucket_size` elements), the bucket is reduced as
+  the backward ends, and, spanning every rank's partition, it is flattened into a copy first (in
+  the bucket's dtype: 2 bytes per parameter, 4 with fp32 ones) while the staging buffer is held.
 - **at the step**, one after the other: the gradient norm converts each parameter's piece of the
   rank's gradient partition to fp64 (8 bytes per element of the largest piece, one at a time);
   then the partition is flattened (a copy in the gradients' dtype) and converted to fp32, the
@@ -182,8 +189,27 @@ def deepspeed_held(
     reduction = 2 * staging if num_stages > 1 else 0.0
     if optimizer_offload > 0:  # the step on the host (module docstring)
         return DeepSpeedHeld(staging, reduction or None, forward=forward)
-    step = step_bytes(math.ceil(params / dp), largest_param, param_dtype, grad_dtype)
+    partition = math.ceil(params / dp)
+    step = step_bytes(partition, largest_param, param_dtype, grad_dtype)
+    if zero == 2:
+        backward, end = _zero2_reduction(
+            params, partition, largest_param, dp, param_dtype, grad_dtype, several_backwards
+        )
+        return DeepSpeedHeld(staging + backward, max(step, staging + end))
     return DeepSpeedHeld(staging, max(reduction, step), forward=forward)
+
+
+def _zero2_reduction(
+    params: float, partition: int, largest: float, dp: int, param_dtype: str, grad_dtype: str | None, several: bool
+) -> tuple[float, float]:
+    """What ZeRO-2 holds beside its staging buffer (module docstring): through a backward after the
+    first of a step, and when the last ends."""
+    fp32 = param_dtype == "fp32"
+    convert = FP32_BYTES * largest if grad_dtype == "fp32" and not fp32 else 0.0
+    accumulated = (FP32_BYTES if fp32 or grad_dtype == "fp32" else 2) * partition + convert if several else 0.0
+    spans = dp > 1 and params <= REDUCE_BUCKET_ELEMENTS  # one bucket, reduced as the backward ends
+    flat = (FP32_BYTES if fp32 else 2) * params + convert if spans else 0.0
+    return accumulated, flat
 
 
 def _bf16_held(

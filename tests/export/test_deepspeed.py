@@ -517,7 +517,9 @@ def test_what_is_priced_beyond_mist_s_states_is_what_deepspeed_s_zero_optimizers
         t, s = plan.training, plan.stages[0]
         params = sum(i * o for i, o in matrices)
         largest = max(i * o for i, o in matrices)
-        held = deepspeed_held("deepspeed", 1, s.zero, 2, t.param_dtype, t.grad_dtype, 0.0, params, largest, False, False)
+        held = deepspeed_held(
+            "deepspeed", 1, s.zero, 2, t.param_dtype, t.grad_dtype, 0.0, params, largest, False, False
+        )
         if seen[name]["optimizer"] == "BF16_Optimizer":  # no staging buffer (see its own test)
             continue
         assert seen[name]["built_bytes"] == held.always, name

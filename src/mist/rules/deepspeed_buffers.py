@@ -1,4 +1,4 @@
-"""What DeepSpeed's ZeRO optimizers allocate on the device beyond Mist's runtime's states.
+"""What DeepSpeed's optimizers allocate on the device beyond Mist's runtime's states.
 
 DeepSpeed 0.19 runs a stage with ZeRO 1 or 2 (on any number of data-parallel ranks, one too) with
 `DeepSpeedZeroOptimizer` (`runtime/zero/stage_1_and_2.py`), except with bf16 parameters, ZeRO-1
@@ -76,7 +76,13 @@ kept at the second forward and at the reduction, which adds a 32 MiB bf16 copy; 
 allocated only gloo's 32 MiB copy of the gathered weights (NCCL gathers in place). A two-stage
 pipeline of the same matrices (8 Mi parameters per rank, dp 1, four micro-batches): 16 MiB of
 gradients kept at the last forward and the reduction; with bf16 gradients an update of 32 MiB (the
-fp32 copy), with fp32 gradients a reduction of 16 MiB.
+fp32 copy), with fp32 gradients a reduction of 16 MiB. bf16 ZeRO-1 with fp32 gradients and the
+optimizer offloaded runs `DeepSpeedZeroOptimizer`: a 2,000,000,000-byte buffer. ZeRO-2 (16 Mi bf16
+parameters, two ranks, two micro-batches), beyond Mist's states and the buffer: 16 MiB in the
+second backward (32 + 4 MiB with fp32 gradients), 32 MiB as the last ends (36 MiB); with 128 Mi
+parameters and buckets of 16 and 32 Mi elements, the 128 MiB second partition (and one 8 MiB
+gradient, which Mist's runtime's backward makes too). What the measurement shows and is not priced
+is listed in `docs/targets/deepspeed.md`.
 """
 
 from __future__ import annotations

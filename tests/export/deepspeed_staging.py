@@ -10,13 +10,16 @@ CPU allocator (`torch.profiler`, from before the weights were made), the bytes l
 (up to the gradient reduction), and at most from the reduction after its last backward to the
 end of its update; also the most the update allocated at once beyond what was live when it
 began. Not counted there: what the all-gather of new weights allocates (on gloo a copy of the
-gathered tensor, where NCCL writes into the output), reported apart as `gather_rise`.
+gathered tensor, where NCCL writes into the output), reported apart as `gather_rise`. Python's
+garbage is collected as each phase starts, so that what is live does not depend on when its cyclic
+collector happens to run (some of DeepSpeed's tensors are released only with reference cycles).
 
 usage: torchrun --nproc_per_node RANKS deepspeed_staging.py CASES_JSON OUT_JSON
 """
 
 import bisect
 import functools
+import gc
 import json
 import sys
 
@@ -94,14 +97,21 @@ class Live:
 
 
 def ranged(f, name: str):
-    """`f`, run inside a `record_function(name)` range."""
+    """`f`, run inside a `record_function(name)` range, Python's garbage collected first."""
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        gc.collect()
         with record_function(name):
             return f(*args, **kwargs)
 
     return wrapper
+
+
+def phase(name: str):
+    """A `record_function(name)` range, Python's garbage collected first."""
+    gc.collect()
+    return record_function(name)
 
 
 deepspeed.comm.all_gather_into_tensor = ranged(deepspeed.comm.all_gather_into_tensor, "gather")
@@ -131,6 +141,7 @@ def pipeline(case: dict, cfg: dict) -> dict:
             yield torch.randn(1, case["matrices"][0][0], dtype=dtype), torch.zeros(1)
 
     data = batches()
+    gc.collect()  # the cases before: their engines are released with reference cycles
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         net = PipelineModule(  # LayerSpec: each rank makes its own stage's weights only
             layers=[LayerSpec(nn.Linear, i, o, bias=False, dtype=dtype) for i, o in case["matrices"]],
@@ -155,7 +166,7 @@ def pipeline(case: dict, cfg: dict) -> dict:
         engine.train_batch(data)
         seen.clear()
         at_forward.clear()
-        with record_function("start"):
+        with phase("start"):
             pass
         engine.train_batch(data)
     return {
@@ -175,6 +186,7 @@ def plain(case: dict, cfg: dict) -> dict:
     cfg.pop("tensor_parallel", None)
     seen: list[int] = []
     at_forward: list[int] = []
+    gc.collect()  # the cases before: their engines are released with reference cycles
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = nn.Sequential(*(nn.Linear(i, o, bias=False, dtype=dtype) for i, o in case["matrices"]))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -184,15 +196,15 @@ def plain(case: dict, cfg: dict) -> dict:
             p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
         for step in range(2):  # the first step creates the optimizer's states
             if step:
-                with record_function("start"):
+                with phase("start"):
                     pass
             for g in range(G):
                 at_forward.append(staging_of(engine))
-                with record_function("forward"):
+                with phase("forward"):
                     loss = engine(torch.randn(1, case["matrices"][0][0], dtype=dtype)).float().pow(2).mean()
-                with record_function("backward"):
+                with phase("backward"):
                     engine.backward(loss)
-                with record_function("update" if g == G - 1 else "count"):
+                with phase("update" if g == G - 1 else "count"):
                     engine.step()  # (but the last only counts the micro-batch)
     return {
         "optimizer": type(engine.optimizer).__name__,

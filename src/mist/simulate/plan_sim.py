@@ -63,9 +63,7 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
                 dp=np.array([s.dp * s.cp]),  # the replicas a shard's gradients and states span
                 tp=s.tp,
                 # the states' sharding as the plan's engine runs it (`rules.deepspeed_buffers`)
-                zero=np.array(
-                    [optimizer_zero(plan.engine, S, s.zero, t.param_dtype, t.grad_dtype, s.offload.optimizer)]
-                ),
+                zero=np.array([zeros[i]]),
                 offload_weights=np.array([s.offload.weights]),
                 offload_grads=np.array([s.offload.grads]),
                 offload_optimizer=np.array([s.offload.optimizer]),

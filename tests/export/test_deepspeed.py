@@ -6,8 +6,9 @@ fail, naming the script. They run DeepSpeed in child processes (its config class
 process group): `deepspeed_check.py` hands every exported config to `DeepSpeedConfig` with the
 plan's data-parallel size; `deepspeed_train.py` trains a tiny model on two CPU gloo ranks from
 an exported folder (ZeRO-3 with partial optimizer offload; an uneven two-stage pipeline);
-`deepspeed_staging.py` reads what DeepSpeed's ZeRO-1/2 optimizer holds beyond the states under
-exported configs: its gradient staging buffer through a backward, and its step's copies.
+`deepspeed_staging.py` reads what DeepSpeed's optimizers hold under exported configs: their
+gradient staging buffers, and the live bytes of each phase of a step, which the tests set beside
+Mist's runtime's states and `rules.deepspeed_buffers`.
 """
 
 import ast

@@ -756,4 +756,6 @@ def test_zero2_accumulates_through_a_second_partition_and_flattens_a_one_bucket_
         assert held.step == 1e9 + 2 * P + convert, name
         assert got["forward"] == pytest.approx(states + held.forward, abs=256 * 1024), name
         assert got["backward"] - states == pytest.approx(held.backward, abs=256 * 1024), name
-        assert got["after"] - states == pytest.approx(held.step, abs=256 * 1024), name
+        # the last accumulation's second partition is released by Python's cyclic collector, which
+        # may not have run by the end of the reduction: one run in a CI held it (16 MiB) there
+        assert held.step - 256 * 1024 <= got["after"] - states <= held.step + wide * P / 2 + 256 * 1024, name

@@ -754,8 +754,10 @@ def test_zero2_accumulates_through_a_second_partition_and_flattens_a_one_bucket_
         convert = 4 * M if t.grad_dtype == "fp32" else 0
         assert held.backward == 1e9 + wide * P / 2 + convert, name
         assert held.step == 1e9 + 2 * P + convert, name
-        assert got["forward"] == pytest.approx(states + held.forward, abs=256 * 1024), name
-        assert got["backward"] - states == pytest.approx(held.backward, abs=256 * 1024), name
-        # the last accumulation's second partition is released by Python's cyclic collector, which
-        # may not have run by the end of the reduction: one run in a CI held it (16 MiB) there
-        assert held.step - 256 * 1024 <= got["after"] - states <= held.step + wide * P / 2 + 256 * 1024, name
+        # Python's cyclic collector releases some of ZeRO-2's buffers (a second partition among
+        # them): whether it has run when a phase starts varies, and clean-clone CI runs held up to
+        # two partitions (32 MiB) more than local ones, which measure the rule exactly. So: at least
+        # the rule, at most two partitions of that garbage more.
+        garbage = 2 * wide * P / 2 + 256 * 1024
+        for phase, priced in (("forward", held.forward), ("backward", held.backward), ("after", held.step)):
+            assert priced - 256 * 1024 <= got[phase] - states <= priced + garbage, (name, phase)

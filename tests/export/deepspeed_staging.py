@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from mist.runtime.allocator_trace import live_curve
 from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
@@ -49,19 +50,9 @@ class Live:
 
     def __init__(self, prof, leave_out: str | None = None):
         """`leave_out`: the name of ranges whose allocations (until freed) are not counted."""
-        self.prof, self.times, self.live, live = prof, [], [], 0
-        out = marked_spans(prof, leave_out) if leave_out else []
-        skipped: set[int] = set()
-        for t, ptr, nbytes in allocation_events(prof):
-            if nbytes > 0 and any(a <= t <= b for a, b in out):
-                skipped.add(ptr)
-                continue
-            if nbytes < 0 and ptr in skipped:
-                skipped.discard(ptr)
-                continue
-            live += nbytes
-            self.times.append(t)
-            self.live.append(live)
+        spans = marked_spans(prof, leave_out) if leave_out else []
+        curve, _ = live_curve(allocation_events(prof), spans)
+        self.prof, self.times, self.live = prof, [t for t, _ in curve], [v for _, v in curve]
 
     def at(self, t: float) -> int:
         """Live bytes just before time t."""

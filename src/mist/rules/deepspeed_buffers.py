@@ -95,7 +95,7 @@ REDUCE_BUCKET_ELEMENTS = 500_000_000
 NORM_BYTES = 8  # the gradient norm's fp64 copy of a parameter's piece
 FP32_BYTES = 4
 FP16_STEP_BYTES = 8  # FP16_Optimizer's step: every gradient's fp32 copy, then their fp32 flat
-BF16_BYTES = 2  # BF16_Optimizer: each parameter's own bf16 gradient; its bf16 copy of fp32 ones to reduce
+BF16_BYTES = 2  # a 16-bit element: BF16_Optimizer's kept gradients and its copy to reduce; a bucket's
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,16 @@ def optimizer_zero(
     )
 
 
+def bucket_element_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> int:
+    """Bytes of an element of the gradient staging buffer (module docstring)."""
+    wide = param_dtype == "fp32" or (zero == 1 and grad_dtype == "fp32")
+    return FP32_BYTES if wide else BF16_BYTES
+
+
 def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
     """Bytes of the gradient staging buffer of `DeepSpeedZeroOptimizer` (ZeRO 1/2) or
     `DeepSpeedZeroOptimizer_Stage3` (in the parameters' dtype)."""
-    wide = param_dtype == "fp32" or (zero == 1 and grad_dtype == "fp32")
-    return float(REDUCE_BUCKET_ELEMENTS * (4 if wide else 2))
+    return float(REDUCE_BUCKET_ELEMENTS * bucket_element_bytes(zero, param_dtype, grad_dtype))
 
 
 def step_bytes(partition: float, largest_piece: float, param_dtype: str, grad_dtype: str | None) -> float:
@@ -214,7 +219,7 @@ def _zero2_reduction(
     convert = FP32_BYTES * largest if grad_dtype == "fp32" and not fp32 else 0.0
     accumulated = (FP32_BYTES if fp32 or grad_dtype == "fp32" else 2) * partition + convert if several else 0.0
     spans = dp > 1 and params <= REDUCE_BUCKET_ELEMENTS  # one bucket, reduced as the backward ends
-    flat = (FP32_BYTES if fp32 else 2) * params + convert if spans else 0.0
+    flat = bucket_element_bytes(2, param_dtype, grad_dtype) * params + convert if spans else 0.0
     return accumulated, flat
 
 

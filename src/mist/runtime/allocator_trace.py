@@ -38,28 +38,36 @@ class AllocatorPeak:
     unseen_releases: int  # blocks released on an unprofiled thread, found by their address's reuse
 
 
-def peak_of(events: list[tuple[int, int, int]], since: int | None = None) -> AllocatorPeak:
-    """The peak of (time, address, ±bytes) events in time order, over those at or after time
-    `since` (all by default; the bytes live before it count). The profiler reports no release of
-    a block allocated before it started, so every release it reports has its allocation."""
+def live_curve(
+    events: list[tuple[int, int, int]], leave_out: list[tuple[int, int]] = ()
+) -> tuple[list[tuple[int, int]], int]:
+    """(time, bytes live just after it) at each of (time, address, ±bytes) events in time order,
+    and how many blocks were released unseen (module docstring). The profiler reports no release
+    of a block allocated before it started, so a release counts only with its allocation. Blocks
+    allocated within a `leave_out` (start, end) span are not counted, nor their releases."""
     live: dict[int, int] = {}
-    total = peak = unseen = 0
+    total = unseen = 0
+    out = []
     for t, addr, nbytes in events:
-        if since is not None and t >= since:
-            peak, since = max(peak, total), None
         if nbytes > 0:
             if addr in live:  # released unseen (module docstring) before being handed out again
                 total -= live.pop(addr)
                 unseen += 1
-            live[addr] = nbytes
-            total += nbytes
-            if since is None:
-                peak = max(peak, total)
+            if not any(a <= t <= b for a, b in leave_out):
+                live[addr] = nbytes
+                total += nbytes
         elif addr in live:
             total -= live.pop(addr)
-    if since is not None:  # (nothing happened after it)
-        peak = total
-    return AllocatorPeak(peak, unseen)
+        out.append((t, total))
+    return out, unseen
+
+
+def peak_of(events: list[tuple[int, int, int]], since: int | None = None) -> AllocatorPeak:
+    """The peak of (time, address, ±bytes) events in time order, over those at or after time
+    `since` (all by default; the bytes live before it count): `live_curve`'s."""
+    curve, unseen = live_curve(events)
+    before = [v for t, v in curve if since is not None and t < since]
+    return AllocatorPeak(max([before[-1] if before else 0, *(v for t, v in curve[len(before) :])]), unseen)
 
 
 class AllocatorTrace:

@@ -2,15 +2,18 @@
 list in argv[1] of {"config": an exported ds_config.json, "matrices": [[in, out], ...],
 optionally "G": micro-batches per step, "pipeline": true and "stages" (see `pipeline`)}),
 DeepSpeed's own engine trains a stand-in of those weight matrices (no bias, made in the run's
-dtype) for two steps, and rank 0 writes to argv[2], per case: the optimizer's class name, the
-bytes of the gradient staging buffers its ZeRO optimizer holds once built, while a backward runs
-(read from a gradient hook) and as each forward of the second step starts, and, from PyTorch's
-CPU allocator (`torch.profiler`, from before the weights were made), the bytes live on the rank
-(`phases`): when the second step starts, when its last forward starts, at most in its backwards
-(up to the gradient reduction), and at most from the reduction after its last backward to the
-end of its update; also the most the update allocated at once beyond what was live when it
-began. Not counted there: what the all-gather of new weights allocates (on gloo a copy of the
-gathered tensor, where NCCL writes into the output), reported apart as `gather_rise`. Python's
+dtype; under ZeRO-3 made partitioned, `zero.Init`) for two steps, and rank 0 writes to argv[2],
+per case: the optimizer's class name, the bytes of the gradient staging buffers its ZeRO
+optimizer holds once built, while a backward runs (read from a gradient hook) and as each
+forward of the second step starts, under ZeRO-3 the most bytes of parameters gathered at once in
+the second step, and, from PyTorch's CPU allocator (`torch.profiler`, from before the weights
+were made), the bytes live on the rank (`phases`): when the second step starts, when its last
+forward starts, at most in its backwards (up to the gradient reduction), and at most from the
+reduction after its last backward to the end of its update; also the most the update, and each
+reduction of ZeRO-3's bucket, had allocated at once (`Live.allocates`). Not counted there: what
+gloo allocates where NCCL does not, which runs on GPUs would not hold: a copy of the gathered
+tensor in the all-gather of new weights (NCCL writes into the output; reported apart as
+`gather_allocates`) and of the input of ZeRO-3's reduce-scatter (NCCL reduces in place). Python's
 garbage is collected as each phase starts, so that what is live does not depend on when its cyclic
 collector happens to run (some of DeepSpeed's tensors are released only with reference cycles).
 
@@ -18,6 +21,7 @@ usage: torchrun --nproc_per_node RANKS deepspeed_staging.py CASES_JSON OUT_JSON
 """
 
 import bisect
+import contextlib
 import functools
 import gc
 import json
@@ -48,10 +52,11 @@ def staging_of(engine) -> int:
 class Live:
     """The bytes a profiled run had allocated beyond what was live when profiling began, over time."""
 
-    def __init__(self, prof, leave_out: str | None = None):
-        """`leave_out`: the name of ranges whose allocations (until freed) are not counted."""
-        spans = marked_spans(prof, leave_out) if leave_out else []
-        curve, _ = live_curve(allocation_events(prof), spans)
+    def __init__(self, prof, leave_out: tuple[str, ...] = ()):
+        """`leave_out`: the names of ranges whose allocations (until freed) are not counted."""
+        self.left = sorted(s for name in leave_out for s in marked_spans(prof, name))
+        self.events = allocation_events(prof)
+        curve, _ = live_curve(self.events, self.left)
         self.prof, self.times, self.live = prof, [t for t, _ in curve], [v for _, v in curve]
 
     def at(self, t: float) -> int:
@@ -68,9 +73,21 @@ class Live:
         """The `name` ranges that began after `since`."""
         return [s for s in marked_spans(self.prof, name) if s[0] > since]
 
-    def rise(self, name: str, since: float = float("-inf")) -> int:
-        """The most any `name` range allocated at once beyond what was live when it began (0: none ran)."""
-        return max((self.most(a, b) - self.at(a) for a, b in self.spans(name, since)), default=0)
+    def allocates(self, name: str, since: float = float("-inf")) -> int:
+        """The most bytes any `name` range had allocated and not yet released at once (0: none
+        ran): what it releases of blocks made before it does not offset them."""
+        most = 0
+        for a, b in self.spans(name, since):
+            held: dict[int, int] = {}
+            total = 0
+            for t, addr, nbytes in self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]:
+                if nbytes > 0 and not any(x <= t <= y for x, y in self.left):
+                    held[addr] = nbytes
+                    total += nbytes
+                    most = max(most, total)
+                elif nbytes < 0 and addr in held:
+                    total -= held.pop(addr)
+        return most
 
     def phases(self) -> dict:
         """Live bytes in the second step (the module docstring's `phases`)."""
@@ -82,8 +99,9 @@ class Live:
             "forward": self.at(self.spans("forward", start)[-1][0]),
             "backward": max(self.most(a, b) for (a, _), b in zip(self.spans("backward", start), backward)),
             "after": self.most(reduce_at, self.spans("update", start)[-1][1]),
-            "update_rise": self.rise("update", start),
-            "gather_rise": Live(self.prof).rise("gather", start),
+            "update_allocates": self.allocates("update", start),
+            "gather_allocates": Live(self.prof).allocates("gather", start),
+            "flush_allocates": self.allocates("flush", start),
         }
 
 
@@ -106,6 +124,21 @@ def phase(name: str):
 
 
 deepspeed.comm.all_gather_into_tensor = ranged(deepspeed.comm.all_gather_into_tensor, "gather")
+# (gloo reduce-scatters a copy of its input, where NCCL reduces it in place: left out too)
+deepspeed.comm.reduce_scatter_fn = ranged(deepspeed.comm.reduce_scatter_fn, "scatter")
+GLOO_COPIES = ("gather", "scatter")
+
+
+def gathered_now(engine) -> int:
+    """Bytes of the ZeRO-3 parameters gathered (or being gathered) now, beside those it keeps
+    gathered throughout (`ds_persist`: none in these stand-ins)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(
+        p.ds_numel * p.element_size()
+        for p in engine.module.parameters()
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist
+    )
 
 
 def run_dtype(cfg: dict) -> torch.dtype:
@@ -164,7 +197,7 @@ def pipeline(case: dict, cfg: dict) -> dict:
         "optimizer": type(engine.optimizer).__name__,
         "staging_bytes": max(seen),
         "forward_bytes": max(at_forward),
-        **Live(prof, leave_out="gather").phases(),
+        **Live(prof, leave_out=GLOO_COPIES).phases(),
     }
 
 
@@ -178,17 +211,28 @@ def plain(case: dict, cfg: dict) -> dict:
     seen: list[int] = []
     at_forward: list[int] = []
     gc.collect()  # the cases before: their engines are released with reference cycles
+    zero3 = cfg["zero_optimization"]["stage"] == 3
+    gathered: list[int] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = nn.Sequential(*(nn.Linear(i, o, bias=False, dtype=dtype) for i, o in case["matrices"]))
+        # ZeRO-3 models are made partitioned (`zero.Init`), as large ones must be
+        with deepspeed.zero.Init(config_dict_or_path=cfg) if zero3 else contextlib.nullcontext():
+            model = nn.Sequential(*(nn.Linear(i, o, bias=False, dtype=dtype) for i, o in case["matrices"]))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         engine.allreduce_gradients = ranged(engine.allreduce_gradients, "reduce")
         built = staging_of(engine)
         for p in engine.module.parameters():
             p.register_hook(lambda g: seen.append(staging_of(engine)) or g)
+        if zero3:  # each reduction of the bucket; the parameters gathered as each matrix runs
+            flush = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+            setattr(engine.optimizer, flush, ranged(getattr(engine.optimizer, flush), "flush"))
+            for m in engine.module:  # (DeepSpeed's own hooks, which gather, run first)
+                m.register_forward_pre_hook(lambda *_: gathered.append(gathered_now(engine)))
+                m.register_full_backward_pre_hook(lambda *_: gathered.append(gathered_now(engine)))
         for step in range(2):  # the first step creates the optimizer's states
             if step:
                 with phase("start"):
                     pass
+                gathered.clear()
             for g in range(G):
                 at_forward.append(staging_of(engine))
                 with phase("forward"):
@@ -202,7 +246,8 @@ def plain(case: dict, cfg: dict) -> dict:
         "built_bytes": built,
         "staging_bytes": max(seen),
         "forward_bytes": max(at_forward[G:]),
-        **Live(prof, leave_out="gather").phases(),
+        "gathered_bytes": max(gathered, default=0),
+        **Live(prof, leave_out=GLOO_COPIES).phases(),
     }
 
 

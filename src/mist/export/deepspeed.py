@@ -10,7 +10,10 @@ What maps where:
   ZeRO 1–3 carry `reduce_bucket_size` (DeepSpeed's default, written out): the size of the
   gradient staging buffer DeepSpeed holds (through every backward under ZeRO 1/2, for the whole
   run under ZeRO-3), which a plan with `engine: deepspeed` is priced with
-  (`mist.rules.deepspeed_buffers`).
+  (`mist.rules.deepspeed_buffers`). ZeRO-3 also carries the `stage3_*` knobs with which
+  DeepSpeed gathers parameters as Mist's runtime does and the plan is priced (at most a block
+  and the next one gathered, released after use, each into its own buffer; its defaults keep up
+  to 10^9 parameters gathered).
 - offload: `offload_optimizer` (it takes the fp32 gradients with the optimizer states, so
   Mist's gradient and optimizer fractions must be equal); a fraction below 1 needs ZeRO-3 and is
   applied to whole optimizer sub-groups, so the export sizes `sub_group_size` to cut each
@@ -48,7 +51,7 @@ from mist.export.common import (
 from mist.export.deepspeed_files import helper_module, launch_script
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan, StageStrategy
-from mist.rules.deepspeed_buffers import REDUCE_BUCKET_ELEMENTS
+from mist.rules.deepspeed_buffers import REDUCE_BUCKET_ELEMENTS, zero3_gathering
 
 NAME = "DeepSpeed"
 OFFLOAD_STEPS = 8  # optimizer sub-groups per rank: partial optimizer offload in eighths
@@ -302,6 +305,8 @@ def _zero_section(plan: Plan) -> dict:
     z: dict = {"stage": s.zero}
     if s.zero >= 1:  # the staging buffer's size, as priced (`rules.deepspeed_buffers`)
         z["reduce_bucket_size"] = REDUCE_BUCKET_ELEMENTS
+    if s.zero == 3:  # gather as Mist's runtime does, as priced: a block and the next one
+        z.update(zero3_gathering(math.ceil(plan.model.block_params() / s.tp)))
     o, w = s.offload.optimizer, s.offload.weights
     if o > 0:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

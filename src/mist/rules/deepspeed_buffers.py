@@ -52,9 +52,28 @@ all-gather of the updated weights writes into their flat buffer.
 
 DeepSpeed's ZeRO-3 optimizer (`DeepSpeedZeroOptimizer_Stage3`, `runtime/zero/stage3.py`) allocates
 its staging buffer of `reduce_bucket_size` elements, in the parameters' dtype, when it is built
-and holds it for the whole run: through every forward, backward and step. (How many gathered
-parameters it keeps, `stage3_max_live_parameters` and its prefetch buckets, and its step's copies
-are not priced: a ZeRO-3 stage is otherwise priced as Mist's runtime runs it.)
+and holds it for the whole run: through every forward, backward and step. Beyond it:
+
+- **gathered parameters.** With its defaults DeepSpeed keeps up to `stage3_max_live_parameters`
+  (10^9) parameters gathered and does not release one it will reuse within
+  `stage3_max_reuse_distance` (10^9) elements, so a stage of under 10^9 parameters keeps about all
+  of its weights gathered from the forward into the backward (measured: the whole stand-in), and
+  its coalesced all-gathers land in a flat buffer from which each parameter is then copied (both
+  live until the batch's last parameter is used). The export writes the knobs that make it
+  gather as Mist's runtime does (`zero3_gathering`): at most two blocks' parameters live (a
+  unit with the next on its way), one block prefetched, each parameter released after its use
+  and gathered again in the backward, and each gathered into its own buffer
+  (`stage3_allgather_sequential`). It then holds at most one parameter more than that pair: its
+  prefetch adds a whole parameter while fewer than the limit are live (priced: the largest).
+  Parameters under `stage3_param_persistence_threshold` (10^5 elements: norms, biases) stay
+  gathered throughout; they are not priced (about 13·h elements a block, under 0.1 % of it).
+- **a flat copy of the reduced bucket.** It reduces the gradients gathered in the staging buffer
+  when the next would not fit (in the backward, on a rank of more than `reduce_bucket_size`
+  parameters) and as each backward ends, reduce-scattering a flat copy of the bucket's gradients
+  (`reduce_scatter_coalesced`: in the bucket's dtype, all of the bucket's elements), and with
+  fp32 gradients converting the rank's part of it to fp32 (4 bytes per element over dp).
+- **the step**: the same copies as `DeepSpeedZeroOptimizer`'s (the norm's fp64 piece, then the
+  flat partition and its fp32 copy); on the host with the optimizer offloaded.
 
 Measured with DeepSpeed's own engine on two CPU ranks (`tests/export/deepspeed_staging.py`): a
 staging buffer of 1,000,000,000 bytes through the backward for bf16 ZeRO-1 and ZeRO-2 (also with
@@ -81,8 +100,14 @@ optimizer offloaded runs `DeepSpeedZeroOptimizer`: a 2,000,000,000-byte buffer. 
 parameters, two ranks, two micro-batches), beyond Mist's states and the buffer: 16 MiB in the
 second backward (32 + 4 MiB with fp32 gradients), 32 MiB as the last ends (36 MiB); with 128 Mi
 parameters and buckets of 16 and 32 Mi elements, the 128 MiB second partition (and one 8 MiB
-gradient, which Mist's runtime's backward makes too). What the measurement shows and is not priced
-is listed in `docs/targets/deepspeed.md`.
+gradient, which Mist's runtime's backward makes too). ZeRO-3 (24 matrices of 1 Mi bf16 elements
+taken as 8 blocks of 3, two ranks, two micro-batches, the export's knobs for those blocks): at
+most one block's parameters gathered at once (6 MiB, under the pair's 12), reductions that
+allocated 48 MiB (one bucket: its flat copy, 2 bytes × 24 Mi), 96 MiB with fp32 gradients (and
+the rank's 12 Mi elements in fp32), 8 MiB with buckets of 4 Mi elements, and updates of 72 MiB
+(6 bytes × 12 Mi; 48 MiB with fp32 gradients); with DeepSpeed's defaults every parameter of a
+16 Mi-parameter stand-in (32 MiB) stayed gathered from the forward into the backward. What the
+measurement shows and is not priced is listed in `docs/targets/deepspeed.md`.
 """
 
 from __future__ import annotations
@@ -154,10 +179,21 @@ def bucket_element_bytes(zero: int, param_dtype: str, grad_dtype: str | None) ->
     return FP32_BYTES if wide else BF16_BYTES
 
 
-def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None) -> float:
+def staging_bytes(zero: int, param_dtype: str, grad_dtype: str | None, bucket: int = REDUCE_BUCKET_ELEMENTS) -> float:
     """Bytes of the gradient staging buffer of `DeepSpeedZeroOptimizer` (ZeRO 1/2) or
-    `DeepSpeedZeroOptimizer_Stage3` (in the parameters' dtype)."""
-    return float(REDUCE_BUCKET_ELEMENTS * bucket_element_bytes(zero, param_dtype, grad_dtype))
+    `DeepSpeedZeroOptimizer_Stage3` (in the parameters' dtype), of `bucket` elements."""
+    return float(bucket * bucket_element_bytes(zero, param_dtype, grad_dtype))
+
+
+def zero3_gathering(block_elements: int) -> dict[str, int | bool]:
+    """The `zero_optimization` knobs with which ZeRO-3 gathers parameters as Mist's runtime does
+    (module docstring), for blocks of `block_elements` parameters on a rank."""
+    return {
+        "stage3_max_live_parameters": 2 * block_elements,
+        "stage3_prefetch_bucket_size": block_elements,
+        "stage3_max_reuse_distance": 0,
+        "stage3_allgather_sequential": True,
+    }
 
 
 def step_bytes(partition: float, largest_piece: float, param_dtype: str, grad_dtype: str | None) -> float:
@@ -180,18 +216,20 @@ def deepspeed_held(
     largest_param: float,
     forward_after_backward: bool = False,
     several_backwards: bool = True,
+    bucket: int = REDUCE_BUCKET_ELEMENTS,
 ) -> DeepSpeedHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring);
     `forward_after_backward`: whether the stage runs a forward after its first backward of a step
     (which, in 1F1B, holds as many micro-batches as its forward peak); `several_backwards`:
-    whether it runs more than one backward in a step (G > 1)."""
+    whether it runs more than one backward in a step (G > 1); `bucket`: `reduce_bucket_size` (ZeRO-3's
+    is priced from it; ZeRO 1/2 are priced at the export's)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
     if bf16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype, optimizer_offload):
         return _bf16_held(params, largest_param, dp, grad_dtype, forward_after_backward, several_backwards)
-    if engine == "deepspeed" and zero == 3:  # ZeRO-3: its buffer, held throughout
-        return DeepSpeedHeld(0.0, None, staging_bytes(zero, param_dtype, grad_dtype))
+    if engine == "deepspeed" and zero == 3:
+        return _zero3_held(params, largest_param, dp, param_dtype, grad_dtype, optimizer_offload, bucket)
     if not zero_optimizer(engine, zero, param_dtype, grad_dtype, optimizer_offload):
         return DeepSpeedHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype)
@@ -221,6 +259,35 @@ def _zero2_reduction(
     spans = dp > 1 and params <= REDUCE_BUCKET_ELEMENTS  # one bucket, reduced as the backward ends
     flat = bucket_element_bytes(2, param_dtype, grad_dtype) * params + convert if spans else 0.0
     return accumulated, flat
+
+
+def _zero3_held(
+    params: float,
+    largest: float,
+    dp: int,
+    param_dtype: str,
+    grad_dtype: str | None,
+    optimizer_offload: float,
+    bucket: int,
+) -> DeepSpeedHeld:
+    """`DeepSpeedZeroOptimizer_Stage3`'s (module docstring): its staging buffer throughout; one
+    parameter gathered beyond Mist's runtime's pair in every forward and backward; a bucket's flat
+    copy in the backward on a rank of more than one bucket, and after each backward with the step."""
+    width = bucket_element_bytes(3, param_dtype, grad_dtype)
+    widen = grad_dtype == "fp32" and param_dtype != "fp32"
+
+    def flush(n: float) -> float:  # reduce n elements of the bucket
+        return width * n + (FP32_BYTES * math.ceil(n / dp) if widen else 0.0)
+
+    gathered = width * largest
+    during = flush(bucket) if params > bucket else 0.0
+    end = flush(min(params, bucket))
+    # (a parameter's piece of the rank's partition: its own partition, every parameter being split)
+    piece = math.ceil(largest / dp)
+    step = end  # (the step on the host with the optimizer offloaded)
+    if optimizer_offload == 0:
+        step = max(end, step_bytes(math.ceil(params / dp), piece, param_dtype, grad_dtype))
+    return DeepSpeedHeld(gathered + during, step, staging_bytes(3, param_dtype, grad_dtype, bucket), forward=gathered)
 
 
 def _bf16_held(

@@ -105,8 +105,9 @@ taken as 8 blocks of 3, two ranks, two micro-batches, the export's knobs for tho
 most one block's parameters gathered at once (6 MiB, under the pair's 12), reductions that
 allocated 48 MiB (one bucket: its flat copy, 2 bytes × 24 Mi), 96 MiB with fp32 gradients (and
 the rank's 12 Mi elements in fp32), 8 MiB with buckets of 4 Mi elements, and updates of 72 MiB
-(6 bytes × 12 Mi; 48 MiB with fp32 gradients); with DeepSpeed's defaults every parameter of a
-16 Mi-parameter stand-in (32 MiB) stayed gathered from the forward into the backward. What the
+(6 bytes × 12 Mi; 48 MiB with fp32 gradients); with DeepSpeed's defaults every parameter of an
+8 Mi-parameter stand-in stayed gathered from the forward into the backward (of a 16 Mi one too
+with only `stage3_max_reuse_distance` set to 0). What the
 measurement shows and is not priced is listed in `docs/targets/deepspeed.md`.
 """
 

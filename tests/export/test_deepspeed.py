@@ -823,17 +823,15 @@ def test_zero3_gathers_as_priced_and_copies_its_bucket_and_partition(tmp_path):
         assert step == (4 if fp32 else 6) * P // 2
         assert got["update_allocates"] == pytest.approx(step, abs=KIB256), name
         assert held.step == max(step, flat), name
-        # and in all, over what is live between steps (Mist's runtime's states, the buffer, and
-        # 0-14 MiB of matrix-sized blocks that runs hold from the first step on, which neither a
-        # parameter nor a Python object references; the number varies from run to run): at most
-        # what is priced (in a backward with the pair of blocks and one new gradient; each
-        # backward ends with a reduction, here smaller than the step) and two matrices more
-        # (the first matrix stays gathered until its backward's reduction ends)
-        # (some of those blocks may be released within the step: at least the priced step is
-        # measured over the states)
+        # and in all, over Mist's runtime's states and the buffer: at most what is priced (in a
+        # backward with the pair of blocks and one new gradient; each backward ends with a
+        # reduction, here no larger than the step), the first matrix, which stays gathered until
+        # its backward's reduction ends, and up to 8 more matrix-sized blocks: runs hold 0-7 such
+        # blocks (2 MiB) from the first step or a later phase on, a number that varies from run
+        # to run, referenced neither by a parameter nor by a Python object (not found; not
+        # priced). (DeepSpeed's defaults gather the whole stand-in, 48 MiB: the bound above fails.)
         states = mist_states(replace(plan, engine="deepspeed"), P, 2) + held.always
-        assert got["between"] >= states, name
-        more = 2 * 2 * M + KIB256
-        assert got["backward"] - got["between"] <= max(held.backward + 2 * 2 * block + 2 * M, held.step) + more, name
-        assert got["after"] - states >= held.step - KIB256, name
-        assert got["after"] - got["between"] <= held.step + more, name
+        left = 8 * 2 * M + KIB256
+        assert 0 <= got["between"] - states <= left, name
+        assert got["backward"] - states <= max(held.backward + 2 * 2 * block + 2 * M, held.step) + 2 * M + left, name
+        assert held.step - KIB256 <= got["after"] - states <= held.step + 2 * M + left, name

@@ -75,18 +75,13 @@ class Live:
 
     def allocates(self, name: str, since: float = float("-inf")) -> int:
         """The most bytes any `name` range had allocated and not yet released at once (0: none
-        ran): what it releases of blocks made before it does not offset them."""
+        ran): the live curve of its own events, so what it releases of blocks made before it does
+        not offset them."""
         most = 0
         for a, b in self.spans(name, since):
-            held: dict[int, int] = {}
-            total = 0
-            for t, addr, nbytes in self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]:
-                if nbytes > 0 and not any(x <= t <= y for x, y in self.left):
-                    held[addr] = nbytes
-                    total += nbytes
-                    most = max(most, total)
-                elif nbytes < 0 and addr in held:
-                    total -= held.pop(addr)
+            events = self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]
+            curve, _ = live_curve(events, self.left)
+            most = max([most, *(v for _, v in curve)])
         return most
 
     def phases(self) -> dict:

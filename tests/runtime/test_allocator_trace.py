@@ -1,10 +1,11 @@
 """The CPU allocator trace (`runtime.allocator_trace`): its peak is the most bytes live at once,
-releases seen on another thread's behalf are found by address, and a traced CPU run reports the
-peak that `mist validate` compares with the simulator's."""
+releases seen on another thread's behalf are found by address, gloo's copies made while a
+collective is issued are left out, and a traced CPU run reports the peak that `mist validate`
+compares with the simulator's."""
 
 import torch
 
-from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, peak_of
+from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, collective, peak_of
 
 
 def test_peak_of_pairs_each_release_with_its_allocation():
@@ -27,6 +28,13 @@ def test_the_peak_since_a_time_counts_what_was_live_before_it():
     assert peak_of(events, since=2) == AllocatorPeak(peak_bytes=35, unseen_releases=0)
     assert peak_of(events, since=4) == AllocatorPeak(peak_bytes=35, unseen_releases=0)  # (live at 4: 35)
     assert peak_of(events, since=9) == AllocatorPeak(peak_bytes=31, unseen_releases=0)  # what is left
+
+
+def test_blocks_allocated_within_a_left_out_span_are_not_counted_nor_their_releases():
+    events = [(0, 100, 40), (1, 200, 25), (2, 300, 64), (3, 200, -25), (4, 400, 10), (5, 300, 8)]
+    # 300 (64 B) made in the span (1.5, 2.5) and never released as seen; its address comes back
+    assert peak_of(events, leave_out=[(1.5, 2.5)]) == AllocatorPeak(peak_bytes=65, unseen_releases=0)
+    assert peak_of(events) == AllocatorPeak(peak_bytes=129, unseen_releases=1)
 
 
 def test_the_trace_sees_the_tensors_made_while_it_runs():
@@ -53,3 +61,26 @@ def test_the_peak_is_taken_from_the_mark_on():
     peak = trace.stop()
     del kept
     assert peak == AllocatorPeak(peak_bytes=12 << 20, unseen_releases=0)
+
+
+def test_what_a_collective_allocates_while_it_is_issued_is_left_out():
+    """A gloo reduce-scatter of 4 MiB over one rank, issued within `collective()`: gloo's copy of
+    its input is not in the peak; the input and output, made outside, are."""
+    import torch.distributed as dist
+
+    from mist.runtime.flat import reduce_scatter_flat
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        trace = AllocatorTrace()
+        flat, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
+        with collective():
+            work = reduce_scatter_flat(out, flat, async_op=True)
+        work.wait()
+        del work
+        peak = trace.stop()
+        assert torch.equal(out, flat)
+    finally:
+        dist.destroy_process_group()
+    assert peak.peak_bytes == 8 << 20

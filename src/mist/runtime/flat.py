@@ -46,6 +46,7 @@ from torch import nn
 
 from mist.rules import flat_units
 from mist.rules.grad_accumulation import accumulates_in_place
+from mist.runtime.allocator_trace import collective
 from mist.runtime.buffers import SplitBuffer
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.param_role import ParamRole
@@ -312,7 +313,9 @@ class FlatUnit:
                 if c.dp_group is None:
                     self.full.copy_(shard)
                 else:
-                    all_gather_flat(self.full, shard.contiguous(), group=c.dp_group)
+                    shard = shard.contiguous()
+                    with collective():
+                        all_gather_flat(self.full, shard, group=c.dp_group)
             else:
                 d = self.store.dev_len
                 self.full[:d].copy_(self.store.dev)
@@ -399,7 +402,8 @@ class FlatUnit:
             if scale != 1.0:
                 g.mul_(scale)
             for lo, hi, group in segments:
-                dist.all_reduce(g[lo:hi], group=group)
+                with collective():
+                    dist.all_reduce(g[lo:hi], group=group)
         self.micro_batch, self.last = 0, True
         self.reduce_grads(flat)
 
@@ -425,7 +429,8 @@ class FlatUnit:
         c = self.comms
         if c.kv_group is not None:
             for a, b in self.kv_ranges:
-                dist.all_reduce(flat[a:b], group=c.kv_group)
+                with collective():
+                    dist.all_reduce(flat[a:b], group=c.kv_group)
         self.release()
         first, last = self.micro_batch == 0, self.last
         if c.dp > 1:
@@ -470,7 +475,8 @@ class FlatUnit:
         c, buf = self.comms, self.acc.dev
         if c.kv_group is not None:
             for a, b in self.kv_ranges:
-                dist.all_reduce(buf[a:b], group=c.kv_group)
+                with collective():
+                    dist.all_reduce(buf[a:b], group=c.kv_group)
         if c.dp > 1:
             buf.div_(c.dp)
         scatter = self.zero == 1
@@ -490,12 +496,12 @@ class FlatUnit:
         if c.dp_group is None:
             then(flat)
             return
-        if scatter:
-            out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device)
-            work = reduce_scatter_flat(out, flat, group=c.dp_group, async_op=True)
-        else:
-            out = flat
-            work = dist.all_reduce(flat, group=c.dp_group, async_op=True)
+        out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device) if scatter else flat
+        with collective():
+            if scatter:
+                work = reduce_scatter_flat(out, flat, group=c.dp_group, async_op=True)
+            else:
+                work = dist.all_reduce(flat, group=c.dp_group, async_op=True)
         c.issue(work, lambda: then(out), flat, out)
 
     # ------------------------------------------------------------ after the optimizer step
@@ -526,10 +532,12 @@ class FlatUnit:
                 # in flight while the unit before this one runs its forward (the first use of
                 # these weights waits for it: `wait`)
                 self._gathering = True
-                work = all_gather_flat(out, shard, group=self.comms.dp_group, async_op=True)
+                with collective():
+                    work = all_gather_flat(out, shard, group=self.comms.dp_group, async_op=True)
                 self.comms.issue(work, self._gathered, shard, out)
             else:
-                all_gather_flat(out, shard, group=self.comms.dp_group)
+                with collective():
+                    all_gather_flat(out, shard, group=self.comms.dp_group)
             if not self.persistent:
                 self.store.copy_(out)
         self.opt_grad = None

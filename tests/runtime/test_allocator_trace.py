@@ -5,7 +5,8 @@ compares with the simulator's."""
 
 import torch
 
-from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, collective, peak_of
+from mist.models.collectives import issuing
+from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, peak_of
 
 
 def test_peak_of_pairs_each_release_with_its_allocation():
@@ -64,7 +65,7 @@ def test_the_peak_is_taken_from_the_mark_on():
 
 
 def test_what_a_collective_allocates_while_it_is_issued_is_left_out():
-    """A gloo reduce-scatter of 4 MiB over one rank, issued within `collective()`: gloo's copy of
+    """A gloo reduce-scatter of 4 MiB over one rank, issued within `issuing()`: gloo's copy of
     its input is not in the peak; the input and output, made outside, are."""
     import torch.distributed as dist
 
@@ -75,7 +76,7 @@ def test_what_a_collective_allocates_while_it_is_issued_is_left_out():
     try:
         trace = AllocatorTrace()
         flat, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
-        with collective():
+        with issuing():
             work = reduce_scatter_flat(out, flat, async_op=True)
         work.wait()
         del work

@@ -206,8 +206,8 @@ def test_the_gradient_paths_buffers_are_not_in_the_heads_backward(tmp_path, zero
     head's backward runs, where this plan peaks (the loss's fp32 logits gradient). The simulator
     used to add the largest unit's flat buffers (the word table's) to every phase: +4.5 % (ZeRO 1)
     and +9.1 % (ZeRO 2) above the allocator's peak. (Gloo's copy of the reduce-scatter's input,
-    which a gloo thread may free unseen, is left out of the measurement: `collective()` in
-    `runtime.allocator_trace`. Before, it stayed in the peak of a busy machine's run: −3 %.)"""
+    which a gloo thread may free unseen, is left out of the measurement: `issuing()` in
+    `models.collectives`. Before, it stayed in the peak of a busy machine's run: −3 %.)"""
     _, path = _loop_gpt_plan(tmp_path, G=1, b=4, zero=zero)
     r = _traced(path)
     assert r.returncode == 0, r.stderr

@@ -6,6 +6,10 @@ reverse, for sequence parallelism). With `group=None` they are a TP *shard built
 group*: the collective is skipped (single process), but it is still announced to observers, so
 that `mist.analysis` records every collective the real run would issue, at the place it issues
 it. This is the one instrumentation point of the model code.
+
+Every collective a real run issues (here and in the runtime's flat units) is issued inside
+`issuing()`, a profiler range: what gloo allocates there is its own copies, which NCCL does not
+make, and a CPU run's allocator trace leaves them out (`runtime.allocator_trace`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ import torch.distributed as dist
 
 Observer = Callable[[str, torch.Tensor, int], None]
 _observers: list[Observer] = []
+ISSUING = "mist::collective"
+
+
+def issuing() -> torch.profiler.record_function:
+    """The profiler range a collective is issued in (module docstring)."""
+    return torch.profiler.record_function(ISSUING)
 
 
 @contextmanager
@@ -127,7 +137,8 @@ def all_reduce_(x: torch.Tensor, tp: TPGroup, op: str = "sum") -> torch.Tensor:
         return _compiled_sum(x, tp)
     _announce("all_reduce", x, tp)
     if tp.group is not None:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp.group)
+        with issuing():
+            dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp.group)
     return x
 
 
@@ -176,7 +187,9 @@ def gather_stacked(x: torch.Tensor, g: TPGroup | CPGroup) -> torch.Tensor:
     buf = x.new_empty((g.size, *x.shape))
     _announce("all_gather", buf, g)
     if g.group is not None:
-        dist.all_gather(list(buf.unbind(0)), x.contiguous(), group=g.group)
+        x = x.contiguous()
+        with issuing():
+            dist.all_gather(list(buf.unbind(0)), x, group=g.group)
     return buf
 
 
@@ -200,7 +213,8 @@ def scatter_seq(y: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     _announce("reduce_scatter", chunks, tp)
     out = chunks.new_empty(chunks.shape[1:])
     if tp.group is not None:
-        dist.reduce_scatter(out, list(chunks.unbind(0)), group=tp.group)
+        with issuing():
+            dist.reduce_scatter(out, list(chunks.unbind(0)), group=tp.group)
     return out
 
 

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from mist.models.collectives import CPGroup, _announce, _compiled_scatter, gather_stacked
+from mist.models.collectives import CPGroup, _announce, _compiled_scatter, gather_stacked, issuing
 
 
 def chunk_ranges(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -120,7 +120,8 @@ def _scatter(full: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     _announce("reduce_scatter", buf, cp)
     out = buf.new_empty(buf.shape[1:])
     if cp.group is not None:
-        dist.reduce_scatter(out, list(buf.unbind(0)), group=cp.group)
+        with issuing():
+            dist.reduce_scatter(out, list(buf.unbind(0)), group=cp.group)
     return out
 
 

@@ -23,9 +23,9 @@ Gloo's copies: gloo copies a collective's input or output into buffers of its ow
 its whole input, an all-gather its output), which NCCL, working in place, does not make, and the
 simulator does not price. A work object that a gloo thread drops last releases its copy unseen, so
 such a copy stayed in the peak of a busy machine's run (a block's flat gradient, +3 % against the
-prediction under the suite's load, −0.02 % otherwise). The runtime issues its collectives inside
-`collective()`, and the blocks allocated there are left out of the peak: it is what the runtime
-itself holds.
+prediction under the suite's load, −0.02 % otherwise). Mist issues its collectives inside
+`models.collectives.issuing()`, and the blocks allocated there are left out of the peak: it is
+what Mist itself holds.
 """
 
 from __future__ import annotations
@@ -34,16 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mist.models.collectives import ISSUING
 from mist.torch_compat import allocation_events, marked_spans, marked_time
 
 TRACED_STEPS = 2
 _MARK = "mist::allocator_trace::steps"
-_COLLECTIVE = "mist::allocator_trace::collective"
-
-
-def collective() -> torch.profiler.record_function:
-    """The range a collective is issued in: its allocations are gloo's copies (module docstring)."""
-    return torch.profiler.record_function(_COLLECTIVE)
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,7 @@ class AllocatorTrace:
         if self._prof is not None:
             self._prof.stop()
             since = marked_time(self._prof, _MARK)
-            copies = marked_spans(self._prof, _COLLECTIVE)
+            copies = marked_spans(self._prof, ISSUING)
             self.result = peak_of(allocation_events(self._prof), since, copies)
             self._prof = None
         assert self.result is not None

@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mist.models.collectives import issuing
 from mist.rules import flat_units
 from mist.rules.grad_accumulation import accumulates_in_place
-from mist.runtime.allocator_trace import collective
 from mist.runtime.buffers import SplitBuffer
 from mist.runtime.memory import MemoryAccount
 from mist.runtime.param_role import ParamRole
@@ -314,7 +314,7 @@ class FlatUnit:
                     self.full.copy_(shard)
                 else:
                     shard = shard.contiguous()
-                    with collective():
+                    with issuing():
                         all_gather_flat(self.full, shard, group=c.dp_group)
             else:
                 d = self.store.dev_len
@@ -402,7 +402,7 @@ class FlatUnit:
             if scale != 1.0:
                 g.mul_(scale)
             for lo, hi, group in segments:
-                with collective():
+                with issuing():
                     dist.all_reduce(g[lo:hi], group=group)
         self.micro_batch, self.last = 0, True
         self.reduce_grads(flat)
@@ -429,7 +429,7 @@ class FlatUnit:
         c = self.comms
         if c.kv_group is not None:
             for a, b in self.kv_ranges:
-                with collective():
+                with issuing():
                     dist.all_reduce(flat[a:b], group=c.kv_group)
         self.release()
         first, last = self.micro_batch == 0, self.last
@@ -475,7 +475,7 @@ class FlatUnit:
         c, buf = self.comms, self.acc.dev
         if c.kv_group is not None:
             for a, b in self.kv_ranges:
-                with collective():
+                with issuing():
                     dist.all_reduce(buf[a:b], group=c.kv_group)
         if c.dp > 1:
             buf.div_(c.dp)
@@ -497,7 +497,7 @@ class FlatUnit:
             then(flat)
             return
         out = torch.empty(self.shard_len, dtype=flat.dtype, device=self.device) if scatter else flat
-        with collective():
+        with issuing():
             if scatter:
                 work = reduce_scatter_flat(out, flat, group=c.dp_group, async_op=True)
             else:
@@ -532,11 +532,11 @@ class FlatUnit:
                 # in flight while the unit before this one runs its forward (the first use of
                 # these weights waits for it: `wait`)
                 self._gathering = True
-                with collective():
+                with issuing():
                     work = all_gather_flat(out, shard, group=self.comms.dp_group, async_op=True)
                 self.comms.issue(work, self._gathered, shard, out)
             else:
-                with collective():
+                with issuing():
                     all_gather_flat(out, shard, group=self.comms.dp_group)
             if not self.persistent:
                 self.store.copy_(out)

@@ -774,6 +774,41 @@ def test_zero2_accumulates_through_a_second_partition_and_flattens_a_one_bucket_
             assert priced - 256 * 1024 <= got[phase] - states <= priced + garbage, (name, phase)
 
 
+def test_fp32_accumulating_zero1_reduces_through_copies_and_an_fp32_partition(tmp_path):
+    """fp16 ZeRO-1 accumulating fp32 gradients (two ranks, two micro-batches, 16 Mi parameters):
+    after the last backward it reduces a bucket at a time, each gradient moved into the staging
+    buffer, the bucket flattened into an fp32 copy and converted to fp16 for the all-reduce, the
+    rank's part added into an fp32 partition held through the update
+    (`rules.deepspeed_buffers.zero1_fp32_reduction`); measured from the live bytes of its own
+    engine, with one bucket and with buckets of 4 Mi elements. (Before, priced as the step's
+    copies alone: 32 MiB, where it held 64 MiB beyond the states and the buffer.)"""
+    require_deepspeed()
+    from mist.rules.deepspeed_buffers import deepspeed_held, step_bytes
+
+    M, P = 1 << 20, 16 << 20
+    plan = make_plan(zero=1, G=2, mb=4, dtype="fp16", grad_dtype="fp32")
+    buckets = (None, 4 * M)
+    runs = []
+    for bucket in buckets:
+        cfg = ds.ds_config(plan)
+        if bucket:
+            cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+        path = tmp_path / f"bucket-{bucket}.json"
+        path.write_text(json.dumps(cfg))
+        runs.append({"config": str(path), "matrices": [[1024, 1024]] * 16, "G": 2})
+    states = mist_states(replace(plan, engine="deepspeed"), P, 2)
+    for bucket, got in zip(buckets, staging_run(runs, 2, tmp_path)):
+        kw = {"bucket": bucket} if bucket else {}
+        held = deepspeed_held("deepspeed", 1, 1, 2, "fp16", "fp32", 0.0, P, M, True, True, **kw)
+        assert got["optimizer"] == "DeepSpeedZeroOptimizer" and got["staging_bytes"] == 4 * (bucket or 5e8)
+        # the staging buffer, a bucket's net 2 bytes an element, the fp32 partition: more than
+        # the step's copies (64 and 40 MiB beyond the buffer, against 32)
+        assert held.step == got["staging_bytes"] + 2 * min(P, bucket or P) + 4 * P // 2
+        assert held.step > step_bytes(P // 2, M, "fp16", "fp32") + got["staging_bytes"]
+        assert got["after"] - states == pytest.approx(held.step, abs=KIB256), bucket
+        assert got["forward"] - states == pytest.approx(held.forward, abs=KIB256), bucket
+
+
 def test_zero3_gathers_as_priced_and_copies_its_bucket_and_partition(tmp_path):
     """DeepSpeed's ZeRO-3 under the exported knobs (`rules.deepspeed_buffers.zero3_gathering`)
     gathers at most the pair of blocks Mist's runtime holds and one parameter more; it reduces

@@ -21,6 +21,14 @@ and fp32 gradients on the device, where it runs `BF16_Optimizer` (below). That o
   parameters fit one bucket (at most `reduce_bucket_size` elements), the bucket is reduced as
   the backward ends, and, spanning every rank's partition, it is flattened into a copy first (in
   the bucket's dtype: 2 bytes per parameter, 4 with fp32 ones) while the staging buffer is held.
+- **ZeRO-1 accumulating fp32 gradients of 16-bit parameters, besides**: it reduces after the last
+  backward (its activations gone), `reduce_bucket_size` elements at a time: each parameter's fp32
+  gradient is moved into the staging buffer (its own tensor, which Mist's states count, freed),
+  the bucket's gradients are flattened into an fp32 copy and that is converted into the
+  parameters' 16-bit dtype to be all-reduced, and the rank's reduced part is added into an fp32
+  buffer of its gradient partition, made at the first bucket and held through the update. Beyond
+  the states and the staging buffer: 2 bytes per element of a bucket (the fp32 flat copy, 4, less
+  the moved gradients, 4, plus the 16-bit copy, 2) and 4 per element of the partition.
 - **at the step**, one after the other: the gradient norm converts each parameter's piece of the
   rank's gradient partition to fp64 (8 bytes per element of the largest piece, one at a time);
   then the partition is flattened (a copy in the gradients' dtype) and converted to fp32, the
@@ -100,7 +108,10 @@ optimizer offloaded runs `DeepSpeedZeroOptimizer`: a 2,000,000,000-byte buffer. 
 parameters, two ranks, two micro-batches), beyond Mist's states and the buffer: 16 MiB in the
 second backward (32 + 4 MiB with fp32 gradients), 32 MiB as the last ends (36 MiB); with 128 Mi
 parameters and buckets of 16 and 32 Mi elements, the 128 MiB second partition (and one 8 MiB
-gradient, which Mist's runtime's backward makes too). ZeRO-3 (24 matrices of 1 Mi bf16 elements
+gradient, which Mist's runtime's backward makes too). fp16 ZeRO-1 with fp32 gradients (16 Mi
+parameters, two ranks, two micro-batches), beyond the states and the buffer after the last
+backward: 64 MiB with one bucket (a 64 MiB fp32 flat copy, its 32 MiB fp16 conversion and the
+32 MiB fp32 partition, the 64 MiB of moved gradients freed), 40 MiB with buckets of 4 Mi elements. ZeRO-3 (24 matrices of 1 Mi bf16 elements
 taken as 8 blocks of 3, two ranks, two micro-batches, the export's knobs for those blocks): at
 most one block's parameters gathered at once (6 MiB, under the pair's 12), reductions that
 allocated 48 MiB (one bucket: its flat copy, 2 bytes × 24 Mi), 96 MiB with fp32 gradients (and
@@ -197,6 +208,12 @@ def zero3_gathering(block_elements: int) -> dict[str, int | bool]:
     }
 
 
+def zero1_fp32_reduction(params: float, dp: int, bucket: int = REDUCE_BUCKET_ELEMENTS) -> float:
+    """Bytes fp32-accumulating ZeRO-1's reduction holds beyond the states and its staging buffer
+    (module docstring): a bucket's 16-bit copy, net, and the rank's fp32 gradient partition."""
+    return BF16_BYTES * min(params, bucket) + FP32_BYTES * math.ceil(params / dp)
+
+
 def step_bytes(partition: float, largest_piece: float, param_dtype: str, grad_dtype: str | None) -> float:
     """The most bytes `DeepSpeedZeroOptimizer`'s step holds at once beyond the states: the
     gradient norm's fp64 piece, or the flat partition and its fp32 copy (module docstring)."""
@@ -223,8 +240,8 @@ def deepspeed_held(
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring);
     `forward_after_backward`: whether the stage runs a forward after its first backward of a step
     (which, in 1F1B, holds as many micro-batches as its forward peak); `several_backwards`:
-    whether it runs more than one backward in a step (G > 1); `bucket`: `reduce_bucket_size` (ZeRO-3's
-    is priced from it; ZeRO 1/2 are priced at the export's)."""
+    whether it runs more than one backward in a step (G > 1); `bucket`: `reduce_bucket_size` (the
+    export's by default)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
         return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
     if bf16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype, optimizer_offload):
@@ -233,7 +250,7 @@ def deepspeed_held(
         return _zero3_held(params, largest_param, dp, param_dtype, grad_dtype, optimizer_offload, bucket)
     if not zero_optimizer(engine, zero, param_dtype, grad_dtype, optimizer_offload):
         return DeepSpeedHeld(0.0, None)
-    staging = staging_bytes(zero, param_dtype, grad_dtype)
+    staging = staging_bytes(zero, param_dtype, grad_dtype, bucket)
     # ZeRO-1 keeps it from the first backward to the reduction, where a pipeline adds a second
     forward = staging if zero == 1 and forward_after_backward else 0.0
     reduction = 2 * staging if num_stages > 1 else 0.0
@@ -243,21 +260,30 @@ def deepspeed_held(
     step = step_bytes(partition, largest_param, param_dtype, grad_dtype)
     if zero == 2:
         backward, end = _zero2_reduction(
-            params, partition, largest_param, dp, param_dtype, grad_dtype, several_backwards
+            params, partition, largest_param, dp, param_dtype, grad_dtype, several_backwards, bucket
         )
         return DeepSpeedHeld(staging + backward, max(step, staging + end))
+    if grad_dtype == "fp32" and param_dtype != "fp32":  # after the last backward, with the buffer
+        step = max(step, staging + zero1_fp32_reduction(params, dp, bucket))
     return DeepSpeedHeld(staging, max(reduction, step), forward=forward)
 
 
 def _zero2_reduction(
-    params: float, partition: int, largest: float, dp: int, param_dtype: str, grad_dtype: str | None, several: bool
+    params: float,
+    partition: int,
+    largest: float,
+    dp: int,
+    param_dtype: str,
+    grad_dtype: str | None,
+    several: bool,
+    bucket: int,
 ) -> tuple[float, float]:
     """What ZeRO-2 holds beside its staging buffer (module docstring): through a backward after the
     first of a step, and when the last ends."""
     fp32 = param_dtype == "fp32"
     convert = FP32_BYTES * largest if grad_dtype == "fp32" and not fp32 else 0.0
     accumulated = (FP32_BYTES if fp32 or grad_dtype == "fp32" else 2) * partition + convert if several else 0.0
-    spans = dp > 1 and params <= REDUCE_BUCKET_ELEMENTS  # one bucket, reduced as the backward ends
+    spans = dp > 1 and params <= bucket  # one bucket, reduced as the backward ends
     flat = bucket_element_bytes(2, param_dtype, grad_dtype) * params + convert if spans else 0.0
     return accumulated, flat
 

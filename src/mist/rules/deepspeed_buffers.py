@@ -111,8 +111,9 @@ parameters and buckets of 16 and 32 Mi elements, the 128 MiB second partition (a
 gradient, which Mist's runtime's backward makes too). fp16 ZeRO-1 with fp32 gradients (16 Mi
 parameters, two ranks, two micro-batches), beyond the states and the buffer after the last
 backward: 64 MiB with one bucket (a 64 MiB fp32 flat copy, its 32 MiB fp16 conversion and the
-32 MiB fp32 partition, the 64 MiB of moved gradients freed), 40 MiB with buckets of 4 Mi elements. ZeRO-3 (24 matrices of 1 Mi bf16 elements
-taken as 8 blocks of 3, two ranks, two micro-batches, the export's knobs for those blocks): at
+32 MiB fp32 partition, the 64 MiB of moved gradients freed), 40 MiB with buckets of 4 Mi
+elements. ZeRO-3 (24 matrices of 1 Mi bf16 elements taken as 8 blocks of 3, two ranks, two
+micro-batches, the export's knobs for those blocks): at
 most one block's parameters gathered at once (6 MiB, under the pair's 12), reductions that
 allocated 48 MiB (one bucket: its flat copy, 2 bytes × 24 Mi), 96 MiB with fp32 gradients (and
 the rank's 12 Mi elements in fp32), 8 MiB with buckets of 4 Mi elements, and updates of 72 MiB

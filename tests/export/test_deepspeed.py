@@ -765,10 +765,11 @@ def test_zero2_accumulates_through_a_second_partition_and_flattens_a_one_bucket_
         convert = 4 * M if t.grad_dtype == "fp32" else 0
         assert held.backward == 1e9 + wide * P / 2 + convert, name
         assert held.step == 1e9 + 2 * P + convert, name
-        # Python's cyclic collector releases some of ZeRO-2's buffers (a second partition among
-        # them): whether it has run when a phase starts varies, and clean-clone CI runs held up to
-        # three partitions (48 MiB, after the last backward) more than local ones, which measure
-        # the rule exactly. So: at least the rule, at most four partitions of that garbage more.
+        # some runs hold blocks whose release the profiler never sees (a reduction's flat copy of
+        # the bucket, found in 2 of 16 local runs; most likely released on a gloo thread), and
+        # clean-clone CI runs held up to three partitions (48 MiB, after the last backward) more
+        # than most local ones, which measure the rule exactly. So: at least the rule, at most
+        # four partitions more (docs/targets/deepspeed.md).
         garbage = 4 * wide * P / 2 + 256 * 1024
         for phase, priced in (("forward", held.forward), ("backward", held.backward), ("after", held.step)):
             assert priced - 256 * 1024 <= got[phase] - states <= priced + garbage, (name, phase)

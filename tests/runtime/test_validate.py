@@ -217,7 +217,7 @@ def _zero_peak_is_predicted(tmp_path, zero: int) -> None:
     gradient (the word table's). A gloo thread may drop the last reference to a tensor of Mist's
     that a collective was handed (a unit's flat gradient, its reduced shard) and release it where
     the profiler does not see it, as it may gloo's own copies (left out): once in a clean-clone CI
-    run, ZeRO-1 measured −1.5 %, 6 MiB, a block's reduced shard."""
+    run, ZeRO-1 measured −1.5 %, 6 MiB: the size of a block's reduced shard."""
     plan, path = _loop_gpt_plan(tmp_path, G=1, b=4, zero=zero)
     r = _traced(path)
     assert r.returncode == 0, r.stderr

@@ -15,7 +15,16 @@ import pytest
 from mist.errors import MistInputError
 from mist.hardware import load_profile
 from mist.plan import load_plan, plan_from_dict
-from mist.rules.interleaved_sends import OUTPUT_LAG, gradient_waits, held_sends
+from mist.rules.interleaved_sends import (
+    FREES,
+    KEEPS,
+    OUTPUT_LAG,
+    WAITS,
+    HeldBeside,
+    gradient_waits,
+    held_beside,
+    held_sends,
+)
 from mist.rules.pipeline_outputs import ENGINES, holds_sends, keeps_sent_outputs
 from mist.simulate.plan_sim import simulate_plan
 
@@ -117,6 +126,24 @@ def test_an_interleaved_rank_s_held_sends_do_not_grow_with_the_micro_batches(ran
             assert len(set(waited)) == len(waited) and set(waited) <= set(sent)
             left.append(len(sent) - len(waited))
         assert left[0] == left[1] <= 2 * ranks * chunks, (r, left)
+
+
+def test_what_an_interleaved_rank_0_holds_where_the_embedding_runs():
+    """2 ranks × 2 chunks, G 8: rank 0's allocator peak lies in B0.0, the word table's backward,
+    where a listing of its live blocks found 3 other chunk-0 and 1 chunk-1 micro-batch in flight
+    (F1.0, F2.0, F3.0, F2.1), 1 sent output not waited for (F2.1's) and 2 sent input gradients
+    (B0.1's, B1.1's); the rank's peaks held 1.5 whole micro-batches by `interleaved_in_flight`.
+    The same shape under the engines that keep every output or free them."""
+    fwd, bwd = held_beside(0, 2, 2, 8, 0, WAITS)
+    assert HeldBeside((3, 1), 1, 2) in bwd and HeldBeside((2, 2), 1, 1) in bwd
+    # the cool-down's input gradients are waited for at the end of the step
+    assert max(h.gradients for h in bwd) == 3 and HeldBeside((0, 0), 0, 0) in fwd
+    for sends in (KEEPS, FREES):
+        f, b = held_beside(0, 2, 2, 8, 0, sends)
+        assert {h.others for h in f} == {h.others for h in fwd} and {h.others for h in b} == {h.others for h in bwd}
+        assert all(h.gradients == 1 for h in f + b)
+        # (keeping them, every other chunk in flight holds its output: both of rank 0's send one)
+        assert all(h.outputs == (0 if sends == FREES else sum(h.others)) for h in f + b)
 
 
 def test_validate_predicts_a_plan_as_mist_s_runtime_runs_it():

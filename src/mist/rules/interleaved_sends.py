@@ -192,27 +192,83 @@ def kept_outputs(rank: int, ranks: int, chunks: int, micro_batches: int) -> Held
     return replace(_held(keep, rank, ranks, chunks, micro_batches), gradients=1)
 
 
-def _held(rule: SendWaits, rank: int, ranks: int, chunks: int, G: int) -> HeldSends:
-    steady = G * chunks - interleaved_warmup(rank, ranks, chunks, G)
+@dataclass(frozen=True)
+class HeldBeside:
+    """What a rank holds beside one operation: the other micro-batches in flight per chunk
+    (forwards run less backwards run, the operation's own left out), and the sent outputs and
+    input gradients it has not waited for."""
+
+    others: tuple[int, ...]
+    outputs: int
+    gradients: int
+
+
+WAITS, KEEPS, FREES = "waits", "keeps", "frees"  # how an engine holds its sends (`held_beside`)
+
+
+@lru_cache(maxsize=1024)
+def held_beside(
+    rank: int, ranks: int, chunks: int, micro_batches: int, chunk: int, sends: str
+) -> tuple[tuple[HeldBeside, ...], tuple[HeldBeside, ...]]:
+    """The distinct `HeldBeside` of rank `rank` as a forward of `chunk` starts and as a backward of
+    it ends: what the unit that runs first in the chunk's forward and last in its backward (the
+    embedding, in the model's first chunk) runs beside. `sends`: `WAITS` as Mist's runtime waits
+    for them (`send_waits`); `KEEPS`, every output until its backward and the gradient sent last
+    (`kept_outputs`); `FREES`, no output and the gradient sent last."""
+    G = micro_batches
+    rule = send_waits(ranks, chunks, G)[rank] if sends == WAITS else SendWaits({}, {})
+    held = [0] * chunks
+    fwd: dict[HeldBeside, None] = {}
+    bwd: dict[HeldBeside, None] = {}
+    for (kind, g, c), outputs, grads in _walk(rule, rank, ranks, chunks, G):
+        if kind == FORWARD:
+            if c == chunk:
+                fwd[_beside(held, len(outputs), len(grads), sends)] = None
+            held[c] += 1
+            continue
+        held[c] -= 1
+        if c == chunk:  # (its own output dropped with it)
+            bwd[_beside(held, len(outputs - {(g, c)}), len(grads), sends)] = None
+    return tuple(fwd), tuple(bwd)
+
+
+def _beside(held: list[int], outputs: int, grads: int, sends: str) -> HeldBeside:
+    if sends == WAITS:
+        return HeldBeside(tuple(held), outputs, grads)
+    return HeldBeside(tuple(held), outputs if sends == KEEPS else 0, 1)
+
+
+def _walk(rule: SendWaits, rank: int, ranks: int, chunks: int, G: int):
+    """Every operation of the rank's order with the sent outputs and input gradients it holds
+    when the operation starts (its waits made): (op, outputs, gradients), each a set of
+    (micro-batch, chunk); the sets are the walk's own, read before the next step."""
     outputs: set[tuple[int, int]] = set()
     grads: set[tuple[int, int]] = set()
-    most_f = most_b = most_g = backwards = 0
     for op in interleaved_one_f_one_b(rank, ranks, chunks, G):
         kind, g, c = op
         outputs -= set(rule.outputs.get(op, ()))
         grads -= set(rule.gradients.get(op, ()))
+        yield op, outputs, grads
         if kind == FORWARD:
-            most_f = max(most_f, len(outputs))
             if _sends_output(rank, ranks, chunks, c):
                 outputs.add((g, c))
             continue
-        most_b = max(most_b, len(outputs))
         outputs.discard((g, c))  # (dropped with its backward, if not waited for before)
+        if _sends_gradient(rank, c):
+            grads.add((g, c))
+
+
+def _held(rule: SendWaits, rank: int, ranks: int, chunks: int, G: int) -> HeldSends:
+    steady = G * chunks - interleaved_warmup(rank, ranks, chunks, G)
+    most_f = most_b = most_g = backwards = 0
+    for (kind, _, _), outputs, grads in _walk(rule, rank, ranks, chunks, G):
+        if kind == FORWARD:
+            most_f = max(most_f, len(outputs))
+            continue
+        most_b = max(most_b, len(outputs))
         if backwards < steady:
             most_g = max(most_g, len(grads))
         backwards += 1
-        if _sends_gradient(rank, c):
-            grads.add((g, c))
     return HeldSends(most_f, most_b, most_g)
 
 

@@ -37,10 +37,11 @@ from mist.rules.interleaved_order import (
     held_after_forwards,
     interleaved_one_f_one_b,
 )
-from mist.rules.interleaved_sends import HeldSends, held_sends, kept_outputs
+from mist.rules.interleaved_sends import FREES, KEEPS, WAITS, HeldSends, held_beside, held_sends, kept_outputs
 from mist.rules.pipeline_order import FORWARD
 from mist.simulate.op_program import dependency_order
 from mist.simulate.pipeline import iteration_time
+from mist.simulate.stage_records import BesideEmbedding
 
 
 def rank_summary(f, b, X, Y, ranks: int):
@@ -195,12 +196,33 @@ def interleaved_in_flight(rank: int, ranks: int, G: int, saved):
     return held - 1
 
 
+def beside_embedding(ranks: int, G: int, saved, sends: str) -> BesideEmbedding:
+    """Rank 0's `BesideEmbedding`: the other micro-batch chunks it holds as each forward of its
+    first chunk starts and each backward of it ends, as `saved` (..., v) weighs them in whole-rank
+    micro-batches (`interleaved_in_flight`'s unit), with its sends held then (`sends`: how its
+    engine holds them, `rules.interleaved_sends.held_beside`)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    v = saved.shape[-1]
+    total = saved.sum(axis=-1)
+    fwd, bwd = held_beside(0, ranks, v, G, 0, sends)
+
+    def weigh(states) -> tuple:
+        out = []
+        for h in states:
+            n = np.asarray(h.others, dtype=np.float64)
+            equal = np.full(total.shape, n.sum() / v)
+            out.append((np.divide(saved @ n, total, out=equal, where=total > 0), h.outputs, h.gradients))
+        return tuple(out)
+
+    return BesideEmbedding(weigh(fwd), weigh(bwd))
+
+
 def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
     """An interleaved rank's `StageInput` from its plain one `st`: its in-flight count and its
     chunks (v, the last axis of its chunks' `saved` per micro-batch), which set what it holds
     beside its saved activations (each chunk's last unit, every in-flight output where its engine
     keeps them), and what it holds of its sends where it holds them as Mist's runtime does
-    (`st.holds_sends`)."""
+    (`st.holds_sends`); rank 0 also what it holds where the embedding runs."""
     saved = np.asarray(saved, dtype=np.float64)
     v = saved.shape[-1]
     return replace(
@@ -208,6 +230,7 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
         in_flight=float(interleaved_in_flight(rank, ranks, G, saved)),
         chunks=v,
         held_sends=rank_sends(st, rank, ranks, v, G),
+        beside_embedding=beside_embedding(ranks, G, saved, _sends(st)) if rank == 0 and st.first else None,
     )
 
 
@@ -215,8 +238,14 @@ def rank_sends(st, rank: int, ranks: int, chunks: int, G: int) -> HeldSends:
     """What an interleaved rank holds of its sends (`rules.pipeline_outputs`): as Mist's runtime
     waits for them (`st.holds_sends`), every in-flight chunk's output where the engine keeps them
     (`st.keeps_outputs`), else no output; and, but on Mist's runtime, the gradient sent last."""
-    if st.holds_sends:
+    sends = _sends(st)
+    if sends == WAITS:
         return held_sends(rank, ranks, chunks, G)
-    if st.keeps_outputs:
+    if sends == KEEPS:
         return kept_outputs(rank, ranks, chunks, G)
     return HeldSends(0, 0, 1)
+
+
+def _sends(st) -> str:
+    """How the engine of stage input `st` holds its sends (`rules.interleaved_sends.held_beside`)."""
+    return WAITS if st.holds_sends else KEEPS if st.keeps_outputs else FREES

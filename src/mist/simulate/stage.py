@@ -346,6 +346,7 @@ class StageModel:
             st.keeps_outputs,
             st.held_sends,
             st.engine_buffers,
+            st.beside_embedding,
         )
 
     def components(self, st: StageInput) -> StageComponents:

@@ -16,6 +16,7 @@ from mist.rules.deepspeed_buffers import DeepSpeedHeld
 from mist.rules.interleaved_sends import HeldSends
 from mist.simulate.stage_records import (
     ActivationTerms,
+    BesideEmbedding,
     HostTerms,
     StageComponents,
     StageDetail,
@@ -41,6 +42,7 @@ def compose(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     engine_buffers: DeepSpeedHeld | None = None,
+    beside_embedding: BesideEmbedding | None = None,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -49,11 +51,13 @@ def compose(
     `keeps_outputs`: whether the stage keeps the outputs it sent, `held`: what it holds of its
     sends where it waits for them as an interleaved rank of Mist's runtime does, else None
     (`rules.pipeline_outputs`); `engine_buffers`: what the engine holds beyond Mist's runtime's
-    states (`rules.deepspeed_buffers`; None: nothing)."""
+    states (`rules.deepspeed_buffers`; None: nothing); `beside_embedding`: what an interleaved
+    rank 0 holds where the embedding runs (None: the embedding's peaks are priced over what the
+    stage holds at its own)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, engine_buffers)
+    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, engine_buffers, beside_embedding)
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -140,6 +144,7 @@ def _memory(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     engine_buffers: DeepSpeedHeld | None = None,
+    beside_embedding: BesideEmbedding | None = None,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -175,7 +180,17 @@ def _memory(
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
-    fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(a, saved_mb, A_last, ck, layers, buf, b_pass)
+    # an interleaved rank 0 runs the embedding beside other chunks and sends than its peaks hold
+    pre_shift = (0.0, 0.0)
+    if beside_embedding is not None:
+        bwd_base = base_act + (out_bwd - out_fwd) * a.p2p_output
+        pre_shift = (
+            _held_beside(beside_embedding.forward, saved_mb, a) - base_act,
+            _held_beside(beside_embedding.backward, saved_mb, a) - bwd_base,
+        )
+    fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(
+        a, saved_mb, A_last, ck, layers, buf, b_pass, pre_shift
+    )
     # an engine's own buffers (DeepSpeed's gradient staging buffer): at the forward peak, through
     # every backward, or through the whole run
     eb = engine_buffers or DeepSpeedHeld(0.0, None)
@@ -225,7 +240,22 @@ def _memory(
     )
 
 
-def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gathered, b_pass=None):
+def _held_beside(states, saved_mb, a: ActivationTerms):
+    """The most bytes held beside a unit over `states` ((micro-batches, outputs, gradients) of
+    `BesideEmbedding`): saved activations and sends (at least the gradient sent last)."""
+    return np.max(
+        np.stack(
+            np.broadcast_arrays(
+                *(n * saved_mb + outs * a.p2p_output + max(grads, 1) * a.p2p_sent for n, outs, grads in states)
+            )
+        ),
+        axis=0,
+    )
+
+
+def _transient_peaks(
+    a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gathered, b_pass=None, pre_shift=(0.0, 0.0)
+):
     """Activations live at the forward and at the backward peak on top of the held ones: the
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
     below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
@@ -234,7 +264,9 @@ def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gath
     done, and what the head keeps) a block's B runs with the B of those above it done: the last
     block's with the head's, the lowest with every other block's. Each candidate has the whole
     unit weights held where it lies (`buf`: `states.gathered_weights`) on top; returned: the
-    forward's and the backward's peak, and the weights held at each."""
+    forward's and the backward's peak, and the weights held at each. `pre_shift`: what the
+    embedding's forward and backward run beside beyond the stage's held activations
+    (`BesideEmbedding`)."""
     cur_before_last = saved_mb - A_last
     fwd_cands = [(cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak), buf.block_fwd)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
@@ -262,10 +294,14 @@ def _transient_peaks(a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gath
         if on(gp.post_flattened):
             bwd_cands.append((saved_mb + a.x_in + gp.post_flattened, buf.head_bwd))
     if a.pre_peaks is not None:
-        fwd_cands.append((a.pre_peaks[0] + 0 * saved_mb, buf.pre_fwd))
-        bwd_cands.append((a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + 0 * saved_mb, buf.pre_bwd))
+        pf, pb = pre_shift
+        fwd_cands.append((a.pre_peaks[0] + pf + 0 * saved_mb, buf.pre_fwd))
+        # (the output gradient a stage receives stays referenced through its whole backward, as
+        # `torch.autograd.backward` holds its arguments until it returns: the embedding's too)
+        pb = pb + a.p2p_output
+        bwd_cands.append((a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + pb + 0 * saved_mb, buf.pre_bwd))
         if on(gp.pre_flattened):
-            bwd_cands.append((gp.pre_flattened + 0 * saved_mb, buf.pre_bwd))
+            bwd_cands.append((gp.pre_flattened + pb + 0 * saved_mb, buf.pre_bwd))
     fwd, fwd_w = _with_weights(fwd_cands)
     bwd, bwd_w = _with_weights(bwd_cands)
     return fwd, bwd, fwd_w, bwd_w

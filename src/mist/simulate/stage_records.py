@@ -50,11 +50,25 @@ class StageInput:
     # else the outputs by `keeps_outputs` and the input gradient sent last
     holds_sends: bool = False
     held_sends: HeldSends | None = None
+    # an interleaved rank 0: what it holds beside the embedding at each of its first chunk's
+    # forwards and backwards (`simulate.interleaved.beside_embedding`); None: the peaks' counts
+    beside_embedding: BesideEmbedding | None = None
     # what the engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`; None: nothing)
     engine_buffers: DeepSpeedHeld | None = None
     # whether the engine reduces a ZeRO-1 stage's gradients with an all-reduce rather than a
     # reduce-scatter (DeepSpeed's `BF16_Optimizer` on a plan's ZeRO-0 stage, `rules.deepspeed_buffers`)
     all_reduces_grads: bool = False
+
+
+@dataclass(frozen=True)
+class BesideEmbedding:
+    """What an interleaved rank 0 holds beside the embedding as each forward of its first chunk
+    starts and each backward of it ends (`rules.interleaved_sends.held_beside`), one entry per
+    distinct state: (the other micro-batch chunks' saved activations, in the whole-rank
+    micro-batches `StageInput.in_flight` counts; sent outputs; sent input gradients)."""
+
+    forward: tuple[tuple[np.ndarray, int, int], ...]
+    backward: tuple[tuple[np.ndarray, int, int], ...]
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import chunk_inputs, simulate_plan, stage_inputs
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageModel
+from mist.simulate.stage_records import BesideEmbedding
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
@@ -341,18 +342,39 @@ def _evaluate_many(jobs: list, cols: tuple) -> list[tuple]:
     groups: dict = {}
     for n, (m, st) in enumerate(jobs):
         batched = _BATCHED + (("in_flight",) if st.in_flight is not None else ())
-        shared = (id(m), batched) + tuple(getattr(st, f.name) for f in fields(st) if f.name not in batched)
+        # (an interleaved rank 0's `beside_embedding` varies with its chunks as `in_flight` does;
+        # its states' sends are the rank's, set by the shared fields)
+        shared = (id(m), batched) + tuple(
+            getattr(st, f.name) for f in fields(st) if f.name not in batched and f.name != "beside_embedding"
+        )
         groups.setdefault(shared, (m, batched, []))[2].append((n, st))
     out: list = [None] * len(jobs)
     for m, batched, members in groups.values():
         sts = [st for _, st in members]
         r = m.evaluate(
-            replace(sts[0], **{f: np.concatenate([np.ravel(getattr(st, f)) for st in sts]) for f in batched})
+            replace(
+                sts[0],
+                **{f: np.concatenate([np.ravel(getattr(st, f)) for st in sts]) for f in batched},
+                beside_embedding=_joined([st.beside_embedding for st in sts]),
+            )
         )
         columns = [r.host["peak_bytes"] if c == "host_peak" else getattr(r, c) for c in cols]
         for j, (n, _) in enumerate(members):
             out[n] = tuple(float(np.ravel(c)[j]) for c in columns)
     return out
+
+
+def _joined(besides: list) -> BesideEmbedding | None:
+    """One `BesideEmbedding` of a batch from its members' (each state's micro-batches side by
+    side), or None where the members have none."""
+    if besides[0] is None:
+        return None
+
+    def join(side: str) -> tuple:
+        states = zip(*(getattr(b, side) for b in besides))
+        return tuple((np.concatenate([np.ravel(n) for n, _, _ in st]), st[0][1], st[0][2]) for st in states)
+
+    return BesideEmbedding(join("forward"), join("backward"))
 
 
 # candidates costed per batch (`_Evaluator.warm`), and the fields of a stage that vary within one

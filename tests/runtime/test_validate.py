@@ -291,15 +291,19 @@ def _pipeline_allocator_errors(
     return out["errors"]["allocator_peak"]
 
 
-def test_an_interleaved_rank_0_s_peak_where_the_embedding_runs_is_the_predicted_one(tmp_path):
-    """Interleaved 1F1B, 2 ranks × 2 chunks of one block, G 8, micro-batches of one sample: rank
+@pytest.mark.parametrize("G,b", [(8, 1), (4, 2)])
+def test_an_interleaved_rank_s_peak_is_priced_at_the_operation_it_lies_in(tmp_path, G, b):
+    """Interleaved 1F1B, 2 ranks × 2 chunks of one block. G 8, micro-batches of one sample: rank
     0 peaks in B0.0, at the word table's backward (a 16 MiB gradient against 8 MiB saved per
     chunk), beside 4 other micro-batch chunks and 3 sends (`rules.interleaved_sends.held_beside`)
     and the output gradient it received, which `torch.autograd.backward` holds until the whole
     backward returns. Priced at its rank's own peak counts (1.5 whole micro-batches, every send
     its backwards hold at most) and without that gradient, the embedding's backward stayed below
-    the last block's, and the prediction 1.6 MiB below the allocator (−0.61 %)."""
-    errors = _pipeline_allocator_errors(tmp_path, "1f1b", (2, 2), G=8, b=1, chunks=(1, 1))
+    the last block's, and the prediction 1.6 MiB below the allocator (−0.61 %). G 4, micro-batches
+    of two: no operation holds the rank's most chunks and sends at once; its blocks and head
+    priced at those counts together were +0.63 % (rank 0) and +0.31 % (rank 1), and one
+    gradient above what each held (`rules.interleaved_sends.held_at_ops`)."""
+    errors = _pipeline_allocator_errors(tmp_path, "1f1b", (2, 2), G=G, b=b, chunks=(1, 1))
     assert all(abs(e) < 0.003 for e in errors), errors
 
 

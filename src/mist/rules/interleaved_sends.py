@@ -215,12 +215,10 @@ def held_beside(
     embedding, in the model's first chunk) runs beside. `sends`: `WAITS` as Mist's runtime waits
     for them (`send_waits`); `KEEPS`, every output until its backward and the gradient sent last
     (`kept_outputs`); `FREES`, no output and the gradient sent last."""
-    G = micro_batches
-    rule = send_waits(ranks, chunks, G)[rank] if sends == WAITS else SendWaits({}, {})
     held = [0] * chunks
     fwd: dict[HeldBeside, None] = {}
     bwd: dict[HeldBeside, None] = {}
-    for (kind, g, c), outputs, grads in _walk(rule, rank, ranks, chunks, G):
+    for (kind, g, c), outputs, grads in _engine_walk(rank, ranks, chunks, micro_batches, sends):
         if kind == FORWARD:
             if c == chunk:
                 fwd[_beside(held, len(outputs), len(grads), sends)] = None
@@ -230,6 +228,39 @@ def held_beside(
         if c == chunk:  # (its own output dropped with it)
             bwd[_beside(held, len(outputs - {(g, c)}), len(grads), sends)] = None
     return tuple(fwd), tuple(bwd)
+
+
+@lru_cache(maxsize=1024)
+def held_at_ops(
+    rank: int, ranks: int, chunks: int, micro_batches: int, sends: str, chunk: int | None = None
+) -> tuple[tuple[HeldBeside, ...], tuple[HeldBeside, ...]]:
+    """The distinct `HeldBeside` of rank `rank` as each of its forwards starts and each of its
+    backwards starts (of `chunk` only, if given), the operation's own micro-batch chunk counted in
+    `others` (as the stage model prices a block's peaks: its chunk's saved activations whole, the
+    block's transient in place of its own), and its own output where a backward holds it. What a
+    block of any chunk peaks beside, state by state, where the rank's counts (`HeldSends`,
+    `held_saved_peak`) are each the most at some operation, not all at the same one; with the
+    model's last chunk, what the head does (it runs last in that chunk's forward and first in its
+    backward). `sends` as in `held_beside`."""
+    held = [0] * chunks
+    fwd: dict[HeldBeside, None] = {}
+    bwd: dict[HeldBeside, None] = {}
+    for (kind, _, c), outputs, grads in _engine_walk(rank, ranks, chunks, micro_batches, sends):
+        state = fwd if kind == FORWARD else bwd
+        if kind == FORWARD:
+            held[c] += 1
+        if chunk is None or c == chunk:
+            state[_beside(held, len(outputs), len(grads), sends)] = None
+        if kind == BACKWARD:
+            held[c] -= 1
+    return tuple(fwd), tuple(bwd)
+
+
+def _engine_walk(rank: int, ranks: int, chunks: int, G: int, sends: str):
+    """`_walk` of the rank's order with its sends held as `sends` says: under `WAITS`, waited for
+    by `send_waits`; else never waited for (`_beside` then counts them as the engine holds them)."""
+    rule = send_waits(ranks, chunks, G)[rank] if sends == WAITS else SendWaits({}, {})
+    return _walk(rule, rank, ranks, chunks, G)
 
 
 def _beside(held: list[int], outputs: int, grads: int, sends: str) -> HeldBeside:

@@ -37,11 +37,20 @@ from mist.rules.interleaved_order import (
     held_after_forwards,
     interleaved_one_f_one_b,
 )
-from mist.rules.interleaved_sends import FREES, KEEPS, WAITS, HeldSends, held_beside, held_sends, kept_outputs
+from mist.rules.interleaved_sends import (
+    FREES,
+    KEEPS,
+    WAITS,
+    HeldSends,
+    held_at_ops,
+    held_beside,
+    held_sends,
+    kept_outputs,
+)
 from mist.rules.pipeline_order import FORWARD
 from mist.simulate.op_program import dependency_order
 from mist.simulate.pipeline import iteration_time
-from mist.simulate.stage_records import BesideEmbedding
+from mist.simulate.stage_records import HeldStates
 
 
 def rank_summary(f, b, X, Y, ranks: int):
@@ -196,25 +205,41 @@ def interleaved_in_flight(rank: int, ranks: int, G: int, saved):
     return held - 1
 
 
-def beside_embedding(ranks: int, G: int, saved, sends: str) -> BesideEmbedding:
-    """Rank 0's `BesideEmbedding`: the other micro-batch chunks it holds as each forward of its
-    first chunk starts and each backward of it ends, as `saved` (..., v) weighs them in whole-rank
-    micro-batches (`interleaved_in_flight`'s unit), with its sends held then (`sends`: how its
-    engine holds them, `rules.interleaved_sends.held_beside`)."""
+def beside_embedding(ranks: int, G: int, saved, sends: str) -> HeldStates:
+    """Rank 0's `HeldStates` beside the embedding: the other micro-batch chunks it holds as each
+    forward of its first chunk starts and each backward of it ends, as `saved` (..., v) weighs
+    them, with its sends held then (`sends`: how its engine holds them,
+    `rules.interleaved_sends.held_beside`)."""
     saved = np.asarray(saved, dtype=np.float64)
+    return _weighed(held_beside(0, ranks, saved.shape[-1], G, 0, sends), saved)
+
+
+def held_at_blocks(rank: int, ranks: int, G: int, saved, sends: str, chunk: int | None = None) -> HeldStates:
+    """Rank `rank`'s `HeldStates` at its blocks: the micro-batch chunks it holds as each of its
+    forwards and backwards starts (of `chunk` only, if given: the last rank's last chunk, where the
+    head runs), the operation's own included, as `saved` (..., v) weighs them, with its sends held
+    then (`rules.interleaved_sends.held_at_ops`)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    return _weighed(held_at_ops(rank, ranks, saved.shape[-1], G, sends, chunk), saved)
+
+
+def _weighed(states, saved: np.ndarray) -> HeldStates:
+    """`HeldStates` of (forward, backward) `HeldBeside` states: each state's chunks weighed by
+    their saved bytes per micro-batch `saved` (..., v), in whole-rank micro-batches
+    (`interleaved_in_flight`'s unit; equal shares where a rank keeps none on the device)."""
     v = saved.shape[-1]
     total = saved.sum(axis=-1)
-    fwd, bwd = held_beside(0, ranks, v, G, 0, sends)
 
-    def weigh(states) -> tuple:
+    def weigh(side) -> tuple:
         out = []
-        for h in states:
+        for h in side:
             n = np.asarray(h.others, dtype=np.float64)
             equal = np.full(total.shape, n.sum() / v)
             out.append((np.divide(saved @ n, total, out=equal, where=total > 0), h.outputs, h.gradients))
         return tuple(out)
 
-    return BesideEmbedding(weigh(fwd), weigh(bwd))
+    fwd, bwd = states
+    return HeldStates(weigh(fwd), weigh(bwd))
 
 
 def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
@@ -222,7 +247,8 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
     chunks (v, the last axis of its chunks' `saved` per micro-batch), which set what it holds
     beside its saved activations (each chunk's last unit, every in-flight output where its engine
     keeps them), and what it holds of its sends where it holds them as Mist's runtime does
-    (`st.holds_sends`); rank 0 also what it holds where the embedding runs."""
+    (`st.holds_sends`); what it holds as each operation starts, where its blocks peak; rank 0 also
+    what it holds where the embedding runs, the last rank where the head does."""
     saved = np.asarray(saved, dtype=np.float64)
     v = saved.shape[-1]
     return replace(
@@ -231,6 +257,8 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
         chunks=v,
         held_sends=rank_sends(st, rank, ranks, v, G),
         beside_embedding=beside_embedding(ranks, G, saved, _sends(st)) if rank == 0 and st.first else None,
+        at_blocks=held_at_blocks(rank, ranks, G, saved, _sends(st)),
+        at_head=held_at_blocks(rank, ranks, G, saved, _sends(st), v - 1) if rank == ranks - 1 and st.last else None,
     )
 
 

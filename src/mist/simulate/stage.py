@@ -347,6 +347,8 @@ class StageModel:
             st.held_sends,
             st.engine_buffers,
             st.beside_embedding,
+            st.at_blocks,
+            st.at_head,
         )
 
     def components(self, st: StageInput) -> StageComponents:

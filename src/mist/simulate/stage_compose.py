@@ -16,7 +16,7 @@ from mist.rules.deepspeed_buffers import DeepSpeedHeld
 from mist.rules.interleaved_sends import HeldSends
 from mist.simulate.stage_records import (
     ActivationTerms,
-    BesideEmbedding,
+    HeldStates,
     HostTerms,
     StageComponents,
     StageDetail,
@@ -42,7 +42,9 @@ def compose(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     engine_buffers: DeepSpeedHeld | None = None,
-    beside_embedding: BesideEmbedding | None = None,
+    beside_embedding: HeldStates | None = None,
+    at_blocks: HeldStates | None = None,
+    at_head: HeldStates | None = None,
 ) -> StageResult:
     """Stage time and memory of `layers` blocks with the last `recompute` recomputed whole and
     `in_flight` earlier micro-batches held (`waiting` of them for their W under ZB-H1), from
@@ -53,11 +55,26 @@ def compose(
     (`rules.pipeline_outputs`); `engine_buffers`: what the engine holds beyond Mist's runtime's
     states (`rules.deepspeed_buffers`; None: nothing); `beside_embedding`: what an interleaved
     rank 0 holds where the embedding runs (None: the embedding's peaks are priced over what the
-    stage holds at its own)."""
+    stage holds at its own); `at_blocks`: what an interleaved rank holds as each operation starts
+    (None: its blocks' peaks are priced over `in_flight` and `held`, each the rank's most), and
+    `at_head` as each operation of its head's chunk starts (None: `at_blocks`)."""
     layers, n_ck = as_floats(layers), as_floats(recompute)
     n_no = layers - n_ck
     T, X, Y, fwd_part = _times(comp, n_ck, n_no, G)
-    mem = _memory(comp, layers, n_ck, in_flight, waiting, chunks, keeps_outputs, held, engine_buffers, beside_embedding)
+    mem = _memory(
+        comp,
+        layers,
+        n_ck,
+        in_flight,
+        waiting,
+        chunks,
+        keeps_outputs,
+        held,
+        engine_buffers,
+        beside_embedding,
+        at_blocks,
+        at_head,
+    )
 
     def detail() -> StageDetail:
         lay, ends = comp.layer, comp.ends
@@ -144,7 +161,9 @@ def _memory(
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
     engine_buffers: DeepSpeedHeld | None = None,
-    beside_embedding: BesideEmbedding | None = None,
+    beside_embedding: HeldStates | None = None,
+    at_blocks: HeldStates | None = None,
+    at_head: HeldStates | None = None,
 ) -> _Memory:
     s, a = comp.states, comp.activations
     weights = layers * s.layer_weights + s.end_weights
@@ -181,15 +200,29 @@ def _memory(
     if waiting is not None and waiting.b_above is not None:
         b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
     # an interleaved rank 0 runs the embedding beside other chunks and sends than its peaks hold
+    bwd_base = base_act + (out_bwd - out_fwd) * a.p2p_output
     pre_shift = (0.0, 0.0)
     if beside_embedding is not None:
-        bwd_base = base_act + (out_bwd - out_fwd) * a.p2p_output
         pre_shift = (
             _held_beside(beside_embedding.forward, saved_mb, a) - base_act,
             _held_beside(beside_embedding.backward, saved_mb, a) - bwd_base,
         )
+
+    # and an interleaved rank's blocks and head run beside what it holds as each operation starts:
+    # its most chunks in flight and its most sends need not be held at one operation (the running
+    # micro-batch's chunk is in each state, as `in_flight` + 1 counts it at the peak)
+    def shift(states: HeldStates | None):
+        if states is None:
+            return (0.0, 0.0)
+        return (
+            _held_beside(states.forward, saved_mb, a) - (base_act + saved_mb),
+            _held_beside(states.backward, saved_mb, a) - (bwd_base + saved_mb),
+        )
+
+    block_shift = shift(at_blocks)
+    head_shift = shift(at_head) if at_head is not None else block_shift
     fwd_act, bwd_act, buffers_fwd, buffers_bwd = _transient_peaks(
-        a, saved_mb, A_last, ck, layers, buf, b_pass, pre_shift
+        a, saved_mb, A_last, ck, layers, buf, b_pass, pre_shift, block_shift, head_shift
     )
     # an engine's own buffers (DeepSpeed's gradient staging buffer): at the forward peak, through
     # every backward, or through the whole run
@@ -242,19 +275,28 @@ def _memory(
 
 def _held_beside(states, saved_mb, a: ActivationTerms):
     """The most bytes held beside a unit over `states` ((micro-batches, outputs, gradients) of
-    `BesideEmbedding`): saved activations and sends (at least the gradient sent last)."""
+    `HeldStates`): saved activations and sends. The states count the sends as the engine holds
+    them (`rules.interleaved_sends`: Mist's runtime none before its first backward sends one, the
+    others the gradient sent last), so no gradient is added to a state that holds none."""
     return np.max(
         np.stack(
-            np.broadcast_arrays(
-                *(n * saved_mb + outs * a.p2p_output + max(grads, 1) * a.p2p_sent for n, outs, grads in states)
-            )
+            np.broadcast_arrays(*(n * saved_mb + outs * a.p2p_output + grads * a.p2p_sent for n, outs, grads in states))
         ),
         axis=0,
     )
 
 
 def _transient_peaks(
-    a: ActivationTerms, saved_mb, A_last, ck, layers, buf: Gathered, b_pass=None, pre_shift=(0.0, 0.0)
+    a: ActivationTerms,
+    saved_mb,
+    A_last,
+    ck,
+    layers,
+    buf: Gathered,
+    b_pass=None,
+    pre_shift=(0.0, 0.0),
+    block_shift=(0.0, 0.0),
+    head_shift=(0.0, 0.0),
 ):
     """Activations live at the forward and at the backward peak on top of the held ones: the
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
@@ -266,7 +308,8 @@ def _transient_peaks(
     unit weights held where it lies (`buf`: `states.gathered_weights`) on top; returned: the
     forward's and the backward's peak, and the weights held at each. `pre_shift`: what the
     embedding's forward and backward run beside beyond the stage's held activations
-    (`BesideEmbedding`)."""
+    (`HeldStates`); `block_shift` and `head_shift`: what the blocks' and the head's run beside
+    beyond them."""
     cur_before_last = saved_mb - A_last
     fwd_cands = [(cur_before_last + a.x_in + np.where(ck, a.fwd_peak_ckpt, a.fwd_peak), buf.block_fwd)]
     fetched = a.fetched * np.where(layers >= 2, 2, 1)
@@ -288,11 +331,15 @@ def _transient_peaks(
     if b_pass is not None:
         above, head = b_pass
         bwd_cands.append((last_bwd + head + np.maximum((layers - 1) * above, 0.0), blk))
+    sf, sb = block_shift
+    fwd_cands = [(act + sf, w) for act, w in fwd_cands]
+    bwd_cands = [(act + sb, w) for act, w in bwd_cands]
     if a.post_fwd is not None:
-        fwd_cands.append((saved_mb + a.x_in + a.post_fwd, buf.head_fwd))
-        bwd_cands.append((saved_mb + a.post_bwd, buf.head_bwd))
+        hf, hb = head_shift
+        fwd_cands.append((saved_mb + a.x_in + a.post_fwd + hf, buf.head_fwd))
+        bwd_cands.append((saved_mb + a.post_bwd + hb, buf.head_bwd))
         if on(gp.post_flattened):
-            bwd_cands.append((saved_mb + a.x_in + gp.post_flattened, buf.head_bwd))
+            bwd_cands.append((saved_mb + a.x_in + gp.post_flattened + hb, buf.head_bwd))
     if a.pre_peaks is not None:
         pf, pb = pre_shift
         fwd_cands.append((a.pre_peaks[0] + pf + 0 * saved_mb, buf.pre_fwd))

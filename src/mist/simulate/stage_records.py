@@ -52,7 +52,13 @@ class StageInput:
     held_sends: HeldSends | None = None
     # an interleaved rank 0: what it holds beside the embedding at each of its first chunk's
     # forwards and backwards (`simulate.interleaved.beside_embedding`); None: the peaks' counts
-    beside_embedding: BesideEmbedding | None = None
+    beside_embedding: HeldStates | None = None
+    # an interleaved rank: what it holds as each of its forwards and backwards starts, the
+    # operation's own chunk included (`simulate.interleaved.held_at_blocks`), where its blocks and
+    # its head peak; None: the peaks' counts (`in_flight`, `held_sends`), each its most
+    at_blocks: HeldStates | None = None
+    # the last rank: the same at its last chunk's operations, where the head runs (None: `at_blocks`)
+    at_head: HeldStates | None = None
     # what the engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`; None: nothing)
     engine_buffers: DeepSpeedHeld | None = None
     # whether the engine reduces a ZeRO-1 stage's gradients with an all-reduce rather than a
@@ -61,11 +67,14 @@ class StageInput:
 
 
 @dataclass(frozen=True)
-class BesideEmbedding:
-    """What an interleaved rank 0 holds beside the embedding as each forward of its first chunk
-    starts and each backward of it ends (`rules.interleaved_sends.held_beside`), one entry per
-    distinct state: (the other micro-batch chunks' saved activations, in the whole-rank
-    micro-batches `StageInput.in_flight` counts; sent outputs; sent input gradients)."""
+class HeldStates:
+    """What an interleaved rank holds at some of its operations, one entry per distinct state:
+    (micro-batch chunks' saved activations, in the whole-rank micro-batches `StageInput.in_flight`
+    counts; sent outputs; sent input gradients) as its forwards and as its backwards run. Beside
+    the embedding (rank 0: the other chunks as each forward of its first chunk starts and each
+    backward of it ends, `rules.interleaved_sends.held_beside`) or at its blocks (every chunk
+    in flight, the operation's own included, as each forward and backward starts,
+    `rules.interleaved_sends.held_at_ops`)."""
 
     forward: tuple[tuple[np.ndarray, int, int], ...]
     backward: tuple[tuple[np.ndarray, int, int], ...]

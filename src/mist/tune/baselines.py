@@ -68,7 +68,7 @@ from mist.simulate.pipeline import iteration_time
 from mist.simulate.plan_sim import chunk_inputs, simulate_plan, stage_inputs
 from mist.simulate.precision import precision_for
 from mist.simulate.stage import StageModel
-from mist.simulate.stage_records import BesideEmbedding
+from mist.simulate.stage_records import HeldStates
 from mist.specs.model import ModelSpec
 from mist.specs.presets import preset_ref
 from mist.specs.training import ClusterSpec, TrainingSpec
@@ -342,10 +342,10 @@ def _evaluate_many(jobs: list, cols: tuple) -> list[tuple]:
     groups: dict = {}
     for n, (m, st) in enumerate(jobs):
         batched = _BATCHED + (("in_flight",) if st.in_flight is not None else ())
-        # (an interleaved rank 0's `beside_embedding` varies with its chunks as `in_flight` does;
-        # its states' sends are the rank's, set by the shared fields)
+        # (an interleaved rank's `HeldStates` vary with its chunks as `in_flight` does; their
+        # states' sends are the rank's, set by the shared fields)
         shared = (id(m), batched) + tuple(
-            getattr(st, f.name) for f in fields(st) if f.name not in batched and f.name != "beside_embedding"
+            getattr(st, f.name) for f in fields(st) if f.name not in batched and f.name not in _HELD_STATES
         )
         groups.setdefault(shared, (m, batched, []))[2].append((n, st))
     out: list = [None] * len(jobs)
@@ -355,7 +355,7 @@ def _evaluate_many(jobs: list, cols: tuple) -> list[tuple]:
             replace(
                 sts[0],
                 **{f: np.concatenate([np.ravel(getattr(st, f)) for st in sts]) for f in batched},
-                beside_embedding=_joined([st.beside_embedding for st in sts]),
+                **{f: _joined([getattr(st, f) for st in sts]) for f in _HELD_STATES},
             )
         )
         columns = [r.host["peak_bytes"] if c == "host_peak" else getattr(r, c) for c in cols]
@@ -364,8 +364,11 @@ def _evaluate_many(jobs: list, cols: tuple) -> list[tuple]:
     return out
 
 
-def _joined(besides: list) -> BesideEmbedding | None:
-    """One `BesideEmbedding` of a batch from its members' (each state's micro-batches side by
+_HELD_STATES = ("beside_embedding", "at_blocks", "at_head")  # `HeldStates` fields, joined over a batch
+
+
+def _joined(besides: list) -> HeldStates | None:
+    """One `HeldStates` of a batch from its members' (each state's micro-batches side by
     side), or None where the members have none."""
     if besides[0] is None:
         return None
@@ -374,7 +377,7 @@ def _joined(besides: list) -> BesideEmbedding | None:
         states = zip(*(getattr(b, side) for b in besides))
         return tuple((np.concatenate([np.ravel(n) for n, _, _ in st]), st[0][1], st[0][2]) for st in states)
 
-    return BesideEmbedding(join("forward"), join("backward"))
+    return HeldStates(join("forward"), join("backward"))
 
 
 # candidates costed per batch (`_Evaluator.warm`), and the fields of a stage that vary within one

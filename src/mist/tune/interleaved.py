@@ -25,7 +25,13 @@ from mist.plan import StageStrategy
 from mist.rules.interleaved_sends import WAITS, held_sends
 from mist.rules.pipeline_outputs import keeps_sent_outputs
 from mist.simulate.gpu_fit import fits_gpu
-from mist.simulate.interleaved import beside_embedding, interleaved_in_flight, interleaved_recurrence, rank_summary
+from mist.simulate.interleaved import (
+    beside_embedding,
+    held_at_blocks,
+    interleaved_in_flight,
+    interleaved_recurrence,
+    rank_summary,
+)
 from mist.simulate.stage_compose import compose
 from mist.tune.inter import best_split
 from mist.tune.intra import Options, pareto_2d, sample_frontier
@@ -95,6 +101,8 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
             keeps_outputs=keeps_sent_outputs("mist", v),
             held=held_sends(r, pp, v, G),
             beside_embedding=beside_embedding(pp, G, saved, WAITS) if r == 0 else None,
+            at_blocks=held_at_blocks(r, pp, G, saved, WAITS),
+            at_head=held_at_blocks(r, pp, G, saved, WAITS, v - 1) if r == pp - 1 else None,
         )
         tables.evaluated += mem.T.size
         ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()

@@ -38,13 +38,6 @@ from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
-# What the imports make stays for the whole run: moved out of the collector's reach, so that the
-# collections before each phase (below) walk only what the cases make, in milliseconds, not the
-# imported frameworks' millions of objects for most of a second each time. (The profiler and
-# DeepSpeed's engine import Inductor on first use: imported here, before the freeze.)
-import torch._inductor  # noqa: E402
-
-gc.freeze()
 
 
 def staging_of(engine) -> int:

@@ -223,6 +223,22 @@ def held_at_blocks(rank: int, ranks: int, G: int, saved, sends: str, chunk: int 
     return _weighed(held_at_ops(rank, ranks, saved.shape[-1], G, sends, chunk), saved)
 
 
+def held_states(
+    rank: int, ranks: int, G: int, saved, sends: str, first: bool = True, last: bool = True
+) -> tuple[HeldStates | None, HeldStates, HeldStates | None]:
+    """The `HeldStates` an interleaved rank's memory is priced with (`StageInput`'s and
+    `compose`'s `beside_embedding`, `at_blocks`, `at_head`): beside the embedding on rank 0 (of
+    the model's first stage, `first`), at its blocks, at the head's chunk on the last rank (of
+    its last, `last`)."""
+    saved = np.asarray(saved, dtype=np.float64)
+    head = saved.shape[-1] - 1
+    return (
+        beside_embedding(ranks, G, saved, sends) if rank == 0 and first else None,
+        held_at_blocks(rank, ranks, G, saved, sends),
+        held_at_blocks(rank, ranks, G, saved, sends, head) if rank == ranks - 1 and last else None,
+    )
+
+
 def _weighed(states, saved: np.ndarray) -> HeldStates:
     """`HeldStates` of (forward, backward) `HeldBeside` states: each state's chunks weighed by
     their saved bytes per micro-batch `saved` (..., v), in whole-rank micro-batches
@@ -251,14 +267,15 @@ def interleaved_rank_input(st, rank: int, ranks: int, G: int, saved):
     what it holds where the embedding runs, the last rank where the head does."""
     saved = np.asarray(saved, dtype=np.float64)
     v = saved.shape[-1]
+    beside, at_blocks, at_head = held_states(rank, ranks, G, saved, _sends(st), st.first, st.last)
     return replace(
         st,
         in_flight=float(interleaved_in_flight(rank, ranks, G, saved)),
         chunks=v,
         held_sends=rank_sends(st, rank, ranks, v, G),
-        beside_embedding=beside_embedding(ranks, G, saved, _sends(st)) if rank == 0 and st.first else None,
-        at_blocks=held_at_blocks(rank, ranks, G, saved, _sends(st)),
-        at_head=held_at_blocks(rank, ranks, G, saved, _sends(st), v - 1) if rank == ranks - 1 and st.last else None,
+        beside_embedding=beside,
+        at_blocks=at_blocks,
+        at_head=at_head,
     )
 
 

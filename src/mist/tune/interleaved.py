@@ -26,8 +26,7 @@ from mist.rules.interleaved_sends import WAITS, held_sends
 from mist.rules.pipeline_outputs import keeps_sent_outputs
 from mist.simulate.gpu_fit import fits_gpu
 from mist.simulate.interleaved import (
-    beside_embedding,
-    held_at_blocks,
+    held_states,
     interleaved_in_flight,
     interleaved_recurrence,
     rank_summary,
@@ -91,6 +90,7 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
         saved = np.stack([np.broadcast_to(res[k].saved_per_microbatch, shape) for k in kinds], axis=-1)
         # the full space plans for Mist's runtime (`rules.pipeline_outputs`)
         held = interleaved_in_flight(r, pp, G, saved)
+        beside, at_blocks, at_head = held_states(r, pp, G, saved, WAITS)
         mem = compose(
             comp,
             lc * v,
@@ -100,9 +100,9 @@ def rank_options(tables, r: int, v: int, lc: int, tp_fixed=None) -> ChunkOptions
             chunks=v,
             keeps_outputs=keeps_sent_outputs("mist", v),
             held=held_sends(r, pp, v, G),
-            beside_embedding=beside_embedding(pp, G, saved, WAITS) if r == 0 else None,
-            at_blocks=held_at_blocks(r, pp, G, saved, WAITS),
-            at_head=held_at_blocks(r, pp, G, saved, WAITS, v - 1) if r == pp - 1 else None,
+            beside_embedding=beside,
+            at_blocks=at_blocks,
+            at_head=at_head,
         )
         tables.evaluated += mem.T.size
         ok = np.broadcast_to(fits_gpu(mem.peak, tables.profile), shape).copy()

@@ -26,6 +26,7 @@ import functools
 import gc
 import json
 import sys
+import time
 
 import deepspeed
 import deepspeed.comm
@@ -37,6 +38,55 @@ from mist.runtime.allocator_trace import live_curve
 from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+
+# Gloo runs each collective on a worker thread, and the work it queues holds the collective's
+# tensors. When that thread drops the work after the caller has dropped the tensors, the tensors
+# are released there, where the profiler does not see it: they would stay live in the curves
+# until their address is handed out again. So each collective, once done (at its return, or
+# at its handle's wait), leaves gloo's thread a moment before its caller goes on and drops them.
+SETTLE_S = 0.002
+
+
+class _Settling:
+    """An async collective's handle whose wait settles as a synchronous collective does."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        time.sleep(SETTLE_S)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def settled(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        work = f(*args, **kwargs)
+        if work is None:
+            time.sleep(SETTLE_S)
+            return None
+        return _Settling(work)
+
+    return wrapper
+
+
+for _name in (
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+):
+    if hasattr(torch.distributed, _name):  # before DeepSpeed's backend takes them
+        setattr(torch.distributed, _name, settled(getattr(torch.distributed, _name)))
 deepspeed.init_distributed(dist_backend="gloo")
 
 

@@ -452,6 +452,7 @@ def test_trains_zero3_with_partial_optimizer_offload(tmp_path):
         assert r["sub_groups"] > 1 and r["recomputed_blocks"] == 2 and r["losses_finite"]
 
 
+@pytest.mark.extended("tests/export/test_deepspeed.py::test_trains_zero3_with_partial_optimizer_offload")
 def test_trains_an_uneven_two_stage_pipeline(tmp_path):
     require_deepspeed()
     stages = [StageStrategy(1, 1, 1, 2, 1, 1, zero=1), StageStrategy(5, 1, 1, 2, 1, 1, zero=1, recompute_layers=2)]

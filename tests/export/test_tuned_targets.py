@@ -53,6 +53,7 @@ def tuned_plans(target: str) -> dict:
     return _tuned[target]
 
 
+@pytest.mark.extended("tests/export/test_megatron.py::test_tuned_plans_export_and_megatron_accepts_them")
 def test_megatron_accepts_every_tuned_plan(tmp_path):
     plans = tuned_plans("megatron")
     cases = []
@@ -96,7 +97,18 @@ def test_torchtitan_accepts_every_tuned_plan(tmp_path):
         check_model(cfg, plan)
 
 
-@pytest.mark.parametrize("target", list(TARGET_SPACES))
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param(
+            t,
+            marks=pytest.mark.extended("tests/export/test_tuned_targets.py::test_the_cases_span_pipelines_and_sharding")
+            if t == "megatron"
+            else (),
+        )
+        for t in TARGET_SPACES
+    ],
+)
 def test_the_cases_span_pipelines_and_sharding(target):
     """The tuned plans are not all one shape: the matrix checks more than one layout per target."""
     plans = tuned_plans(target).values()

@@ -34,17 +34,16 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mist.runtime.allocator_trace import live_curve
+from mist.runtime.allocator_trace import GLOO_SETTLE_S, live_curve
 from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
 
 # Gloo runs each collective on a worker thread, and the work it queues holds the collective's
-# tensors. When that thread drops the work after the caller has dropped the tensors, the tensors
-# are released there, where the profiler does not see it: they would stay live in the curves
-# until their address is handed out again. So each collective, once done (at its return, or
-# at its handle's wait), leaves gloo's thread a moment before its caller goes on and drops them.
-SETTLE_S = 0.002
+# tensors: where that thread drops the work last, they are released unseen and would stay live in
+# the curves until their address is handed out again (`mist.runtime.allocator_trace`, where Mist's
+# own traced runs settle their collectives the same way). So each collective, once done (at its
+# return, or at its handle's wait), sleeps GLOO_SETTLE_S before its caller goes on and drops them.
 
 
 class _Settling:
@@ -55,7 +54,7 @@ class _Settling:
 
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs)
-        time.sleep(SETTLE_S)
+        time.sleep(GLOO_SETTLE_S)
         return out
 
     def __getattr__(self, name):
@@ -67,7 +66,7 @@ def settled(f):
     def wrapper(*args, **kwargs):
         work = f(*args, **kwargs)
         if work is None:
-            time.sleep(SETTLE_S)
+            time.sleep(GLOO_SETTLE_S)
             return None
         return _Settling(work)
 

@@ -9,12 +9,15 @@ it. This is the one instrumentation point of the model code.
 
 Every collective a real run issues (here and in the runtime's flat units) is issued inside
 `issuing()`, a profiler range: what gloo allocates there is its own copies, which NCCL does not
-make, and a CPU run's allocator trace leaves them out (`runtime.allocator_trace`).
+make, and a CPU run's allocator trace leaves them out (`runtime.allocator_trace`). While a trace
+records, each collective also settles once done (`settled`), so that the tensors it read or wrote
+are released on the caller's thread, where the trace sees it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,9 +28,36 @@ _observers: list[Observer] = []
 ISSUING = "mist::collective"
 
 
-def issuing() -> torch.profiler.record_function:
-    """The profiler range a collective is issued in (module docstring)."""
-    return torch.profiler.record_function(ISSUING)
+_settle_s = 0.0  # set while a CPU run's allocator trace records (`settling`)
+
+
+@contextmanager
+def issuing() -> Iterator[None]:
+    """The profiler range a collective is issued in (module docstring); a synchronous collective
+    settles as it ends (`settled`)."""
+    with torch.profiler.record_function(ISSUING):
+        yield
+    settled()
+
+
+def settled() -> None:
+    """Called once a collective is done, while its caller still holds the collective's tensors:
+    while an allocator trace records, gloo's worker thread is given the moment it takes to drop
+    its work, so that the tensors are released where the trace sees it
+    (`runtime.allocator_trace.GLOO_SETTLE_S`); otherwise nothing."""
+    if _settle_s:
+        time.sleep(_settle_s)
+
+
+@contextmanager
+def settling(seconds: float) -> Iterator[None]:
+    """Collectives settle for `seconds` once done, inside the block."""
+    global _settle_s
+    before, _settle_s = _settle_s, seconds
+    try:
+        yield
+    finally:
+        _settle_s = before
 
 
 @contextmanager

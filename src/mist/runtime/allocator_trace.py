@@ -17,7 +17,11 @@ Releases on another thread: the profiler sees allocations and releases only on t
 profiles, and gloo's worker threads are not among them. A tensor whose last reference a gloo work
 object drops is released there, unseen. Such a block is noticed when its address is handed out
 again, and counted as live until then, so the peak is an upper bound by at most those blocks;
-`AllocatorPeak.unseen_releases` counts them.
+`AllocatorPeak.unseen_releases` counts them. A gloo thread drops a work just after marking it
+done, so it drops it last when the caller drops the collective's tensors at once. While a trace
+records, every collective Mist issues therefore settles once done (`models.collectives.settled`:
+`GLOO_SETTLE_S`, a sleep while the caller still holds the tensors), and the caller's own release
+is the last one, seen.
 
 Gloo's copies: gloo copies a collective's input or output into buffers of its own (a reduce-scatter
 its whole input, an all-gather its output), which NCCL, working in place, does not make, and the
@@ -34,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mist.models.collectives import ISSUING
+from mist.models.collectives import ISSUING, settling
 from mist.torch_compat import allocation_events, marked_spans, marked_time
 
 TRACED_STEPS = 2
+GLOO_SETTLE_S = 0.002  # long against the few instructions a gloo thread runs to drop a done work
 _MARK = "mist::allocator_trace::steps"
 
 
@@ -90,6 +95,8 @@ class AllocatorTrace:
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
         self._prof.start()
+        self._settling = settling(GLOO_SETTLE_S)
+        self._settling.__enter__()
         self.result: AllocatorPeak | None = None
 
     def mark(self) -> None:
@@ -99,6 +106,7 @@ class AllocatorTrace:
 
     def stop(self) -> AllocatorPeak:
         if self._prof is not None:
+            self._settling.__exit__(None, None, None)
             self._prof.stop()
             since = marked_time(self._prof, _MARK)
             copies = marked_spans(self._prof, ISSUING)

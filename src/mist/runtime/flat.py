@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mist.models.collectives import issuing
+from mist.models.collectives import issuing, settled
 from mist.rules import flat_units
 from mist.rules.grad_accumulation import accumulates_in_place
 from mist.runtime.buffers import SplitBuffer
@@ -122,8 +122,9 @@ class Comms:
     def settle(self) -> None:
         """Wait for the reduction in flight, if any, and consume its result."""
         if self._in_flight is not None:
-            (work, then, _), self._in_flight = self._in_flight, None
+            (work, then, _held), self._in_flight = self._in_flight, None
             work.wait()
+            settled()  # (`_held` keeps the tensors meanwhile)
             then()
 
 

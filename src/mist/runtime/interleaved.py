@@ -261,6 +261,5 @@ class InterleavedSchedule:
                 else:
                     self._send_act(out, links.next_out, g, dst - 1, pending)
                 runner.release_all()
-        for work, _ in pending:
-            work.wait()
+        p2p.wait_all(pending)
         return losses

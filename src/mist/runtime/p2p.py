@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from mist.models.collectives import settled
 from mist.runtime.handoff import Piece
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -98,6 +99,15 @@ class Route:
 
 def _part(x: torch.Tensor, p: Piece) -> torch.Tensor:
     return x[p.region()].contiguous()
+
+
+def wait_all(works) -> None:
+    """Wait for the sends of [(work, tensor), ...], which the caller holds until this returns:
+    they settle (`models.collectives.settled`) before it drops them."""
+    for work, _ in works:
+        work.wait()
+    if works:
+        settled()
 
 
 def _isend(t: torch.Tensor, peer: int, kind: int, route: Route):
@@ -202,8 +212,7 @@ class Sends:
         return self._activations.setdefault(key, [])
 
     def release_activation(self, key) -> None:
-        for work, _ in self._activations.pop(key, ()):
-            work.wait()
+        wait_all(self._activations.pop(key, ()))
 
     def delivered(self, key, out: torch.Tensor) -> SentOutput:
         """Micro-batch `key`'s output, sent: its pieces waited for now and released, the output
@@ -216,19 +225,16 @@ class Sends:
         until `release_gradients`); otherwise the last one's are released first."""
         if self.hold_gradients:
             return self._held.setdefault(key, [])
-        for work, _ in self._gradient:
-            work.wait()
+        wait_all(self._gradient)
         self._gradient = []
         return self._gradient
 
     def release_gradients(self, keys) -> None:
         """Wait for the held gradients of `keys` and drop them."""
         for key in keys:
-            for work, _ in self._held.pop(key, ()):
-                work.wait()
+            wait_all(self._held.pop(key, ()))
 
     def finish(self) -> None:
         for works in [*self._activations.values(), self._gradient, *self._held.values()]:
-            for work, _ in works:
-                work.wait()
+            wait_all(works)
         self._activations, self._gradient, self._held = {}, [], {}

@@ -198,6 +198,5 @@ class PipelineSchedule:
             else:
                 self._send_act(out, g, pending)
             runner.release_all()
-        for work, _ in pending:
-            work.wait()
+        p2p.wait_all(pending)
         return losses

@@ -31,6 +31,12 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_report_header(config):
+    if not config.getoption("extended"):
+        return "tests marked extended: left out (--extended runs them too)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     _check_covered_by(items)
     if not config.getoption("extended"):

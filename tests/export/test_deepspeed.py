@@ -807,10 +807,11 @@ def test_fp32_accumulating_zero1_reduces_through_copies_and_an_fp32_partition(tm
         # the step's copies (64 and 40 MiB beyond the buffer, against 32)
         assert held.step == got["staging_bytes"] + 2 * min(P, bucket or P) + 4 * P // 2
         assert held.step > step_bytes(P // 2, M, "fp16", "fp32") + got["staging_bytes"]
-        # with several buckets, a bucket's 16-bit copy can still be live when the next one is
-        # made, depending on timing: most likely gloo's worker thread holds the all-reduce's last
-        # reference and releases it unseen, as it does Mist's own (one clean-clone CI run
-        # measured 64 MiB for the 56 priced: one 4 Mi-element fp16 copy more; not proven)
+        # with several buckets, a bucket's 16-bit copy could still be live when the next one was
+        # made: gloo's worker thread held the all-reduce's last reference and released it unseen
+        # (one clean-clone CI run measured 64 MiB for the 56 priced: one 4 Mi-element fp16 copy
+        # more). The staging worker's collectives now settle first (`deepspeed_staging.py`); the
+        # allowance stays for a machine so loaded that gloo's thread waits longer than that
         late = 2 * bucket if bucket else 0
         assert -KIB256 <= got["after"] - states - held.step <= KIB256 + late, bucket
         assert got["forward"] - states == pytest.approx(held.forward, abs=KIB256), bucket

@@ -31,10 +31,18 @@ def pytest_addoption(parser):
     )
 
 
+_LEFT_OUT = "tests marked extended were left out (--extended runs them too)"
+
+
 def pytest_report_header(config):
+    return None if config.getoption("extended") else _LEFT_OUT
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Said at the end too, which a quiet run (`-q`, no header) and the xdist controller (whose
+    workers deselect them) would not show otherwise."""
     if not config.getoption("extended"):
-        return "tests marked extended: left out (--extended runs them too)"
-    return None
+        terminalreporter.write_line(_LEFT_OUT)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -121,7 +121,10 @@ def test_training_mode_drops_and_evaluation_does_not():
     tok = torch.randint(0, 128, (2, 17))
     want = models[0](tok[:, :-1], tok[:, 1:])
     models[1].eval()
-    assert torch.equal(models[1](tok[:, :-1], tok[:, 1:]), want)
+    # equal up to rounding: the two models' tensors lie at different addresses, and the CPU's
+    # matmul kernels may sum in another order for another alignment (one CI run differed in the
+    # last bit); the dropouts, active, move the loss far more (below)
+    torch.testing.assert_close(models[1](tok[:, :-1], tok[:, 1:]), want, rtol=1e-6, atol=0)
     models[1].train()
     assert not torch.allclose(models[1](tok[:, :-1], tok[:, 1:]), want)
 

@@ -31,6 +31,7 @@ import time
 import deepspeed
 import deepspeed.comm
 import torch
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -38,6 +39,13 @@ from mist.runtime.allocator_trace import GLOO_SETTLE_S, live_curve
 from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+
+# DeepSpeed's CPU accelerator admits fp16 only where oneDNN has fp16 kernels (CPUs with AVX512-FP16
+# or AMX-FP16; not, e.g., the AMD EPYC of some CI machines), and its engine refuses an fp16 config
+# elsewhere. PyTorch computes fp16 on every CPU, only more slowly, and what these cases read (the
+# optimizers' buffers and the live bytes) does not depend on which kernels compute it: so the fp16
+# cases declare fp16 supported and run on every CPU.
+get_accelerator().is_fp16_supported = lambda: True
 
 # Gloo runs each collective on a worker thread, and the work it queues holds the collective's
 # tensors: where that thread drops the work last, they are released unseen and would stay live in

@@ -8,11 +8,13 @@ operator:
 * predicted: each traced operator priced by the simulator's own `kernel_time` on a profile this
   machine measured (`--profile`, written by `mist profile --device cpu --processes 1`, so that
   one process with the profile's threads is compared with one process);
-* in the block: the operator's self time under `torch.profiler` while the block runs forward and
-  backward (the parameters' gradients dropped between steps, so nothing accumulates: the
-  runtime's flat gradient buffers are priced elsewhere);
-* alone: the GEMMs again, each shape timed alone in a loop (the way the profile measures them),
-  so that a GEMM's in-block time can be told apart from the profile's price of its shape.
+* in the block: the wall time of each ATen call while the block runs forward and backward, timed
+  around the call by a dispatch mode, median over the steps (the parameters' gradients dropped
+  between steps, so nothing accumulates: the runtime's flat gradient buffers are priced
+  elsewhere);
+* alone: the GEMMs again, each shape timed alone in a loop, warm (the same operands every call)
+  and cold (the caches emptied before each call, the way the profile measures them), so that a
+  GEMM's in-block time can be told apart from the profile's price of its shape.
 
     PYTHONPATH=src python benchmarks/cpu_block_ops.py --profile cpu1.json [--out benchmarks/results]
 
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -40,6 +43,7 @@ from mist.analysis.layer import analyze_layer  # noqa: E402
 from mist.hardware.registry import load_profile  # noqa: E402
 from mist.models.block import DecoderBlock  # noqa: E402
 from mist.models.causal_lm import init_weights  # noqa: E402
+from mist.profiling.timing import cache_flush  # noqa: E402
 from mist.simulate.layer_cost import kernel_time, phase_time  # noqa: E402
 from mist.specs.loading import load_model  # noqa: E402
 
@@ -79,8 +83,28 @@ def predicted(spec, profile) -> tuple[dict, float, list]:
     return dict(per_op), total, gemms
 
 
+class _OpTimer(TorchDispatchMode):
+    """Wall time of every ATen call, by operator: `perf_counter` around the call itself, so the
+    mode's own bookkeeping falls outside what it measures (torch.profiler's self times, used
+    before, inflated the short operators: GELU's 1.2 ms read as 1.7-1.9 ms under it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ms: dict = defaultdict(float)
+        self.calls: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        self.ms[name] += (time.perf_counter() - t0) * 1e3
+        self.calls[name] += 1
+        return out
+
+
 def measured(spec) -> tuple[dict, dict, float]:
-    """({aten op: self ms per fwd + bwd}, {aten op: calls}, the block's median fwd + bwd ms)."""
+    """({aten op: median over steps of its ms per fwd + bwd}, {aten op: calls}, the block's median
+    fwd + bwd ms, timed without the per-operator timer)."""
     blk = DecoderBlock(spec, flash=True, dtype=torch.float32)
     init_weights(blk, 0)
     x = torch.randn(B, S, spec.hidden_size, requires_grad=True)
@@ -92,25 +116,39 @@ def measured(spec) -> tuple[dict, dict, float]:
             p.grad = None
 
     wall = median_ms(step)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(STEPS):
+    per_step = []
+    for _ in range(STEPS):
+        timer = _OpTimer()
+        with timer:
             step()
-    self_ms, calls = {}, {}
-    for e in prof.key_averages():
-        if e.key.startswith("aten::"):
-            self_ms[e.key[6:]] = e.self_cpu_time_total / 1e3 / STEPS
-            calls[e.key[6:]] = e.count // STEPS
+        per_step.append(timer)
+    names = set().union(*(t.ms for t in per_step))
+    self_ms = {k: statistics.median(t.ms.get(k, 0.0) for t in per_step) for k in names}
+    calls = dict(per_step[-1].calls)
     return self_ms, calls, wall
 
 
-def gemm_alone(m: int, n: int, k: int, batch: int) -> float:
+def gemm_alone(m: int, n: int, k: int, batch: int, cold: bool) -> float:
+    """Median ms of the GEMM in a loop of its own: warm (the same operands every call) or cold
+    (caches emptied before each call, as `mist profile` times it)."""
     a, w = torch.randn(batch, m, k), torch.randn(batch, k, n)
-    if batch == 1:
-        a, w = a[0], w[0]
-        return median_ms(lambda: a @ w)
-    return median_ms(lambda: torch.bmm(a, w))
+    flush = cache_flush() if cold else None
+
+    def call():
+        if batch == 1:
+            return a[0] @ w[0]
+        return torch.bmm(a, w)
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(15):
+        if flush is not None:
+            flush()
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 def table(name: str, profile) -> list[str]:
@@ -136,26 +174,34 @@ def table(name: str, profile) -> list[str]:
     unpriced = sum(v for k, v in meas.items() if k not in pred)
     rows += [
         "",
-        f"Self time of operators Mist does not price (views, allocation, fills): {unpriced:.2f} ms. "
-        f"Sum of self times: {sum(meas.values()):.2f} ms.",
+        f"Time of operators Mist does not price (views, allocation, fills): {unpriced:.2f} ms. "
+        f"Sum over operators: {sum(meas.values()):.2f} ms (the rest of the block's time is Python and autograd "
+        "between them).",
         "",
     ]
     rows += [
-        "GEMMs alone (each shape in a loop of its own, as the profile times them):",
+        "GEMMs alone (each shape in a loop of its own): warm, the same operands every call; cold, the caches "
+        "emptied before each call as `mist profile` times it (`mist.profiling.timing.CacheFlush`):",
         "",
-        "| m | n | k | batch | predicted (ms) | alone (ms) | predicted / alone |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| m | n | k | batch | predicted (ms) | alone, warm (ms) | alone, cold (ms) | cold / warm | predicted / cold |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    alone_sum = 0.0
+    warm_sum = cold_sum = 0.0
     for m, n, k, batch, t in gemms:
-        a = gemm_alone(m, n, k, batch)
-        alone_sum += a
-        rows.append(f"| {m} | {n} | {k} | {batch} | {t:.2f} | {a:.2f} | {(t / a - 1) * 100:+.1f} % |")
+        # alternate warm and cold rounds, so that a drift of the machine's speed touches both
+        warm = statistics.median(gemm_alone(m, n, k, batch, False) for _ in range(3))
+        cold = statistics.median(gemm_alone(m, n, k, batch, True) for _ in range(3))
+        warm_sum, cold_sum = warm_sum + warm, cold_sum + cold
+        rows.append(
+            f"| {m} | {n} | {k} | {batch} | {t:.2f} | {warm:.2f} | {cold:.2f} | {(cold / warm - 1) * 100:+.1f} % "
+            f"| {(t / cold - 1) * 100:+.1f} % |"
+        )
     gemm_pred = sum(t for *_, t in gemms)
     gemm_block = sum(meas.get(op, 0.0) for op in ("mm", "bmm", "addmm"))
     rows += [
         "",
-        f"GEMMs: predicted {gemm_pred:.2f} ms, alone {alone_sum:.2f} ms, in the block {gemm_block:.2f} ms.",
+        f"GEMMs: predicted {gemm_pred:.2f} ms, alone warm {warm_sum:.2f} ms, alone cold {cold_sum:.2f} ms, "
+        f"in the block {gemm_block:.2f} ms.",
         "",
     ]
     return rows

@@ -97,7 +97,9 @@ def recheck(t: np.ndarray, work: np.ndarray, measure, deadline: float, rounds: i
 # A weight is read once per forward (and once per backward) of a model, so it comes from main
 # memory, not from a cache that a loop over the same operands keeps warm: the timed GEMMs cycle
 # through enough copies of w to span this many bytes (more than a last-level cache), at most
-# COLD_COPIES of them. The activation operand stays the same (it was just written by the op before).
+# COLD_COPIES of them. On a GPU the activation operand stays the same (it was just written by the
+# op before, and a GPU's L2 keeps it); on a CPU each call also starts with emptied caches
+# (`time_op(cold=True)`), which leaves the activation and the output in memory too.
 COLD_BYTES = 128 * 2**20
 COLD_COPIES = 256
 
@@ -146,7 +148,7 @@ def measure_gemm(dev: Device, axes, deadline: float, tick=None) -> dict:
         if x is None:
             x = xs[(m, k)] = rand(m, k)
         cycle = itertools.cycle(cold_weights(n, k, dev, rand, ws))
-        return time_op(lambda: F.linear(x, next(cycle)), dev, target_s=0.015 if dev.kind == "cpu" else 0.01)
+        return time_op(lambda: F.linear(x, next(cycle)), dev, target_s=0.015 if dev.kind == "cpu" else 0.01, cold=True)
 
     with torch.no_grad():
         sweep(order, point, t, deadline, 8, tick)
@@ -193,10 +195,10 @@ def measure_attention(dev: Device, grid: dict, backward_call_s: float, deadline:
             torch.randn(b, h, s, d, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
             for _ in range(3)
         )
-        tf = time_op(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, target_s=0.01)
+        tf = time_op(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, target_s=0.01, cold=True)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         dy = torch.randn_like(out)
-        raw = time_op(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True), dev, target_s=0.01)
+        raw = time_op(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True), dev, target_s=0.01, cold=True)
         if dev.kind == "cpu":
             raw = max(raw - backward_call_s, 0.5 * raw)
         bwd[idx] = np.fmin(bwd[idx], raw)
@@ -434,12 +436,14 @@ def _time_memory_class(dev: Device, rnd, cls: str, T: float, h: int, backward_ca
         m = max(1, int(T // (h * e)))
         f, inputs = _memory_op(cls, m, h, rnd)
         units = float(m * h * e)
-    tf = time_op(f, dev, target_s=0.01)
+    tf = time_op(f, dev, target_s=0.01, cold=True)
     if cls == "copy":
         return units, tf, tf
     out = f()
     dy = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-    tb = time_op(lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True), dev, target_s=0.01)
+    tb = time_op(
+        lambda o=out, x=inputs, d=dy: torch.autograd.grad(o, x, d, retain_graph=True), dev, target_s=0.01, cold=True
+    )
     if dev.kind == "cpu":
         tb = max(tb - backward_call_s, 0.5 * tb)
     return units, tf, tb

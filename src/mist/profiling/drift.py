@@ -121,7 +121,9 @@ def _compute_checks(profile, dev: Device, quick, add) -> None:
                 ws = itertools.cycle(cold_weights(n, k, dev, rand, cache))
                 add(
                     f"gemm {m}x{n}x{k}",
-                    lambda x=x, ws=ws: time_op(lambda: F.linear(x, next(ws)), dev, target_s=0.05 if quick else 0.15),
+                    lambda x=x, ws=ws: time_op(
+                        lambda: F.linear(x, next(ws)), dev, target_s=0.05 if quick else 0.15, cold=True
+                    ),
                     profile.gemm_time(m, n, k),
                 )
 
@@ -133,7 +135,7 @@ def _compute_checks(profile, dev: Device, quick, add) -> None:
         x = torch.randn(rows, h, generator=g, device=dev.torch_device).to(dev.dtype).requires_grad_()
         add(
             f"gelu fwd {2 * rows * h * dev.element_bytes / MiB:.1f} MiB",
-            lambda: time_op(lambda: gelu(x), dev, target_s=0.05 if quick else 0.15),
+            lambda: time_op(lambda: gelu(x), dev, target_s=0.05 if quick else 0.15, cold=True),
             profile.memory_op_time("gelu", 2 * rows * h * dev.element_bytes),
         )
 

@@ -3,7 +3,11 @@
 `time_op(fn, dev)` returns the median seconds of one call of `fn`:
 
 * CPU: every call timed on its own with `perf_counter` (the median shrugs off the noise of a
-  busy machine); the op's dispatch cost is part of its time, as it is when a model runs.
+  busy machine); the op's dispatch cost is part of its time, as it is when a model runs. With
+  `cold=True` (the operators of a layer: GEMMs, attention, memory-bound ops) the caches are
+  emptied before each timed call (`CacheFlush`, untimed): in a training step an operator's
+  operands and output come from memory, not from a cache that a loop over the same tensors keeps
+  warm (see `CacheFlush`).
 * CUDA: back-to-back calls between two CUDA events, in three batches, median of the batch means;
   tiny kernels therefore measure max(kernel, host issue), big ones the kernel alone.
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -62,6 +67,64 @@ def one_call_s(fn, dev: Device, warmup: int = 1) -> float:
     return max(time.perf_counter() - t0, 1e-7)
 
 
+FLUSH_MIN_BYTES = 64 * 2**20
+COLD_MAX_REPS = 25  # each cold call also pays a flush (a few ms): fewer repetitions of tiny ops
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """Bytes of this CPU's largest cache as the OS reports it (Linux sysfs: `caches`/index*/size,
+    e.g. "32768K"; None where it reports none)."""
+    best = None
+    for entry in caches.glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            size = int(digits) * unit
+            best = size if best is None else max(best, size)
+    return best
+
+
+class CacheFlush:
+    """Empties the CPU caches of the data a timed call would otherwise find there: writes a buffer
+    of twice the last-level cache (at least FLUSH_MIN_BYTES). Why the profile times a layer's
+    operators cold: a training step's working set (weights, saved activations, gradients) is many
+    times the last-level cache and each tensor is touched by a few operators, so a GEMM reads its
+    operands from memory and writes a freshly allocated output (whose lines are read before they
+    are written), while a loop over the same tensors finds them in the cache. Measured on the CPU
+    loop's GEMM shapes on a 2-core AMD EPYC (32 MiB L3; weights already cycled cold, flush vs
+    none, alternating rounds): +1 to +4 % for the [1024, 512..2048] x [512..2048] GEMMs, +4 to
+    +8 % for the smallest ([1024, 512] x [512, 512]); `benchmarks/results/cpu_block_ops.md`."""
+
+    def __init__(self):
+        import torch  # lazy: keeps torch out of `import mist.profiling`
+
+        self.nbytes = max(2 * (last_level_cache_bytes() or 0), FLUSH_MIN_BYTES)
+        self._buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        self._round = 0
+
+    def __call__(self) -> None:
+        self._round ^= 1
+        self._buf.fill_(self._round)
+
+
+_flush: CacheFlush | None = None
+
+
+def cache_flush() -> CacheFlush:
+    """The process's one `CacheFlush` (its buffer allocated once)."""
+    global _flush
+    if _flush is None:
+        _flush = CacheFlush()
+    return _flush
+
+
 def time_op(
     fn,
     dev: Device,
@@ -70,11 +133,15 @@ def time_op(
     max_reps: int = 200,
     warmup: int = 1,
     stat: str = "median",
+    cold: bool = False,
 ) -> float:
     """Median (or with stat="min" the best, STREAM-style for bandwidths) seconds of one call of
-    `fn` on `dev` (see module docstring)."""
+    `fn` on `dev` (see module docstring); `cold`: on a CPU, each call with emptied caches."""
     pick = np.min if stat == "min" else np.median
     one = one_call_s(fn, dev, warmup)
+    flush = cache_flush() if cold and dev.kind == "cpu" else None
+    if flush is not None:
+        max_reps = max(min_reps, min(max_reps, COLD_MAX_REPS))
     reps = int(np.clip(target_s / one, min_reps, max_reps))
     if dev.kind == "cuda":
         import torch  # lazy: keeps torch out of `import mist.profiling`
@@ -92,6 +159,8 @@ def time_op(
         return float(pick(means))
     times = np.empty(reps)
     for i in range(reps):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         fn()
         times[i] = time.perf_counter() - t0

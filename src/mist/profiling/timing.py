@@ -98,9 +98,8 @@ class CacheFlush:
     times the last-level cache and each tensor is touched by a few operators, so a GEMM reads its
     operands from memory and writes a freshly allocated output (whose lines are read before they
     are written), while a loop over the same tensors finds them in the cache. Measured on the CPU
-    loop's GEMM shapes on a 2-core AMD EPYC (32 MiB L3; weights already cycled cold, flush vs
-    none, alternating rounds): +1 to +4 % for the [1024, 512..2048] x [512..2048] GEMMs, +4 to
-    +8 % for the smallest ([1024, 512] x [512, 512]); `benchmarks/results/cpu_block_ops.md`."""
+    loop's GEMM shapes on a 2-core AMD EPYC (32 MiB L3), alone, flush vs none: +1.3 to +3.2 % in
+    sum, +3 to +8 % for the smallest ([1024, 512] x [512, 512]); `benchmarks/results/cpu_block_ops.md`."""
 
     def __init__(self):
         import torch  # lazy: keeps torch out of `import mist.profiling`

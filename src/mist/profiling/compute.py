@@ -22,6 +22,7 @@ from mist.cpu_workers import threads_per_worker
 from mist.hardware.fitting import fit_floor_plus_rate
 from mist.profiling.neighbours import Neighbours
 from mist.profiling.timing import Device, time_op, wall_of
+from mist.rules.init_seeds import INIT_STD
 
 # ---------------------------------------------------------------------------- grid filling
 
@@ -102,18 +103,27 @@ def recheck(t: np.ndarray, work: np.ndarray, measure, deadline: float, rounds: i
 # (`time_op(cold=True)`), which leaves the activation and the output in memory too.
 COLD_BYTES = 128 * 2**20
 COLD_COPIES = 256
+# The weights' values are a model's: normal(0, INIT_STD) as the runtime initialises them
+# (`mist.rules.init_seeds`), not standard normal. A GPU's GEMM time depends on the values, not only
+# the shape (presumably the power the arithmetic draws, which sets a power-limited chip's clock):
+# on an H200 (700 W) the GPT-3 7B block's forward took 8.0 % longer with N(0, 1) weight matrices
+# than with N(0, 0.02) (5.16 ms; `benchmarks/results/gpu_loop.md`). The activation operand stays
+# standard normal, as after a norm; the backward's GEMMs are lookups in the same table. The
+# shipped H200 table (`data/`: "random bf16 data") predates this and is not re-measured.
+WEIGHT_STD = INIT_STD
 
 
 def cold_weights(n: int, k: int, dev: Device, rand, cache: dict) -> list:
     """Distinct [n, k] weights spanning COLD_BYTES, to cycle through: slices of one shared random
-    buffer kept in `cache` (a weight that big on its own is one tensor, cached by shape)."""
+    buffer kept in `cache` (a weight that big on its own is one tensor, cached by shape), drawn
+    from normal(0, WEIGHT_STD)."""
     size = n * k
     if size * dev.element_bytes >= COLD_BYTES:
         if (n, k) not in cache:
-            cache[(n, k)] = rand(n, k)
+            cache[(n, k)] = rand(n, k).mul_(WEIGHT_STD)
         return [cache[(n, k)]]
     if "pool" not in cache:
-        cache["pool"] = rand(1, COLD_BYTES // dev.element_bytes).view(-1)
+        cache["pool"] = rand(1, COLD_BYTES // dev.element_bytes).view(-1).mul_(WEIGHT_STD)
     pool = cache["pool"]
     copies = min(COLD_COPIES, pool.numel() // size)
     return [pool[c * size : (c + 1) * size].view(n, k) for c in range(copies)]

@@ -78,7 +78,7 @@ def make_plan(
         )
         for i, L in enumerate(layers)
     )
-    if grad_dtype is None and dtype != "fp32":  # Megatron's optimizer holds fp32 gradients for 16-bit parameters
+    if grad_dtype is None and dtype != "fp32":  # as the target space costs 16-bit parameters: fp32 gradients
         grad_dtype = "fp32"
     training = TrainingSpec(
         seq_len=seq, global_batch=mb * dp * G, param_dtype=dtype, compute_dtype=dtype, grad_dtype=grad_dtype
@@ -96,6 +96,9 @@ MATRIX = {
         "gpt3-1.3b", 2, 8, [5, 7, 6, 6], 2, 1, 16, attention=True, dtype="fp16", grad_dtype="fp32"
     ),
     "gpt-pp1-dp4-fp32": make_plan("gpt3-2.7b", 1, 4, [32], 1, 4, 2, dtype="fp32"),
+    # 16-bit gradients: fp16's default, bf16 with --grad-reduce-in-bf16
+    "gpt-pp2-dp4-fp16-grads": make_plan("gpt3-1.3b", 1, 8, [12, 12], 1, 2, 8, zero=1, dtype="fp16", grad_dtype="fp16"),
+    "llama3-gqa-pp1-tp2-bf16-grads": make_plan("llama3-8b", 1, 8, [32], 2, 1, 8, zero=1, grad_dtype="bf16"),
     "llama3-gqa-pp2-tp4-offload": make_plan(
         "llama3-8b", 2, 8, [15, 17], 4, 1, 32, zero=1, recompute=[15, 16], optimizer_offload=0.5
     ),
@@ -310,17 +313,17 @@ def test_precision_and_selective_recompute():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_16_bit_gradients_are_refused(dtype):
-    """Megatron's optimizer holds fp32 gradients for 16-bit parameters: a plan costed with 16-bit
-    gradients would leave it 4 bytes per parameter Mist did not count."""
+def test_16_bit_gradients_export_with_megatron_s_own_flags(dtype):
+    """Megatron keeps 16-bit gradients by default with fp16 and with `--grad-reduce-in-bf16` with
+    bf16 (whose default is fp32): both export as they are, and `nearest` keeps them."""
     plan = make_plan("gpt3-1.3b", 1, 8, [24], 1, 2, 4, zero=1, dtype=dtype)
     low = replace(plan, training=replace(plan.training, grad_dtype=dtype))
-    assert f"the plan keeps {dtype} gradients (training.grad_dtype)" in mg.problems(low)[0]
-    near = mg.nearest(low)
-    assert near.training.grad_dtype == "fp32" and mg.problems(near) == []
-    assert near.training == mg.runs_training(low.training)
-    assert ("--accumulate-allreduce-grads-in-fp32" in mg.pretrain_args(near)) == (dtype == "fp16")
-    assert "--grad-reduce-in-bf16" not in mg.pretrain_args(near)
+    assert mg.problems(low) == [] and mg.nearest(low).training == low.training
+    args = mg.pretrain_args(low)
+    assert "--accumulate-allreduce-grads-in-fp32" not in args
+    assert ("--grad-reduce-in-bf16" in args) == (dtype == "bf16")
+    fp32 = mg.pretrain_args(plan)  # fp32 gradients
+    assert ("--accumulate-allreduce-grads-in-fp32" in fp32) == (dtype == "fp16") and "--grad-reduce-in-bf16" not in fp32
 
 
 def test_falcon_is_refused():

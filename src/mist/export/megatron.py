@@ -31,11 +31,13 @@ Megatron-LM checkout, not in the megatron-core wheel). What maps, and how:
   parameter tensors). Weight, gradient and activation offload have no byte-fraction equivalent
   (gradients stay in the GPU buffer; activation offload counts groups and needs Transformer
   Engine) and are refused.
-- precision: `--bf16` / `--fp16`. With 16-bit parameters Megatron's optimizer always holds fp32
-  gradients (its "main grads"): bf16 accumulates and reduces them in fp32 by default, fp16 does so
-  with `--accumulate-allreduce-grads-in-fp32`. A plan with 16-bit gradients would leave Megatron
-  holding 16-bit buffers plus fp32 copies of them, 4 bytes per parameter Mist did not cost, so only
-  plans with fp32 gradients (`grad_dtype: fp32`, what `runs_training` gives) export.
+- precision: `--bf16` / `--fp16`. Megatron accumulates and reduces the gradients of 16-bit
+  parameters in fp32 (`grad_dtype: fp32`) by default with bf16 and with
+  `--accumulate-allreduce-grads-in-fp32` with fp16, and in the parameters' dtype (`grad_dtype` the
+  parameters' or unset) by default with fp16 and with `--grad-reduce-in-bf16` with bf16. With
+  16-bit gradients its optimizer steps from fp32 copies of them, made at once: a plan with
+  `engine: megatron` is priced so (`rules.megatron_buffers`). The target space searches fp32
+  gradients (`runs_training`).
 
 Data, tokenizer and checkpoint paths are `__FILL_IN__` placeholders. `nearest` rounds a plan to
 the closest one Megatron runs, always towards less memory (more recomputation, more offload).
@@ -62,6 +64,7 @@ from mist.export.common import (
 from mist.export.records import Export, NotExpressible
 from mist.plan import Offload, Plan
 from mist.rules.interleaved_order import chunk_recompute
+from mist.rules.megatron_buffers import sixteen_bit_gradients
 from mist.specs.training import TrainingSpec
 
 NAME = "Megatron-LM"
@@ -83,7 +86,8 @@ def problems(plan: Plan) -> list[str]:
 
 
 def runs_training(t: TrainingSpec) -> TrainingSpec:
-    """The training as Megatron-LM 0.19 runs it: fp32 gradients with 16-bit parameters (see above)."""
+    """The training the target space costs: fp32 gradients with 16-bit parameters, as Megatron-LM
+    0.19 runs bf16 by default (see above)."""
     return replace(t, grad_dtype="fp32") if t.param_dtype in ("bf16", "fp16") else t
 
 
@@ -208,11 +212,6 @@ def _precision_problems(plan: Plan) -> list[str]:
             f"the plan keeps {t.param_dtype} parameters but computes in {t.compute_dtype} (training.param_dtype), "
             f"and {NAME} computes in its parameter dtype"
         ]
-    if runs_training(t) != t:
-        return [
-            f"the plan keeps {t.param_dtype} gradients (training.grad_dtype), and {NAME}'s optimizer holds fp32 "
-            f"gradients for {t.param_dtype} parameters (4 bytes per parameter; plan with grad_dtype fp32)"
-        ]
     return []
 
 
@@ -246,9 +245,9 @@ def nearest(plan: Plan) -> Plan:
         for s in plan.stages
     ]
     t = plan.training
-    if t.param_dtype != t.compute_dtype:
-        t = replace(t, param_dtype=t.compute_dtype, grad_dtype=None)
-    return replace(with_stages(plan, stages), training=runs_training(t))
+    if t.param_dtype != t.compute_dtype:  # the parameters in the compute dtype, the gradients as they were
+        t = replace(t, param_dtype=t.compute_dtype, grad_dtype=t.grad_dtype or t.param_dtype)
+    return replace(with_stages(plan, stages), training=t)
 
 
 def _uniform_mesh(plan: Plan) -> Plan:
@@ -344,8 +343,11 @@ def training_args(plan: Plan) -> list[str]:
     flag = PRECISION[t.param_dtype]
     if flag:
         args.append(flag)
-    if t.param_dtype == "fp16":  # fp32 gradients (bf16 accumulates and reduces them in fp32 by default)
+    sixteen = sixteen_bit_gradients(t.param_dtype, t.grad_dtype)
+    if t.param_dtype == "fp16" and not sixteen:  # (bf16 accumulates and reduces in fp32 by default)
         args.append("--accumulate-allreduce-grads-in-fp32")
+    if t.param_dtype == "bf16" and sixteen:
+        args.append("--grad-reduce-in-bf16")
     # the schedule is not part of a plan: example values to replace with your own
     return args + ["--train-iters", "1000", "--lr", "0.0001", "--lr-decay-style", "cosine", "--clip-grad", "1.0"]
 

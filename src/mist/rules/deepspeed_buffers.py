@@ -126,7 +126,8 @@ measurement shows and is not priced is listed in `docs/targets/deepspeed.md`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from mist.rules.engine_held import EngineHeld
 
 # DeepSpeed's default `zero_optimization.reduce_bucket_size` (elements), which the export writes
 REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -134,19 +135,6 @@ NORM_BYTES = 8  # the gradient norm's fp64 copy of a parameter's piece
 FP32_BYTES = 4
 FP16_STEP_BYTES = 8  # FP16_Optimizer's step: every gradient's fp32 copy, then their fp32 flat
 BF16_BYTES = 2  # a 16-bit element: BF16_Optimizer's kept gradients and its copy to reduce; a bucket's
-
-
-@dataclass(frozen=True)
-class DeepSpeedHeld:
-    """Device bytes a DeepSpeed stage holds beyond its states: at its forward peak, through every
-    backward, through the whole run (`always`), and at once after the last backward (the
-    pipeline's reduction and the step) in place of Mist's runtime's fp32 step piece (None: priced
-    as Mist's runtime's)."""
-
-    backward: float
-    step: float | None
-    always: float = 0.0
-    forward: float = 0.0
 
 
 def zero_optimizer(engine: str, zero: int, param_dtype: str, grad_dtype: str | None, optimizer_offload: float) -> bool:
@@ -236,7 +224,7 @@ def deepspeed_held(
     forward_after_backward: bool = False,
     several_backwards: bool = True,
     bucket: int = REDUCE_BUCKET_ELEMENTS,
-) -> DeepSpeedHeld:
+) -> EngineHeld:
     """What a stage of `params` parameters on its rank (before the data-parallel split), the
     largest of them `largest_param`, holds beyond Mist's runtime's states (module docstring);
     `forward_after_backward`: whether the stage runs a forward after its first backward of a step
@@ -244,29 +232,29 @@ def deepspeed_held(
     whether it runs more than one backward in a step (G > 1); `bucket`: `reduce_bucket_size` (the
     export's by default)."""
     if fp16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype):
-        return DeepSpeedHeld(0.0, FP16_STEP_BYTES * params)
+        return EngineHeld(0.0, FP16_STEP_BYTES * params)
     if bf16_optimizer(engine, num_stages, zero, param_dtype, grad_dtype, optimizer_offload):
         return _bf16_held(params, largest_param, dp, grad_dtype, forward_after_backward, several_backwards)
     if engine == "deepspeed" and zero == 3:
         return _zero3_held(params, largest_param, dp, param_dtype, grad_dtype, optimizer_offload, bucket)
     if not zero_optimizer(engine, zero, param_dtype, grad_dtype, optimizer_offload):
-        return DeepSpeedHeld(0.0, None)
+        return EngineHeld(0.0, None)
     staging = staging_bytes(zero, param_dtype, grad_dtype, bucket)
     # ZeRO-1 keeps it from the first backward to the reduction, where a pipeline adds a second
     forward = staging if zero == 1 and forward_after_backward else 0.0
     reduction = 2 * staging if num_stages > 1 else 0.0
     if optimizer_offload > 0:  # the step on the host (module docstring)
-        return DeepSpeedHeld(staging, reduction or None, forward=forward)
+        return EngineHeld(staging, reduction or None, forward=forward)
     partition = math.ceil(params / dp)
     step = step_bytes(partition, largest_param, param_dtype, grad_dtype)
     if zero == 2:
         backward, end = _zero2_reduction(
             params, partition, largest_param, dp, param_dtype, grad_dtype, several_backwards, bucket
         )
-        return DeepSpeedHeld(staging + backward, max(step, staging + end))
+        return EngineHeld(staging + backward, max(step, staging + end))
     if grad_dtype == "fp32" and param_dtype != "fp32":  # after the last backward, with the buffer
         step = max(step, staging + zero1_fp32_reduction(params, dp, bucket))
-    return DeepSpeedHeld(staging, max(reduction, step), forward=forward)
+    return EngineHeld(staging, max(reduction, step), forward=forward)
 
 
 def _zero2_reduction(
@@ -297,7 +285,7 @@ def _zero3_held(
     grad_dtype: str | None,
     optimizer_offload: float,
     bucket: int,
-) -> DeepSpeedHeld:
+) -> EngineHeld:
     """`DeepSpeedZeroOptimizer_Stage3`'s (module docstring): its staging buffer throughout; one
     parameter gathered beyond Mist's runtime's pair in every forward and backward; a bucket's flat
     copy in the backward on a rank of more than one bucket, and after each backward with the step."""
@@ -315,12 +303,12 @@ def _zero3_held(
     step = end  # (the step on the host with the optimizer offloaded)
     if optimizer_offload == 0:
         step = max(end, step_bytes(math.ceil(params / dp), piece, param_dtype, grad_dtype))
-    return DeepSpeedHeld(gathered + during, step, staging_bytes(3, param_dtype, grad_dtype, bucket), forward=gathered)
+    return EngineHeld(gathered + during, step, staging_bytes(3, param_dtype, grad_dtype, bucket), forward=gathered)
 
 
 def _bf16_held(
     params: float, largest_param: float, dp: int, grad_dtype: str | None, forward_after_backward: bool, several: bool
-) -> DeepSpeedHeld:
+) -> EngineHeld:
     """`BF16_Optimizer`'s (module docstring): the kept bf16 gradients in every backward after the
     first and every forward after a backward, and after the last backward with the reduction's
     or the update's copies."""
@@ -329,4 +317,4 @@ def _bf16_held(
         after = max(BF16_BYTES * params, FP32_BYTES * largest_param)
     else:
         after = FP32_BYTES * math.ceil(params / dp)
-    return DeepSpeedHeld(kept if several else 0.0, kept + after, forward=kept if forward_after_backward else 0.0)
+    return EngineHeld(kept if several else 0.0, kept + after, forward=kept if forward_after_backward else 0.0)

@@ -27,8 +27,10 @@ import numpy as np
 from mist.hardware.host_memory import node_host_memory, node_usage
 from mist.plan import Plan
 from mist.rules.compiled_blocks import compile_mode
-from mist.rules.deepspeed_buffers import DeepSpeedHeld, deepspeed_held, optimizer_zero
+from mist.rules.deepspeed_buffers import deepspeed_held, optimizer_zero
+from mist.rules.engine_held import EngineHeld
 from mist.rules.interleaved_order import chunk_recompute
+from mist.rules.megatron_buffers import megatron_held
 from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
 from mist.rules.zero_bubble_order import ZB_H1
 from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
@@ -81,11 +83,11 @@ def stage_inputs(plan: Plan) -> list[StageInput]:
     return out
 
 
-def _engine_held(plan: Plan) -> list[DeepSpeedHeld]:
-    """Per stage, what its engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`):
-    from the stage's parameters on a rank and the largest of them, a weight matrix of a block
-    (the MLP's h × f, or Q, K and V fused, as Megatron-style models hold them), or the word table
-    (V × h) on a stage with the embedding or an untied head."""
+def _engine_held(plan: Plan) -> list[EngineHeld]:
+    """Per stage, what its engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`,
+    `rules.megatron_buffers`): from the stage's parameters on a rank and the largest of them, a
+    weight matrix of a block (the MLP's h × f, or Q, K and V fused, as Megatron-style models hold
+    them), or the word table (V × h) on a stage with the embedding or an untied head."""
     m, t, S = plan.model, plan.training, plan.num_stages
     h = m.hidden_size
     block_matrix = max(h * m.ffn_hidden_size, h * (h + 2 * m.num_kv_heads * m.head_dim))
@@ -95,6 +97,13 @@ def _engine_held(plan: Plan) -> list[DeepSpeedHeld]:
         params = s.layers * m.block_params() + (m.embedding_params() if i == 0 else 0)
         params += m.head_params() if i == S - 1 else 0
         largest = max(block_matrix, m.vocab_size * h if table else 0)
+        if plan.engine == "megatron":
+            out.append(
+                megatron_held(
+                    plan.engine, s.zero, s.dp * s.cp, t.param_dtype, t.grad_dtype, s.offload.optimizer, params / s.tp
+                )
+            )
+            continue
         out.append(
             deepspeed_held(
                 plan.engine,

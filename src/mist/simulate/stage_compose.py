@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mist.rules.deepspeed_buffers import DeepSpeedHeld
+from mist.rules.engine_held import EngineHeld
 from mist.rules.interleaved_sends import HeldSends
 from mist.simulate.stage_records import (
     ActivationTerms,
@@ -41,7 +41,7 @@ def compose(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
-    engine_buffers: DeepSpeedHeld | None = None,
+    engine_buffers: EngineHeld | None = None,
     beside_embedding: HeldStates | None = None,
     at_blocks: HeldStates | None = None,
     at_head: HeldStates | None = None,
@@ -160,7 +160,7 @@ def _memory(
     chunks: int = 1,
     keeps_outputs: bool = False,
     held: HeldSends | None = None,
-    engine_buffers: DeepSpeedHeld | None = None,
+    engine_buffers: EngineHeld | None = None,
     beside_embedding: HeldStates | None = None,
     at_blocks: HeldStates | None = None,
     at_head: HeldStates | None = None,
@@ -226,7 +226,7 @@ def _memory(
     )
     # an engine's own buffers (DeepSpeed's gradient staging buffer): at the forward peak, through
     # every backward, or through the whole run
-    eb = engine_buffers or DeepSpeedHeld(0.0, None)
+    eb = engine_buffers or EngineHeld(0.0, None)
     bwd_act, buffers_bwd = bwd_act + eb.backward + eb.always, buffers_bwd + eb.backward + eb.always
     fwd_act, buffers_fwd = fwd_act + eb.forward + eb.always, buffers_fwd + eb.forward + eb.always
     if waiting is not None:  # a W starting: no forward or B transient, but more held (ZB-H1)
@@ -243,7 +243,7 @@ def _memory(
     bwd_peak = states + base_act + (out_bwd - out_fwd) * a.p2p_output + bwd_act
     # the optimizer step (`mist.rules.optimizer_step`): no activation is left, nor a gathered or
     # fetched weight (a unit frees those after its backward), only the step's fp32 gradient piece
-    # (or what the engine holds then instead: DeepSpeed's gradient copies)
+    # (or what the engine holds then instead: DeepSpeed's or Megatron-LM's gradient copies)
     step_peak = weights + grads + opt + (s.step_piece if eb.step is None else eb.step) + eb.always
     peak = np.maximum(np.maximum(fwd_peak, bwd_peak), step_peak)
 

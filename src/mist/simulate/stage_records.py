@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from mist.rules.deepspeed_buffers import DeepSpeedHeld
+from mist.rules.engine_held import EngineHeld
 from mist.rules.interleaved_sends import HeldSends
 
 
@@ -60,7 +60,7 @@ class StageInput:
     # the last rank: the same at its last chunk's operations, where the head runs (None: `at_blocks`)
     at_head: HeldStates | None = None
     # what the engine holds beyond Mist's runtime's states (`rules.deepspeed_buffers`; None: nothing)
-    engine_buffers: DeepSpeedHeld | None = None
+    engine_buffers: EngineHeld | None = None
     # whether the engine reduces a ZeRO-1 stage's gradients with an all-reduce rather than a
     # reduce-scatter (DeepSpeed's `BF16_Optimizer` on a plan's ZeRO-0 stage, `rules.deepspeed_buffers`)
     all_reduces_grads: bool = False

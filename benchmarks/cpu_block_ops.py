@@ -43,7 +43,7 @@ from mist.analysis.layer import analyze_layer  # noqa: E402
 from mist.hardware.registry import load_profile  # noqa: E402
 from mist.models.block import DecoderBlock  # noqa: E402
 from mist.models.causal_lm import init_weights  # noqa: E402
-from mist.profiling.timing import cache_flush  # noqa: E402
+from mist.profiling.timing import Device, time_op  # noqa: E402
 from mist.simulate.layer_cost import kernel_time, phase_time  # noqa: E402
 from mist.specs.loading import load_model  # noqa: E402
 
@@ -129,26 +129,16 @@ def measured(spec) -> tuple[dict, dict, float]:
 
 
 def gemm_alone(m: int, n: int, k: int, batch: int, cold: bool) -> float:
-    """Median ms of the GEMM in a loop of its own: warm (the same operands every call) or cold
-    (caches emptied before each call, as `mist profile` times it)."""
+    """Median ms of the GEMM in a loop of its own (15 calls, the profile's own timer): warm (the
+    same operands every call) or cold (caches emptied before each call, as `mist profile` times it)."""
     a, w = torch.randn(batch, m, k), torch.randn(batch, k, n)
-    flush = cache_flush() if cold else None
 
     def call():
         if batch == 1:
             return a[0] @ w[0]
         return torch.bmm(a, w)
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(15):
-        if flush is not None:
-            flush()
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return time_op(call, Device("cpu"), min_reps=15, max_reps=15, warmup=3, cold=cold) * 1e3
 
 
 def table(name: str, profile) -> list[str]:

@@ -69,8 +69,6 @@ def one_call_s(fn, dev: Device, warmup: int = 1) -> float:
 
 FLUSH_MIN_BYTES = 64 * 2**20
 COLD_MAX_REPS = 25  # each cold call also pays a flush (a few ms): fewer repetitions of tiny ops
-
-
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 

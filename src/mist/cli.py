@@ -69,7 +69,8 @@ GradDtypeOpt = Annotated[
     typer.Option(
         "--grad-dtype",
         help="Accumulate and reduce gradients in fp32 (as Megatron-LM does with bf16), or in the "
-        "parameter dtype (default).",
+        "parameter dtype (default; `--target megatron` searches fp32 unless this names the parameter dtype, "
+        "torchtitan always runs fp32).",
     ),
 ]
 

@@ -117,6 +117,30 @@ def test_megatron_uneven_split_and_fp32_grads():
     assert res.plan.training.grad_dtype == "fp32"
 
 
+def test_megatron_space_searches_named_16bit_gradients():
+    """Gradients in the parameters' dtype, when the training names them, are searched as Megatron-LM
+    runs them (`--grad-reduce-in-bf16`): half the fp32 gradient buffer's bytes, and the optimizer's
+    fp32 copies of the rank's shard at the step; unnamed, the space keeps fp32 gradients."""
+    from mist.export.megatron import training_args
+    from mist.simulate.plan_sim import simulate_plan
+
+    spec, cluster, training, profile = setup("gpt3-1.3b", "l4", 2)
+    named = replace(training, grad_dtype=training.param_dtype)
+    assert runs_training(named) == named and runs_training(training).grad_dtype == "fp32"
+    res = run_space("megatron-0.19", spec, cluster, named, profile, time_budget=20)
+    plan = res.plan
+    assert plan.engine == "megatron" and plan.training.grad_dtype == "bf16" and megatron_problems(plan) == []
+    assert "--grad-reduce-in-bf16" in training_args(plan)
+    sim = simulate_plan(plan, profile)
+    assert res.iteration_time_s == pytest.approx(sim.iteration_time_s, rel=1e-12)
+    fp32 = simulate_plan(replace(plan, training=runs_training(training)), profile)
+    for s, a, b in zip(plan.stages, sim.stages, fp32.stages):
+        params = a.memory_breakdown["weights_bytes"] // 2  # bf16 weights, all on the rank
+        assert b.memory_breakdown["grads_bytes"] == 2 * a.memory_breakdown["grads_bytes"]
+        shard = -(-params // s.dp) if s.zero == 1 else params
+        assert a.step_peak_bytes - a.state_bytes == 4 * shard
+
+
 def test_megatron_and_torchtitan_search_virtual_stages():
     """v = 2 and 4 with equal chunks where G is a multiple of pp (the full space's chunk rule), every
     candidate exported as it is; DeepSpeed has no interleaved schedule."""

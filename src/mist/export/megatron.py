@@ -37,7 +37,8 @@ Megatron-LM checkout, not in the megatron-core wheel). What maps, and how:
   parameters' or unset) by default with fp16 and with `--grad-reduce-in-bf16` with bf16. With
   16-bit gradients its optimizer steps from fp32 copies of them, made at once: a plan with
   `engine: megatron` is priced so (`rules.megatron_buffers`). The target space searches fp32
-  gradients (`runs_training`).
+  gradients unless the training names 16-bit ones (`--grad-dtype` the parameters' dtype;
+  `runs_training`).
 
 Data, tokenizer and checkpoint paths are `__FILL_IN__` placeholders. `nearest` rounds a plan to
 the closest one Megatron runs, always towards less memory (more recomputation, more offload).
@@ -87,8 +88,10 @@ def problems(plan: Plan) -> list[str]:
 
 def runs_training(t: TrainingSpec) -> TrainingSpec:
     """The training the target space costs: fp32 gradients with 16-bit parameters, as Megatron-LM
-    0.19 runs bf16 by default (see above)."""
-    return replace(t, grad_dtype="fp32") if t.param_dtype in ("bf16", "fp16") else t
+    0.19 runs bf16 by default (see above), unless `t` names the parameters' dtype for its gradients:
+    a user's choice Megatron runs too (fp16's default, `--grad-reduce-in-bf16` with bf16), half the
+    gradient buffer and reduction bytes for the step's fp32 copies."""
+    return replace(t, grad_dtype="fp32") if t.param_dtype in ("bf16", "fp16") and t.grad_dtype is None else t
 
 
 def _model_problems(plan: Plan) -> list[str]:

@@ -17,7 +17,8 @@ the global batch: `_context_parallel`).
 
 megatron-0.19: sequence parallelism on or off with tp > 1 (`--sequence-parallel`, one setting for
   every stage); pp with the even split, or when pp does not divide the layer count the balanced
-  uneven split (`--pipeline-model-parallel-layout`); fp32 gradients; block recomputation with one N for all stages
+  uneven split (`--pipeline-model-parallel-layout`); fp32 gradients (16-bit where the training names
+  them); block recomputation with one N for all stages
   (N ∈ {0, 1, half, all} of the largest stage) or, instead, the attention core
   (`--recompute-modules core_attn`); the distributed optimizer (ZeRO-1) on; optimizer
   offload fraction 0, 0.5 or 1 (`--optimizer-offload-fraction`, needs the distributed optimizer);

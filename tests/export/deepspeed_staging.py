@@ -163,7 +163,34 @@ class Live:
             "update_allocates": self.allocates("update", start),
             "gather_allocates": Live(self.prof).allocates("gather", start),
             "flush_allocates": self.allocates("flush", start),
+            "flush_blocks": self.blocks_at_most("flush", start),
         }
+
+    def blocks_at_most(self, name: str, since: float) -> list[tuple[int, str]]:
+        """(bytes, the operator that allocated it) of each block live where the `name` range that
+        allocated the most (`allocates`) had the most allocated: what a check that fails on
+        `allocates` names."""
+        from torch._C._profiler import _EventType
+
+        from mist.torch_compat import _event_nodes
+
+        made_by = {
+            (n.start_time_ns, n.typed[1].ptr): n.parent.name if n.parent is not None else "?"
+            for n in _event_nodes(self.prof)
+            if n.typed[0] == _EventType.Allocation and n.typed[1].alloc_size > 0
+        }
+        best: tuple[int, list] = (0, [])
+        for a, b in self.spans(name, since):
+            live: dict[int, tuple[int, int]] = {}
+            for t, addr, nbytes in self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]:
+                if nbytes > 0 and not any(x <= t <= y for x, y in self.left):
+                    live[addr] = (t, nbytes)
+                elif nbytes < 0:
+                    live.pop(addr, None)
+                total = sum(n for _, n in live.values())
+                if total > best[0]:
+                    best = (total, [(n, made_by.get((t0, ad), "?")) for ad, (t0, n) in live.items()])
+        return best[1]
 
 
 def ranged(f, name: str):

@@ -5,13 +5,28 @@ import time
 from mist.profiling.timing import FLUSH_MIN_BYTES, Device, cache_flush, last_level_cache_bytes, time_op
 
 
-def test_the_last_level_cache_is_the_largest_size_the_os_lists(tmp_path):
-    for index, size in (("index0", "48K"), ("index1", "32K"), ("index2", "1024K"), ("index3", "32768K")):
-        (tmp_path / index).mkdir()
-        (tmp_path / index / "size").write_text(size + "\n")
-    (tmp_path / "uevent").write_text("")
-    assert last_level_cache_bytes(tmp_path) == 32 * 2**20
-    assert last_level_cache_bytes(tmp_path / "absent") is None
+def _cpu(root, n, caches):
+    for index, (level, size, shared) in enumerate(caches):
+        d = root / f"cpu{n}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, text in (("level", level), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{text}\n")
+    (root / f"cpu{n}" / "cache" / "uevent").write_text("")
+
+
+def test_the_last_level_caches_are_the_distinct_caches_of_the_highest_level(tmp_path):
+    # two core complexes of two CPUs, each with its own 32 MiB L3; private L1/L2
+    for n in range(4):
+        ccd = "0-1" if n < 2 else "2-3"
+        _cpu(tmp_path, n, ((1, "48K", n), (1, "32K", n), (2, "1024K", n), (3, "32768K", ccd)))
+    assert last_level_cache_bytes(tmp_path, [0, 1]) == 32 * 2**20  # one complex: counted once
+    assert last_level_cache_bytes(tmp_path, [1, 2]) == 64 * 2**20
+    assert last_level_cache_bytes(tmp_path, range(4)) == 64 * 2**20
+    assert last_level_cache_bytes(tmp_path, [7]) is None  # a CPU the OS lists no cache for
+    # one cache shared by every core: its size
+    _cpu(tmp_path / "one", 0, ((2, "2048K", "0"), (3, "16M", "0-1")))
+    _cpu(tmp_path / "one", 1, ((2, "2048K", "1"), (3, "16M", "0-1")))
+    assert last_level_cache_bytes(tmp_path / "one", [0, 1]) == 16 * 2**20
 
 
 def test_the_flush_writes_twice_the_last_level_cache():

@@ -16,7 +16,9 @@ The repetition count adapts to the call's duration (`target_s` of timing per mea
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,29 +71,47 @@ def one_call_s(fn, dev: Device, warmup: int = 1) -> float:
 
 FLUSH_MIN_BYTES = 64 * 2**20
 COLD_MAX_REPS = 25  # each cold call also pays a flush (a few ms): fewer repetitions of tiny ops
-CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+CPU_ROOT = Path("/sys/devices/system/cpu")
 
 
-def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
-    """Bytes of this CPU's largest cache as the OS reports it (Linux sysfs: `caches`/index*/size,
-    e.g. "32768K"; None where it reports none)."""
-    best = None
-    for entry in caches.glob("index*"):
-        try:
-            text = (entry / "size").read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
-        digits = text.rstrip("KMGkmg")
-        if digits.isdigit():
-            size = int(digits) * unit
-            best = size if best is None else max(best, size)
-    return best
+def _size_bytes(text: str) -> int | None:
+    """A sysfs cache size ("32768K") in bytes; None where it is not one."""
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    digits = text.rstrip("KMGkmg")
+    return int(digits) * unit if digits.isdigit() else None
+
+
+def last_level_cache_bytes(root: Path = CPU_ROOT, cpus: Iterable[int] | None = None) -> int | None:
+    """Bytes of the last-level caches the CPUs this process may run on (`cpus`, default its
+    affinity) reach, as Linux lists them (`root`/cpuN/cache/index*/{level,size,shared_cpu_list}):
+    the size of each distinct cache of the highest level, summed. A CPU whose cores share one
+    last-level cache counts it once; one split into core complexes (AMD's CCDs, each with its own
+    L3) counts every complex its threads run on, since a timed call's threads fill each of them.
+    None where the OS lists no cache."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    caches: dict[tuple[int, str], int] = {}  # (level, the CPUs sharing it): bytes
+    for cpu in cpus:
+        for entry in (root / f"cpu{cpu}" / "cache").glob("index*"):
+            try:
+                level = int((entry / "level").read_text())
+                size = _size_bytes((entry / "size").read_text().strip())
+                shared = (entry / "shared_cpu_list").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if size is not None:
+                caches[(level, shared)] = size
+    if not caches:
+        return None
+    top = max(level for level, _ in caches)
+    return sum(size for (level, _), size in caches.items() if level == top)
 
 
 class CacheFlush:
     """Empties the CPU caches of the data a timed call would otherwise find there: writes a buffer
-    of twice the last-level cache (at least FLUSH_MIN_BYTES). Why the profile times a layer's
+    of twice the last-level caches (`last_level_cache_bytes`, at least FLUSH_MIN_BYTES); torch's
+    `fill_` splits it over the intra-op threads, so threads spread over core complexes write about
+    twice each complex's own cache. Why the profile times a layer's
     operators cold: a training step's working set (weights, saved activations, gradients) is many
     times the last-level cache and each tensor is touched by a few operators, so a GEMM reads its
     operands from memory and writes a freshly allocated output (whose lines are read before they

@@ -7,7 +7,9 @@ operator:
 
 * predicted: each traced operator priced by the simulator's own `kernel_time` on a profile this
   machine measured (`--profile`, written by `mist profile --device cpu --processes 1`, so that
-  one process with the profile's threads is compared with one process);
+  one process with the profile's threads is compared with one process; this process runs as the
+  runtime's CPU ranks and the profiler do, `mist.cpu_workers.setup_cpu_worker`: their threads,
+  freed memory kept in the heap);
 * in the block: the wall time of each ATen call while the block runs forward and backward, timed
   around the call by a dispatch mode, median over the steps (the parameters' gradients dropped
   between steps, so nothing accumulates: the runtime's flat gradient buffers are priced
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mist.analysis.layer import analyze_layer  # noqa: E402
+from mist.cpu_workers import setup_cpu_worker  # noqa: E402
 from mist.hardware.registry import load_profile  # noqa: E402
 from mist.models.block import DecoderBlock  # noqa: E402
 from mist.models.causal_lm import init_weights  # noqa: E402
@@ -207,7 +210,7 @@ def main() -> None:
     profile = load_profile(args.profile)
     fp = json.loads(Path(args.profile).read_text()).get("fingerprint", {})
     threads = int(fp.get("torch_threads", torch.get_num_threads()))
-    torch.set_num_threads(threads)
+    setup_cpu_worker(threads)  # the threads and the heap settings of the runtime's CPU ranks and the profiler
     lines = [
         "# One eager block on this CPU, operator by operator: predicted, in the block, alone",
         "",

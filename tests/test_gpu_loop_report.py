@@ -110,7 +110,13 @@ def test_the_kernel_phase_times_each_pass_and_each_linear_layer(report):
     whole = {lin["name"]: (lin["n"], lin["k"]) for lin in llama}
     assert shard.keys() == whole.keys()
     assert sorted(n * k for n, k in shard.values()) == sorted(n * k // 2 for n, k in whole.values())
+    # the ATen calls each pass dispatches: views apart, the forward's others at least its linears
+    for row in rows:
+        for ph, n in row["aten_calls"].items():
+            assert 0 < n["views"] < n["calls"], (ph, n)
+        assert row["aten_calls"]["fwd"]["calls"] - row["aten_calls"]["fwd"]["views"] >= len(row["linears"])
     section = md.split("## Kernels of single blocks")[1]
+    assert section.count("ATen calls dispatched") == 6
     assert section.count("| linear |") == 3 and section.count("(bias in the GEMM)") == 2
     assert section.count("- fwd with N(0, 1) weight matrices: ") == 3
     assert "### tiny-llama b 2, tensor-parallel shard 1 of 2" in section

@@ -21,7 +21,10 @@ leaves what it measured; a failing part is recorded with its error string and th
             (the GEMM table's data) instead of N(0, 0.02). And each of the block's linear layers
             timed alone at its own shape: as the block calls it, without its bias, and with
             standard-normal weights — the GEMM table (`F.linear`, no bias, random data) prices
-            the first. ~30 s.
+            the first. And the ATen calls each pass dispatches (views apart): the host-bound
+            passes of 2026-12-04 took 19 µs (the Llama shard's forward, 44 calls) and 24–25 µs
+            (its backward, 66; GPT-3 1.3B's at b 1, 57; the backward call's start included) per
+            call, counted afterwards on a CPU at that run's code. ~30 s.
 4. split    a llama-1.3b block at the plans' shape compiled by Inductor with its backward split
             into B and W (what ZB-H1 runs with compiled blocks) and whole: B then W and the
             whole compiled backward against eager (max |diff| / max |eager| per gradient),
@@ -444,6 +447,26 @@ def _timed(fn, cuda: bool, reps: int = 10, warm: int = 3) -> float:
     return statistics.median(ts)
 
 
+def aten_calls(step) -> dict:
+    """{"calls", "views"}: the ATen operators one call of step() dispatches, views and other
+    aliasing operators counted apart (they launch no kernel, but each costs the host a dispatch
+    and, under autograd, a recorded node): what a host-bound block issues, beside the kernels the
+    profiler lists."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = views = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            self.views += any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        step()
+    return {"calls": c.calls, "views": c.views}
+
+
 def _kernel_table(prof, cuda: bool, reps: int) -> dict:
     """{kernel (CUDA) or operator (CPU) name: [calls, µs] per pass}, self times, largest first."""
     rows = {}
@@ -504,6 +527,8 @@ def block_kernels(model, b: int, seq: int, device: str, dtype: str, reps: int = 
                 q.normal_(0, 1.0)
     row["fwd_unit_weights_ms"] = 1e3 * _timed(lambda: blk(x), cuda)
     row["fwd_unit_weights"] = kernels(lambda: blk(x))
+    counted = blk(x)
+    row["aten_calls"] = {"fwd": aten_calls(lambda: blk(x)), "bwd": aten_calls(lambda: counted.backward(g))}
     init_weights(blk)
     row["linears"] = []
     for name, lin in blk.named_modules():

@@ -283,6 +283,11 @@ def kernels_section(rows: list[dict], profile, models=(), top: int = 8) -> list[
             calls = sum(c for c, _ in ks.values())
             out.append(f"- {label}: {r[ph + '_ms']:.3f} ms; kernels {total:.3f} ms in {calls:.0f} calls")
             out += [f"  - {us / 1e3:.3f} ms ×{c:g} `{name[:90]}`" for name, (c, us) in list(ks.items())[:top]]
+        for ph, n in r.get("aten_calls", {}).items():  # (runs before 2026-12-07 did not count them)
+            out.append(
+                f"- {ph}: {n['calls']} ATen calls dispatched ({n['views']} of them views), "
+                f"{1e3 * r[ph + '_ms'] / n['calls']:.1f} µs of the measured pass per call"
+            )
         out += [
             "",
             f"| linear | m × n × k | as called (ms) | without bias | random weights | `{profile.name}` table |",

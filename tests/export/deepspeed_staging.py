@@ -181,13 +181,13 @@ class Live:
         }
         best: tuple[int, list] = (0, [])
         for a, b in self.spans(name, since):
-            live: dict[int, tuple[int, int]] = {}
+            live: dict[int, tuple[int, int]] = {}  # counted as `live_curve` counts (`allocates`)
+            total = 0
             for t, addr, nbytes in self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]:
+                total -= live.pop(addr, (0, 0))[1]  # released, or (allocated again) released unseen
                 if nbytes > 0 and not any(x <= t <= y for x, y in self.left):
                     live[addr] = (t, nbytes)
-                elif nbytes < 0:
-                    live.pop(addr, None)
-                total = sum(n for _, n in live.values())
+                    total += nbytes
                 if total > best[0]:
                     best = (total, [(n, made_by.get((t0, ad), "?")) for ad, (t0, n) in live.items()])
         return best[1]

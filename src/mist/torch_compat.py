@@ -153,18 +153,36 @@ def _event_nodes(prof: torch.profiler.profile):
         yield node
 
 
-def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+def allocation_events(prof: torch.profiler.profile, thread_of: str | None = None) -> list[tuple[int, int, int]]:
     """The allocations and releases a stopped `torch.profiler.profile(profile_memory=True)`
     recorded, in time order: (time in ns, block address, bytes: positive when allocated, negative
-    when released)."""
+    when released).
+
+    `thread_of`: the name of a `record_function` range. Given, only the blocks allocated on the
+    thread that recorded it are kept, with their releases (on whichever thread). The profiler also
+    records the worker threads of gloo, which allocate their own copies of a collective's tensors
+    there (an all-gather's flat output, while the caller has already gone on); those are not the
+    traced code's. Where no such range was recorded, every thread's blocks are kept."""
     from torch._C._profiler import _EventType  # lazy: only a traced CPU run reads the profiler
 
-    out = []
-    for node in _event_nodes(prof):
-        if node.typed[0] == _EventType.Allocation:
-            f = node.typed[1]
-            out.append((node.start_time_ns, f.ptr, f.alloc_size))
-    out.sort(key=lambda e: e[0])
+    nodes = list(_event_nodes(prof))
+    thread = next((n.start_tid for n in nodes if thread_of is not None and n.name == thread_of), None)
+    events = [
+        (n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size, n.start_tid)
+        for n in nodes
+        if n.typed[0] == _EventType.Allocation
+    ]
+    events.sort(key=lambda e: e[0])
+    out, elsewhere = [], set()  # addresses of live blocks another thread allocated
+    for t, addr, nbytes, tid in events:
+        if nbytes > 0 and thread is not None and tid != thread:
+            elsewhere.add(addr)
+            continue
+        if addr in elsewhere:  # its release, or (released unseen) the address handed out again
+            elsewhere.discard(addr)
+            if nbytes < 0:
+                continue
+        out.append((t, addr, nbytes))
     return out
 
 

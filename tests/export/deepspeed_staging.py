@@ -12,8 +12,10 @@ forward starts, at most in its backwards (up to the gradient reduction), and at 
 reduction after its last backward to the end of its update; also the most the update, and each
 reduction of ZeRO-3's bucket, had allocated at once (`Live.allocates`). Not counted there: what
 gloo allocates where NCCL does not, which runs on GPUs would not hold: a copy of the gathered
-tensor in the all-gather of new weights (NCCL writes into the output; reported apart as
-`gather_allocates`) and of the input of ZeRO-3's reduce-scatter (NCCL reduces in place). Python's
+tensor in the all-gather of new weights (NCCL writes into the output), which gloo's worker thread
+makes, also while the rank goes on after an all-gather DeepSpeed issued ahead (only what the
+rank's own thread allocates counts; `gather_allocates` reports what the all-gather calls
+allocated, on any thread), and of the input of ZeRO-3's reduce-scatter (NCCL reduces in place). Python's
 garbage is collected as each phase starts, so that what is live does not depend on when its cyclic
 collector happens to run (some of DeepSpeed's tensors are released only with reference cycles).
 
@@ -118,10 +120,14 @@ def staging_of(engine) -> int:
 class Live:
     """The bytes a profiled run had allocated beyond what was live when profiling began, over time."""
 
-    def __init__(self, prof, leave_out: tuple[str, ...] = ()):
-        """`leave_out`: the names of ranges whose allocations (until freed) are not counted."""
+    def __init__(self, prof, leave_out: tuple[str, ...] = (), thread_of: str | None = "start"):
+        """`leave_out`: the names of ranges whose allocations (until freed) are not counted;
+        `thread_of`: only the blocks allocated on the thread that ran this range count (the
+        cases' own; gloo's threads allocate their copies for the collectives there, and an
+        all-gather that DeepSpeed issued ahead runs there while its caller goes on:
+        `allocation_events`)."""
         self.left = sorted(s for name in leave_out for s in marked_spans(prof, name))
-        self.events = allocation_events(prof)
+        self.events = allocation_events(prof, thread_of)
         curve, _ = live_curve(self.events, self.left)
         self.prof, self.times, self.live = prof, [t for t, _ in curve], [v for _, v in curve]
 
@@ -161,7 +167,7 @@ class Live:
             "backward": max(self.most(a, b) for (a, _), b in zip(self.spans("backward", start), backward)),
             "after": self.most(reduce_at, self.spans("update", start)[-1][1]),
             "update_allocates": self.allocates("update", start),
-            "gather_allocates": Live(self.prof).allocates("gather", start),
+            "gather_allocates": Live(self.prof, thread_of=None).allocates("gather", start),
             "flush_allocates": self.allocates("flush", start),
             "flush_blocks": self.blocks_at_most("flush", start),
         }

@@ -1,6 +1,6 @@
 """The CPU allocator trace (`runtime.allocator_trace`): its peak is the most bytes live at once,
 releases seen on another thread's behalf are found by address, gloo's copies made while a
-collective is issued are left out, and a traced CPU run reports the peak that `mist validate`
+collective is issued or on gloo's own thread are left out, and a traced CPU run reports the peak that `mist validate`
 compares with the simulator's."""
 
 import torch
@@ -85,3 +85,36 @@ def test_what_a_collective_allocates_while_it_is_issued_is_left_out():
     finally:
         dist.destroy_process_group()
     assert peak.peak_bytes == 8 << 20
+
+
+def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks():
+    """An all-gather issued ahead runs on gloo's worker thread while the rank goes on. The profiler
+    records what that thread allocates while it runs the work (gloo runs it under its caller's
+    thread-local state): gloo's flat copy of the output, which NCCL does not make, and which can
+    come after the `issuing()` span. Only the blocks allocated on the rank's own thread count
+    (`allocation_events`' `thread_of`); the rank's own copy in the call is left out by its span."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from mist.models.collectives import ISSUING
+    from mist.torch_compat import allocation_events, marked_spans
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("rank"):
+                pass
+            x, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
+            with issuing():
+                work = dist.all_gather_into_tensor(out, x, async_op=True)
+            work.wait()
+            del work
+        assert torch.equal(out, x)
+    finally:
+        dist.destroy_process_group()
+    every, own = allocation_events(prof), allocation_events(prof, thread_of="rank")
+    # gloo's thread allocated (and released) a block: 4 MiB, the output's flat copy
+    assert sorted(e[2] for e in every if e not in own) == [-(4 << 20), 4 << 20]
+    assert peak_of(own, leave_out=marked_spans(prof, ISSUING)) == AllocatorPeak(8 << 20, 0)
+    assert allocation_events(prof, thread_of="no such range") == every

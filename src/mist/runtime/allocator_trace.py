@@ -13,8 +13,8 @@ building the stage holds the modules' initial fp32 parameters while it copies th
 units, and on a GPU those live in host memory, not on the device. The profiler records every
 operator as well, so the traced steps are not timed (`Trainer.metrics` leaves them out).
 
-Releases on another thread: the profiler sees allocations and releases only on the threads it
-profiles, and gloo's worker threads are not among them. A tensor whose last reference a gloo work
+Releases on another thread: the profiler sees a gloo worker thread only while it runs a work (see
+gloo's copies below), not when it drops the work after. A tensor whose last reference a gloo work
 object drops is released there, unseen. Such a block is noticed when its address is handed out
 again, and counted as live until then, so the peak is an upper bound by at most those blocks;
 `AllocatorPeak.unseen_releases` counts them. A gloo thread drops a work just after marking it
@@ -29,7 +29,11 @@ simulator does not price. A work object that a gloo thread drops last releases i
 such a copy stayed in the peak of a busy machine's run (a block's flat gradient, +3 % against the
 prediction under the suite's load, −0.02 % otherwise). Mist issues its collectives inside
 `models.collectives.issuing()`, and the blocks allocated there are left out of the peak: it is
-what Mist itself holds.
+what Mist itself holds. Some copies are made on gloo's thread instead (an all-gather's flat
+output): gloo runs a work under its caller's thread-local state, so the profiler records that
+thread's allocations while the work runs, which for a collective issued ahead can be after the
+`issuing()` span has ended. Only the blocks allocated on the thread that steps the rank count
+(`torch_compat.allocation_events`).
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class AllocatorTrace:
             self._prof.stop()
             since = marked_time(self._prof, _MARK)
             copies = marked_spans(self._prof, ISSUING)
-            self.result = peak_of(allocation_events(self._prof), since, copies)
+            self.result = peak_of(allocation_events(self._prof, thread_of=_MARK), since, copies)
             self._prof = None
         assert self.result is not None
         return self.result

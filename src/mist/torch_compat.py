@@ -30,9 +30,10 @@ a trace or a training step. `CHECKED_VERSIONS` lists the PyTorch releases that t
   tracer uses to tell buffers apart (views share it, fake tensors have one each).
 * `allocation_events` (`_KinetoResults.experimental_event_tree`, `_EventType.Allocation`): the
   allocator's events that `torch.profiler` recorded with `profile_memory=True`, with the address
-  of each block, which the public event list does not give; `runtime.allocator_trace` pairs each
-  release with its allocation by it. `marked_time` finds a `record_function` range in the same
-  tree, on the same clock.
+  of each block, which the public event list does not give, and the profiler's id of the thread
+  that recorded it (`start_tid`); `runtime.allocator_trace` pairs each release with its
+  allocation by the address and keeps the blocks of the rank's own thread by the id.
+  `marked_time` finds a `record_function` range in the same tree, on the same clock.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ gloo allocates where NCCL does not, which runs on GPUs would not hold: a copy of
 tensor in the all-gather of new weights (NCCL writes into the output), which gloo's worker thread
 makes, also while the rank goes on after an all-gather DeepSpeed issued ahead (only what the
 rank's own thread allocates counts; `gather_allocates` reports what the all-gather calls
-allocated, on any thread), and of the input of ZeRO-3's reduce-scatter (NCCL reduces in place). Python's
-garbage is collected as each phase starts, so that what is live does not depend on when its cyclic
+allocated, on any thread), and of the input of ZeRO-3's reduce-scatter (NCCL reduces in place).
+Python's garbage is collected as each phase starts, so that what is live does not depend on when its cyclic
 collector happens to run (some of DeepSpeed's tensors are released only with reference cycles).
 
 usage: torchrun --nproc_per_node RANKS deepspeed_staging.py CASES_JSON OUT_JSON

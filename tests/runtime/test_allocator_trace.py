@@ -1,7 +1,7 @@
 """The CPU allocator trace (`runtime.allocator_trace`): its peak is the most bytes live at once,
 releases seen on another thread's behalf are found by address, gloo's copies made while a
-collective is issued or on gloo's own thread are left out, and a traced CPU run reports the peak that `mist validate`
-compares with the simulator's."""
+collective is issued or on gloo's own thread are left out, and a traced CPU run reports the peak
+that `mist validate` compares with the simulator's."""
 
 import torch
 

@@ -37,7 +37,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mist.runtime.allocator_trace import GLOO_SETTLE_S, live_curve
+from mist.runtime.allocator_trace import GLOO_SETTLE_S, blocks_at_most, live_curve
 from mist.torch_compat import allocation_events, marked_spans
 
 CASES, OUT = json.loads(open(sys.argv[1]).read()), sys.argv[2]
@@ -149,12 +149,15 @@ class Live:
         """The most bytes any `name` range had allocated and not yet released at once (0: none
         ran): the live curve of its own events, so what it releases of blocks made before it does
         not offset them."""
-        most = 0
+        return self._most_in(name, since)[0]
+
+    def _most_in(self, name: str, since: float) -> tuple[int, list[tuple[int, int, int]]]:
+        """`allocates`, and the blocks live where that range had the most allocated."""
+        best: tuple[int, list[tuple[int, int, int]]] = (0, [])
         for a, b in self.spans(name, since):
             events = self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]
-            curve, _ = live_curve(events, self.left)
-            most = max([most, *(v for _, v in curve)])
-        return most
+            best = max(best, blocks_at_most(events, self.left), key=lambda m: m[0])
+        return best
 
     def phases(self) -> dict:
         """Live bytes in the second step (the module docstring's `phases`)."""
@@ -185,18 +188,7 @@ class Live:
             for n in _event_nodes(self.prof)
             if n.typed[0] == _EventType.Allocation and n.typed[1].alloc_size > 0
         }
-        best: tuple[int, list] = (0, [])
-        for a, b in self.spans(name, since):
-            live: dict[int, tuple[int, int]] = {}  # counted as `live_curve` counts (`allocates`)
-            total = 0
-            for t, addr, nbytes in self.events[bisect.bisect_left(self.times, a) : bisect.bisect_right(self.times, b)]:
-                total -= live.pop(addr, (0, 0))[1]  # released, or (allocated again) released unseen
-                if nbytes > 0 and not any(x <= t <= y for x, y in self.left):
-                    live[addr] = (t, nbytes)
-                    total += nbytes
-                if total > best[0]:
-                    best = (total, [(n, made_by.get((t0, ad), "?")) for ad, (t0, n) in live.items()])
-        return best[1]
+        return [(n, made_by.get((t0, addr), "?")) for t0, addr, n in self._most_in(name, since)[1]]
 
 
 def ranged(f, name: str):

@@ -6,7 +6,7 @@ that `mist validate` compares with the simulator's."""
 import torch
 
 from mist.models.collectives import issuing
-from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, peak_of
+from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, blocks_at_most, peak_of
 
 
 def test_peak_of_pairs_each_release_with_its_allocation():
@@ -18,6 +18,13 @@ def test_a_release_seen_only_by_its_addresss_reuse_is_counted_once():
     # block 100 (40 B) released on another thread, unseen; its address comes back for 30 B
     events = [(0, 100, 40), (1, 200, 25), (2, 100, 30), (3, 400, 20)]
     assert peak_of(events) == AllocatorPeak(peak_bytes=75, unseen_releases=1)
+
+
+def test_the_blocks_at_the_peak_are_counted_as_the_curve_counts():
+    # as above: block 100 released unseen, its address back for 30 B; then 400 is left out
+    events = [(0, 100, 40), (1, 200, 25), (2, 100, 30), (3, 400, 20), (4, 200, -25)]
+    assert blocks_at_most(events, leave_out=[(2.5, 3.5)]) == (65, [(0, 100, 40), (1, 200, 25)])
+    assert blocks_at_most(events) == (75, [(1, 200, 25), (2, 100, 30), (3, 400, 20)])
 
 
 def test_a_release_of_a_block_from_before_the_trace_is_ignored():

@@ -56,6 +56,22 @@ class AllocatorPeak:
     unseen_releases: int  # blocks released on an unprofiled thread, found by their address's reuse
 
 
+def _live_walk(events: list[tuple[int, int, int]], leave_out: list[tuple[int, int]] = ()):
+    """At each of (time, address, ±bytes) events in time order: (time, bytes live just after it,
+    the live blocks {address: (time allocated, bytes)}, whether it found a block released unseen).
+    The one rule `live_curve` and `blocks_at_most` count by (their docstrings)."""
+    live: dict[int, tuple[int, int]] = {}
+    total = 0
+    for t, addr, nbytes in events:
+        unseen = nbytes > 0 and addr in live  # released unseen (module docstring) before reuse
+        if addr in live:
+            total -= live.pop(addr)[1]
+        if nbytes > 0 and not any(a <= t <= b for a, b in leave_out):
+            live[addr] = (t, nbytes)
+            total += nbytes
+        yield t, total, live, unseen
+
+
 def live_curve(
     events: list[tuple[int, int, int]], leave_out: list[tuple[int, int]] = ()
 ) -> tuple[list[tuple[int, int]], int]:
@@ -63,21 +79,23 @@ def live_curve(
     and how many blocks were released unseen (module docstring). The profiler reports no release
     of a block allocated before it started, so a release counts only with its allocation. Blocks
     allocated within a `leave_out` (start, end) span are not counted, nor their releases."""
-    live: dict[int, int] = {}
-    total = unseen = 0
-    out = []
-    for t, addr, nbytes in events:
-        if nbytes > 0:
-            if addr in live:  # released unseen (module docstring) before being handed out again
-                total -= live.pop(addr)
-                unseen += 1
-            if not any(a <= t <= b for a, b in leave_out):
-                live[addr] = nbytes
-                total += nbytes
-        elif addr in live:
-            total -= live.pop(addr)
+    out, unseen = [], 0
+    for t, total, _, was_unseen in _live_walk(events, leave_out):
         out.append((t, total))
+        unseen += was_unseen
     return out, unseen
+
+
+def blocks_at_most(
+    events: list[tuple[int, int, int]], leave_out: list[tuple[int, int]] = ()
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The most bytes live at once over `events`, counted as `live_curve` counts, and the blocks
+    live where it was first reached: (time allocated, address, bytes) each."""
+    best: tuple[int, list[tuple[int, int, int]]] = (0, [])
+    for _, total, live, _ in _live_walk(events, leave_out):
+        if total > best[0]:
+            best = (total, [(t0, addr, n) for addr, (t0, n) in live.items()])
+    return best
 
 
 def peak_of(

@@ -125,3 +125,58 @@ def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks():
     assert sorted(e[2] for e in every if e not in own) == [-(4 << 20), 4 << 20]
     assert peak_of(own, leave_out=marked_spans(prof, ISSUING)) == AllocatorPeak(8 << 20, 0)
     assert allocation_events(prof, thread_of="no such range") == every
+
+
+def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator():
+    """A compiled block's collective is a functional one, waited for by Inductor's code through
+    `torch.ops._c10d_functional.wait_tensor.default`. While collectives settle, that wait settles
+    too, so that the tensor the graph drops right after is released on the rank's thread; while
+    dynamo compiles, the name is the operator itself (Inductor's passes recognise it by identity);
+    once settling ends, nothing of it is left."""
+    import time
+
+    import torch.distributed as dist
+    from torch._dynamo.callback import callback_handler
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from mist.models.collectives import TPGroup, _compiled_sum, settling
+    from mist.runtime.allocator_trace import GLOO_SETTLE_S
+    from mist.torch_compat import allocation_events
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    packet = torch.ops._c10d_functional.wait_tensor
+    operator, bound_in_compilation = packet.default, []
+
+    def look(_args):
+        bound_in_compilation.append(packet.default)
+
+    tp = TPGroup(1, 0, dist.group.WORLD)
+    f = torch.compile(lambda x: _compiled_sum(x * 2.0, tp).sum())  # the reduced tensor dropped at once
+    x = torch.ones(1 << 20)  # 4 MiB
+    callbacks = (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks))
+    try:
+        with settling(0.05):
+            callback_handler.register_start_callback(look)
+            try:
+                assert f(x).item() == 2 * (1 << 20)  # compiled here, with settling on
+            finally:
+                callback_handler.remove_start_callback(look)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                f(x)
+            settled_s = time.perf_counter() - t0
+        assert bound_in_compilation == [operator]
+        assert settled_s >= 4 * 0.05  # each call's wait settled
+        assert packet.default is operator
+        assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == callbacks
+
+        with settling(GLOO_SETTLE_S), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("rank"):
+                pass
+            for _ in range(20):
+                f(x)
+    finally:
+        dist.destroy_process_group()
+    reduced = [n for _, _, n in allocation_events(prof, thread_of="rank") if abs(n) == 4 << 20]
+    assert reduced.count(4 << 20) == 20 and reduced.count(-(4 << 20)) == 20  # every release seen

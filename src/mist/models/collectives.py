@@ -11,7 +11,8 @@ Every collective a real run issues (here and in the runtime's flat units) is iss
 `issuing()`, a profiler range: what gloo allocates there is its own copies, which NCCL does not
 make, and a CPU run's allocator trace leaves them out (`runtime.allocator_trace`). While a trace
 records, each collective also settles once done (`settled`), so that the tensors it read or wrote
-are released on the caller's thread, where the trace sees it.
+are released on the caller's thread, where the trace sees it. Compiled blocks issue functional
+collectives instead, whose waits Inductor's code calls by name; those settle too (`settling`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,57 @@ def settled() -> None:
 
 @contextmanager
 def settling(seconds: float) -> Iterator[None]:
-    """Collectives settle for `seconds` once done, inside the block."""
+    """Collectives settle for `seconds` once done, inside the block, also those of compiled
+    blocks (`_settling_compiled_waits`)."""
     global _settle_s
     before, _settle_s = _settle_s, seconds
+    undo = _settling_compiled_waits() if seconds else None
     try:
         yield
     finally:
+        if undo is not None:
+            undo()
         _settle_s = before
+
+
+def _settling_compiled_waits() -> Callable[[], None]:
+    """Make the waits of compiled graphs settle (`settled`) until the returned function is called.
+
+    A compiled block's collective is a functional one (`_compiled_sum` and the like): Inductor's
+    code issues it, waits with `torch.ops._c10d_functional.wait_tensor.default`, looked up by name
+    at each call, and can drop the reduced tensor right after (a block's last all-reduce: one
+    fused kernel later, when the graph returns). Gloo's worker thread holds the tensor in its work
+    until it drops the work, so the release could be its, unseen by the trace. The name is bound
+    to a wait that settles while the graph still holds the tensor — but only outside compilation:
+    Inductor's passes recognise the wait by that same attribute (`node.target is …default`), so
+    while dynamo or AOTAutograd compiles (a frame, or a backward compiled at its first call) the
+    operator itself is bound there."""
+    from torch._dynamo.callback import callback_handler  # lazy: only a traced CPU run settles
+
+    packet = torch.ops._c10d_functional.wait_tensor
+    wait = packet.default
+
+    def settling_wait(t: torch.Tensor) -> torch.Tensor:
+        out = wait(t)
+        settled()
+        return out
+
+    def bind_settling(_args=None) -> None:
+        packet.default = settling_wait
+
+    def bind_operator(_args=None) -> None:
+        packet.default = wait
+
+    callback_handler.register_start_callback(bind_operator)
+    callback_handler.register_end_callback(bind_settling)
+    bind_settling()
+
+    def undo() -> None:
+        callback_handler.remove_start_callback(bind_operator)
+        callback_handler.remove_end_callback(bind_settling)
+        bind_operator()
+
+    return undo
 
 
 @contextmanager

@@ -346,7 +346,11 @@ def _transient_peaks(
         # (the output gradient a stage receives stays referenced through its whole backward, as
         # `torch.autograd.backward` holds its arguments until it returns: the embedding's too)
         pb = pb + a.p2p_output
-        bwd_cands.append((a.pre_peaks[1] + 2 * a.tied_grad + gp.block_in_flight + pb + 0 * saved_mb, buf.pre_bwd))
+        # with a shared word table the head's weight gradient waits through the embedding's
+        # backward; once that returns, autograd has freed its input gradient and sums the two
+        # table gradients into a third
+        pre_bwd = np.maximum(a.pre_peaks[1] + a.tied_grad, 3 * a.tied_grad)
+        bwd_cands.append((pre_bwd + gp.block_in_flight + pb + 0 * saved_mb, buf.pre_bwd))
         if on(gp.pre_flattened):
             bwd_cands.append((gp.pre_flattened + pb + 0 * saved_mb, buf.pre_bwd))
     fwd, fwd_w = _with_weights(fwd_cands)

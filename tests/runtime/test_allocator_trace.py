@@ -162,6 +162,10 @@ def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator():
                 assert f(x).item() == 2 * (1 << 20)  # compiled here, with settling on
             finally:
                 callback_handler.remove_start_callback(look)
+            bound = packet.default
+            with settling(0.01):  # nested: bound once, left bound
+                assert packet.default is bound
+            assert packet.default is bound is not operator
             t0 = time.perf_counter()
             for _ in range(4):
                 f(x)

@@ -81,6 +81,8 @@ def _settling_compiled_waits() -> Callable[[], None]:
 
     packet = torch.ops._c10d_functional.wait_tensor
     wait = packet.default
+    if not isinstance(wait, torch._ops.OpOverload):  # within another `settling`: bound already
+        return lambda: None
 
     def settling_wait(t: torch.Tensor) -> torch.Tensor:
         out = wait(t)

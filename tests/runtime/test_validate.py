@@ -191,12 +191,14 @@ def test_a_traced_cpu_run_puts_its_allocator_peak_next_to_the_predicted_peak(tmp
 def test_a_shared_word_tables_gradients_are_in_the_predicted_peak(tmp_path):
     """Every block recomputed, so the peak is where the embedding's backward meets the head's
     weight gradient, which autograd has kept since the head's backward: the two and their sum,
-    3·V·h·4 bytes at once (before, predicted 2.7 % below the allocator's peak)."""
+    3·V·h·4 bytes at once (before, predicted 2.7 % below the allocator's peak), without the
+    embedding's input gradient, which autograd frees before it sums them (before, predicted
+    +0.24 %, that b·s·h·4-byte gradient above; measured −0.02 %)."""
     _, path = _loop_gpt_plan(tmp_path, recompute_layers=4)
     r = _traced(path)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
-    assert abs(out["errors"]["allocator_peak"][0]) < 0.005
+    assert -0.005 < out["errors"]["allocator_peak"][0] < 0.001
 
 
 @pytest.mark.parametrize("zero", [1, 2])

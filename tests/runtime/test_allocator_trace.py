@@ -3,10 +3,21 @@ releases seen on another thread's behalf are found by address, gloo's copies mad
 collective is issued or on gloo's own thread are left out, and a traced CPU run reports the peak
 that `mist validate` compares with the simulator's."""
 
+import pytest
 import torch
 
 from mist.models.collectives import issuing
 from mist.runtime.allocator_trace import AllocatorPeak, AllocatorTrace, blocks_at_most, peak_of
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A one-rank gloo process group for a test's collectives, destroyed after it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def test_peak_of_pairs_each_release_with_its_allocation():
@@ -71,30 +82,24 @@ def test_the_peak_is_taken_from_the_mark_on():
     assert peak == AllocatorPeak(peak_bytes=12 << 20, unseen_releases=0)
 
 
-def test_what_a_collective_allocates_while_it_is_issued_is_left_out():
+def test_what_a_collective_allocates_while_it_is_issued_is_left_out(one_rank_gloo):
     """A gloo reduce-scatter of 4 MiB over one rank, issued within `issuing()`: gloo's copy of
     its input is not in the peak; the input and output, made outside, are."""
-    import torch.distributed as dist
 
     from mist.runtime.flat import reduce_scatter_flat
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        trace = AllocatorTrace()
-        flat, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
-        with issuing():
-            work = reduce_scatter_flat(out, flat, async_op=True)
-        work.wait()
-        del work
-        peak = trace.stop()
-        assert torch.equal(out, flat)
-    finally:
-        dist.destroy_process_group()
+    trace = AllocatorTrace()
+    flat, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
+    with issuing():
+        work = reduce_scatter_flat(out, flat, async_op=True)
+    work.wait()
+    del work
+    peak = trace.stop()
+    assert torch.equal(out, flat)
     assert peak.peak_bytes == 8 << 20
 
 
-def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks():
+def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks(one_rank_gloo):
     """An all-gather issued ahead runs on gloo's worker thread while the rank goes on. The profiler
     records what that thread allocates while it runs the work (gloo runs it under its caller's
     thread-local state): gloo's flat copy of the output, which NCCL does not make, and which can
@@ -106,20 +111,15 @@ def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks():
     from mist.models.collectives import ISSUING
     from mist.torch_compat import allocation_events, marked_spans
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("rank"):
-                pass
-            x, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
-            with issuing():
-                work = dist.all_gather_into_tensor(out, x, async_op=True)
-            work.wait()
-            del work
-        assert torch.equal(out, x)
-    finally:
-        dist.destroy_process_group()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("rank"):
+            pass
+        x, out = torch.ones(1 << 20), torch.empty(1 << 20)  # 4 MiB each
+        with issuing():
+            work = dist.all_gather_into_tensor(out, x, async_op=True)
+        work.wait()
+        del work
+    assert torch.equal(out, x)
     every, own = allocation_events(prof), allocation_events(prof, thread_of="rank")
     # gloo's thread allocated (and released) a block: 4 MiB, the output's flat copy
     assert sorted(e[2] for e in every if e not in own) == [-(4 << 20), 4 << 20]
@@ -127,7 +127,7 @@ def test_what_a_gloo_thread_allocates_for_a_collective_is_not_the_ranks():
     assert allocation_events(prof, thread_of="no such range") == every
 
 
-def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator():
+def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator(one_rank_gloo):
     """A compiled block's collective is a functional one, waited for by Inductor's code through
     `torch.ops._c10d_functional.wait_tensor.default`. While collectives settle, that wait settles
     too, so that the tensor the graph drops right after is released on the rank's thread; while
@@ -135,7 +135,6 @@ def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator():
     once settling ends, nothing of it is left."""
     import time
 
-    import torch.distributed as dist
     from torch._dynamo.callback import callback_handler
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -143,44 +142,39 @@ def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator():
     from mist.runtime.allocator_trace import GLOO_SETTLE_S
     from mist.torch_compat import allocation_events
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     packet = torch.ops._c10d_functional.wait_tensor
     operator, bound_in_compilation = packet.default, []
 
     def look(_args):
         bound_in_compilation.append(packet.default)
 
-    tp = TPGroup(1, 0, dist.group.WORLD)
+    tp = TPGroup(1, 0, one_rank_gloo)
     f = torch.compile(lambda x: _compiled_sum(x * 2.0, tp).sum())  # the reduced tensor dropped at once
     x = torch.ones(1 << 20)  # 4 MiB
     callbacks = (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks))
-    try:
-        with settling(0.05):
-            callback_handler.register_start_callback(look)
-            try:
-                assert f(x).item() == 2 * (1 << 20)  # compiled here, with settling on
-            finally:
-                callback_handler.remove_start_callback(look)
-            bound = packet.default
-            with settling(0.01):  # nested: bound once, left bound
-                assert packet.default is bound
-            assert packet.default is bound is not operator
-            t0 = time.perf_counter()
-            for _ in range(4):
-                f(x)
-            settled_s = time.perf_counter() - t0
-        assert bound_in_compilation == [operator]
-        assert settled_s >= 4 * 0.05  # each call's wait settled
-        assert packet.default is operator
-        assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == callbacks
+    with settling(0.05):
+        callback_handler.register_start_callback(look)
+        try:
+            assert f(x).item() == 2 * (1 << 20)  # compiled here, with settling on
+        finally:
+            callback_handler.remove_start_callback(look)
+        bound = packet.default
+        with settling(0.01):  # nested: bound once, left bound
+            assert packet.default is bound
+        assert packet.default is bound is not operator
+        t0 = time.perf_counter()
+        for _ in range(4):
+            f(x)
+        settled_s = time.perf_counter() - t0
+    assert bound_in_compilation == [operator]
+    assert settled_s >= 4 * 0.05  # each call's wait settled
+    assert packet.default is operator
+    assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == callbacks
 
-        with settling(GLOO_SETTLE_S), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("rank"):
-                pass
-            for _ in range(20):
-                f(x)
-    finally:
-        dist.destroy_process_group()
+    with settling(GLOO_SETTLE_S), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("rank"):
+            pass
+        for _ in range(20):
+            f(x)
     reduced = [n for _, _, n in allocation_events(prof, thread_of="rank") if abs(n) == 4 << 20]
     assert reduced.count(4 << 20) == 20 and reduced.count(-(4 << 20)) == 20  # every release seen

@@ -6,7 +6,7 @@ import pytest
 import sympy
 
 from mist.analysis import analyze_layer
-from mist.analysis.records import GEMM, GRAD_ACCUM
+from mist.analysis.records import GEMM, GRAD_ACCUM, B, S
 from mist.hardware import load_profile
 from mist.rules.compiled_blocks import SPLIT
 from mist.simulate.layer_terms import layer_terms
@@ -79,9 +79,13 @@ def test_w_releases_the_linears_inputs_that_b_does_not_read():
 
 def test_a_compiled_blocks_w_makes_all_its_weight_gradients_at_once():
     """A compiled block split into B and W graphs (`mist.models.weight_split`): its W graph returns
-    every parameter's gradient together (measured on the CPU loop's Llama: its four weight
-    gradients, 11.8 MB, live at once at the stage's peak) and, once it has run, the values B
-    handed it go (the forward-saved ones stay with the graph until the micro-batch's W ends)."""
+    every parameter's gradient together, and frees each value B handed it after its last use (the
+    forward-saved ones stay with the graph until the micro-batch's W ends), all of them by its end.
+    At its last operator every weight gradient is live, and B's values but those that operator
+    reads are gone."""
     la = analyze_layer(GPT, "block", compiled=SPLIT)
-    assert la.weight_pass_peak == [la.params * 2]  # bf16 gradients
+    last = sympy.expand(la.weight_pass_peak[-1])
+    assert last.subs({B: 0, S: 0}) == la.params * 2  # bf16 gradients
+    gone = -float(last.subs({B: 4, S: 2048})) + la.params * 2
+    assert 0 < gone < float(la.weight_grad_held.subs({B: 4, S: 2048}))
     assert la.weight_pass_freed == la.weight_grad_held != 0

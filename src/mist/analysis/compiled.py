@@ -352,6 +352,7 @@ def trace_compiled(cg: CompiledGraphs, tp: int = 1, seq_shards: int = 1, target:
     for n in bw_in[n_saved:]:
         sid = st.new_sid(("bw", n.name))
         trace.storage_bytes[sid] = ex.nbytes(_val(n))
+        trace.tangent_sids.add(sid)
     trace.phase = "bwd"
     _kernels(st, "bw", cg.bw, ex, named(cg.bw))
     if cg.wgrad is not None:
@@ -378,9 +379,6 @@ def _weight_graph(st: _Graphs, cg: CompiledGraphs, ex: _Expr) -> None:
     crossing_sids = {st.sid[st.key("bw", o)] for o in crossing if isinstance(_val(o), torch.Tensor)}
     held = crossing_sids - (set(trace.saved) | trace.param_sids)
     trace.weight_grad_held = sympy.expand(sum((trace.storage_bytes[sid] for sid in held), sympy.Integer(0)))
-    # (the forward-saved values W reads: all a block keeps from B to W once B lets the rest go)
-    read = (crossing_sids & set(trace.saved)) - trace.param_sids
-    trace.weight_grad_saved = sympy.expand(sum((trace.saved[sid] for sid in read), sympy.Integer(0)))
     _kernels(st, "w", cg.wgrad, ex, {o.name for o in _outputs(cg.wgrad) if isinstance(o, torch.fx.Node)})
     trace.records[:] = [replace(r, weight_grad=r.index >= w_start) if r.phase == "bwd" else r for r in trace.records]
     for o in _outputs(cg.wgrad):

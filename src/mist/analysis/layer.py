@@ -17,7 +17,7 @@ import torch
 
 from mist.analysis import disk_cache, lambdified
 from mist.analysis.compiled import TrainingGraphs, capture, capture_training, trace_compiled
-from mist.analysis.liveness import live_bytes
+from mist.analysis.liveness import live_bytes, split_pass_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, OpRecord, OpValues
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
 from mist.analysis.weight_pass import weight_pass_bytes
@@ -73,10 +73,12 @@ class LayerAnalysis:
     compiled: bool | str = False  # a block as `mist.models.compiled` compiles it (`analyze_layer`)
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
-    weight_grad_saved: sympy.Expr | None = None  # the forward-saved bytes W reads (`Trace`)
-    # an eager layer's W as the ZB-H1 runtime runs it (`weight_pass.weight_pass_bytes`): the
-    # candidates for the most it adds over what it starts with, and the bytes it releases (None:
-    # a compiled block not split into B and W)
+    # a compiled block's B where the ZB-H1 runtime keeps the graph to W (`liveness.split_pass_bytes`):
+    # the live bytes at its operators, every saved tensor kept (None: not split into B and W)
+    b_pass_live: list | None = None
+    # a layer's W as the ZB-H1 runtime runs it (an eager layer's: `weight_pass.weight_pass_bytes`;
+    # a compiled block's: `liveness.split_pass_bytes`): the candidates for the most it adds over
+    # what it starts with, and the bytes it releases (None: a compiled block not split into B and W)
     weight_pass_peak: list | None = None
     weight_pass_freed: sympy.Expr | None = None
     _fns: dict = field(default_factory=dict, repr=False)
@@ -106,7 +108,15 @@ class LayerAnalysis:
         """Make every evaluator the simulator reads (and with them their sources, which the disk
         cache then keeps); itself."""
         one = np.ones(1)
-        for read in (self.saved, self.saved_split, self.output, self.fwd_peak, self.bwd_peak, self.bwd_peak_held):
+        for read in (
+            self.saved,
+            self.saved_split,
+            self.output,
+            self.fwd_peak,
+            self.bwd_peak,
+            self.bwd_peak_held,
+            self.b_pass_peak,
+        ):
             read(one, one)
         for phase in ("fwd", "bwd", "recompute"):
             self.op_values(phase, one, one)
@@ -152,6 +162,12 @@ class LayerAnalysis:
         """The backward's peak where the runtime keeps each parameter gradient as autograd makes
         it until the layer's backward is done (then flattens them: `rules.grad_accumulation`)."""
         return self._mem("bwd_live_held", lambda a: a.bwd_live_held, b, s)
+
+    def b_pass_peak(self, b, s) -> np.ndarray | None:
+        """A split compiled block's B peak with the graph kept (`b_pass_live`); None otherwise."""
+        if self.b_pass_live is None:
+            return None
+        return self._mem("b_pass_live", lambda a: a.b_pass_live, b, s)
 
     def flops_of(self, phase: str, b, s) -> np.ndarray:
         return self._eval("flops_" + phase, [self.flops.get(phase, sympy.Integer(0))], b, s)[0]
@@ -421,12 +437,13 @@ def _trace_and_analyze(
     params = sum(p.numel() for p in holder["m"].parameters())
     if part == "post" and spec.tie_embeddings:
         params -= holder["m"].weight.numel()  # the tied table is the embedding's
+    b_live = None
     if not compiled:
         w_peak, w_freed = weight_pass_bytes(trace, records)
     elif trace.weight_grad_held is not None:
-        # a compiled block's W graph returns all its parameters' gradients together, and the
-        # values B handed it go once it has run (the forward-saved ones stay with the graph)
-        w_peak = [sympy.Integer(params * torch_dtype(dtype).itemsize)]
+        # a compiled block's W graph frees each value B handed it after its last use, and by its
+        # end all of them (the forward-saved ones stay with the graph)
+        b_live, w_peak = split_pass_bytes(trace, cpu=target == "cpu")
         w_freed = trace.weight_grad_held
     else:
         w_peak, w_freed = None, None
@@ -453,7 +470,7 @@ def _trace_and_analyze(
         cp=cp,
         compiled=compiled,
         weight_grad_held=trace.weight_grad_held,
-        weight_grad_saved=trace.weight_grad_saved,
+        b_pass_live=b_live,
         weight_pass_peak=w_peak,
         weight_pass_freed=w_freed,
     )

@@ -46,32 +46,72 @@ def live_bytes(trace: Trace, hold_grads: bool = False, cpu: bool = False) -> tup
     parameters' gradients held from where they are made to the end: `hold_grads`; with the
     temporaries a CPU kernel allocates for the op: `cpu`, `Trace.cpu_scratch`)."""
     fwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase == "fwd"]
-    bwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase != "fwd"]
-    hold = trace.param_grad_sids if (hold_grads or trace.grads_at_end) else set()
-    skip = trace.param_sids | trace.cache_sids | (trace.grad_sids - hold)
-    keep_fwd = set(trace.saved) | trace.output_sids
-    scratch = trace.cpu_scratch if cpu else {}
+    walk = _Walk(trace, hold_grads, cpu)
+    fwd_totals = walk.run(fwd, {}, set(trace.saved) | trace.output_sids | trace.input_sids)
+    bwd_totals = walk.run(walk.bwd, walk.saved_live(), walk.bwd_keep)
+    return _dedupe([t for t, _ in fwd_totals]), _dedupe([t for t, _ in bwd_totals])
 
-    # the last record of the autograd node each backward record runs in; not for a node that
-    # re-runs a forward inside (a checkpoint's backward: it runs a whole backward of its own, of
-    # nodes made then, which the trace does not see begin and end)
-    node_of: dict[int, tuple[int, int]] = {}  # record -> (the node's first record, its last)
-    for first, end in trace.node_spans:
-        if all(trace.records[i].phase == "bwd" for i in range(first, end)):
-            for i in range(first, end):
-                node_of[i] = (first, end - 1)
 
-    def last_use(sid: int, i: int) -> int:
+def split_pass_bytes(trace: Trace, cpu: bool = False) -> tuple[list, list]:
+    """A compiled block's backward as B and W where the ZB-H1 runtime keeps the graph from B to W
+    (a stage after the first, `runtime.zero_bubble`): autograd then keeps every saved tensor to
+    W's end, while B's values go at their last use, in B or, for those B hands to W, in W (W's
+    graph frees each input after its last use: `models.weight_split`). The output gradient B
+    takes is live from its start (W may read it too: a block's is its last linear's dY). Returned:
+    the live totals at B's operators, and what W adds at each of its operators over what it
+    starts with."""
+    walk = _Walk(trace, True, cpu)
+    live = walk.saved_live() | {sid: trace.storage_bytes[sid] for sid in trace.tangent_sids}
+    totals = walk.run(walk.bwd, live, walk.bwd_keep | set(trace.saved))
+    is_w = [bool(trace.records[i].weight_grad) for i, _, _ in walk.bwd]
+    b_totals = [t for (t, _), w in zip(totals, is_w) if not w]
+    # W starts with what the last of B's operators left
+    start = [after for (_, after), w in zip(totals, is_w) if not w][-1]
+    w_rise = [t - start for (t, _), w in zip(totals, is_w) if w]
+    return _dedupe(b_totals), _dedupe(w_rise)
+
+
+class _Walk:
+    """The storages' lifetimes over a trace's operators (the module docstring's rule)."""
+
+    def __init__(self, trace: Trace, hold_grads: bool, cpu: bool):
+        self.trace = trace
+        self.bwd = [(i, ins, outs) for i, ins, outs in trace.uses if trace.records[i].phase != "fwd"]
+        self.hold = trace.param_grad_sids if (hold_grads or trace.grads_at_end) else set()
+        self.skip = trace.param_sids | trace.cache_sids | (trace.grad_sids - self.hold)
+        self.scratch = trace.cpu_scratch if cpu else {}
+        # the gradient handed to the previous layer outlives this layer's backward
+        keep = set(trace.keep_bwd)
+        if self.bwd and not keep:
+            keep = {sid for sid in self.bwd[-1][2]}
+        self.bwd_keep = keep | self.hold
+        # the last record of the autograd node each backward record runs in; not for a node that
+        # re-runs a forward inside (a checkpoint's backward: it runs a whole backward of its own,
+        # of nodes made then, which the trace does not see begin and end)
+        self.node_of: dict[int, tuple[int, int]] = {}  # record -> (the node's first record, its last)
+        for first, end in trace.node_spans:
+            if all(trace.records[i].phase == "bwd" for i in range(first, end)):
+                for i in range(first, end):
+                    self.node_of[i] = (first, end - 1)
+
+    def saved_live(self) -> dict:
+        """Backward starts with what forward saved (the layer output has been consumed downstream)."""
+        return {sid: b for sid, b in self.trace.saved.items() if sid not in self.skip}
+
+    def _last_use(self, sid: int, i: int) -> int:
         # held to the node's end: what the node got (its saved tensors, the gradients handed to
         # it), not a temporary it makes and drops itself
-        node = node_of.get(i) if trace.records[i].phase == "bwd" else None
+        trace = self.trace
+        node = self.node_of.get(i) if trace.records[i].phase == "bwd" else None
         return node[1] if node is not None and trace.producer.get(sid, -1) < node[0] else i
 
-    def run(ops, live: dict, keep: set) -> list:
+    def run(self, ops, live: dict, keep: set) -> list[tuple]:
+        """(live total at each of `ops`, the total once it is done), from `live`; `keep`: never freed."""
+        trace = self.trace
         last = {}
         for i, ins, _ in ops:
             for sid in ins:
-                last[sid] = last_use(sid, i)
+                last[sid] = self._last_use(sid, i)
         indices = {i for i, _, _ in ops}
         for sid, end in trace.held_until:
             if end - 1 in indices:
@@ -82,21 +122,11 @@ def live_bytes(trace: Trace, hold_grads: bool = False, cpu: bool = False) -> tup
         totals = []
         for i, ins, outs in ops:
             for sid in outs:
-                if sid not in skip and sid not in live and sid in trace.storage_bytes:
+                if sid not in self.skip and sid not in live and sid in trace.storage_bytes:
                     live[sid] = trace.storage_bytes[sid]
-            totals.append(sum(live.values(), scratch.get(i, sympy.Integer(0))))
+            at = sum(live.values(), self.scratch.get(i, sympy.Integer(0)))
             for sid in set(ins) | set(outs) | set(ends.get(i, ())):
                 if sid in live and sid not in keep and last.get(sid, i) <= i and trace.producer.get(sid, -1) <= i:
                     del live[sid]
+            totals.append((at, sum(live.values(), sympy.Integer(0))))
         return totals
-
-    fwd_live: dict = {}
-    fwd_totals = run(fwd, fwd_live, keep_fwd | trace.input_sids)
-    # Backward starts with what forward saved (the layer output has been consumed downstream).
-    bwd_live = {sid: b for sid, b in trace.saved.items() if sid not in skip}
-    # the gradient handed to the previous layer outlives this layer's backward
-    bwd_keep = set(trace.keep_bwd)
-    if bwd and not bwd_keep:
-        bwd_keep = {sid for sid in bwd[-1][2]}
-    bwd_totals = run(bwd, bwd_live, bwd_keep | hold)
-    return _dedupe(fwd_totals), _dedupe(bwd_totals)

@@ -160,12 +160,13 @@ class Trace:
         self.output_sids: set[int] = set()
         # the input gradients handed to the previous layer (empty: the last backward op's outputs)
         self.keep_bwd: set[int] = set()
+        # the output gradients a compiled backward graph takes (its tangents; an eager trace's
+        # backward starts from one it makes)
+        self.tangent_sids: set[int] = set()
         # bytes held from the input-gradient pass B to the weight-gradient pass W beyond the saved
         # activations, where the trace knows them (a compiled block's split backward); None: the
         # weight-gradient operators' records say (`mist.simulate.weight_grad`)
         self.weight_grad_held: sympy.Expr | None = None
-        # ... and the forward-saved bytes of the values B hands to W (a compiled split)
-        self.weight_grad_saved: sympy.Expr | None = None
         # the backward's autograd nodes as [first, end) ranges of record indices (an eager trace):
         # a node releases what it saved, and its gradient inputs, when it is done
         self.node_spans: list[tuple[int, int]] = []

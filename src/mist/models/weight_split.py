@@ -156,10 +156,14 @@ class SplitBackward:
     def __call__(self, args: list) -> list:
         res = list(self.b_fn(args))
         grads, crossing = res[: self.n], res[self.n :]
+        # (no other reference to the crossing values: W's graph, called boxed, takes its list and
+        # frees each value after its last use, as the trace prices it)
+        del res
 
         def weights() -> list[tuple[int, torch.Tensor]]:
-            w = self.w_fn(list(crossing))
+            w_args = list(crossing)
             crossing.clear()
+            w = self.w_fn(w_args)
             return [(e, w[i]) for i in self.w_idx if w[i] is not None and (e := self.edges[i]) is not None]
 
         if _deferring:

@@ -179,10 +179,12 @@ class _WeightPass:
         def hook(grad_inputs, grad_outputs):
             if weight_split.pending_count() > self._pending_before.get(node, weight_split.pending_count()):
                 self.deferred[node] = weight_split.take_pending()
+                self.grads.pop(node, None)  # W starts below it: its output gradients can go now
                 return
             got = [(GradientEdge(nxt, nr), grad_inputs[i]) for i, nxt, nr in sides]
             if got and all(g is not None for _, g in got):
                 self.produced[node] = got
+                self.grads.pop(node, None)
 
         return hook
 
@@ -200,9 +202,6 @@ class _WeightPass:
             weight_split.drop_pending()
         if left:  # each is taken by its node's hook: one left would lose its weights' gradients
             raise RuntimeError(f"{left} compiled weight-gradient pass(es) left with no frontier node to run them")
-        # W starts below these nodes: their output gradients are not needed
-        for node in [*self.produced, *self.deferred]:
-            self.grads.pop(node, None)
         return gx if gx is not None else torch.zeros_like(x)
 
     def roots(self, nodes, pins: list) -> tuple[list, list]:

@@ -19,7 +19,6 @@ from mist.rules.compiled_blocks import SPLIT
 from mist.simulate.layer_cost import phase_time
 from mist.simulate.weight_grad import (
     held_gradient_bytes,
-    kept_without_graph_bytes,
     weight_grad_fraction,
     weight_grad_output_bytes,
 )
@@ -72,8 +71,9 @@ class LayerTerms:
     # goes (`analysis.weight_pass`; a compiled block: its largest weight gradient, and none)
     wgrad_peak: np.ndarray | None = None
     wgrad_freed: np.ndarray | None = None
-    # what a compiled block keeps from B to W where the graph is not kept (None: eager)
-    wgrad_kept_alone: np.ndarray | None = None
+    # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
+    # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
+    b_pass_over: np.ndarray | None = None
 
 
 def _at_sizes(expr, b, s) -> np.ndarray:
@@ -205,7 +205,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     else:
         w_peak = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak], axis=0)
         w_freed = _at_sizes(la.weight_pass_freed, b, s)
-    alone = kept_without_graph_bytes(la)
+    b_pass = la.b_pass_peak(b, s)
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -240,5 +240,5 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_out=np.full(b.shape, w_out),
         wgrad_peak=w_peak,
         wgrad_freed=w_freed,
-        wgrad_kept_alone=None if alone is None else _at_sizes(alone, b, s),
+        b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
     )

@@ -198,7 +198,7 @@ def _memory(
     base_act = in_flight * saved_mb + held_post + held_grads + p2p
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
-        b_pass = (waiting.b_above - (a.saved if waiting.b_above_instead else 0.0), waiting.b_head)
+        b_pass = (waiting.b_above, waiting.b_head, waiting.b_over)
     # an interleaved rank 0 runs the embedding beside other chunks and sends than its peaks hold
     bwd_base = base_act + (out_bwd - out_fwd) * a.p2p_output
     pre_shift = (0.0, 0.0)
@@ -302,9 +302,10 @@ def _transient_peaks(
     stage's last block's (with the other blocks' saved, its offloaded ones back, and the block
     below's on their way back: `runtime.activations` fetches one block ahead), the head's, the
     embedding's, and the gradient path's at each (`A_last`: the last block's saved bytes).
-    Under ZB-H1 (`b_pass`: what each block above keeps beyond its saved activations once its B is
-    done, and what the head keeps) a block's B runs with the B of those above it done: the last
-    block's with the head's, the lowest with every other block's. Each candidate has the whole
+    Under ZB-H1 on a stage after the first (`b_pass`: what each block above keeps beyond its saved
+    activations once its B is done, what the head keeps, and what a block's B holds over its
+    plain backward's peak, the graph kept) a block's B runs with the B of those above it done:
+    the last block's with the head's, the lowest with every other block's. Each candidate has the whole
     unit weights held where it lies (`buf`: `states.gathered_weights`) on top; returned: the
     forward's and the backward's peak, and the weights held at each. `pre_shift`: what the
     embedding's forward and backward run beside beyond the stage's held activations
@@ -329,8 +330,8 @@ def _transient_peaks(
     if on(gp.block_flattened):
         bwd_cands.append((cur_before_last + a.x_in + gp.block_flattened + a.tied_grad, blk))
     if b_pass is not None:
-        above, head = b_pass
-        bwd_cands.append((last_bwd + head + np.maximum((layers - 1) * above, 0.0), blk))
+        above, head, over = b_pass
+        bwd_cands.append((last_bwd + over + head + np.maximum((layers - 1) * above, 0.0), blk))
     sf, sb = block_shift
     fwd_cands = [(act + sf, w) for act, w in fwd_cands]
     bwd_cands = [(act + sb, w) for act, w in bwd_cands]

@@ -93,10 +93,11 @@ class ZeroBubbleHeld:
     w_waiting: float | np.ndarray = 0.0
     w_transient: float | np.ndarray = 0.0
     # the current micro-batch's B going down the stage: what each block above the one in its B
-    # keeps (None: nothing beyond a plain backward's), in place of its saved activations
-    # (`b_above_instead`) or beside them; and what the head keeps from its B (last stage)
+    # keeps beside its saved activations (None: nothing beyond a plain backward's), what the
+    # block in its B holds over its plain backward's peak, and what the head keeps from its B
+    # (last stage)
     b_above: float | np.ndarray | None = None
-    b_above_instead: bool = False
+    b_over: float | np.ndarray = 0.0
     b_head: float | np.ndarray = 0.0
 
 

@@ -42,17 +42,6 @@ def held_gradient_bytes(la) -> sympy.Expr:
     return sympy.expand(total)
 
 
-def kept_without_graph_bytes(la) -> sympy.Expr | None:
-    """What a compiled block keeps from its B to its W where the backward does not keep the graph
-    (the first stage runs its backward whole, `runtime.zero_bubble`: the node releases what the
-    forward saved when it is done, but the W graph it leaves pending holds its inputs): every value
-    B hands to W, the forward-saved ones W reads included. A sympy expression in b and s; None for
-    an eager layer, whose backward there is not split."""
-    if la.weight_grad_held is None:
-        return None
-    return la.weight_grad_held + (la.weight_grad_saved if la.weight_grad_saved is not None else 0)
-
-
 def weight_grad_output_bytes(la) -> sympy.Expr:
     """The largest weight gradient a layer's W makes: the output of its biggest weight-gradient
     GEMM (parameter-shaped, so free of b and s), alive until autograd adds it into the

@@ -139,11 +139,14 @@ def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tupl
     (the micro-batch in W counted, no forward running), with W's largest weight gradient on top."""
     earlier, waiting = _most(_held(stage, stages, G, False), saved, wg.waiting_bytes)
     w_held, w_waiting = _most(_held(stage, stages, G, True), saved, wg.waiting_bytes)
-    # the first stage runs its backward whole (`runtime.zero_bubble`): only compiled blocks split it
-    whole = stage == 0
-    above = wg.block_kept_alone if whole else wg.block_held
+    # the first stage runs its backward whole (`runtime.zero_bubble`): a block's node lets go of
+    # all it held once it returns (a compiled block runs its W inside), so none is kept beyond a
+    # plain backward's
+    first = stage == 0
+    above = None if first else wg.block_held
+    over = 0.0 if first or wg.block_b_over is None else wg.block_b_over
     return earlier, ZeroBubbleHeld(
-        waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes, above, whole, wg.head_held
+        waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes, above, over, wg.head_held
     )
 
 
@@ -157,12 +160,12 @@ class StageWeightGrad:
     grad_bytes: np.ndarray
     head_saved_bytes: np.ndarray
     transient_bytes: np.ndarray  # the most it adds at once over what it starts with (`stage_weight_grad`)
-    # through the blocks' B: what one block keeps once its own B is done, beside its saved
-    # activations (the graph kept: a later stage), or instead of them (compiled blocks on the
-    # first stage: `weight_grad.kept_without_graph_bytes`; None for eager ones, not split there);
-    # and what the head keeps from its B (its saved activations and output gradients)
+    # through the blocks' B (the graph kept: a stage after the first): what one block keeps once
+    # its own B is done, beside its saved activations; what a compiled block's B holds at its
+    # peak over its plain backward's (`LayerTerms.b_pass_over`; None: eager); and what the head
+    # keeps from its B (its saved activations and output gradients)
     block_held: np.ndarray | None = None
-    block_kept_alone: np.ndarray | None = None
+    block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0
 
     @property
@@ -207,8 +210,8 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
             if part == "post":
                 head = head + lt.saved[jx]
                 head_held = lt.saved[jx] + lt.wgrad_held[jx]
-    alone = None if blk.wgrad_kept_alone is None else blk.wgrad_kept_alone[ix]
-    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], alone, head_held)
+    over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
+    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], over, head_held)
 
 
 def split_backward(T, fwd, w):

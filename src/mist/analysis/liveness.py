@@ -62,7 +62,7 @@ def split_pass_bytes(trace: Trace, cpu: bool = False) -> tuple[list, list]:
     starts with."""
     walk = _Walk(trace, True, cpu)
     live = walk.saved_live() | {sid: trace.storage_bytes[sid] for sid in trace.tangent_sids}
-    totals = walk.run(walk.bwd, live, walk.bwd_keep | set(trace.saved))
+    totals = walk.run(walk.bwd, live, walk.bwd_keep | set(trace.saved), after=True)
     is_w = [bool(trace.records[i].weight_grad) for i, _, _ in walk.bwd]
     b_totals = [t for (t, _), w in zip(totals, is_w) if not w]
     # W starts with what the last of B's operators left
@@ -105,8 +105,9 @@ class _Walk:
         node = self.node_of.get(i) if trace.records[i].phase == "bwd" else None
         return node[1] if node is not None and trace.producer.get(sid, -1) < node[0] else i
 
-    def run(self, ops, live: dict, keep: set) -> list[tuple]:
-        """(live total at each of `ops`, the total once it is done), from `live`; `keep`: never freed."""
+    def run(self, ops, live: dict, keep: set, after: bool = False) -> list[tuple]:
+        """(live total at each of `ops`, the total once it is done where `after`, else None), from
+        `live`; `keep`: never freed."""
         trace = self.trace
         last = {}
         for i, ins, _ in ops:
@@ -128,5 +129,5 @@ class _Walk:
             for sid in set(ins) | set(outs) | set(ends.get(i, ())):
                 if sid in live and sid not in keep and last.get(sid, i) <= i and trace.producer.get(sid, -1) <= i:
                     del live[sid]
-            totals.append((at, sum(live.values(), sympy.Integer(0))))
+            totals.append((at, sum(live.values(), sympy.Integer(0)) if after else None))
         return totals

@@ -331,6 +331,8 @@ def _transient_peaks(
         bwd_cands.append((cur_before_last + a.x_in + gp.block_flattened + a.tied_grad, blk))
     if b_pass is not None:
         above, head, over = b_pass
+        # (a checkpointed block runs its backward whole inside B: nothing of it is split)
+        over = np.where(ck, 0.0, over)
         bwd_cands.append((last_bwd + over + head + np.maximum((layers - 1) * above, 0.0), blk))
     sf, sb = block_shift
     fwd_cands = [(act + sf, w) for act, w in fwd_cands]

@@ -67,8 +67,9 @@ class LayerTerms:
     wgrad: np.ndarray | None = None
     wgrad_held: np.ndarray | None = None
     wgrad_out: np.ndarray | None = None  # the largest weight gradient W makes (before it is added)
-    # the most W adds at once over what it starts with, and the saved bytes it releases as it
-    # goes (`analysis.weight_pass`; a compiled block: its largest weight gradient, and none)
+    # the most W adds at once over what it starts with, and the bytes it releases as it goes
+    # (`analysis.weight_pass`; a compiled block: `analysis.liveness.split_pass_bytes`, and the
+    # values B handed it)
     wgrad_peak: np.ndarray | None = None
     wgrad_freed: np.ndarray | None = None
     # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after

@@ -191,6 +191,13 @@ def test_a_split_backward_prices_its_weight_gradient_graph_apart(compiled):
     w_rise = max(float(c.subs({B: b, S: s})) for c in split.weight_pass_peak)
     assert 0 < w_rise < params_bytes
     assert float(split.weight_pass_freed.subs({B: b, S: s})) == held
+    # with the saved tensors handed to B once (`runtime.activations`), those W does not read go
+    # in B: its peak is no higher, and it still ends holding all it hands W
+    unread = float(split.saved_unread_by_w.subs({B: b, S: s}))
+    assert 0 < unread < saved and whole.saved_unread_by_w is None and eager.saved_unread_by_w is None
+    released = float(split.b_pass_peak(b, s, released=True))
+    assert saved - unread + held <= released <= float(split.b_pass_peak(b, s))
+    assert 0 < max(float(c.subs({B: b, S: s})) for c in split.weight_pass_peak_released) <= w_rise
 
 
 def _fused_work(la, phase: str, kind: str):

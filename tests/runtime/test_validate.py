@@ -349,21 +349,20 @@ def test_a_zero_bubble_last_stages_weight_pass_peak_is_the_predicted_one(tmp_pat
     assert all(abs(e) < 0.003 for e in errors), errors
 
 
-def test_a_compiled_zero_bubble_pipeline_runs_each_w_freeing_what_its_b_handed_it(tmp_path):
-    """ZB-H1 over 2 stages (3 + 1 compiled Llama blocks), G 4, micro-batches of 2. A compiled
-    block's split backward kept every value B hands W to W's end (the runtime held a second list
-    of them), 12.5 MiB a block here, while W's graph would free each after its last use: the first
-    stage, whose blocks run B and W in one call, peaked at 357.09 MiB, the last at 272.33 MiB. They
-    now peak at 350.16 and 265.33 MiB (`models.weight_split`). The simulator prices the first
-    stage's blocks as plain backwards (each lets all go when it returns; it had held 3.92 MiB for
-    each block above the lowest: +0.28 %, now +0.02 %) and, on the last, B with every saved tensor
-    kept and W freeing as it goes in its graph's order (`analysis.liveness.split_pass_bytes`):
-    +1.09 %, 2.9 MiB above at W, where Inductor reorders W's kernels for its peak (measured 4.25
-    MiB added, 7.25 MiB priced). The old runtime measures above the prediction on both stages
-    (−1.92 %, −1.51 %)."""
-    errors = _pipeline_allocator_errors(tmp_path, "zb-h1", (3, 1), G=4, b=2, model="loop-llama", compiled=True)
-    assert abs(errors[0]) < 0.003, errors
-    assert 0 <= errors[1] < 0.015, errors
+@pytest.mark.parametrize("layers", [(3, 1), (1, 3)], ids=["3+1", "1+3"])
+def test_a_compiled_zero_bubble_pipeline_frees_in_b_what_its_w_does_not_read(tmp_path, layers):
+    """ZB-H1 over 2 stages of compiled Llama blocks, G 4, micro-batches of 2. A later stage's B
+    keeps the graph for W, and with it every saved tensor to W's end, though a compiled block's
+    W reads only what B hands it (`models.weight_split`). The saved tensors are now handed to B
+    once (`runtime.activations`), so each goes at its last use in B unless W reads it: the last
+    stage peaked at 265.33 MiB with 3 + 1 blocks and 489.19 MiB with 1 + 3, and now at 249.25 and
+    438.80 MiB. Priced the same way (`analysis.liveness.split_pass_bytes`, released), every stage
+    is within 0.06 %; the runtime that kept them measures 10.3 % above that price on the 1 + 3
+    last stage. (Before that, a compiled block's W kept a second list of what B handed it, which
+    its graph could not free: the first stage, whose blocks run B and W in one call, measured
+    357.09 MiB, now 350.16.)"""
+    errors = _pipeline_allocator_errors(tmp_path, "zb-h1", layers, G=4, b=2, model="loop-llama", compiled=True)
+    assert max(abs(e) for e in errors) < 0.003, errors
 
 
 def test_zero_3_holds_the_shared_table_and_two_blocks_where_the_head_backward_peaks(tmp_path):

@@ -379,6 +379,9 @@ def _weight_graph(st: _Graphs, cg: CompiledGraphs, ex: _Expr) -> None:
     crossing_sids = {st.sid[st.key("bw", o)] for o in crossing if isinstance(_val(o), torch.Tensor)}
     held = crossing_sids - (set(trace.saved) | trace.param_sids)
     trace.weight_grad_held = sympy.expand(sum((trace.storage_bytes[sid] for sid in held), sympy.Integer(0)))
+    # (and the saved tensors that W does not read: gone by W where B is handed them once)
+    unread = set(trace.saved) - crossing_sids - trace.param_sids
+    trace.saved_unread_by_w = sympy.expand(sum((trace.saved[sid] for sid in unread), sympy.Integer(0)))
     _kernels(st, "w", cg.wgrad, ex, {o.name for o in _outputs(cg.wgrad) if isinstance(o, torch.fx.Node)})
     trace.records[:] = [replace(r, weight_grad=r.index >= w_start) if r.phase == "bwd" else r for r in trace.records]
     for o in _outputs(cg.wgrad):

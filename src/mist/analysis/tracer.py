@@ -167,6 +167,8 @@ class Trace:
         # activations, where the trace knows them (a compiled block's split backward); None: the
         # weight-gradient operators' records say (`mist.simulate.weight_grad`)
         self.weight_grad_held: sympy.Expr | None = None
+        # ... and the saved activations W does not read (a compiled block's split backward)
+        self.saved_unread_by_w: sympy.Expr | None = None
         # the backward's autograd nodes as [first, end) ranges of record indices (an eager trace):
         # a node releases what it saved, and its gradient inputs, when it is done
         self.node_spans: list[tuple[int, int]] = []

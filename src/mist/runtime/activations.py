@@ -15,6 +15,15 @@ and v of the fused QKV output). So each saved storage is split once, as a whole,
 rebuilds it once and returns each view with its own sizes, strides and offset
 (`mist.analysis.compiled` counts the same storages).
 
+A compiled block's backward reads its saved tensors once, all at its start, and its compiled graph
+frees each after its last use. Without offloading they are handed out once (`_Once`): the hooks
+let go of each as it is read. A plain backward releases them then anyway; under ZB-H1, where B
+keeps the graph for W (a stage after the first, `runtime.zero_bubble`), the block's saved tensors
+would otherwise stay to W's end, though W's graph reads only the values B hands it
+(`models.weight_split`): now each goes after its last use in B, unless B hands it to W. The
+embedding's and the head's eager nodes keep theirs (a weight pass may run them again), and so do
+offloaded storages (`_StorageView`, restored whole at the first of their views).
+
 Backward brings the tails back one block ahead: the first `unpack` of a block's backward restores
 that block's tensors (if they are not back yet) and starts restoring the block below it, of the
 same micro-batch, so that its host→device copies overlap this block's backward, as the simulator
@@ -53,6 +62,15 @@ class _Offloaded:
         self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
+class _Once:
+    """A saved tensor that its one reader takes (see the module docstring)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor
+
+
 class _Group:
     """The tensors one block offloaded in one micro-batch's forward, and the block below it."""
 
@@ -80,6 +98,7 @@ class SavedTensorManager:
         self.is_weight = is_weight  # callable: tensor → True for a view of a weight buffer
         self.ratio = 0.0
         self.by_storage = False  # the running block is compiled: split saved storages whole
+        self.once = False  # ... and its saved tensors are read once (`_Once`)
         # the storages split so far in the running block's forward, held until it ends (so that
         # no freed address is mistaken for one of them)
         self._block_storages: dict[int, tuple[_Offloaded, torch.UntypedStorage]] = {}
@@ -126,7 +145,7 @@ class SavedTensorManager:
             if on_device:
                 st = t.untyped_storage()
                 self._count(st.nbytes(), st.data_ptr())
-            return t.detach()
+            return _Once(t.detach()) if self.once else t.detach()
         return self._offload(t.detach().reshape(-1), t.shape)
 
     def _pack_storage(self, t: torch.Tensor):
@@ -142,16 +161,16 @@ class SavedTensorManager:
         return _StorageView(self._block_storages[key][0], t.shape, t.stride(), t.storage_offset())
 
     @contextlib.contextmanager
-    def layer(self, ratio: float, by_storage: bool):
-        """While one layer's forward runs: the fraction of its saved activations to offload, and
-        whether they split storage by storage (a compiled block). The storages split in it are
-        no longer looked up after it."""
-        self.ratio, self.by_storage = ratio, by_storage
+    def layer(self, ratio: float, by_storage: bool, once: bool = False):
+        """While one layer's forward runs: the fraction of its saved activations to offload,
+        whether they split storage by storage (a compiled block) and whether they are read once
+        (a compiled block's). The storages split in it are no longer looked up after it."""
+        self.ratio, self.by_storage, self.once = ratio, by_storage, once
         group = self._group = _Group(self._last_group) if ratio > 0 else None
         try:
             yield
         finally:
-            self.ratio, self.by_storage = 0.0, False
+            self.ratio, self.by_storage, self.once = 0.0, False, False
             self._block_storages.clear()
             self._group = None
             if group is not None and group.items:
@@ -184,6 +203,10 @@ class SavedTensorManager:
         return packed
 
     def unpack(self, packed):
+        if isinstance(packed, _Once):
+            t, packed.tensor = packed.tensor, None
+            assert t is not None, "a compiled block's saved tensor read twice"
+            return t
         if isinstance(packed, _StorageView):
             whole = packed.storage
             if whole.restored is None:  # the first of its views to come back rebuilds it

@@ -160,13 +160,15 @@ class StageRunner:
 
         return hook
 
-    def _run(self, i: int, fn, ratio: float):
+    def _run(self, i: int, fn, ratio: float, block: bool = False):
         u = self.units[i]
         u.materialize()
         u.wait()
         if i + 1 < len(self.units):
             self.units[i + 1].materialize(prefetch=True)
-        with self.saved.layer(ratio, by_storage=self.compiled):
+        # (a compiled block's saved tensors are read once, by its one backward call; the eager
+        # embedding's and head's nodes may be run again by a ZB-H1 weight pass)
+        with self.saved.layer(ratio, by_storage=self.compiled, once=self.compiled and block):
             out = fn()
         prev_released = i > 0 and not self.units[i - 1].persistent
         if out.requires_grad and (not u.persistent or prev_released):
@@ -189,7 +191,10 @@ class StageRunner:
             for j, blk in enumerate(self.blocks):
                 recompute = j >= n - self.recompute_layers
                 x = self._run(
-                    i, lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective), self.activation_ratio
+                    i,
+                    lambda blk=blk, x=x, rc=recompute: run_block(blk, x, rc, **self.selective),
+                    self.activation_ratio,
+                    block=True,
                 )
                 i += 1
             if m.head is not None:

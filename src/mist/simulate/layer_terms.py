@@ -75,6 +75,11 @@ class LayerTerms:
     # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
     # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
     b_pass_over: np.ndarray | None = None
+    # the same and W's most with its saved tensors handed to B once (not offloaded:
+    # `runtime.activations`), and the saved bytes that then go by W (those W does not read)
+    b_pass_over_released: np.ndarray | None = None
+    wgrad_peak_released: np.ndarray | None = None
+    saved_unread_by_w: np.ndarray | None = None
 
 
 def _at_sizes(expr, b, s) -> np.ndarray:
@@ -206,7 +211,8 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     else:
         w_peak = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak], axis=0)
         w_freed = _at_sizes(la.weight_pass_freed, b, s)
-    b_pass = la.b_pass_peak(b, s)
+    b_pass, b_pass_rel = la.b_pass_peak(b, s), la.b_pass_peak(b, s, released=True)
+    released = la.saved_unread_by_w is not None
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -242,4 +248,9 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_peak=w_peak,
         wgrad_freed=w_freed,
         b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
+        b_pass_over_released=None if b_pass_rel is None else b_pass_rel - la.bwd_peak(b, s),
+        wgrad_peak_released=(
+            np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak_released], axis=0) if released else None
+        ),
+        saved_unread_by_w=_at_sizes(la.saved_unread_by_w, b, s) if released else None,
     )

@@ -131,12 +131,18 @@ def _most(pairs: np.ndarray, saved, extra):
     return pairs[k, 0], pairs[k, 1]
 
 
-def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tuple[np.ndarray, ZeroBubbleHeld]:
+def zb_held(
+    stage: int, stages: int, G: int, saved, wg: StageWeightGrad, offloaded=False
+) -> tuple[np.ndarray, ZeroBubbleHeld]:
     """What stage `stage` holds under ZB-H1, with `saved` the saved activations of one
     micro-batch and `wg` its W (`stage_weight_grad`), vectorized over candidates: (earlier
     micro-batches held at its forward peak, a `ZeroBubbleHeld`). At a forward the pair of
     `held_after_forwards` that holds the most bytes; at a W the pair of `held_at_weight_passes`
-    (the micro-batch in W counted, no forward running), with W's largest weight gradient on top."""
+    (the micro-batch in W counted, no forward running), with W's largest weight gradient on top.
+    `offloaded` (per candidate): the blocks offload activations, so their saved tensors are not
+    handed to B once (`wg.released` does not apply)."""
+    if wg.released is not None:
+        wg = _pick(np.asarray(offloaded), wg, wg.released)
     earlier, waiting = _most(_held(stage, stages, G, False), saved, wg.waiting_bytes)
     w_held, w_waiting = _most(_held(stage, stages, G, True), saved, wg.waiting_bytes)
     # the first stage runs its backward whole (`runtime.zero_bubble`): a block's node lets go of
@@ -167,6 +173,10 @@ class StageWeightGrad:
     block_held: np.ndarray | None = None
     block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0
+    # the same W where its compiled blocks' saved tensors are handed to B once (a stage after the
+    # first, activations not offloaded: `runtime.activations`), so that those W does not read go
+    # in B; None: no such blocks (`zb_held` picks per candidate)
+    released: StageWeightGrad | None = None
 
     @property
     def waiting_bytes(self) -> np.ndarray:
@@ -211,7 +221,25 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
                 head = head + lt.saved[jx]
                 head_held = lt.saved[jx] + lt.wgrad_held[jx]
     over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
-    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], over, head_held)
+    handed_once = None
+    if not first and blk.saved_unread_by_w is not None:
+        # what W starts with is only what B hands it: a block's W reads (and frees) the saved
+        # tensors it reads, and the rest are gone by then
+        unread = blk.saved_unread_by_w[ix]
+        out_r = np.where(plain > 0, blk.wgrad_peak_released[ix], 0.0)
+        if last:
+            lt, jx = model._terms("post", b)
+            out_r = np.maximum(out_r, lt.wgrad_peak[jx] - plain * (blk.wgrad_freed[ix] + blk.saved[ix] - unread))
+        handed_once = StageWeightGrad(
+            w,
+            held - plain * unread,
+            head,
+            out_r,
+            blk.wgrad_held[ix] - unread,
+            blk.b_pass_over_released[ix],
+            head_held,
+        )
+    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], over, head_held, handed_once)
 
 
 def split_backward(T, fwd, w):
@@ -221,3 +249,20 @@ def split_backward(T, fwd, w):
     bwd = T - fwd
     w = np.minimum(np.asarray(w, dtype=np.float64), bwd)
     return fwd, bwd - w, w
+
+
+def _pick(offloaded: np.ndarray, kept: StageWeightGrad, released: StageWeightGrad) -> StageWeightGrad:
+    """Field by field, `kept`'s where `offloaded`, else `released`'s."""
+
+    def pick(a, b) -> np.ndarray:
+        return np.where(offloaded, a, b)
+
+    return StageWeightGrad(
+        kept.seconds,
+        pick(kept.grad_bytes, released.grad_bytes),
+        kept.head_saved_bytes,
+        pick(kept.transient_bytes, released.transient_bytes),
+        pick(kept.block_held, released.block_held),
+        pick(kept.block_b_over, released.block_b_over),
+        kept.head_held,
+    )

@@ -349,20 +349,35 @@ def test_a_zero_bubble_last_stages_weight_pass_peak_is_the_predicted_one(tmp_pat
     assert all(abs(e) < 0.003 for e in errors), errors
 
 
-@pytest.mark.parametrize("layers", [(3, 1), (1, 3)], ids=["3+1", "1+3"])
-def test_a_compiled_zero_bubble_pipeline_frees_in_b_what_its_w_does_not_read(tmp_path, layers):
-    """ZB-H1 over 2 stages of compiled Llama blocks, G 4, micro-batches of 2. A later stage's B
-    keeps the graph for W, and with it every saved tensor to W's end, though a compiled block's
-    W reads only what B hands it (`models.weight_split`). The saved tensors are now handed to B
-    once (`runtime.activations`), so each goes at its last use in B unless W reads it: the last
-    stage peaked at 265.33 MiB with 3 + 1 blocks and 489.19 MiB with 1 + 3, and now at 249.25 and
-    438.80 MiB. Priced the same way (`analysis.liveness.split_pass_bytes`, released), every stage
-    is within 0.06 %; the runtime that kept them measures 10.3 % above that price on the 1 + 3
-    last stage. (Before that, a compiled block's W kept a second list of what B handed it, which
-    its graph could not free: the first stage, whose blocks run B and W in one call, measured
-    357.09 MiB, now 350.16.)"""
-    errors = _pipeline_allocator_errors(tmp_path, "zb-h1", layers, G=4, b=2, model="loop-llama", compiled=True)
-    assert max(abs(e) for e in errors) < 0.003, errors
+_EXT_B = "tests/runtime/test_validate.py::test_a_zero_bubble_stage_lets_go_in_b_of_what_its_w_does_not_read"
+
+
+@pytest.mark.parametrize(
+    "model,compiled,layers",
+    [
+        ("loop-llama", False, (1, 3)),
+        ("loop-llama", True, (3, 1)),
+        pytest.param("loop-llama", True, (1, 3), marks=pytest.mark.extended(_EXT_B)),
+        pytest.param("loop-gpt", False, (1, 3), marks=pytest.mark.extended(_EXT_B)),
+    ],
+    ids=["llama-1+3", "llama-compiled-3+1", "llama-compiled-1+3", "gpt-1+3"],
+)
+def test_a_zero_bubble_stage_lets_go_in_b_of_what_its_w_does_not_read(tmp_path, model, compiled, layers):
+    """ZB-H1 over 2 stages, G 4, micro-batches of 2. A later stage's B keeps the autograd graph
+    for W, and with it every saved tensor to W's end, though W reads few of them: the linears'
+    inputs (an eager block's frontier nodes, run again in W) or what B hands it (a compiled
+    block's W graph). The runtime now lets each saved tensor go as a node that W does not run
+    again reads it in B (`runtime.activations`): the attention's, the norms', the activations',
+    the loss's. The last stage measured, with 1 + 3 blocks, 488.21 MiB (Llama), 482.46 (GPT) and
+    489.19 (Llama, compiled), now 401.89, 409.36 and 404.78; with 3 + 1 compiled Llama blocks
+    265.33, now 222.99. Priced from the saved bytes W does not read
+    (`analysis.weight_pass.saved_unread_by_w`; compiled: `analysis.liveness.split_pass_bytes`,
+    released): −0.12 % to +0.39 % on every stage, where the runtime that kept them measures 15–18 %
+    above the price on the 1 + 3 last stages. (Before that, a compiled block's W kept a second list
+    of what B handed it, which its graph could not free: the compiled 3 + 1 first stage, whose
+    blocks run B and W in one call, measured 357.09 MiB, now 350.16.)"""
+    errors = _pipeline_allocator_errors(tmp_path, "zb-h1", layers, G=4, b=2, model=model, compiled=compiled)
+    assert all(-0.003 < e < 0.005 for e in errors), errors
 
 
 def test_zero_3_holds_the_shared_table_and_two_blocks_where_the_head_backward_peaks(tmp_path):

@@ -20,7 +20,7 @@ from mist.analysis.compiled import TrainingGraphs, capture, capture_training, tr
 from mist.analysis.liveness import live_bytes, split_pass_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, OpRecord, OpValues
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
-from mist.analysis.weight_pass import weight_pass_bytes
+from mist.analysis.weight_pass import saved_unread_by_w, weight_pass_bytes
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, select_parts, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
@@ -77,9 +77,11 @@ class LayerAnalysis:
     # the live bytes at its operators, every saved tensor kept (None: not split into B and W) ...
     b_pass_live: list | None = None
     # ... and with its saved tensors handed to B once (not offloaded: `runtime.activations`), the
-    # same and W's rise, and the saved bytes that then go by W (those W does not read)
+    # same and W's rise (None: not a split compiled block) ...
     b_pass_live_released: list | None = None
     weight_pass_peak_released: list | None = None
+    # ... and the saved bytes that then go by W, those W does not read (an eager layer's: its
+    # nodes that W does not run again release theirs in B; None: a compiled block not split)
     saved_unread_by_w: sympy.Expr | None = None
     # a layer's W as the ZB-H1 runtime runs it (an eager layer's: `weight_pass.weight_pass_bytes`;
     # a compiled block's: `liveness.split_pass_bytes`): the candidates for the most it adds over
@@ -447,8 +449,10 @@ def _trace_and_analyze(
     if part == "post" and spec.tie_embeddings:
         params -= holder["m"].weight.numel()  # the tied table is the embedding's
     b_live = b_live_rel = w_peak_rel = None
+    unread = trace.saved_unread_by_w
     if not compiled:
         w_peak, w_freed = weight_pass_bytes(trace, records)
+        unread = saved_unread_by_w(trace, records)
     elif trace.weight_grad_held is not None:
         # a compiled block's W graph frees each value B handed it after its last use, and by its
         # end all of them (the forward-saved ones stay with the graph)
@@ -483,7 +487,7 @@ def _trace_and_analyze(
         b_pass_live=b_live,
         b_pass_live_released=b_live_rel,
         weight_pass_peak_released=w_peak_rel,
-        saved_unread_by_w=trace.saved_unread_by_w,
+        saved_unread_by_w=unread,
         weight_pass_peak=w_peak,
         weight_pass_freed=w_freed,
     )

@@ -83,3 +83,14 @@ def weight_pass_bytes(trace, records) -> tuple[list[sympy.Expr], sympy.Expr]:
             candidates.append(sympy.expand(records[i].bytes_written - before))
         before += released.get(i, sympy.Integer(0))
     return candidates or [sympy.Integer(0)], sympy.expand(before)
+
+
+def saved_unread_by_w(trace, records) -> sympy.Expr:
+    """The saved bytes that no W operator reads (storages; parameters and caches left out): what
+    a micro-batch no longer holds once its B is done, where the runtime lets each node that W does
+    not run again release its saved tensors in B (`runtime.activations`). A sympy expression in b
+    and s."""
+    wgrad = {r.index for r in weight_grad_records(records)}
+    read = {sid for i, ins, _ in trace.uses if i in wgrad for sid in ins}
+    skip = trace.param_sids | trace.cache_sids | read
+    return sympy.expand(sum((v for sid, v in trace.saved.items() if sid not in skip), sympy.Integer(0)))

@@ -15,14 +15,19 @@ and v of the fused QKV output). So each saved storage is split once, as a whole,
 rebuilds it once and returns each view with its own sizes, strides and offset
 (`mist.analysis.compiled` counts the same storages).
 
-A compiled block's backward reads its saved tensors once, all at its start, and its compiled graph
-frees each after its last use. Without offloading they are handed out once (`_Once`): the hooks
-let go of each as it is read. A plain backward releases them then anyway; under ZB-H1, where B
-keeps the graph for W (a stage after the first, `runtime.zero_bubble`), the block's saved tensors
-would otherwise stay to W's end, though W's graph reads only the values B hands it
-(`models.weight_split`): now each goes after its last use in B, unless B hands it to W. The
-embedding's and the head's eager nodes keep theirs (a weight pass may run them again), and so do
-offloaded storages (`_StorageView`, restored whole at the first of their views).
+Under ZB-H1 a stage after the first runs B with the autograd graph kept for W
+(`runtime.zero_bubble`), so every saved tensor would stay to W's end; W reads few of them. A tensor
+kept as it is (not offloaded) is held in a `_Held`, which lets go of it when a node that runs only
+once reads it:
+- a compiled block's saved tensors are read once, all at its backward's start, and its compiled
+  graph frees each after its last use (W's graph reads only the values B hands it:
+  `models.weight_split`); they are handed out once, in any schedule (a plain backward releases
+  them then anyway);
+- an eager node that W does not run again (all but the frontier nodes whose weight gradients W
+  makes: `zero_bubble._WeightPass`) lets go of its saved tensors as it reads them in B
+  (`releasing_in_b`): an attention's, an activation's, a norm's, the loss's.
+Offloaded tensors and storages stay with the graph (`_StorageView`: restored whole at the first
+of their views).
 
 Backward brings the tails back one block ahead: the first `unpack` of a block's backward restores
 that block's tensors (if they are not back yet) and starts restoring the block below it, of the
@@ -62,13 +67,39 @@ class _Offloaded:
         self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
-class _Once:
-    """A saved tensor that its one reader takes (see the module docstring)."""
+class _Held:
+    """A saved tensor kept on the device as it is, until a reader that runs once takes it (see
+    the module docstring); `once`: a compiled block's."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("once", "tensor")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, once: bool):
         self.tensor: torch.Tensor | None = tensor
+        self.once = once
+
+
+class _Reads:
+    """While a ZB-H1 B runs (`releasing_in_b`), whether the node reading now is run again by W.
+    Process-wide, not thread-local: on a GPU autograd runs the backward on its device thread."""
+
+    in_b = False
+    again = False
+
+
+@contextlib.contextmanager
+def releasing_in_b():
+    """Inside: a saved tensor read by a node that W does not run again is let go of."""
+    _Reads.in_b, _Reads.again = True, False
+    try:
+        yield
+    finally:
+        _Reads.in_b, _Reads.again = False, False
+
+
+def read_again(again: bool) -> None:
+    """Whether the node about to run (or, False, none) is run again by W (`zero_bubble`'s
+    hooks around each frontier node)."""
+    _Reads.again = again
 
 
 class _Group:
@@ -98,7 +129,7 @@ class SavedTensorManager:
         self.is_weight = is_weight  # callable: tensor → True for a view of a weight buffer
         self.ratio = 0.0
         self.by_storage = False  # the running block is compiled: split saved storages whole
-        self.once = False  # ... and its saved tensors are read once (`_Once`)
+        self.once = False  # ... and its saved tensors are read once (`_Held`)
         # the storages split so far in the running block's forward, held until it ends (so that
         # no freed address is mistaken for one of them)
         self._block_storages: dict[int, tuple[_Offloaded, torch.UntypedStorage]] = {}
@@ -145,7 +176,7 @@ class SavedTensorManager:
             if on_device:
                 st = t.untyped_storage()
                 self._count(st.nbytes(), st.data_ptr())
-            return _Once(t.detach()) if self.once else t.detach()
+            return _Held(t.detach(), self.once)
         return self._offload(t.detach().reshape(-1), t.shape)
 
     def _pack_storage(self, t: torch.Tensor):
@@ -203,9 +234,11 @@ class SavedTensorManager:
         return packed
 
     def unpack(self, packed):
-        if isinstance(packed, _Once):
-            t, packed.tensor = packed.tensor, None
-            assert t is not None, "a compiled block's saved tensor read twice"
+        if isinstance(packed, _Held):
+            t = packed.tensor
+            assert t is not None, "a saved tensor read again after a reader that runs once"
+            if packed.once or (_Reads.in_b and not _Reads.again):
+                packed.tensor = None
             return t
         if isinstance(packed, _StorageView):
             whole = packed.storage

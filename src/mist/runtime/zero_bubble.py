@@ -46,7 +46,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from mist.models import weight_split
 from mist.models.norms import NORMS
 from mist.rules.zero_bubble_order import FORWARD, INPUT_GRAD, zb_h1
-from mist.runtime import p2p
+from mist.runtime import activations, p2p
 from mist.runtime.phase_timer import PhaseTimer
 from mist.runtime.schedule import PipelineSchedule, _spans
 from mist.runtime.stage_runner import StageRunner
@@ -151,6 +151,9 @@ class _WeightPass:
             for nxt, nr in node.next_functions
             if nxt is not None and nxt not in path
         ]
+        # the frontier nodes W runs again (not those B makes compute their weight side): the
+        # saved tensors every other node reads in B go as it reads them (`runtime.activations`)
+        self.again = {node for node in self.nodes if not all(id(p) in b_ids for p in owned[node])}
         self.grads: dict = {}
         # frontier node -> [(its weight-side edge, the gradient B already computed for it)]
         self.produced: dict = {}
@@ -164,6 +167,7 @@ class _WeightPass:
         def hook(grad_outputs):
             self.grads[node] = grad_outputs
             self._pending_before[node] = weight_split.pending_count()
+            activations.read_again(node in self.again)
 
         return hook
 
@@ -177,6 +181,7 @@ class _WeightPass:
         sides = [(i, nxt, nr) for i, (nxt, nr) in enumerate(node.next_functions) if nxt is not None and nxt not in path]
 
         def hook(grad_inputs, grad_outputs):
+            activations.read_again(False)
             if weight_split.pending_count() > self._pending_before.get(node, weight_split.pending_count()):
                 self.deferred[node] = weight_split.take_pending()
                 self.grads.pop(node, None)  # W starts below it: its output gradients can go now
@@ -192,7 +197,7 @@ class _WeightPass:
         """B: the input's gradient, recording the frontier's gradients; the graph is kept."""
         assert self.root is not None, "B runs once, before W"
         try:
-            with weight_split.deferring_weights():
+            with weight_split.deferring_weights(), activations.releasing_in_b():
                 inputs = [get_gradient_edge(x), *self.b_edges]
                 gx, *_ = torch.autograd.grad(self.root, inputs, grad, retain_graph=True, allow_unused=True)
         finally:

@@ -75,10 +75,12 @@ class LayerTerms:
     # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
     # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
     b_pass_over: np.ndarray | None = None
-    # the same and W's most with its saved tensors handed to B once (not offloaded:
-    # `runtime.activations`), and the saved bytes that then go by W (those W does not read)
+    # the same, W's most and what W releases in all, where B lets go of the saved tensors W does
+    # not read (`runtime.activations`: not offloaded), and those bytes (None: a compiled block not
+    # split; `b_pass_over_released`: None for an eager layer, as `b_pass_over`)
     b_pass_over_released: np.ndarray | None = None
     wgrad_peak_released: np.ndarray | None = None
+    wgrad_freed_released: np.ndarray | None = None
     saved_unread_by_w: np.ndarray | None = None
 
 
@@ -212,7 +214,17 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         w_peak = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak], axis=0)
         w_freed = _at_sizes(la.weight_pass_freed, b, s)
     b_pass, b_pass_rel = la.b_pass_peak(b, s), la.b_pass_peak(b, s, released=True)
-    released = la.saved_unread_by_w is not None
+    # where B lets go of the saved tensors W does not read: W starts with the rest, and a split
+    # compiled block's W frees them with what B handed it (an eager node's saved tensors go once it
+    # has run in W, without the copies B's nodes held)
+    unread = None if la.saved_unread_by_w is None else _at_sizes(la.saved_unread_by_w, b, s)
+    if unread is not None and la.weight_pass_peak_released is not None:
+        w_peak_rel = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak_released], axis=0)
+        w_freed_rel = w_freed + la.saved(b, s) - unread
+    elif unread is not None:
+        w_peak_rel, w_freed_rel = w_peak, la.saved(b, s) - unread
+    else:
+        w_peak_rel = w_freed_rel = None
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -249,8 +261,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_freed=w_freed,
         b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
         b_pass_over_released=None if b_pass_rel is None else b_pass_rel - la.bwd_peak(b, s),
-        wgrad_peak_released=(
-            np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak_released], axis=0) if released else None
-        ),
-        saved_unread_by_w=_at_sizes(la.saved_unread_by_w, b, s) if released else None,
+        wgrad_peak_released=w_peak_rel,
+        wgrad_freed_released=w_freed_rel,
+        saved_unread_by_w=unread,
     )

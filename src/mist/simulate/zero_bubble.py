@@ -26,7 +26,7 @@ to the sum, so the inter-stage program searches it as it searches 1F1B (`tune.ze
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -173,9 +173,8 @@ class StageWeightGrad:
     block_held: np.ndarray | None = None
     block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0
-    # the same W where its compiled blocks' saved tensors are handed to B once (a stage after the
-    # first, activations not offloaded: `runtime.activations`), so that those W does not read go
-    # in B; None: no such blocks (`zb_held` picks per candidate)
+    # the same W where the blocks' saved tensors that W does not read go in B (a stage after the
+    # first, activations not offloaded: `runtime.activations`); `zb_held` picks per candidate
     released: StageWeightGrad | None = None
 
     @property
@@ -194,52 +193,52 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     """W of one micro-batch of a stage of `model` (a `simulate.stage.StageModel`), vectorized
     over the micro-batch sizes `b`: its blocks that are not recomputed whole (a checkpointed
     block's backward runs whole inside B), with the embedding's on the first stage and the head's
-    on the last (`simulate.weight_grad`)."""
+    on the last (`simulate.weight_grad`). On a stage after the first, B lets go of the saved
+    tensors W does not read (`runtime.activations`): the head's always (it offloads none), the
+    blocks' where they offload none (`released`, which `zb_held` picks per candidate)."""
     b = np.asarray(b, dtype=np.float64)
     blk, ix = model._terms("block", b)
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
     w = plain * blk.wgrad[ix]
-    held = plain * blk.wgrad_held[ix]
-    # the most W adds at once: on a later stage W runs node by node, the blocks' in order and then
-    # the head's, each releasing its linears' saved inputs that B does not read
-    # (`analysis.weight_pass`); the first stage runs its backward whole (`runtime.zero_bubble`),
-    # so there its largest weight gradient with nothing released
     if first:
+        # the first stage runs its backward whole (`runtime.zero_bubble`): its largest weight
+        # gradient with nothing released, and nothing of it kept beyond a plain backward's
+        held = plain * blk.wgrad_held[ix]
         out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
-    else:
-        out = np.where(plain > 0, blk.wgrad_peak[ix], 0.0)
-        released = plain * blk.wgrad_freed[ix]
-    head = np.zeros_like(w)
-    head_held = np.zeros_like(w)
-    for part, on in (("pre", first), ("post", last)):
-        if on:
-            lt, jx = model._terms(part, b)
-            w = w + lt.wgrad[jx]
-            held = held + lt.wgrad_held[jx]
-            out = np.maximum(out, lt.wgrad_out[jx] if first else lt.wgrad_peak[jx] - released)
-            if part == "post":
-                head = head + lt.saved[jx]
-                head_held = lt.saved[jx] + lt.wgrad_held[jx]
-    over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
-    handed_once = None
-    if not first and blk.saved_unread_by_w is not None:
-        # what W starts with is only what B hands it: a block's W reads (and frees) the saved
-        # tensors it reads, and the rest are gone by then
-        unread = blk.saved_unread_by_w[ix]
-        out_r = np.where(plain > 0, blk.wgrad_peak_released[ix], 0.0)
+        head = head_held = np.zeros_like(w)
+        for part, on in (("pre", True), ("post", last)):
+            if on:
+                lt, jx = model._terms(part, b)
+                w, held = w + lt.wgrad[jx], held + lt.wgrad_held[jx]
+                out = np.maximum(out, lt.wgrad_out[jx])
+                if part == "post":
+                    head, head_held = lt.saved[jx], lt.saved[jx] + lt.wgrad_held[jx]
+        return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], None, head_held)
+
+    def later(unread, peak, freed, over) -> StageWeightGrad:
+        # W runs node by node, the blocks' in order and then the head's, each releasing the saved
+        # inputs of its linears that B does not read (`analysis.weight_pass`), so the most it adds
+        # at once is a block's, or the head's less what the blocks released before it
+        held = plain * (blk.wgrad_held[ix] - unread)
+        out = np.where(plain > 0, peak, 0.0)
+        head = head_held = np.zeros_like(w)
         if last:
-            lt, jx = model._terms("post", b)
-            out_r = np.maximum(out_r, lt.wgrad_peak[jx] - plain * (blk.wgrad_freed[ix] + blk.saved[ix] - unread))
-        handed_once = StageWeightGrad(
-            w,
-            held - plain * unread,
-            head,
-            out_r,
-            blk.wgrad_held[ix] - unread,
-            blk.b_pass_over_released[ix],
-            head_held,
-        )
-    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], over, head_held, handed_once)
+            gone = 0.0 if lt.saved_unread_by_w is None else lt.saved_unread_by_w[jx]
+            held = held + lt.wgrad_held[jx] - gone
+            out = np.maximum(out, lt.wgrad_peak[jx] - plain * freed)
+            head, head_held = lt.saved[jx], lt.saved[jx] - gone + lt.wgrad_held[jx]
+        return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held)
+
+    if last:
+        lt, jx = model._terms("post", b)
+        w = w + lt.wgrad[jx]
+    over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
+    kept = later(0.0, blk.wgrad_peak[ix], blk.wgrad_freed[ix], over)
+    if blk.saved_unread_by_w is None:
+        return kept
+    over_r = None if blk.b_pass_over_released is None else blk.b_pass_over_released[ix]
+    released = later(blk.saved_unread_by_w[ix], blk.wgrad_peak_released[ix], blk.wgrad_freed_released[ix], over_r)
+    return replace(kept, released=released)
 
 
 def split_backward(T, fwd, w):
@@ -257,12 +256,13 @@ def _pick(offloaded: np.ndarray, kept: StageWeightGrad, released: StageWeightGra
     def pick(a, b) -> np.ndarray:
         return np.where(offloaded, a, b)
 
+    over = None if kept.block_b_over is None else pick(kept.block_b_over, released.block_b_over)
     return StageWeightGrad(
         kept.seconds,
         pick(kept.grad_bytes, released.grad_bytes),
         kept.head_saved_bytes,
         pick(kept.transient_bytes, released.transient_bytes),
         pick(kept.block_held, released.block_held),
-        pick(kept.block_b_over, released.block_b_over),
+        over,
         kept.head_held,
     )

@@ -68,25 +68,6 @@ def test_memory_holds_what_stage_0_holds_under_1f1b(S, G):
     assert held.w_held[0] == held.w_waiting[0] == min(S, G) and held.w_transient[0] == 5
 
 
-def test_compiled_blocks_saved_tensors_go_in_b_unless_offloaded():
-    """A later stage's compiled blocks hand their saved tensors to B once (`runtime.activations`),
-    so a micro-batch waiting for its W holds less than its saved activations — except where the
-    blocks offload activations, whose storages stay with the graph: per candidate, the kept or the
-    released W. The first stage runs its backward whole (neither applies)."""
-    one = np.array([1.0])
-    released = StageWeightGrad(one, -3 * one, 0 * one, 2 * one, -3 * one, 0.5 * one)
-    wg = StageWeightGrad(one, one, 0 * one, 5 * one, one, 2 * one, released=released)
-    offloaded = np.array([True, False])
-    earlier, held = zb_held(1, 2, 4, np.array([10.0]), wg, offloaded)
-    assert list(held.grad_bytes) == [1, -3] and list(held.w_transient) == [5, 2]
-    assert list(held.b_above) == [1, -3] and list(held.b_over) == [2, 0.5]
-    # 10 bytes per micro-batch held, 1 more, or 3 fewer, while waiting for its W: the same pair
-    # (at most one waiting, on the second of 2 stages)
-    assert list(held.micro_batches) == [1, 1] and list(earlier) == [1, 1]
-    _, first = zb_held(0, 2, 4, np.array([10.0]), wg, offloaded)
-    assert first.b_above is None and first.b_over == 0.0
-
-
 @pytest.mark.parametrize("S,G", [(2, 4), (4, 8), (4, 3), (6, 16)])
 def test_a_w_starts_with_at_most_stage_0s_count_held(S, G):
     """When a W starts (the one in W counted) a stage holds at most min(S, G) micro-batches, of

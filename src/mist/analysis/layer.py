@@ -73,15 +73,12 @@ class LayerAnalysis:
     compiled: bool | str = False  # a block as `mist.models.compiled` compiles it (`analyze_layer`)
     # bytes held from B to W beyond the saved activations, where the trace says (`Trace`)
     weight_grad_held: sympy.Expr | None = None
-    # a compiled block's B where the ZB-H1 runtime keeps the graph to W (`liveness.split_pass_bytes`):
-    # the live bytes at its operators, every saved tensor kept (None: not split into B and W) ...
+    # a compiled block's B where the ZB-H1 runtime keeps the graph to W, its saved tensors handed
+    # to it once (`liveness.split_pass_bytes`): the live bytes at its operators (None: not split
+    # into B and W)
     b_pass_live: list | None = None
-    # ... and with its saved tensors handed to B once (not offloaded: `runtime.activations`), the
-    # same and W's rise (None: not a split compiled block) ...
-    b_pass_live_released: list | None = None
-    weight_pass_peak_released: list | None = None
-    # ... and the saved bytes that then go by W, those W does not read (an eager layer's: its
-    # nodes that W does not run again release theirs in B; None: a compiled block not split)
+    # the saved bytes that W does not read, gone by W under ZB-H1 (`runtime.activations`: an eager
+    # layer's nodes that W does not run again release theirs in B; None: a compiled block not split)
     saved_unread_by_w: sympy.Expr | None = None
     # a layer's W as the ZB-H1 runtime runs it (an eager layer's: `weight_pass.weight_pass_bytes`;
     # a compiled block's: `liveness.split_pass_bytes`): the candidates for the most it adds over
@@ -123,7 +120,6 @@ class LayerAnalysis:
             self.bwd_peak,
             self.bwd_peak_held,
             self.b_pass_peak,
-            lambda b, s: self.b_pass_peak(b, s, released=True),
         ):
             read(one, one)
         for phase in ("fwd", "bwd", "recompute"):
@@ -171,13 +167,10 @@ class LayerAnalysis:
         it until the layer's backward is done (then flattens them: `rules.grad_accumulation`)."""
         return self._mem("bwd_live_held", lambda a: a.bwd_live_held, b, s)
 
-    def b_pass_peak(self, b, s, released: bool = False) -> np.ndarray | None:
-        """A split compiled block's B peak with the graph kept (`b_pass_live`; `released`: its
-        saved tensors handed to B once, `b_pass_live_released`); None otherwise."""
+    def b_pass_peak(self, b, s) -> np.ndarray | None:
+        """A split compiled block's B peak with the graph kept (`b_pass_live`); None otherwise."""
         if self.b_pass_live is None:
             return None
-        if released:
-            return self._mem("b_pass_live_released", lambda a: a.b_pass_live_released, b, s)
         return self._mem("b_pass_live", lambda a: a.b_pass_live, b, s)
 
     def flops_of(self, phase: str, b, s) -> np.ndarray:
@@ -448,7 +441,7 @@ def _trace_and_analyze(
     params = sum(p.numel() for p in holder["m"].parameters())
     if part == "post" and spec.tie_embeddings:
         params -= holder["m"].weight.numel()  # the tied table is the embedding's
-    b_live = b_live_rel = w_peak_rel = None
+    b_live = None
     unread = trace.saved_unread_by_w
     if not compiled:
         w_peak, w_freed = weight_pass_bytes(trace, records)
@@ -457,7 +450,6 @@ def _trace_and_analyze(
         # a compiled block's W graph frees each value B handed it after its last use, and by its
         # end all of them (the forward-saved ones stay with the graph)
         b_live, w_peak = split_pass_bytes(trace, cpu=target == "cpu")
-        b_live_rel, w_peak_rel = split_pass_bytes(trace, cpu=target == "cpu", released=True)
         w_freed = trace.weight_grad_held
     else:
         w_peak, w_freed = None, None
@@ -485,8 +477,6 @@ def _trace_and_analyze(
         compiled=compiled,
         weight_grad_held=trace.weight_grad_held,
         b_pass_live=b_live,
-        b_pass_live_released=b_live_rel,
-        weight_pass_peak_released=w_peak_rel,
         saved_unread_by_w=unread,
         weight_pass_peak=w_peak,
         weight_pass_freed=w_freed,

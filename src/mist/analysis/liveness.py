@@ -52,19 +52,17 @@ def live_bytes(trace: Trace, hold_grads: bool = False, cpu: bool = False) -> tup
     return _dedupe([t for t, _ in fwd_totals]), _dedupe([t for t, _ in bwd_totals])
 
 
-def split_pass_bytes(trace: Trace, cpu: bool = False, released: bool = False) -> tuple[list, list]:
+def split_pass_bytes(trace: Trace, cpu: bool = False) -> tuple[list, list]:
     """A compiled block's backward as B and W where the ZB-H1 runtime keeps the graph from B to W
     (a stage after the first, `runtime.zero_bubble`). B's values go at their last use, in B or,
     for those B hands to W, in W (W's graph frees each input after its last use:
-    `models.weight_split`). The saved tensors: kept to W's end by the graph, or, `released`,
-    handed to B once (`runtime.activations`: not offloaded), so that each goes at its last use as
-    B's values do. The output gradient B takes is live from its start (W may read it too: a
-    block's is its last linear's dY). Returned: the live totals at B's operators, and what W adds
-    at each of its operators over what it starts with."""
+    `models.weight_split`); so do the saved tensors, which the graph would keep to W's end but
+    which are handed to B once (`runtime.activations`). The output gradient B takes is live from
+    its start (W may read it too: a block's is its last linear's dY). Returned: the live totals at
+    B's operators, and what W adds at each of its operators over what it starts with."""
     walk = _Walk(trace, True, cpu)
     live = walk.saved_live() | {sid: trace.storage_bytes[sid] for sid in trace.tangent_sids}
-    keep = walk.bwd_keep if released else walk.bwd_keep | set(trace.saved)
-    totals = walk.run(walk.bwd, live, keep, after=True)
+    totals = walk.run(walk.bwd, live, walk.bwd_keep, after=True)
     is_w = [bool(trace.records[i].weight_grad) for i, _, _ in walk.bwd]
     b_totals = [t for (t, _), w in zip(totals, is_w) if not w]
     # W starts with what the last of B's operators left

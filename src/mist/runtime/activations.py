@@ -27,7 +27,7 @@ once reads it:
   makes: `zero_bubble._WeightPass`) lets go of its saved tensors as it reads them in B
   (`releasing_in_b`): an attention's, an activation's, a norm's, the loss's.
 Offloaded tensors and storages stay with the graph (`_StorageView`: restored whole at the first
-of their views).
+of their views); a ZB-H1 stage offloads none (`rules.zero_bubble_order.zb_h1_problem`).
 
 Backward brings the tails back one block ahead: the first `unpack` of a block's backward restores
 that block's tensors (if they are not back yet) and starts restoring the block below it, of the

@@ -20,8 +20,11 @@ pass, and left to W it would run again from an output gradient held from B to W.
 units (`runtime.flat`) accumulate and reduce exactly as they do after a plain backward — their
 per-micro-batch state is opened at W's start and closed at its end, in micro-batch order. Each
 frontier node's gradient is pinned to the recorded one during W (a node reached both as a root
-and through another root would otherwise count twice). The graph, and with it the micro-batch's
-saved activations, is dropped after W: what the simulator's ZB-H1 memory model holds.
+and through another root would otherwise count twice). The graph is dropped after W. Of the
+micro-batch's saved activations it keeps only what W reads: B runs inside
+`activations.releasing_in_b()`, and the recorder's hooks around each frontier node say whether
+W runs that node again, so every other node lets go of its saved tensors as it reads them
+(`runtime.activations`); what the simulator's ZB-H1 memory model holds.
 
 A compiled block (`mist.models.compiled`) is one autograd node whose backward is compiled as
 two graphs (`mist.models.weight_split`): during B it runs the input-gradient graph alone and

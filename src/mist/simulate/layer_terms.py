@@ -67,20 +67,17 @@ class LayerTerms:
     wgrad: np.ndarray | None = None
     wgrad_held: np.ndarray | None = None
     wgrad_out: np.ndarray | None = None  # the largest weight gradient W makes (before it is added)
-    # the most W adds at once over what it starts with, and the bytes it releases as it goes
-    # (`analysis.weight_pass`; a compiled block: `analysis.liveness.split_pass_bytes`, and the
-    # values B handed it)
+    # the most W adds at once over what it starts with, and the bytes it releases in all on a
+    # stage after the first (`analysis.weight_pass`; a compiled block:
+    # `analysis.liveness.split_pass_bytes`): the saved tensors it reads, and a compiled block's
+    # values B handed it
     wgrad_peak: np.ndarray | None = None
     wgrad_freed: np.ndarray | None = None
     # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
     # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
     b_pass_over: np.ndarray | None = None
-    # the same, W's most and what W releases in all, where B lets go of the saved tensors W does
-    # not read (`runtime.activations`: not offloaded), and those bytes (None: a compiled block not
-    # split; `b_pass_over_released`: None for an eager layer, as `b_pass_over`)
-    b_pass_over_released: np.ndarray | None = None
-    wgrad_peak_released: np.ndarray | None = None
-    wgrad_freed_released: np.ndarray | None = None
+    # the saved bytes W does not read, which a stage after the first lets go of in B
+    # (`LayerAnalysis.saved_unread_by_w`; 0 where the trace does not say)
     saved_unread_by_w: np.ndarray | None = None
 
 
@@ -213,18 +210,13 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     else:
         w_peak = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak], axis=0)
         w_freed = _at_sizes(la.weight_pass_freed, b, s)
-    b_pass, b_pass_rel = la.b_pass_peak(b, s), la.b_pass_peak(b, s, released=True)
-    # where B lets go of the saved tensors W does not read: W starts with the rest, and a split
-    # compiled block's W frees them with what B handed it (an eager node's saved tensors go once it
-    # has run in W, without the copies B's nodes held)
-    unread = None if la.saved_unread_by_w is None else _at_sizes(la.saved_unread_by_w, b, s)
-    if unread is not None and la.weight_pass_peak_released is not None:
-        w_peak_rel = np.max([_at_sizes(c, b, s) for c in la.weight_pass_peak_released], axis=0)
-        w_freed_rel = w_freed + la.saved(b, s) - unread
-    elif unread is not None:
-        w_peak_rel, w_freed_rel = w_peak, la.saved(b, s) - unread
-    else:
-        w_peak_rel = w_freed_rel = None
+    b_pass = la.b_pass_peak(b, s)
+    # B lets go of the saved tensors W does not read, and W of the rest as it runs: an eager
+    # node's once it has run (B's nodes hold no other reference), a split compiled block's W graph
+    # each after its last use, with what B handed it (`runtime.activations`)
+    unread = np.zeros(b.shape) if la.saved_unread_by_w is None else _at_sizes(la.saved_unread_by_w, b, s)
+    if la.saved_unread_by_w is not None:
+        w_freed = (w_freed if la.compiled else 0.0) + la.saved(b, s) - unread
     return LayerTerms(
         params=la.params,
         fwd=per(f),
@@ -260,8 +252,5 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_peak=w_peak,
         wgrad_freed=w_freed,
         b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
-        b_pass_over_released=None if b_pass_rel is None else b_pass_rel - la.bwd_peak(b, s),
-        wgrad_peak_released=w_peak_rel,
-        wgrad_freed_released=w_freed_rel,
         saved_unread_by_w=unread,
     )

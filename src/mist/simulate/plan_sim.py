@@ -256,7 +256,7 @@ def _zero_bubble_results(plan: Plan, models: list, inputs: list) -> tuple[list, 
     for i, (m, st) in enumerate(zip(models, inputs)):
         wg = stage_weight_grad(m, st.b, st.layers, st.recompute, st.first, st.last)
         saved = m.evaluate(st).saved_per_microbatch
-        earlier, held = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg, st.offload_activations > 0)
+        earlier, held = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg)
         results.append(m.evaluate(replace(st, in_flight=earlier, waiting=held)))
         w.append(float(wg.with_grad_handling(results[-1].grads_per_microbatch)[0]))
     return results, _WeightGrads(np.array(w))

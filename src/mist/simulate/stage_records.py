@@ -83,7 +83,8 @@ class HeldStates:
 @dataclass(frozen=True)
 class ZeroBubbleHeld:
     """Of a stage's earlier micro-batches held, those waiting for their weight-gradient pass
-    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the output-gradient bytes each keeps; and
+    under ZB-H1 (`simulate.zero_bubble.zb_held`), and the bytes each keeps beyond its saved
+    activations (the output gradients W reads, less the saved tensors it does not); and
     when a W starts (stages after the first), the micro-batches held, of them past their B (the
     one in W included), and the largest weight gradient W makes on top of them."""
 
@@ -93,7 +94,8 @@ class ZeroBubbleHeld:
     w_waiting: float | np.ndarray = 0.0
     w_transient: float | np.ndarray = 0.0
     # the current micro-batch's B going down the stage: what each block above the one in its B
-    # keeps beside its saved activations (None: nothing beyond a plain backward's), what the
+    # keeps beyond its saved activations (below 0 where it lets go of those W does not read; None:
+    # nothing beyond a plain backward's), what the
     # block in its B holds over its plain backward's peak, and what the head keeps from its B
     # (last stage)
     b_above: float | np.ndarray | None = None

@@ -10,8 +10,9 @@ to W.
 
 W's time is its share of the layer's backward kernel time applied to the backward's stream time
 (without the TP collectives, which B waits for); B is the rest. What W needs beyond what B needs
-stays allocated from B to W: the layer's saved activations (the runtime keeps the autograd graph)
-and the gradient of every linear's output — the dYᵀ operand of each weight-gradient GEMM, which
+stays allocated from B to W: the saved activations W reads (the runtime keeps the autograd graph,
+but B's other nodes let go of theirs: `analysis.weight_pass.saved_unread_by_w`) and the gradient
+of every linear's output — the dYᵀ operand of each weight-gradient GEMM, which
 `held_gradient_bytes` sums from the records (for a compiled block: every value B hands to W that
 the forward did not save, `LayerAnalysis.weight_grad_held`).
 """

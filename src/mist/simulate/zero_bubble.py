@@ -26,7 +26,7 @@ to the sum, so the inter-stage program searches it as it searches 1F1B (`tune.ze
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -131,18 +131,12 @@ def _most(pairs: np.ndarray, saved, extra):
     return pairs[k, 0], pairs[k, 1]
 
 
-def zb_held(
-    stage: int, stages: int, G: int, saved, wg: StageWeightGrad, offloaded=False
-) -> tuple[np.ndarray, ZeroBubbleHeld]:
+def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tuple[np.ndarray, ZeroBubbleHeld]:
     """What stage `stage` holds under ZB-H1, with `saved` the saved activations of one
     micro-batch and `wg` its W (`stage_weight_grad`), vectorized over candidates: (earlier
     micro-batches held at its forward peak, a `ZeroBubbleHeld`). At a forward the pair of
     `held_after_forwards` that holds the most bytes; at a W the pair of `held_at_weight_passes`
-    (the micro-batch in W counted, no forward running), with W's largest weight gradient on top.
-    `offloaded` (per candidate): the blocks offload activations, so their saved tensors are not
-    handed to B once (`wg.released` does not apply)."""
-    if wg.released is not None:
-        wg = _pick(np.asarray(offloaded), wg, wg.released)
+    (the micro-batch in W counted, no forward running), with W's largest weight gradient on top."""
     earlier, waiting = _most(_held(stage, stages, G, False), saved, wg.waiting_bytes)
     w_held, w_waiting = _most(_held(stage, stages, G, True), saved, wg.waiting_bytes)
     # the first stage runs its backward whole (`runtime.zero_bubble`): a block's node lets go of
@@ -173,9 +167,6 @@ class StageWeightGrad:
     block_held: np.ndarray | None = None
     block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0
-    # the same W where the blocks' saved tensors that W does not read go in B (a stage after the
-    # first, activations not offloaded: `runtime.activations`); `zb_held` picks per candidate
-    released: StageWeightGrad | None = None
 
     @property
     def waiting_bytes(self) -> np.ndarray:
@@ -193,19 +184,17 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     """W of one micro-batch of a stage of `model` (a `simulate.stage.StageModel`), vectorized
     over the micro-batch sizes `b`: its blocks that are not recomputed whole (a checkpointed
     block's backward runs whole inside B), with the embedding's on the first stage and the head's
-    on the last (`simulate.weight_grad`). On a stage after the first, B lets go of the saved
-    tensors W does not read (`runtime.activations`): the head's always (it offloads none), the
-    blocks' where they offload none (`released`, which `zb_held` picks per candidate)."""
+    on the last (`simulate.weight_grad`)."""
     b = np.asarray(b, dtype=np.float64)
     blk, ix = model._terms("block", b)
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
     w = plain * blk.wgrad[ix]
+    head = head_held = np.zeros_like(w)
     if first:
         # the first stage runs its backward whole (`runtime.zero_bubble`): its largest weight
         # gradient with nothing released, and nothing of it kept beyond a plain backward's
         held = plain * blk.wgrad_held[ix]
         out = np.where(plain > 0, blk.wgrad_out[ix], 0.0)
-        head = head_held = np.zeros_like(w)
         for part, on in (("pre", True), ("post", last)):
             if on:
                 lt, jx = model._terms(part, b)
@@ -214,31 +203,24 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
                 if part == "post":
                     head, head_held = lt.saved[jx], lt.saved[jx] + lt.wgrad_held[jx]
         return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix], None, head_held)
-
-    def later(unread, peak, freed, over) -> StageWeightGrad:
-        # W runs node by node, the blocks' in order and then the head's, each releasing the saved
-        # inputs of its linears that B does not read (`analysis.weight_pass`), so the most it adds
-        # at once is a block's, or the head's less what the blocks released before it
-        held = plain * (blk.wgrad_held[ix] - unread)
-        out = np.where(plain > 0, peak, 0.0)
-        head = head_held = np.zeros_like(w)
-        if last:
-            gone = 0.0 if lt.saved_unread_by_w is None else lt.saved_unread_by_w[jx]
-            held = held + lt.wgrad_held[jx] - gone
-            out = np.maximum(out, lt.wgrad_peak[jx] - plain * freed)
-            head, head_held = lt.saved[jx], lt.saved[jx] - gone + lt.wgrad_held[jx]
-        return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held)
-
+    # a later stage's B lets go of the saved tensors W does not read (`runtime.activations`), so a
+    # micro-batch past its B keeps of each layer what W reads and the output gradients W takes;
+    # W runs node by node, the blocks' in order and then the head's, each releasing what it read
+    # (`analysis.weight_pass`), so the most it adds at once is a block's, or the head's less what
+    # the blocks released before it
+    assert blk.saved_unread_by_w is not None, "layer_terms sets it"
+    unread = blk.saved_unread_by_w[ix]
+    held = plain * (blk.wgrad_held[ix] - unread)
+    out = np.where(plain > 0, blk.wgrad_peak[ix], 0.0)
     if last:
         lt, jx = model._terms("post", b)
-        w = w + lt.wgrad[jx]
+        assert lt.saved_unread_by_w is not None, "layer_terms sets it"
+        gone = lt.saved_unread_by_w[jx]
+        w, held = w + lt.wgrad[jx], held + lt.wgrad_held[jx] - gone
+        out = np.maximum(out, lt.wgrad_peak[jx] - plain * blk.wgrad_freed[ix])
+        head, head_held = lt.saved[jx], lt.saved[jx] - gone + lt.wgrad_held[jx]
     over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
-    kept = later(0.0, blk.wgrad_peak[ix], blk.wgrad_freed[ix], over)
-    if blk.saved_unread_by_w is None:
-        return kept
-    over_r = None if blk.b_pass_over_released is None else blk.b_pass_over_released[ix]
-    released = later(blk.saved_unread_by_w[ix], blk.wgrad_peak_released[ix], blk.wgrad_freed_released[ix], over_r)
-    return replace(kept, released=released)
+    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held)
 
 
 def split_backward(T, fwd, w):
@@ -248,21 +230,3 @@ def split_backward(T, fwd, w):
     bwd = T - fwd
     w = np.minimum(np.asarray(w, dtype=np.float64), bwd)
     return fwd, bwd - w, w
-
-
-def _pick(offloaded: np.ndarray, kept: StageWeightGrad, released: StageWeightGrad) -> StageWeightGrad:
-    """Field by field, `kept`'s where `offloaded`, else `released`'s."""
-
-    def pick(a, b) -> np.ndarray:
-        return np.where(offloaded, a, b)
-
-    over = None if kept.block_b_over is None else pick(kept.block_b_over, released.block_b_over)
-    return StageWeightGrad(
-        kept.seconds,
-        pick(kept.grad_bytes, released.grad_bytes),
-        kept.head_saved_bytes,
-        pick(kept.transient_bytes, released.transient_bytes),
-        pick(kept.block_held, released.block_held),
-        over,
-        kept.head_held,
-    )

@@ -171,11 +171,15 @@ class StageTables:
         where tp > 1."""
         out = []
         for tdb, (attn, act) in itertools.product(self.tp_choices(tp_fixed), self.selective_choices()):
-            # (sequence parallelism splits the sequence, or each of the 2·cp chunks, over tp)
-            split = tdb[0] * (2 * self.cp if self.cp > 1 else 1)
-            for sp in self.space.sequence_parallel if tdb[0] > 1 and self.seq % split == 0 else (False,):
+            for sp in self.sp_choices(tdb[0]):
                 out.append((tdb, (attn, act, bool(sp))))
         return out
+
+    def sp_choices(self, tp: int) -> tuple:
+        """The sequence parallelism a stage of `tp` may take: the space's where it can split the
+        sequence (or each of the 2·cp chunks) over tp, else none."""
+        split = tp * (2 * self.cp if self.cp > 1 else 1)
+        return tuple(self.space.sequence_parallel) if tp > 1 and self.seq % split == 0 else (False,)
 
     def analyses(self, tp_fixed: int | None = None) -> list:
         """The layer analyses (`AnalysisRequest`) every stage choice's model reads."""

@@ -76,10 +76,12 @@ def stage_options(tables, i: int, layers: int, tp_fixed=None) -> ZeroBubbleOptio
     sel = _SEL
     choices = tables.tp_choices(tp_fixed) if sel in tables.selective_choices() else []
     for tp, dp, b in choices:
+        if False not in tables.sp_choices(tp):  # (ZB-H1 runs no sequence parallelism: `zb_h1_problem`)
+            continue
         grid, comp = tables.components(tp, dp, b, first, last, sel)
         wg = stage_weight_grad(tables.model(tp, sel), np.array([float(b)]), layers, 0, first, last)
         saved = compose(comp, layers, np.zeros((1, 1)), 0, G).saved_per_microbatch
-        earlier, held = zb_held(i, pp, G, saved, wg, grid.offload_activations[:, None] > 0)
+        earlier, held = zb_held(i, pp, G, saved, wg)
         r = compose(comp, layers, np.zeros((1, 1)), earlier, G, held)
         tables.evaluated += r.T.size
         ok = fits_gpu(r.peak, tables.profile) & _runnable(grid)[:, None]

@@ -3,9 +3,9 @@
 Every rank makes the same calls in the same order; the decisions that depend on time
 (repetitions, stopping at the deadline) are made on rank 0 and broadcast. In order: the
 collectives of the full group, send/recv ping-pong between ranks 0 and 1, the synchronization
-cost of a collective issued right after compute, the {C, G2G} interference pair (whatever the
-budget left: the profile's overlap model needs it), then the
-collectives of the smaller groups while time is left. Rank 0 returns the measurements and sends
+cost of a collective issued right after compute and the {C, G2G} interference pair (both whatever
+the budget left: every tensor-parallel collective's price adds the one, the overlap model needs
+the other), then the collectives of the smaller groups while time is left. Rank 0 returns the measurements and sends
 progress to the parent through the queue. Only the worker processes import this module (it
 imports torch); `comm.run_workers` starts them.
 """
@@ -123,7 +123,7 @@ def run(rank: int, world: int, init_file: str, cfg: dict, q) -> dict:  # pragma:
     _collectives(me, world, groups[world], ops, sizes, target, result)
     result["p2p"] = _p2p(me, sizes if cfg.get("p2p", True) else [], target)
     me.advance("send/recv")
-    if cfg.get("sync", True) and me.time_left():
+    if cfg.get("sync", True):  # (whatever the budget left: see the module docstring)
         result["sync_s"], result["sync_how"] = _sync_cost(me, target)
     inter = cfg.get("interference")
     if inter:  # always: the profile's overlap model needs this pair, whatever the budget left

@@ -120,6 +120,7 @@ class LayerAnalysis:
             self.bwd_peak,
             self.bwd_peak_held,
             self.b_pass_peak,
+            self.saved_unread,
         ):
             read(one, one)
         for phase in ("fwd", "bwd", "recompute"):
@@ -166,6 +167,12 @@ class LayerAnalysis:
         """The backward's peak where the runtime keeps each parameter gradient as autograd makes
         it until the layer's backward is done (then flattens them: `rules.grad_accumulation`)."""
         return self._mem("bwd_live_held", lambda a: a.bwd_live_held, b, s)
+
+    def saved_unread(self, b, s) -> np.ndarray | None:
+        """`saved_unread_by_w` at (b, s) (at b = 1 from the exact b = 1 trace, as `saved`)."""
+        if self.saved_unread_by_w is None:
+            return None
+        return self._mem("saved_unread_by_w", lambda a: [a.saved_unread_by_w], b, s)
 
     def b_pass_peak(self, b, s) -> np.ndarray | None:
         """A split compiled block's B peak with the graph kept (`b_pass_live`); None otherwise."""

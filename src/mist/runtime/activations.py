@@ -19,10 +19,9 @@ Under ZB-H1 a stage after the first runs B with the autograd graph kept for W
 (`runtime.zero_bubble`), so every saved tensor would stay to W's end; W reads few of them. A tensor
 kept as it is (not offloaded) is held in a `_Held`, which lets go of it when a node that runs only
 once reads it:
-- a compiled block's saved tensors are read once, all at its backward's start, and its compiled
-  graph frees each after its last use (W's graph reads only the values B hands it:
-  `models.weight_split`); they are handed out once, in any schedule (a plain backward releases
-  them then anyway);
+- a compiled block split into B and W graphs (ZB-H1's) reads its saved tensors once, all at its
+  backward's start, and its compiled graph frees each after its last use (W's graph reads only
+  the values B hands it: `models.weight_split`); they are handed out once;
 - an eager node that W does not run again (all but the frontier nodes whose weight gradients W
   makes: `zero_bubble._WeightPass`) lets go of its saved tensors as it reads them in B
   (`releasing_in_b`): an attention's, an activation's, a norm's, the loss's.

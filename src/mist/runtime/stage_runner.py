@@ -99,7 +99,7 @@ class StageRunner:
         # with the backward as B and W, `mist.rules.compiled_blocks.compile_mode`) or eager
         split = compiled == SPLIT
         self.blocks = [compile_block(b, split=split) for b in module.blocks] if compiled else list(module.blocks)
-        self.compiled = bool(compiled)
+        self.compiled, self.split = bool(compiled), split
         self.recompute_layers, self.activation_ratio = recompute_layers, activation_ratio
         self.selective = dict(attention=recompute_attention, activation=recompute_activation)
         self.saved = saved
@@ -166,9 +166,9 @@ class StageRunner:
         u.wait()
         if i + 1 < len(self.units):
             self.units[i + 1].materialize(prefetch=True)
-        # (a compiled block's saved tensors are read once, by its one backward call; the eager
-        # embedding's and head's nodes may be run again by a ZB-H1 weight pass)
-        with self.saved.layer(ratio, by_storage=self.compiled, once=self.compiled and block):
+        # (a split compiled block's saved tensors are read once, by its one backward call, under
+        # ZB-H1; the eager embedding's and head's nodes may be run again by a weight pass)
+        with self.saved.layer(ratio, by_storage=self.compiled, once=self.split and block):
             out = fn()
         prev_released = i > 0 and not self.units[i - 1].persistent
         if out.requires_grad and (not u.persistent or prev_released):

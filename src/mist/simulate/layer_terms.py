@@ -214,7 +214,8 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     # B lets go of the saved tensors W does not read, and W of the rest as it runs: an eager
     # node's once it has run (B's nodes hold no other reference), a split compiled block's W graph
     # each after its last use, with what B handed it (`runtime.activations`)
-    unread = np.zeros(b.shape) if la.saved_unread_by_w is None else _at_sizes(la.saved_unread_by_w, b, s)
+    unread = la.saved_unread(b, s)
+    unread = np.zeros(b.shape) if unread is None else unread
     if la.saved_unread_by_w is not None:
         w_freed = (w_freed if la.compiled else 0.0) + la.saved(b, s) - unread
     return LayerTerms(

@@ -152,18 +152,21 @@ def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tupl
 
 @dataclass(frozen=True)
 class StageWeightGrad:
-    """One micro-batch's W on a stage (arrays over micro-batch sizes): its seconds, the output
-    gradients it keeps from B to W, and the head's saved activations (last stage; else 0), which
-    a micro-batch waiting for its W keeps too — under 1F1B the last stage frees them at once."""
+    """One micro-batch's W on a stage (arrays over micro-batch sizes): its seconds, what the
+    micro-batch keeps from B to W beyond the blocks' saved activations (the output gradients W
+    reads, less the saved tensors W does not read, which B lets go of on a stage after the first;
+    the head's included), and the head's saved activations (last stage; else 0), which a
+    micro-batch waiting for its W keeps too — under 1F1B the last stage frees them at once."""
 
     seconds: np.ndarray
     grad_bytes: np.ndarray
     head_saved_bytes: np.ndarray
     transient_bytes: np.ndarray  # the most it adds at once over what it starts with (`stage_weight_grad`)
     # through the blocks' B (the graph kept: a stage after the first): what one block keeps once
-    # its own B is done, beside its saved activations; what a compiled block's B holds at its
-    # peak over its plain backward's (`LayerTerms.b_pass_over`; None: eager); and what the head
-    # keeps from its B (its saved activations and output gradients)
+    # its own B is done, beyond its saved activations (below 0: it let go of those W does not
+    # read); what a compiled block's B holds at its peak over its plain backward's
+    # (`LayerTerms.b_pass_over`; None: eager); and what the head keeps from its B (the saved
+    # activations W reads and its output gradients)
     block_held: np.ndarray | None = None
     block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0

@@ -455,7 +455,8 @@ def _trace_and_analyze(
         unread = saved_unread_by_w(trace, records)
     elif trace.weight_grad_held is not None:
         # a compiled block's W graph frees each value B handed it after its last use, and by its
-        # end all of them (the forward-saved ones stay with the graph)
+        # end all of them: those B computed (`w_freed`) and the saved tensors W reads (B let go
+        # of the rest: `simulate.layer_terms` adds them)
         b_live, w_peak = split_pass_bytes(trace, cpu=target == "cpu")
         w_freed = trace.weight_grad_held
     else:

@@ -5,8 +5,8 @@ Every rank makes the same calls in the same order; the decisions that depend on 
 collectives of the full group, send/recv ping-pong between ranks 0 and 1, the synchronization
 cost of a collective issued right after compute and the {C, G2G} interference pair (both whatever
 the budget left: every tensor-parallel collective's price adds the one, the overlap model needs
-the other), then the collectives of the smaller groups while time is left. Rank 0 returns the measurements and sends
-progress to the parent through the queue. Only the worker processes import this module (it
+the other), then the collectives of the smaller groups while time is left. Rank 0 returns the
+measurements and sends progress to the parent through the queue. Only the worker processes import this module (it
 imports torch); `comm.run_workers` starts them.
 """
 

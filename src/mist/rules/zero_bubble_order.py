@@ -133,3 +133,12 @@ def zb_h1_problem(
     if offload_activations:
         return "offloads activations, which W would have to fetch again"
     return None
+
+
+def lets_go_in_b(engine: str) -> bool:
+    """Whether a ZB-H1 stage after the first, run by `engine`, lets go in B of the saved tensors
+    its W does not read. Mist's runtime does (`runtime.activations`). torch.distributed.pipelining,
+    which runs torchtitan's zero-bubble schedules, keeps the autograd graph from the input-gradient
+    step to the weight step (`stage_backward_input`: `retain_graph=True`), every saved tensor with
+    it."""
+    return engine == "mist"

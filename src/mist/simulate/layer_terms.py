@@ -73,6 +73,10 @@ class LayerTerms:
     # values B handed it
     wgrad_peak: np.ndarray | None = None
     wgrad_freed: np.ndarray | None = None
+    # ... what it releases where B keeps every saved tensor (an engine that does not let go of
+    # them: `rules.zero_bubble_order.lets_go_in_b`): the saved tensors only W reads, or a compiled
+    # block's values B handed it
+    wgrad_freed_kept: np.ndarray | None = None
     # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
     # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
     b_pass_over: np.ndarray | None = None
@@ -216,6 +220,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
     # each after its last use, with what B handed it (`runtime.activations`)
     unread = la.saved_unread(b, s)
     unread = np.zeros(b.shape) if unread is None else unread
+    w_freed_kept = w_freed
     if la.saved_unread_by_w is not None:
         w_freed = (w_freed if la.compiled else 0.0) + la.saved(b, s) - unread
     return LayerTerms(
@@ -252,6 +257,7 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_out=np.full(b.shape, w_out),
         wgrad_peak=w_peak,
         wgrad_freed=w_freed,
+        wgrad_freed_kept=w_freed_kept,
         b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
         saved_unread_by_w=unread,
     )

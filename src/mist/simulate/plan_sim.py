@@ -32,7 +32,7 @@ from mist.rules.engine_held import EngineHeld
 from mist.rules.interleaved_order import chunk_recompute
 from mist.rules.megatron_buffers import megatron_held
 from mist.rules.pipeline_outputs import holds_sends, keeps_sent_outputs
-from mist.rules.zero_bubble_order import ZB_H1
+from mist.rules.zero_bubble_order import ZB_H1, lets_go_in_b
 from mist.simulate.gpu_fit import ALLOCATOR_MARGIN, need_bytes, outside_words, usable_bytes
 from mist.simulate.interleaved import interleaved_event_schedule, interleaved_rank_input, interleaved_recurrence
 from mist.simulate.pipeline import event_schedule, iteration_time
@@ -254,7 +254,7 @@ def _zero_bubble_results(plan: Plan, models: list, inputs: list) -> tuple[list, 
     in-flight micro-batches and held bytes of the zero-bubble order."""
     results, w = [], []
     for i, (m, st) in enumerate(zip(models, inputs)):
-        wg = stage_weight_grad(m, st.b, st.layers, st.recompute, st.first, st.last)
+        wg = stage_weight_grad(m, st.b, st.layers, st.recompute, st.first, st.last, lets_go_in_b(plan.engine))
         saved = m.evaluate(st).saved_per_microbatch
         earlier, held = zb_held(i, plan.num_stages, plan.micro_batches, saved, wg)
         results.append(m.evaluate(replace(st, in_flight=earlier, waiting=held)))

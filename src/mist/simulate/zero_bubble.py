@@ -183,11 +183,13 @@ class StageWeightGrad:
         return self.seconds + np.asarray(grads_per_microbatch, dtype=np.float64)
 
 
-def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> StageWeightGrad:
+def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool, lets_go: bool = True) -> StageWeightGrad:
     """W of one micro-batch of a stage of `model` (a `simulate.stage.StageModel`), vectorized
     over the micro-batch sizes `b`: its blocks that are not recomputed whole (a checkpointed
     block's backward runs whole inside B), with the embedding's on the first stage and the head's
-    on the last (`simulate.weight_grad`)."""
+    on the last (`simulate.weight_grad`). `lets_go`: the engine lets go in B of the saved tensors
+    W does not read (`rules.zero_bubble_order.lets_go_in_b`; a split compiled block is priced so
+    either way: only Mist's runtime splits one)."""
     b = np.asarray(b, dtype=np.float64)
     blk, ix = model._terms("block", b)
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
@@ -211,16 +213,17 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool) -> S
     # W runs node by node, the blocks' in order and then the head's, each releasing what it read
     # (`analysis.weight_pass`), so the most it adds at once is a block's, or the head's less what
     # the blocks released before it
-    assert blk.saved_unread_by_w is not None, "layer_terms sets it"
-    unread = blk.saved_unread_by_w[ix]
+    assert blk.saved_unread_by_w is not None and blk.wgrad_freed_kept is not None, "layer_terms sets them"
+    unread = blk.saved_unread_by_w[ix] if lets_go else 0.0
+    freed = blk.wgrad_freed[ix] if lets_go else blk.wgrad_freed_kept[ix]
     held = plain * (blk.wgrad_held[ix] - unread)
     out = np.where(plain > 0, blk.wgrad_peak[ix], 0.0)
     if last:
         lt, jx = model._terms("post", b)
         assert lt.saved_unread_by_w is not None, "layer_terms sets it"
-        gone = lt.saved_unread_by_w[jx]
+        gone = lt.saved_unread_by_w[jx] if lets_go else 0.0
         w, held = w + lt.wgrad[jx], held + lt.wgrad_held[jx] - gone
-        out = np.maximum(out, lt.wgrad_peak[jx] - plain * blk.wgrad_freed[ix])
+        out = np.maximum(out, lt.wgrad_peak[jx] - plain * freed)
         head, head_held = lt.saved[jx], lt.saved[jx] - gone + lt.wgrad_held[jx]
     over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
     return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held)

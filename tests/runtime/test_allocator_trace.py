@@ -178,3 +178,60 @@ def test_a_compiled_graphs_waits_settle_and_compilation_sees_the_operator(one_ra
             f(x)
     reduced = [n for _, _, n in allocation_events(prof, thread_of="rank") if abs(n) == 4 << 20]
     assert reduced.count(4 << 20) == 20 and reduced.count(-(4 << 20)) == 20  # every release seen
+
+
+_COMPILED_UNDER_SETTLING = """
+import sys
+import torch
+import torch.distributed as dist
+from mist.models.collectives import TPGroup, _compiled_sum, settling
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+tp, n = TPGroup(1, 0, dist.group.WORLD), 64
+
+def block(x, w1, w2, g, reduce=lambda t: _compiled_sum(t, tp)):
+    y = reduce(x @ w1)  # a row-parallel output reduced, the residual, a norm, again
+    z = reduce(torch.nn.functional.layer_norm(x + y, (n,), g) @ w2)
+    return x + y + z
+
+torch.manual_seed(0)
+args = [torch.randn(4, 32, n), torch.randn(n, n) / n**0.5, torch.randn(n, n) / n**0.5, torch.rand(n)]
+args = [a.requires_grad_() for a in args]
+
+def grads(fn):
+    for a in args:
+        a.grad = None
+    fn(*args).square().sum().backward()
+    return [a.grad.clone() for a in args]
+
+expected = grads(lambda *a: block(*a, reduce=lambda t: t))  # (one rank: the sum is the tensor)
+assert "torch._inductor.lowering" not in sys.modules  # imported first while collectives settle
+with settling(0.001):
+    compiled = torch.compile(block)
+    got = grads(compiled)
+for e, g in zip(expected, got):
+    torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+dist.destroy_process_group()
+print("same gradients")
+"""
+
+
+def test_a_graph_compiled_in_a_traced_run_lowers_its_waits_as_waits(tmp_path):
+    """A traced run wraps its compiled blocks after settling began, and `torch.compile` then first
+    imports Inductor's lowerings, keyed by the operators the wait's packet holds. Were that the
+    settling wait, the real wait would be lowered as an opaque kernel with a new output, and
+    Inductor would reuse the reduced tensor's memory while a saved tensor still views it: wrong
+    gradients (on the CPU loop's tensor-parallel GPT, a gradient norm of 145 for 1.41), 4 MiB less
+    saved per block, and Inductor's cache keeping that code for untraced runs. Checked in a new
+    interpreter (nothing imported yet) with its own Inductor cache: the gradients equal eager's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILED_UNDER_SETTLING], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0 and "same gradients" in r.stdout, r.stderr[-3000:]

@@ -76,8 +76,18 @@ def _settling_compiled_waits() -> Callable[[], None]:
     to a wait that settles while the graph still holds the tensor — but only outside compilation:
     Inductor's passes recognise the wait by that same attribute (`node.target is …default`), so
     while dynamo or AOTAutograd compiles (a frame, or a backward compiled at its first call) the
-    operator itself is bound there."""
-    from torch._dynamo.callback import callback_handler  # lazy: only a traced CPU run settles
+    operator itself is bound there.
+
+    Inductor also reads the name once, outside any compilation: its lowerings are keyed by the
+    operators the packet holds when `torch._inductor.lowering` is first imported, which
+    `torch.compile` does as a block is wrapped. Imported while the settling wait was bound, the
+    real wait had no lowering: Inductor ran it as an opaque kernel whose output it took for a new
+    buffer and handed the reduced tensor's memory to a later result while a saved tensor still
+    viewed it (wrong gradients and 4 MiB less saved per tensor-parallel GPT block of the CPU loop),
+    and stored that code in its cache, where later runs of the same graph found it. So the
+    lowerings are registered first."""
+    import torch._inductor.lowering  # noqa: F401  (lazy: only a traced CPU run settles)
+    from torch._dynamo.callback import callback_handler
 
     packet = torch.ops._c10d_functional.wait_tensor
     wait = packet.default

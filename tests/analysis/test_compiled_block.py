@@ -189,7 +189,12 @@ def test_a_split_backward_prices_its_weight_gradient_graph_apart(compiled):
     unread = float(split.saved_unread_by_w.subs({B: b, S: s}))
     assert 0 < unread < saved and whole.saved_unread_by_w is None
     assert float(split.b_pass_peak(b, s)) >= max(saved, saved - unread + held)
-    assert whole.b_pass_peak(b, s) is None and eager.b_pass_peak(b, s) is None
+    assert whole.b_pass_peak(b, s) is None
+    # an eager block's B (`liveness.b_pass_bytes`) ends holding what its W reads: the saved tensors
+    # it does not let go of and the output gradients
+    e_held = float(held_gradient_bytes(eager).subs({B: b, S: s}))
+    e_kept = float(eager.saved(b, s)) - float(eager.saved_unread_by_w.subs({B: b, S: s}))
+    assert float(eager.b_pass_peak(b, s)) >= e_kept + e_held > e_held
     params_bytes = 4 * sum(p.numel() for p in block.parameters())
     w_rise = max(float(c.subs({B: b, S: s})) for c in split.weight_pass_peak)
     assert 0 < w_rise < params_bytes

@@ -71,6 +71,21 @@ def split_pass_bytes(trace: Trace, cpu: bool = False) -> tuple[list, list]:
     return _dedupe(b_totals), _dedupe(w_rise)
 
 
+def b_pass_bytes(trace: Trace, w_records: set, cpu: bool = False) -> list:
+    """An eager layer's backward as B runs it on a ZB-H1 stage after the first
+    (`runtime.zero_bubble`): without its weight-gradient operators (`w_records`, their indices)
+    and the views of what they make. The storages those operators read (the linears' saved
+    inputs, the output gradients B records for them) stay to B's end, held for W; every other
+    storage goes by the module docstring's rule, as B lets go of the saved tensors W does not read
+    (`runtime.activations`). The live totals at B's operators."""
+    walk = _Walk(trace, False, cpu)
+    made_by_w = {sid for sid, i in trace.producer.items() if i in w_records}
+    read_by_w = {sid for i, ins, _ in trace.uses if i in w_records for sid in ins}
+    ops = [(i, ins, outs) for i, ins, outs in walk.bwd if i not in w_records and not (outs and set(outs) <= made_by_w)]
+    totals = walk.run(ops, walk.saved_live(), walk.bwd_keep | read_by_w)
+    return _dedupe([t for t, _ in totals])
+
+
 class _Walk:
     """The storages' lifetimes over a trace's operators (the module docstring's rule)."""
 

@@ -77,9 +77,10 @@ class LayerTerms:
     # them: `rules.zero_bubble_order.lets_go_in_b`): the saved tensors only W reads, or a compiled
     # block's values B handed it
     wgrad_freed_kept: np.ndarray | None = None
-    # a compiled block's B with the graph kept to W over its plain backward's peak (a stage after
-    # the first under ZB-H1: `LayerAnalysis.b_pass_peak`; None: eager)
+    # B's peak with the graph kept to W over the plain backward's peak (a stage after the first
+    # under ZB-H1, Mist's runtime: `LayerAnalysis.b_pass_peak`; None: not traced)
     b_pass_over: np.ndarray | None = None
+    split: bool = False  # a compiled block whose backward runs as B and W graphs (`SPLIT`)
     # the saved bytes W does not read, which a stage after the first lets go of in B
     # (`LayerAnalysis.saved_unread_by_w`; 0 where the trace does not say)
     saved_unread_by_w: np.ndarray | None = None
@@ -259,5 +260,6 @@ def _layer_terms(spec, key, part, tp, flash, seq, bs, dtype, target, selective, 
         wgrad_freed=w_freed,
         wgrad_freed_kept=w_freed_kept,
         b_pass_over=None if b_pass is None else b_pass - la.bwd_peak(b, s),
+        split=la.compiled == SPLIT,
         saved_unread_by_w=unread,
     )

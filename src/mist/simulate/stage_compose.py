@@ -183,7 +183,9 @@ def _memory(
     # under ZB-H1 a micro-batch waiting for its W keeps the head's saved activations too (1F1B
     # runs the last stage's backward right after its forward) and its output gradients
     held_post = 0.0 if waiting is None else waiting.micro_batches * a.post_saved
-    held_grads = 0.0 if waiting is None else waiting.micro_batches * waiting.grad_bytes
+    # (and the input it received, where the graph kept to W holds it: `StageWeightGrad.keeps_input`)
+    kept_input = a.x_in if waiting is not None and waiting.keeps_input else 0.0
+    held_grads = 0.0 if waiting is None else waiting.micro_batches * (waiting.grad_bytes + kept_input)
     # the input gradient sent last; where the engine keeps sent outputs (`rules.pipeline_outputs`:
     # DeepSpeed, torchtitan) also the earlier micro-batches' outputs, and in a backward the
     # current one's (Mist's 1F1B and ZB-H1 keep a sent output as its autograd edge, its data
@@ -198,7 +200,7 @@ def _memory(
     base_act = in_flight * saved_mb + held_post + held_grads + p2p
     b_pass = None
     if waiting is not None and waiting.b_above is not None:
-        b_pass = (waiting.b_above, waiting.b_head, waiting.b_over)
+        b_pass = (waiting.b_above, waiting.b_head, waiting.b_over, waiting.b_head_peak)
     # an interleaved rank 0 runs the embedding beside other chunks and sends than its peaks hold
     bwd_base = base_act + (out_bwd - out_fwd) * a.p2p_output
     pre_shift = (0.0, 0.0)
@@ -234,7 +236,7 @@ def _memory(
         w_grads = np.maximum(np.maximum(gp.block_in_flight, gp.post_in_flight) + gp.block_held, gp.block_flattened)
         w_act = (
             waiting.w_held * saved_mb
-            + waiting.w_waiting * (a.post_saved + waiting.grad_bytes)
+            + waiting.w_waiting * (a.post_saved + waiting.grad_bytes + kept_input)
             + p2p
             + np.where(waiting.w_held > 0, waiting.w_transient + w_grads, 0.0)
         )
@@ -325,22 +327,28 @@ def _transient_peaks(
     on = lambda x: bool(np.any(x))  # noqa: E731
     blk = buf.block_bwd
     bwd_cands = [(last_bwd + gp.post_in_flight if on(gp.post_in_flight) else last_bwd, blk)]
+    head_bwd = a.post_bwd
+    if b_pass is not None:
+        above, head, over, head_peak = b_pass
+        # (a checkpointed block runs its backward whole inside B: nothing of it is split)
+        b_last = last_bwd + (0.0 if over is None else np.where(ck, 0.0, over))
+        b_cand = (b_last + head + np.maximum((layers - 1) * above, 0.0), blk)
+        # where B's own peak is traced (`over`), B runs no plain backward, whose candidate it
+        # replaces: the weight gradients it would make are W's
+        bwd_cands = [b_cand] if over is not None else [*bwd_cands, b_cand]
+        if head_peak is not None:
+            head_bwd = head_peak
     if on(gp.block_in_flight):
         bwd_cands.append((np.where(layers >= 2, last_bwd - A_last + gp.block_in_flight, 0.0), blk))
     if on(gp.block_flattened):
         bwd_cands.append((cur_before_last + a.x_in + gp.block_flattened + a.tied_grad, blk))
-    if b_pass is not None:
-        above, head, over = b_pass
-        # (a checkpointed block runs its backward whole inside B: nothing of it is split)
-        over = np.where(ck, 0.0, over)
-        bwd_cands.append((last_bwd + over + head + np.maximum((layers - 1) * above, 0.0), blk))
     sf, sb = block_shift
     fwd_cands = [(act + sf, w) for act, w in fwd_cands]
     bwd_cands = [(act + sb, w) for act, w in bwd_cands]
     if a.post_fwd is not None:
         hf, hb = head_shift
         fwd_cands.append((saved_mb + a.x_in + a.post_fwd + hf, buf.head_fwd))
-        bwd_cands.append((saved_mb + a.post_bwd + hb, buf.head_bwd))
+        bwd_cands.append((saved_mb + head_bwd + hb, buf.head_bwd))
         if on(gp.post_flattened):
             bwd_cands.append((saved_mb + a.x_in + gp.post_flattened + hb, buf.head_bwd))
     if a.pre_peaks is not None:

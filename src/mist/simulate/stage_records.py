@@ -95,12 +95,15 @@ class ZeroBubbleHeld:
     w_transient: float | np.ndarray = 0.0
     # the current micro-batch's B going down the stage: what each block above the one in its B
     # keeps beyond its saved activations (below 0 where it lets go of those W does not read; None:
-    # nothing beyond a plain backward's), what the
-    # block in its B holds over its plain backward's peak, and what the head keeps from its B
-    # (last stage)
+    # nothing beyond a plain backward's), what the block in its B holds over its plain backward's
+    # peak (None: priced as the plain backward, which it then replaces in no candidate), what the
+    # head keeps from its B, and the head's B peak (last stage; None: its plain backward's)
     b_above: float | np.ndarray | None = None
-    b_over: float | np.ndarray = 0.0
+    b_over: float | np.ndarray | None = None
     b_head: float | np.ndarray = 0.0
+    b_head_peak: np.ndarray | None = None
+    # each micro-batch past its B keeps the stage's input it received (`StageWeightGrad`)
+    keeps_input: bool = False
 
 
 @dataclass(frozen=True)

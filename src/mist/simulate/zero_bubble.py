@@ -144,9 +144,19 @@ def zb_held(stage: int, stages: int, G: int, saved, wg: StageWeightGrad) -> tupl
     # plain backward's
     first = stage == 0
     above = None if first else wg.block_held
-    over = 0.0 if first or wg.block_b_over is None else wg.block_b_over
+    over = None if first else wg.block_b_over
+    head_b = None if first else wg.head_b_peak
     return earlier, ZeroBubbleHeld(
-        waiting, wg.grad_bytes, w_held, w_waiting, wg.transient_bytes, above, over, wg.head_held
+        waiting,
+        wg.grad_bytes,
+        w_held,
+        w_waiting,
+        wg.transient_bytes,
+        above,
+        over,
+        wg.head_held,
+        head_b,
+        wg.keeps_input and not first,
     )
 
 
@@ -164,12 +174,17 @@ class StageWeightGrad:
     transient_bytes: np.ndarray  # the most it adds at once over what it starts with (`stage_weight_grad`)
     # through the blocks' B (the graph kept: a stage after the first): what one block keeps once
     # its own B is done, beyond its saved activations (below 0: it let go of those W does not
-    # read); what a compiled block's B holds at its peak over its plain backward's
-    # (`LayerTerms.b_pass_over`; None: eager); and what the head keeps from its B (the saved
-    # activations W reads and its output gradients)
+    # read); what a block's B holds at its peak over its plain backward's
+    # (`LayerTerms.b_pass_over`; None: priced as the plain backward); and what the head keeps
+    # from its B (the saved activations W reads and its output gradients)
     block_held: np.ndarray | None = None
     block_b_over: np.ndarray | None = None
     head_held: np.ndarray | float = 0.0
+    # the head's B peak where B runs without its weight gradient and lets go (None: its plain
+    # backward's); whether a micro-batch past its B keeps its received input: the autograd graph
+    # kept to W holds it (the leaf of the stage's input gradient), though B let go of it as saved
+    head_b_peak: np.ndarray | None = None
+    keeps_input: bool = False
 
     @property
     def waiting_bytes(self) -> np.ndarray:
@@ -195,6 +210,7 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool, lets
     plain = np.asarray(layers, dtype=np.float64) - np.asarray(recompute, dtype=np.float64)
     w = plain * blk.wgrad[ix]
     head = head_held = np.zeros_like(w)
+    head_b = None
     if first:
         # the first stage runs its backward whole (`runtime.zero_bubble`): its largest weight
         # gradient with nothing released, and nothing of it kept beyond a plain backward's
@@ -225,8 +241,12 @@ def stage_weight_grad(model, b, layers, recompute, first: bool, last: bool, lets
         w, held = w + lt.wgrad[jx], held + lt.wgrad_held[jx] - gone
         out = np.maximum(out, lt.wgrad_peak[jx] - plain * freed)
         head, head_held = lt.saved[jx], lt.saved[jx] - gone + lt.wgrad_held[jx]
-    over = None if blk.b_pass_over is None else blk.b_pass_over[ix]
-    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held)
+        if lets_go and lt.b_pass_over is not None:  # its B, without its weight gradient
+            head_b = lt.bwd_peak[jx] + lt.b_pass_over[jx]
+    # B's peaks are traced as Mist's runtime runs B (an eager layer's letting go, a split block's
+    # graph); an engine that keeps every saved tensor is priced with the plain backward's
+    over = None if blk.b_pass_over is None or not (lets_go or blk.split) else blk.b_pass_over[ix]
+    return StageWeightGrad(w, held, head, out, blk.wgrad_held[ix] - unread, over, head_held, head_b, lets_go)
 
 
 def split_backward(T, fwd, w):

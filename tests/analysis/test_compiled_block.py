@@ -190,7 +190,7 @@ def test_a_split_backward_prices_its_weight_gradient_graph_apart(compiled):
     assert 0 < unread < saved and whole.saved_unread_by_w is None
     assert float(split.b_pass_peak(b, s)) >= max(saved, saved - unread + held)
     assert whole.b_pass_peak(b, s) is None
-    # an eager block's B (`liveness.b_pass_bytes`) ends holding what its W reads: the saved tensors
+    # an eager block's B (`weight_pass.b_pass_bytes`) ends holding what its W reads: the saved tensors
     # it does not let go of and the output gradients
     e_held = float(held_gradient_bytes(eager).subs({B: b, S: s}))
     e_kept = float(eager.saved(b, s)) - float(eager.saved_unread_by_w.subs({B: b, S: s}))

@@ -394,7 +394,7 @@ def test_a_zero_bubble_stage_s_b_is_priced_without_the_weight_gradients(tmp_path
     made in W) is live: the last stage was +2.2 % (Llama, G 2 to 8; GPT +1.8 %), while at b 2 the
     head's B peaks at its loss's backward, where the plain price then matched by a coincidence
     (its weight gradient against what it left out). B is now traced as it runs
-    (`analysis.liveness.b_pass_bytes`: without W's operators, holding what W reads), and what it
+    (`analysis.weight_pass.b_pass_bytes`: without W's operators, holding what W reads), and what it
     left out is priced: a micro-batch waiting for its W keeps the input it received, which the
     graph kept to W holds (`StageWeightGrad.keeps_input`). Measured −0.12 % (Llama, b 1, at a
     W), −0.11 % (b 2, at the head's B); GPT −0.07 % (b 1, G 8)."""

@@ -17,10 +17,10 @@ import torch
 
 from mist.analysis import disk_cache, lambdified
 from mist.analysis.compiled import TrainingGraphs, capture, capture_training, trace_compiled
-from mist.analysis.liveness import b_pass_bytes, live_bytes, split_pass_bytes
+from mist.analysis.liveness import live_bytes, split_pass_bytes
 from mist.analysis.records import ATTENTION, UNCOSTED, OpRecord, OpValues
 from mist.analysis.tracer import FLASH_CPU, FLASH_CPU_BWD, HINT_B, HINT_S, label_recompute, run_trace
-from mist.analysis.weight_pass import saved_unread_by_w, weight_grad_records, weight_pass_bytes
+from mist.analysis.weight_pass import b_pass_bytes, saved_unread_by_w, weight_pass_bytes
 from mist.models.block import DecoderBlock
 from mist.models.checkpointing import run_block_as, select_parts, selective_modes
 from mist.models.collectives import CPGroup, TPGroup
@@ -75,7 +75,7 @@ class LayerAnalysis:
     weight_grad_held: sympy.Expr | None = None
     # B as the ZB-H1 runtime runs it on a stage after the first, the graph kept to W: the live
     # bytes at its operators. An eager layer's without its W operators, holding what W reads
-    # (`liveness.b_pass_bytes`); a split compiled block's B graph, its saved tensors handed to it
+    # (`weight_pass.b_pass_bytes`); a split compiled block's B graph, its saved tensors handed to it
     # once (`liveness.split_pass_bytes`). None: a compiled block not split into B and W
     b_pass_live: list | None = None
     # the saved bytes that W does not read, gone by W under ZB-H1 (`runtime.activations`: an eager
@@ -454,7 +454,7 @@ def _trace_and_analyze(
     if not compiled:
         w_peak, w_freed = weight_pass_bytes(trace, records)
         unread = saved_unread_by_w(trace, records)
-        b_live = b_pass_bytes(trace, {r.index for r in weight_grad_records(records)}, cpu=target == "cpu")
+        b_live = b_pass_bytes(trace, records, cpu=target == "cpu")
     elif trace.weight_grad_held is not None:
         # a compiled block's W graph frees each value B handed it after its last use, and by its
         # end all of them: those B computed (`w_freed`) and the saved tensors W reads (B let go

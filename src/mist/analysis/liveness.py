@@ -71,19 +71,13 @@ def split_pass_bytes(trace: Trace, cpu: bool = False) -> tuple[list, list]:
     return _dedupe(b_totals), _dedupe(w_rise)
 
 
-def b_pass_bytes(trace: Trace, w_records: set, cpu: bool = False) -> list:
-    """An eager layer's backward as B runs it on a ZB-H1 stage after the first
-    (`runtime.zero_bubble`): without its weight-gradient operators (`w_records`, their indices)
-    and the views of what they make. The storages those operators read (the linears' saved
-    inputs, the output gradients B records for them) stay to B's end, held for W; every other
-    storage goes by the module docstring's rule, as B lets go of the saved tensors W does not read
-    (`runtime.activations`). The live totals at B's operators."""
+def pass_bytes(trace: Trace, left_out: set, held: set, cpu: bool = False) -> list:
+    """The backward without the operators `left_out` (their indices), the storages `held` kept
+    to its end and every other one going by the module docstring's rule: the live totals at its
+    operators (an eager layer's B on a ZB-H1 stage after the first: `weight_pass.b_pass_bytes`)."""
     walk = _Walk(trace, False, cpu)
-    made_by_w = {sid for sid, i in trace.producer.items() if i in w_records}
-    read_by_w = {sid for i, ins, _ in trace.uses if i in w_records for sid in ins}
-    ops = [(i, ins, outs) for i, ins, outs in walk.bwd if i not in w_records and not (outs and set(outs) <= made_by_w)]
-    totals = walk.run(ops, walk.saved_live(), walk.bwd_keep | read_by_w)
-    return _dedupe([t for t, _ in totals])
+    ops = [op for op in walk.bwd if op[0] not in left_out]
+    return _dedupe([t for t, _ in walk.run(ops, walk.saved_live(), walk.bwd_keep | held)])
 
 
 class _Walk:

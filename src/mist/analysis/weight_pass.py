@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sympy
 
+from mist.analysis.liveness import pass_bytes
 from mist.analysis.records import GEMM, MEMORY, VIEW, B, OpRecord, S
 
 
@@ -85,12 +86,29 @@ def weight_pass_bytes(trace, records) -> tuple[list[sympy.Expr], sympy.Expr]:
     return candidates or [sympy.Integer(0)], sympy.expand(before)
 
 
+def _read_by_w(trace, wgrad: set) -> set:
+    """The storages W's operators (`wgrad`, their indices) read."""
+    return {sid for i, ins, _ in trace.uses if i in wgrad for sid in ins}
+
+
 def saved_unread_by_w(trace, records) -> sympy.Expr:
     """The saved bytes that no W operator reads (storages; parameters and caches left out): what
     a micro-batch no longer holds once its B is done, where the runtime lets each node that W does
     not run again release its saved tensors in B (`runtime.activations`). A sympy expression in b
     and s."""
-    wgrad = {r.index for r in weight_grad_records(records)}
-    read = {sid for i, ins, _ in trace.uses if i in wgrad for sid in ins}
+    read = _read_by_w(trace, {r.index for r in weight_grad_records(records)})
     skip = trace.param_sids | trace.cache_sids | read
     return sympy.expand(sum((v for sid, v in trace.saved.items() if sid not in skip), sympy.Integer(0)))
+
+
+def b_pass_bytes(trace, records, cpu: bool = False) -> list:
+    """An eager layer's backward as B runs it on a ZB-H1 stage after the first
+    (`runtime.zero_bubble`): without W's operators and the views of what they make. The storages
+    W reads (the linears' saved inputs, the output gradients B records for them) stay to B's end,
+    held for W; every other one goes as in a plain backward, B letting go of the saved tensors W
+    does not read (`runtime.activations`). The live totals at B's operators
+    (`liveness.pass_bytes`)."""
+    wgrad = {r.index for r in weight_grad_records(records)}
+    made_by_w = {sid for sid, i in trace.producer.items() if i in wgrad}
+    views = {i for i, _, outs in trace.uses if outs and set(outs) <= made_by_w}
+    return pass_bytes(trace, wgrad | views, _read_by_w(trace, wgrad), cpu)
